@@ -1,0 +1,1 @@
+"""radixmesh: an LLM serving runtime with a radix prefix cache."""

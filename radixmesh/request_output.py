@@ -1,0 +1,112 @@
+"""One request's output as the caller sees it: text deltas while it runs, a dict at the end."""
+
+from __future__ import annotations
+
+import math
+import queue
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+from radixmesh.services.detokenizer.incremental import IncrementalDetokenizer
+from radixmesh.services.detokenizer.stop_strings import StopStringMatcher
+from radixmesh.services.scheduler.request import Req
+from radixmesh.services.tokenizer.tokenizer import Tokenizer
+
+# Prompt tokens given to the detokenizer as left context for the first output token.
+_PROMPT_CONTEXT = 4
+
+
+class RequestStream:
+    """Fed by the scheduler thread; read by the caller, streaming or all at once."""
+
+    def __init__(self, req: Req, tokenizer: Tokenizer) -> None:
+        self.req = req
+        skip = req.params.skip_special_tokens
+        self._detok = IncrementalDetokenizer(
+            tokenizer.decode, req.input_ids[-_PROMPT_CONTEXT:], skip_special_tokens=skip
+        )
+        self._stops = StopStringMatcher(req.params.stop, req.params.no_stop_trim)
+        self._seen = 0
+        self.text = ""
+        self._chunks: queue.Queue[dict[str, Any] | BaseException] = queue.Queue()
+        self._done = threading.Event()
+        self._result: dict[str, Any] | BaseException | None = None
+
+    def update(self) -> str | None:
+        """Take the request's new tokens; returns a stop string if one just matched."""
+        req = self.req
+        new_ids = req.output_ids[self._seen :]
+        self._seen = len(req.output_ids)
+        delta, matched = "", None
+        if self._stops.matched is None:
+            released = self._stops.feed(self._detok.step(new_ids))
+            delta, matched = released.text, released.matched
+            if req.finish is not None and matched is None:
+                tail = self._stops.feed(self._detok.finish())
+                delta += tail.text + ("" if tail.matched else self._stops.flush())
+                matched = tail.matched
+        self.text += delta
+        if req.finish is not None or delta or new_ids:
+            self._chunks.put(self._chunk(delta, new_ids))
+        if req.finish is not None:
+            self._result = self._final()
+            self._done.set()
+        return matched
+
+    def fail(self, error: BaseException) -> None:
+        """The request was refused before it ran."""
+        self._result = error
+        self._chunks.put(error)
+        self._done.set()
+
+    def result(self) -> dict[str, Any]:
+        """Block until the request finishes; its text, output ids and meta_info."""
+        self._done.wait()
+        if isinstance(self._result, BaseException):
+            raise self._result
+        assert self._result is not None
+        return self._result
+
+    def chunks(self) -> Iterator[dict[str, Any]]:
+        """Stream of {text (new text), output_ids (new ids), meta_info}; the last one finishes."""
+        while True:
+            item = self._chunks.get()
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+            if item["meta_info"]["finish_reason"] is not None:
+                return
+
+    def _chunk(self, delta: str, new_ids: list[int]) -> dict[str, Any]:
+        return {"text": delta, "output_ids": new_ids, "meta_info": self._meta()}
+
+    def _final(self) -> dict[str, Any]:
+        return {"text": self.text, "output_ids": list(self.req.output_ids), "meta_info": self._meta()}
+
+    def _meta(self) -> dict[str, Any]:
+        req = self.req
+        meta: dict[str, Any] = {
+            "id": req.rid,
+            "prompt_tokens": len(req.input_ids),
+            "completion_tokens": len(req.output_ids),
+            "cached_tokens": req.cached_tokens,
+            "finish_reason": req.finish.to_dict() if req.finish else None,
+        }
+        if req.logprobs.return_logprob:
+            start = max(req.logprobs.logprob_start_len, 0)
+            meta["input_token_logprobs"] = [
+                (None if math.isnan(lp) else lp, tid, None)
+                for lp, tid in zip(req.input_logprobs, req.input_ids[start:], strict=False)
+            ]
+            meta["output_token_logprobs"] = [
+                (lp, tid, None) for lp, tid in zip(req.output_logprobs, req.output_ids, strict=False)
+            ]
+            if req.logprobs.top_logprobs_num:
+                meta["input_top_logprobs"] = [
+                    [(lp, tid, None) for tid, lp in top] or None for top in req.input_top_logprobs
+                ]
+                meta["output_top_logprobs"] = [
+                    [(lp, tid, None) for tid, lp in top] for top in req.output_top_logprobs
+                ]
+        return meta

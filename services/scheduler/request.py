@@ -1,0 +1,96 @@
+"""The scheduler's view of one request: token ids, KV slots and progress, never text."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from enum import Enum
+
+from radixmesh.services.scheduler.radix_cache import TreeNode
+from radixmesh.services.worker.sampling_params import SamplingParams
+
+_arrivals = itertools.count()
+
+
+class FinishKind(str, Enum):
+    """Why a request stopped, named as the APIs report it."""
+
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+@dataclass(frozen=True)
+class FinishReason:
+    """The kind of finish and what matched (a stop token id or stop string), if anything."""
+
+    kind: FinishKind
+    matched: int | str | None = None
+    message: str | None = None
+
+    def to_dict(self) -> dict[str, object]:
+        """The finish_reason object of SGLang's meta_info."""
+        out: dict[str, object] = {"type": self.kind.value}
+        if self.kind is FinishKind.LENGTH:
+            out["length"] = self.matched
+        else:
+            out["matched"] = self.matched
+        if self.message:
+            out["message"] = self.message
+        return out
+
+
+@dataclass(frozen=True)
+class LogprobRequest:
+    """Which logprobs a request wants back."""
+
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    logprob_start_len: int = -1  # first prompt position whose token logprob is wanted; -1: none
+
+
+@dataclass(eq=False)
+class Req:
+    """A tokenized request as the scheduler tracks it."""
+
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams
+    seed: int
+    namespace: str | None = None
+    priority: int = 0
+    logprobs: LogprobRequest = field(default_factory=LogprobRequest)
+    arrival: int = field(default_factory=lambda: next(_arrivals))
+    output_ids: list[int] = field(default_factory=list)
+    # KV slots of tokens [0, len(slots)): the first cached_len belong to the radix tree
+    # (held by locking last_node), the rest to this request, whose last page may be partial.
+    slots: list[int] = field(default_factory=list)
+    cached_len: int = 0
+    last_node: TreeNode | None = None
+    # Slots this request computed for tokens another request cached first; freed with it.
+    orphans: list[int] = field(default_factory=list)
+    cached_tokens: int = 0  # prefix hit when first admitted, reported to the client
+    admitted: bool = False
+    on_worker: bool = False  # the worker holds state for it
+    pending: int = 0  # sampling steps scheduled whose result has not come back
+    decoding: bool = False  # its whole input has been scheduled; each step now adds one token
+    finish: FinishReason | None = None
+    output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    input_logprobs: list[float] = field(default_factory=list)
+    input_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+
+    @property
+    def tokens(self) -> list[int]:
+        """Prompt followed by the output so far."""
+        return self.input_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        """Length of prompt + output so far."""
+        return len(self.input_ids) + len(self.output_ids)
+
+
+    def remaining_new_tokens(self) -> int:
+        """Tokens it may still generate, counting steps already in flight."""
+        return self.params.max_new_tokens - len(self.output_ids) - self.pending

@@ -1,0 +1,353 @@
+"""Continuous batching over a radix prefix cache: builds each step's ForwardBatch and
+folds the worker's ForwardResult back into the requests."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from radixmesh.proto import forward_pb2 as pb
+from radixmesh.proto.convert import sampling_to_proto
+from radixmesh.services.scheduler.kv_allocator import KVAllocator
+from radixmesh.services.scheduler.radix_cache import RadixCache
+from radixmesh.services.scheduler.request import FinishKind, FinishReason, Req
+from radixmesh.services.scheduler.schedule_policy import SchedulePolicy, match_key
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Capacity and policy knobs of one engine replica's scheduler."""
+
+    num_slots: int
+    page_size: int = 1
+    max_running_requests: int = 64
+    chunked_prefill_size: int = 1024
+    schedule_policy: str = "lpm"
+    eviction_policy: str = "lru"
+    context_length: int = 8192
+    eos_token_ids: tuple[int, ...] = ()
+    # Fraction of the running requests' remaining output budget kept free when admitting
+    # new prompts; retraction covers the rest when the guess is too low.
+    decode_reserve_ratio: float = 0.25
+
+
+@dataclass
+class ScheduledBatch:
+    """A batch on its way to the worker, with the requests behind its entries."""
+
+    proto: pb.ForwardBatch
+    reqs: list[Req] = field(default_factory=list)
+
+
+class Scheduler:
+    """Owns the radix cache, the slot allocator and every request's place in line."""
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        if config.num_slots % config.page_size:
+            raise ValueError("num_slots must be a multiple of page_size")
+        self.config = config
+        self.page = config.page_size
+        self.allocator = KVAllocator(config.num_slots, config.page_size)
+        self.cache = RadixCache(self.allocator, config.page_size, config.eviction_policy)
+        self.policy = SchedulePolicy(config.schedule_policy, self.cache)
+        self.waiting: list[Req] = []
+        self.running: list[Req] = []  # decoding, oldest first
+        self.chunked: Req | None = None  # prompt partly prefilled, continued first next step
+        self.requests: dict[str, Req] = {}
+        self._release: list[str] = []
+        self._updated: dict[str, Req] = {}
+        self._step = 0
+        self.num_retractions = 0
+
+    # ---- requests in and out -------------------------------------------------------
+
+    def add_request(self, req: Req) -> None:
+        """Queue a tokenized request; raises ValueError when it can never run."""
+        if not req.input_ids:
+            raise ValueError("input_ids must not be empty")
+        if req.rid in self.requests:
+            raise ValueError(f"duplicate request id {req.rid!r}")
+        if len(req.input_ids) >= self.config.context_length:
+            raise ValueError(
+                f"prompt has {len(req.input_ids)} tokens; the context length is "
+                f"{self.config.context_length}"
+            )
+        if len(req.input_ids) + 1 > self.config.num_slots - self.page:
+            raise ValueError(f"prompt of {len(req.input_ids)} tokens exceeds the KV pool")
+        self.requests[req.rid] = req
+        self.waiting.append(req)
+
+    def abort(self, rid: str, reason: FinishReason | None = None) -> bool:
+        """Finish a request wherever it is; False if it is unknown or already finished."""
+        req = self.requests.get(rid)
+        if req is None or req.finish is not None:
+            return False
+        self._finish(req, reason or FinishReason(FinishKind.ABORT, message="aborted"))
+        return True
+
+    def drain_updates(self) -> list[Req]:
+        """Requests that gained tokens or finished since the last call."""
+        updated = list(self._updated.values())
+        self._updated.clear()
+        return updated
+
+    def has_work(self) -> bool:
+        """Whether a step would do anything."""
+        return bool(self.waiting or self.running or self.chunked or self._release)
+
+    def flush_cache(self) -> bool:
+        """Drop every cached prefix; only possible while no request holds any."""
+        if self.running or self.chunked or any(r.slots for r in self.waiting):
+            return False
+        self.cache.reset()
+        return True
+
+    # ---- building a step -----------------------------------------------------------
+
+    def schedule(self) -> ScheduledBatch | None:
+        """The next step's batch: every decoding request, then prefill under the budget."""
+        self._step += 1
+        batch = ScheduledBatch(pb.ForwardBatch(step=self._step))
+        self._schedule_decodes(batch)
+        self._schedule_prefills(batch)
+        batch.proto.release.extend(self._release)
+        self._release.clear()
+        if not batch.reqs and not batch.proto.release:
+            return None
+        return batch
+
+    def _schedule_decodes(self, batch: ScheduledBatch) -> None:
+        i = 0
+        while i < len(self.running):
+            req = self.running[i]
+            if req.remaining_new_tokens() <= 0 or len(req.slots) >= self.config.context_length:
+                i += 1  # its last token is in flight; the result will finish it
+                continue
+            slots = self._grow(req, 1)
+            if slots is None:
+                victim = self.running[-1]
+                self._retract(victim)
+                if victim is req:
+                    break
+                continue
+            batch.proto.entries.add(rid=req.rid, slots=slots, sample=True)
+            batch.reqs.append(req)
+            req.pending += 1
+            i += 1
+
+    def _schedule_prefills(self, batch: ScheduledBatch) -> None:
+        budget = self.config.chunked_prefill_size
+        if self.chunked is not None:
+            used = self._extend(batch, self.chunked, budget)
+            if not used or self.chunked is not None:
+                return
+            budget -= used
+        for req in self.policy.order(self.waiting):
+            if budget <= 0 or len(self.running) >= self.config.max_running_requests:
+                break
+            if req.pending:
+                continue  # retracted with a token still in flight; readmit once it lands
+            used = self._admit(batch, req, budget)
+            if not used:
+                break
+            budget -= used
+            if self.chunked is not None:
+                break
+
+    def _admit(self, batch: ScheduledBatch, req: Req, budget: int) -> int:
+        """Take a waiting request into the batch; returns prompt tokens scheduled (0: no room)."""
+        match = self.cache.match_prefix(match_key(req), req.namespace)
+        chunk = min(req.num_tokens - len(match.slots), budget)
+        reserve = self.config.decode_reserve_ratio * sum(
+            r.remaining_new_tokens() for r in [*self.running, req]
+        )
+        self.cache.lock(match.node)
+        room = self.allocator.available() + self.cache.evictable_size()
+        if self.running and room < chunk + self.page + reserve:
+            self.cache.unlock(match.node)
+            return 0
+        req.slots, req.cached_len, req.last_node = list(match.slots), len(match.slots), match.node
+        new_request = self._new_request(req, len(match.slots))
+        used = self._extend(batch, req, budget)
+        if not used:
+            self.cache.unlock(match.node)
+            req.slots, req.cached_len, req.last_node = [], 0, None
+            return 0
+        self.waiting.remove(req)
+        if not req.admitted:
+            req.admitted = True
+            req.cached_tokens = len(match.slots)
+        batch.proto.new_requests.append(new_request)
+        req.on_worker = True
+        return used
+
+    def _extend(self, batch: ScheduledBatch, req: Req, budget: int) -> int:
+        """Schedule a request's next prompt chunk; returns its length (0: no room, nothing done)."""
+        start = len(req.slots)
+        chunk = min(req.num_tokens - start, budget)
+        slots = self._grow(req, chunk)
+        if slots is None:
+            return 0
+        done = start + chunk == req.num_tokens
+        batch.proto.entries.add(
+            rid=req.rid, input_ids=req.tokens[start : start + chunk], slots=slots, sample=done
+        )
+        batch.reqs.append(req)
+        self._cache_progress(req)
+        if done:
+            self.chunked = None
+            req.decoding = True
+            req.pending += 1
+            self.running.append(req)
+        else:
+            self.chunked = req
+        return chunk
+
+    def _new_request(self, req: Req, prefix: int) -> pb.NewRequest:
+        return pb.NewRequest(
+            rid=req.rid,
+            prefix_ids=req.tokens[:prefix],
+            prefix_slots=req.slots[:prefix],
+            prompt_len=len(req.input_ids),
+            sampling=sampling_to_proto(req.params, req.seed),
+            return_logprob=req.logprobs.return_logprob,
+            top_logprobs_num=req.logprobs.top_logprobs_num,
+            logprob_start_len=req.logprobs.logprob_start_len,
+        )
+
+    # ---- KV slots --------------------------------------------------------------------
+
+    def _grow(self, req: Req, n: int) -> list[int] | None:
+        """Give a request n more slots, filling its partial last page first; None if full."""
+        have = len(req.slots)
+        room = (-have) % self.page if have > req.cached_len else 0
+        take = min(n, room)
+        new = [req.slots[-1] + 1 + i for i in range(take)]
+        rest = n - take
+        if rest:
+            pages = -(-rest // self.page) * self.page
+            fresh = self.allocator.alloc(pages)
+            if fresh is None:
+                self.cache.evict(pages - self.allocator.available())
+                fresh = self.allocator.alloc(pages)
+            if fresh is None:
+                return None
+            new.extend(fresh[:rest])
+        req.slots.extend(new)
+        return new
+
+    def _cache_progress(self, req: Req) -> None:
+        """Publish a request's page-aligned progress in the tree so others can share it.
+
+        The worker runs batches in order and writes every new K/V of a step before any
+        attention reads the pool, so slots scheduled now are safe to match from now on."""
+        aligned = len(req.slots) - len(req.slots) % self.page
+        if aligned <= req.cached_len:
+            return
+        cached = self.cache.insert(req.tokens[:aligned], req.slots[:aligned], req.namespace, req.priority)
+        # Another request cached part of this continuation first: the tree keeps its copy
+        # and ours stays private to this request until it finishes.
+        req.orphans.extend(req.slots[req.cached_len : cached])
+        match = self.cache.match_prefix(req.tokens[:aligned], req.namespace)
+        self.cache.lock(match.node)
+        if req.last_node is not None:
+            self.cache.unlock(req.last_node)
+        req.last_node, req.cached_len = match.node, aligned
+
+    def _release_kv(self, req: Req) -> None:
+        """Hand a request's computed tokens to the tree and free the slots the tree declines."""
+        n = len(req.slots)
+        aligned = n - n % self.page
+        cached = self.cache.insert(req.tokens[:aligned], req.slots[:aligned], req.namespace, req.priority)
+        self.allocator.free(req.slots[req.cached_len : cached] + req.slots[aligned:] + req.orphans)
+        if req.last_node is not None:
+            self.cache.unlock(req.last_node)
+        req.slots, req.cached_len, req.last_node, req.orphans = [], 0, None, []
+
+    def _retract(self, req: Req) -> None:
+        """Send a running request back to the queue; its progress stays as a cached prefix."""
+        self.num_retractions += 1
+        self.running.remove(req)
+        self._release_kv(req)
+        self._forget_on_worker(req)
+        req.decoding = False
+        self.waiting.append(req)
+
+    def _forget_on_worker(self, req: Req) -> None:
+        if req.on_worker:
+            self._release.append(req.rid)
+            req.on_worker = False
+
+    def _finish(self, req: Req, reason: FinishReason) -> None:
+        req.finish = reason
+        if req in self.running:
+            self.running.remove(req)
+        if self.chunked is req:
+            self.chunked = None
+        if req in self.waiting:
+            self.waiting.remove(req)
+        if req.slots or req.last_node is not None:
+            self._release_kv(req)
+        self._forget_on_worker(req)
+        self._updated[req.rid] = req
+        if not req.pending:
+            self.requests.pop(req.rid, None)
+
+    # ---- results ---------------------------------------------------------------------
+
+    def process_result(self, batch: ScheduledBatch, result: pb.ForwardResult) -> None:
+        """Append sampled tokens and logprobs; finish requests that hit a stop or a limit."""
+        for req, out in zip(batch.reqs, result.results, strict=True):
+            if out.input_logprobs:
+                req.input_logprobs.extend(out.input_logprobs)
+                req.input_top_logprobs.extend(
+                    [(t.token_id, t.logprob) for t in top.items] for top in out.input_top_logprobs
+                )
+            if out.token_id < 0:
+                continue
+            req.pending -= 1
+            if req.finish is not None:
+                if not req.pending:
+                    self.requests.pop(req.rid, None)
+                continue  # a step run ahead past the finish; its token is dropped
+            req.output_ids.append(out.token_id)
+            if req.logprobs.return_logprob:
+                req.output_logprobs.append(out.logprob)
+                req.output_top_logprobs.append(
+                    [(t.token_id, t.logprob) for t in out.top_logprobs.items]
+                )
+            self._updated[req.rid] = req
+            reason = self._check_finish(req, out.token_id)
+            if reason is not None:
+                self._finish(req, reason)
+
+    def _check_finish(self, req: Req, token: int) -> FinishReason | None:
+        p = req.params
+        stops = token in p.stop_token_ids or (
+            not p.ignore_eos and token in self.config.eos_token_ids
+        )
+        if stops and len(req.output_ids) > p.min_new_tokens:
+            return FinishReason(FinishKind.STOP, token)
+        if len(req.output_ids) >= p.max_new_tokens:
+            return FinishReason(FinishKind.LENGTH, p.max_new_tokens)
+        if req.num_tokens >= self.config.context_length:
+            return FinishReason(FinishKind.LENGTH, len(req.output_ids))
+        return None
+
+    # ---- invariants --------------------------------------------------------------------
+
+    def held_slots(self) -> int:
+        """Slots owned by requests (not the tree, not free)."""
+        held = 0
+        for req in self.requests.values():
+            own = req.slots[req.cached_len :]
+            held += len({s // self.page for s in own}) * self.page + len(req.orphans)
+        return held
+
+    def check_invariants(self) -> None:
+        """free + cached + held == pool; evictable + protected == cached; tree consistent."""
+        self.cache.check_invariants()
+        total = self.allocator.available() + self.cache.total_size() + self.held_slots()
+        assert total == self.config.num_slots, (
+            f"slot leak: free {self.allocator.available()} + cached {self.cache.total_size()}"
+            f" + held {self.held_slots()} != pool {self.config.num_slots}"
+        )

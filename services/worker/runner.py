@@ -1,0 +1,190 @@
+"""The model runner: executes one ForwardBatch against the model and the KV pool."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from radixmesh.proto import forward_pb2 as pb
+from radixmesh.proto.convert import sampling_from_proto
+from radixmesh.services.worker.attention import AttentionBackend, AttentionMetadata, SeqSpan
+from radixmesh.services.worker.kv_pool import KVPool
+from radixmesh.services.worker.model import CausalLM
+from radixmesh.services.worker.model_config import ModelConfig
+from radixmesh.services.worker.sampling import RequestSampler, sample
+from radixmesh.services.worker.torch_attention import TorchAttention
+
+# Rows of prompt logits turned into logprobs at a time: bounds the float32 [rows, vocab] buffer.
+_LOGPROB_BLOCK = 256
+
+
+@dataclass
+class _Request:
+    """What the worker remembers of a request between steps."""
+
+    spec: pb.NewRequest
+    ids: list[int]  # every token whose KV is in the pool, in order
+    slots: torch.Tensor  # grown by doubling; the first len(ids) entries are live
+    sampler: RequestSampler | None = None  # made at the first sample, once the prompt is known
+    last_token: int = -1
+    # log-softmax of the last computed position, kept for the first token of the next chunk
+    carry_logprobs: torch.Tensor | None = None
+
+    def append(self, ids: list[int], slots: list[int]) -> None:
+        need = len(self.ids) + len(ids)
+        if need > self.slots.numel():
+            grown = torch.empty(max(need, 2 * self.slots.numel()), dtype=torch.long)
+            grown[: len(self.ids)] = self.slots[: len(self.ids)]
+            self.slots = grown
+        self.slots[len(self.ids) : need] = torch.tensor(slots, dtype=torch.long)
+        self.ids.extend(ids)
+
+
+class ModelRunner:
+    """Owns the weights, the KV pool and each request's sampling state."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: dict[str, torch.Tensor],
+        dtype: torch.dtype,
+        num_slots: int,
+        attention: AttentionBackend | None = None,
+    ) -> None:
+        self.config = config
+        self.model = CausalLM(config, weights, dtype)
+        self.pool = KVPool(config.num_layers, num_slots, config.num_kv_heads, config.head_dim, dtype)
+        self.attention = attention or TorchAttention(config.head_dim**-0.5)
+        self.requests: dict[str, _Request] = {}
+
+    @torch.inference_mode()
+    def forward(self, batch: pb.ForwardBatch) -> pb.ForwardResult:
+        """Run one step: forget released requests, admit new ones, compute, sample."""
+        began = time.perf_counter()
+        for rid in batch.release:
+            self.requests.pop(rid, None)
+        for spec in batch.new_requests:
+            req = _Request(spec, [], torch.empty(0, dtype=torch.long))
+            req.append(list(spec.prefix_ids), list(spec.prefix_slots))
+            self.requests[spec.rid] = req
+        result = pb.ForwardResult(step=batch.step)
+        if batch.entries:
+            self._run(batch, result)
+        result.forward_ms = (time.perf_counter() - began) * 1e3
+        return result
+
+    def _run(self, batch: pb.ForwardBatch, result: pb.ForwardResult) -> None:
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        spans: list[SeqSpan] = []
+        reqs: list[_Request] = []
+        for entry in batch.entries:
+            req = self.requests[entry.rid]
+            new_ids = list(entry.input_ids) or [req.last_token]
+            start = len(req.ids)
+            req.append(new_ids, list(entry.slots))
+            spans.append(SeqSpan(len(ids), len(new_ids), req.slots[: len(req.ids)]))
+            ids.extend(new_ids)
+            positions.extend(range(start, start + len(new_ids)))
+            slots.extend(entry.slots)
+            reqs.append(req)
+        self.attention.prepare(AttentionMetadata(torch.tensor(slots), tuple(spans)))
+        hidden = self.model.forward(
+            torch.tensor(ids), torch.tensor(positions), self.attention, self.pool
+        )
+        outs = [result.results.add(rid=e.rid, token_id=-1) for e in batch.entries]
+        for req, span, out in zip(reqs, spans, outs, strict=True):
+            if req.spec.return_logprob and req.spec.logprob_start_len >= 0:
+                self._input_logprobs(req, span, hidden, out)
+        self._sample(batch, reqs, spans, hidden, outs)
+
+    def _sample(
+        self,
+        batch: pb.ForwardBatch,
+        reqs: list[_Request],
+        spans: list[SeqSpan],
+        hidden: torch.Tensor,
+        outs: list[pb.EntryResult],
+    ) -> None:
+        picked = [i for i, e in enumerate(batch.entries) if e.sample]
+        if not picked:
+            return
+        rows = torch.tensor([spans[i].q_start + spans[i].q_len - 1 for i in picked])
+        logits = self.model.logits(hidden[rows])
+        samplers = [self._sampler(reqs[i]) for i in picked]
+        top_n = [reqs[i].spec.top_logprobs_num if reqs[i].spec.return_logprob else 0 for i in picked]
+        sampled = sample(logits, samplers, top_n)
+        for j, i in enumerate(picked):
+            token = sampled.token_ids[j]
+            reqs[i].last_token = token
+            samplers[j].record(token)
+            out = outs[i]
+            out.token_id = token
+            if reqs[i].spec.return_logprob:
+                out.logprob = sampled.logprobs[j]
+                for tid, lp in sampled.top_logprobs[j]:
+                    out.top_logprobs.items.add(token_id=tid, logprob=lp)
+
+    def _sampler(self, req: _Request) -> RequestSampler:
+        if req.sampler is None:
+            spec = req.spec
+            req.sampler = RequestSampler(
+                sampling_from_proto(spec.sampling),
+                req.ids[: spec.prompt_len],
+                self.config.vocab_size,
+                seed=spec.sampling.seed,
+                eos_token_ids=self.config.eos_token_ids,
+            )
+            for token in req.ids[spec.prompt_len :]:
+                req.sampler.record(token)
+        return req.sampler
+
+    def _input_logprobs(
+        self, req: _Request, span: SeqSpan, hidden: torch.Tensor, out: pb.EntryResult
+    ) -> None:
+        """Logprobs of the prompt tokens this chunk holds, from logprob_start_len on."""
+        spec = req.spec
+        first = len(req.ids) - span.q_len  # prompt position of the chunk's first token
+        end = len(req.ids)
+        carry, req.carry_logprobs = req.carry_logprobs, None
+        last_row = hidden[span.q_start + span.q_len - 1 : span.q_start + span.q_len]
+        if spec.logprob_start_len <= end < spec.prompt_len:
+            req.carry_logprobs = torch.log_softmax(self.model.logits(last_row), dim=-1)[0]
+        lo, hi = max(spec.logprob_start_len, first), min(spec.prompt_len, end)
+        if lo >= hi:
+            return
+        out.input_logprobs_start = lo
+        top_n = spec.top_logprobs_num
+        if lo == first:
+            # Predicted by the previous chunk's last position; nothing predicts position 0.
+            if carry is None:
+                out.input_logprobs.append(float("nan"))
+                out.input_top_logprobs.add()
+            else:
+                _add_logprobs(out, carry.unsqueeze(0), [req.ids[lo]], top_n)
+            lo += 1
+        for b in range(lo, hi, _LOGPROB_BLOCK):
+            e = min(b + _LOGPROB_BLOCK, hi)
+            rows = torch.arange(b - 1, e - 1) - first + span.q_start
+            logprobs = torch.log_softmax(self.model.logits(hidden[rows]), dim=-1)
+            _add_logprobs(out, logprobs, req.ids[b:e], top_n)
+
+
+def _add_logprobs(
+    out: pb.EntryResult, logprobs: torch.Tensor, targets: list[int], top_n: int
+) -> None:
+    """Append each target's logprob (and the top-n alternatives) to the entry result."""
+    picked = logprobs.gather(1, torch.tensor(targets).unsqueeze(1)).squeeze(1)
+    out.input_logprobs.extend(picked.tolist())
+    if top_n:
+        values, indices = logprobs.topk(top_n, dim=-1)
+        for vals, ids in zip(values.tolist(), indices.tolist(), strict=True):
+            top = out.input_top_logprobs.add()
+            for tid, lp in zip(ids, vals, strict=True):
+                top.items.add(token_id=tid, logprob=lp)
+    else:
+        for _ in targets:
+            out.input_top_logprobs.add()

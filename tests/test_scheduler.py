@@ -1,0 +1,193 @@
+"""The scheduler against a model-free worker: batching, chunking, caching, retraction, aborts."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from fake_worker import FakeWorker, reference_output
+
+from radixmesh.services.scheduler.request import FinishKind, Req
+from radixmesh.services.scheduler.scheduler import Scheduler, SchedulerConfig
+from radixmesh.services.worker.sampling_params import SamplingParams
+
+
+def make_req(rid: str, prompt: list[int], max_new: int = 8, **kw: object) -> Req:
+    return Req(rid=rid, input_ids=prompt, params=SamplingParams(max_new_tokens=max_new), seed=0, **kw)
+
+
+def run(sched: Scheduler, worker: FakeWorker, overlap: bool, max_steps: int = 10_000,
+        on_step: object = None) -> int:
+    """Drive the scheduler like the engine does; check invariants after every step."""
+    in_flight = None
+    steps = 0
+    while sched.has_work() or in_flight is not None:
+        steps += 1
+        assert steps < max_steps, "scheduler made no progress"
+        batch = sched.schedule()
+        if overlap:
+            done = (batch, worker.forward(batch.proto)) if batch else None
+            if in_flight is not None:
+                sched.process_result(*in_flight)
+            in_flight = done
+        elif batch is not None:
+            sched.process_result(batch, worker.forward(batch.proto))
+        sched.check_invariants()
+        if on_step is not None:
+            on_step(steps)  # type: ignore[operator]
+    return steps
+
+
+def prompts(n: int, seed: int, shared: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    base = [rng.randrange(50) for _ in range(shared)]
+    return [base + [rng.randrange(50) for _ in range(rng.randint(1, 40))] for _ in range(n)]
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("chunk", [7, 1024])
+def test_outputs_match_running_alone(overlap: bool, page_size: int, chunk: int) -> None:
+    cfg = SchedulerConfig(num_slots=4096, page_size=page_size, chunked_prefill_size=chunk)
+    sched, worker = Scheduler(cfg), FakeWorker(4096)
+    ps = prompts(16, seed=1, shared=20)
+    reqs = [make_req(f"r{i}", p, max_new=5 + i) for i, p in enumerate(ps)]
+    for r in reqs:
+        sched.add_request(r)
+    run(sched, worker, overlap)
+    for r, p in zip(reqs, ps, strict=True):
+        assert r.output_ids == reference_output(p, r.params.max_new_tokens)
+        assert r.finish is not None and r.finish.kind is FinishKind.LENGTH
+    assert sched.held_slots() == 0
+    assert sched.allocator.available() + sched.cache.total_size() == cfg.num_slots
+
+
+def test_second_request_hits_the_first_ones_prefix() -> None:
+    sched, worker = Scheduler(SchedulerConfig(num_slots=1024)), FakeWorker(1024)
+    first = make_req("a", list(range(30)), max_new=4)
+    sched.add_request(first)
+    run(sched, worker, overlap=False)
+    second = make_req("b", list(range(30)) + [7, 7], max_new=4)
+    sched.add_request(second)
+    run(sched, worker, overlap=False)
+    # All of "a"'s prompt and the three output tokens that were fed back are cached.
+    assert second.cached_tokens == 30
+    turn2 = make_req("c", first.tokens + [1, 2, 3], max_new=2)
+    sched.add_request(turn2)
+    run(sched, worker, overlap=False)
+    assert turn2.cached_tokens == 30 + 3  # the last output token was never fed
+
+
+def test_same_prefix_in_one_batch_is_computed_once() -> None:
+    sched, worker = Scheduler(SchedulerConfig(num_slots=2048)), FakeWorker(2048)
+    shared = list(range(40))
+    reqs = [make_req(f"r{i}", shared + [i, i], max_new=2) for i in range(4)]
+    for r in reqs:
+        sched.add_request(r)
+    batch = sched.schedule()
+    assert batch is not None
+    fed = [len(e.input_ids) for e in batch.proto.entries]
+    assert fed == [42, 2, 2, 2]
+    sched.process_result(batch, worker.forward(batch.proto))
+    run(sched, worker, overlap=False)
+    assert [r.output_ids for r in reqs] == [reference_output(shared + [i, i], 2) for i in range(4)]
+
+
+def test_namespaces_do_not_share() -> None:
+    sched, worker = Scheduler(SchedulerConfig(num_slots=1024)), FakeWorker(1024)
+    a = make_req("a", list(range(30)), namespace="tenant-a")
+    sched.add_request(a)
+    run(sched, worker, overlap=False)
+    b = make_req("b", list(range(30)), namespace="tenant-b")
+    c = make_req("c", list(range(30)), namespace="tenant-a")
+    sched.add_request(b)
+    sched.add_request(c)
+    run(sched, worker, overlap=False)
+    assert b.cached_tokens == 0
+    assert c.cached_tokens == 29
+
+
+def test_chunked_prefill_respects_the_budget() -> None:
+    sched, worker = Scheduler(SchedulerConfig(num_slots=1024, chunked_prefill_size=16)), FakeWorker(1024)
+    sched.add_request(make_req("long", list(range(50)) * 2, max_new=3))
+    sched.add_request(make_req("short", [1, 2, 3], max_new=20))
+    sizes = []
+    while sched.has_work():
+        batch = sched.schedule()
+        assert batch is not None
+        sizes.append(sum(len(e.input_ids) for e in batch.proto.entries))
+        sched.process_result(batch, worker.forward(batch.proto))
+    assert max(sizes) <= 16
+    assert sizes[:7] == [16] * 6 + [4 + 3]
+
+
+def test_memory_pressure_retracts_and_finishes_everything() -> None:
+    cfg = SchedulerConfig(num_slots=160, chunked_prefill_size=64, decode_reserve_ratio=0.0)
+    sched, worker = Scheduler(cfg), FakeWorker(160)
+    ps = prompts(12, seed=3)
+    reqs = [make_req(f"r{i}", p, max_new=30) for i, p in enumerate(ps)]
+    for r in reqs:
+        sched.add_request(r)
+    run(sched, worker, overlap=True)
+    assert sched.num_retractions > 0
+    for r, p in zip(reqs, ps, strict=True):
+        assert r.output_ids == reference_output(p, 30)
+    assert sched.held_slots() == 0
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_random_aborts_leak_nothing(overlap: bool) -> None:
+    rng = random.Random(7)
+    cfg = SchedulerConfig(num_slots=512, page_size=2, chunked_prefill_size=24)
+    sched, worker = Scheduler(cfg), FakeWorker(512)
+    reqs = [make_req(f"r{i}", p, max_new=rng.randint(1, 30)) for i, p in enumerate(prompts(40, 5, 10))]
+    for r in reqs[:20]:
+        sched.add_request(r)
+    later = reqs[20:]
+
+    def chaos(step: int) -> None:
+        if later and step % 3 == 0:
+            sched.add_request(later.pop())
+        if rng.random() < 0.3:
+            sched.abort(rng.choice(reqs).rid)
+
+    run(sched, worker, overlap, on_step=chaos)
+    assert all(r.finish is not None for r in reqs)
+    assert any(r.finish.kind is FinishKind.ABORT for r in reqs if r.finish)
+    assert sched.held_slots() == 0
+    assert sched.cache.protected_size() == 0
+    assert sched.allocator.available() + sched.cache.total_size() == cfg.num_slots
+    assert not worker.reqs, "the worker still holds released requests"
+
+
+def test_stop_token_and_min_new_tokens() -> None:
+    prompt = [3, 1, 4]
+    ref = reference_output(prompt, 10)
+    stop = ref[2]
+    cfg = SchedulerConfig(num_slots=256, eos_token_ids=(stop,))
+    sched, worker = Scheduler(cfg), FakeWorker(256)
+    r = make_req("r", prompt, max_new=10)
+    sched.add_request(r)
+    run(sched, worker, overlap=False)
+    assert r.output_ids == ref[: ref.index(stop) + 1]
+    assert r.finish is not None and r.finish.kind is FinishKind.STOP and r.finish.matched == stop
+
+
+def test_rejects_prompts_that_can_never_run() -> None:
+    sched = Scheduler(SchedulerConfig(num_slots=64, context_length=32))
+    with pytest.raises(ValueError, match="context length"):
+        sched.add_request(make_req("a", list(range(40))))
+    with pytest.raises(ValueError, match="input_ids"):
+        sched.add_request(make_req("b", []))
+
+
+def test_policies_admit_all() -> None:
+    for policy in ("lpm", "dfs-weight", "fcfs"):
+        cfg = SchedulerConfig(num_slots=2048, schedule_policy=policy, max_running_requests=4)
+        sched, worker = Scheduler(cfg), FakeWorker(2048)
+        ps = prompts(12, seed=9, shared=15)
+        reqs = [make_req(f"r{i}", p, max_new=4) for i, p in enumerate(ps)]
+        for r in reqs:
+            sched.add_request(r)
+        run(sched, worker, overlap=True)
+        assert [r.output_ids for r in reqs] == [reference_output(p, 4) for p in ps]
