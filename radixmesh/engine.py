@@ -41,18 +41,20 @@ class Engine:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.args.dtype!r}")
         path = resolve_model_path(model_path)
         self.tokenizer = Tokenizer.from_path(str(path))
-        loaded = load_model(str(path), progress=self.args.show_progress)
-        self.model_config = loaded.config
+        # Every torch call runs on this one thread: a second thread running parallel torch
+        # ops starts a second OpenMP team, and the two slow each other down by ~1.5x.
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="radixmesh-worker")
+        self.runner = self._worker.submit(self._build_runner, str(path)).result()
+        loaded_config = self.runner.config
+        self.model_config = loaded_config
         self.context_length = min(
-            self.args.context_length or loaded.config.max_position_embeddings,
-            loaded.config.max_position_embeddings,
+            self.args.context_length or loaded_config.max_position_embeddings,
+            loaded_config.max_position_embeddings,
         )
-        num_slots = self.args.max_total_tokens - self.args.max_total_tokens % self.args.page_size
-        self.runner = ModelRunner(loaded.config, loaded.weights, _DTYPES[self.args.dtype], num_slots)
-        eos = tuple(dict.fromkeys(loaded.config.eos_token_ids + self.tokenizer.eos_token_ids))
+        eos = tuple(dict.fromkeys(loaded_config.eos_token_ids + self.tokenizer.eos_token_ids))
         self.scheduler = Scheduler(
             SchedulerConfig(
-                num_slots=num_slots,
+                num_slots=self.runner.pool.num_slots,
                 page_size=self.args.page_size,
                 max_running_requests=self.args.max_running_requests,
                 chunked_prefill_size=self.args.chunked_prefill_size,
@@ -66,10 +68,14 @@ class Engine:
         self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._streams: dict[str, RequestStream] = {}
         self._stop = threading.Event()
-        self._worker = ThreadPoolExecutor(1, thread_name_prefix="radixmesh-worker")
         self._thread = threading.Thread(target=self._loop, name="radixmesh-scheduler", daemon=True)
         self._thread.start()
         log.info("engine started: %s", asdict(self.args))
+
+    def _build_runner(self, path: str) -> ModelRunner:
+        loaded = load_model(path, progress=self.args.show_progress)
+        num_slots = self.args.max_total_tokens - self.args.max_total_tokens % self.args.page_size
+        return ModelRunner(loaded.config, loaded.weights, _DTYPES[self.args.dtype], num_slots)
 
     # ---- public API ----------------------------------------------------------------------
 
@@ -91,7 +97,11 @@ class Engine:
             isinstance(input_ids, list) and bool(input_ids) and isinstance(input_ids[0], list)
         )
         prompts = _as_list(prompt, input_ids, batched)
-        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+        params = (
+            sampling_params
+            if isinstance(sampling_params, list)
+            else [sampling_params] * len(prompts)
+        )
         rids = rid if isinstance(rid, list) else [rid] * len(prompts)
         if len(params) != len(prompts) or len(rids) != len(prompts):
             raise ValueError("sampling_params and rid lists must match the number of prompts")
@@ -191,12 +201,17 @@ class Engine:
             self._drain_inbox(block=in_flight is None and not self.scheduler.has_work())
             batch = self.scheduler.schedule()
             if self.args.enable_overlap:
-                submitted = (batch, self._worker.submit(self.runner.forward, batch.proto)) if batch else None
+                submitted = (
+                    (batch, self._worker.submit(self.runner.forward, batch.proto))
+                    if batch
+                    else None
+                )
                 if in_flight is not None:
                     self.scheduler.process_result(in_flight[0], in_flight[1].result())
                 in_flight = submitted
             elif batch is not None:
-                self.scheduler.process_result(batch, self.runner.forward(batch.proto))
+                result = self._worker.submit(self.runner.forward, batch.proto).result()
+                self.scheduler.process_result(batch, result)
             self._publish()
         if in_flight is not None:
             in_flight[1].result()

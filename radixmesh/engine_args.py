@@ -27,7 +27,12 @@ class EngineArgs:
     show_progress: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("page_size", "max_total_tokens", "max_running_requests", "chunked_prefill_size"):
+        for name in (
+            "page_size",
+            "max_total_tokens",
+            "max_running_requests",
+            "chunked_prefill_size",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")

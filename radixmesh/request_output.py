@@ -82,7 +82,11 @@ class RequestStream:
         return {"text": delta, "output_ids": new_ids, "meta_info": self._meta()}
 
     def _final(self) -> dict[str, Any]:
-        return {"text": self.text, "output_ids": list(self.req.output_ids), "meta_info": self._meta()}
+        return {
+            "text": self.text,
+            "output_ids": list(self.req.output_ids),
+            "meta_info": self._meta(),
+        }
 
     def _meta(self) -> dict[str, Any]:
         req = self.req
@@ -100,7 +104,8 @@ class RequestStream:
                 for lp, tid in zip(req.input_logprobs, req.input_ids[start:], strict=False)
             ]
             meta["output_token_logprobs"] = [
-                (lp, tid, None) for lp, tid in zip(req.output_logprobs, req.output_ids, strict=False)
+                (lp, tid, None)
+                for lp, tid in zip(req.output_logprobs, req.output_ids, strict=False)
             ]
             if req.logprobs.top_logprobs_num:
                 meta["input_top_logprobs"] = [

@@ -318,3 +318,28 @@ def test_hf_dir_generation_config_eos_merged(tmp_path):
     model.save_pretrained(str(tmp_path))
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7]}))
     assert load_model(str(tmp_path), progress=False).config.eos_token_ids == (1, 2, 7)
+
+
+def test_hf_dir_rope_scaling_from_rope_parameters(tmp_path):
+    scaling = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    }
+    cfg = transformers.LlamaConfig(
+        vocab_size=32,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        rope_theta=500000.0,
+        rope_scaling=dict(scaling),  # transformers edits the dict it is given
+    )
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(str(tmp_path))
+    c = load_model(str(tmp_path), progress=False).config
+    assert c.rope_theta == 500000.0
+    assert c.rope_scaling is not None
+    assert {k: c.rope_scaling[k] for k in scaling} == scaling

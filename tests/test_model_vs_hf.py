@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from radixmesh.proto import forward_pb2 as pb
 from radixmesh.proto.convert import sampling_to_proto
 from radixmesh.services.worker.model_config import ModelConfig
@@ -67,9 +66,12 @@ def test_smollm2_greedy_matches_hf(smollm2, hf_smollm2) -> None:
         ids = tok.encode(prompt)
         with torch.inference_mode():
             ref = hf_smollm2.generate(
-                torch.tensor([ids]), max_new_tokens=24, do_sample=False, eos_token_id=None,
+                torch.tensor([ids]),
+                max_new_tokens=24,
+                do_sample=False,
+                eos_token_id=None,
                 pad_token_id=0,
-            )[0, len(ids):].tolist()
+            )[0, len(ids) :].tolist()
             ref_logits = hf_smollm2(torch.tensor([ids])).logits[0]
         runner.requests.clear()
         ours = greedy(runner, ids, 24)
@@ -78,8 +80,13 @@ def test_smollm2_greedy_matches_hf(smollm2, hf_smollm2) -> None:
 
 
 TINY = dict(
-    vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
 )
 
 
@@ -87,9 +94,19 @@ TINY = dict(
     "kind,extra",
     [
         ("llama", {"tie_word_embeddings": False, "rope_theta": 10000.0}),
-        ("llama", {"tie_word_embeddings": True, "rope_scaling": {
-            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}),
+        (
+            "llama",
+            {
+                "tie_word_embeddings": True,
+                "rope_scaling": {
+                    "rope_type": "llama3",
+                    "factor": 8.0,
+                    "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 64,
+                },
+            },
+        ),
         ("qwen2", {"tie_word_embeddings": False}),
         ("qwen3", {"tie_word_embeddings": True, "head_dim": 32}),
     ],
@@ -114,8 +131,12 @@ def test_tiny_random_models_match_hf(tmp_path, kind: str, extra: dict) -> None:
     with torch.inference_mode():
         ref_logits = hf(torch.tensor([ids])).logits[0]
         ref = hf.generate(
-            torch.tensor([ids]), max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0
-        )[0, len(ids):].tolist()
+            torch.tensor([ids]),
+            max_new_tokens=12,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )[0, len(ids) :].tolist()
     torch.testing.assert_close(runner_logits(runner, ids), ref_logits, atol=1e-4, rtol=1e-4)
     runner.requests.clear()
     assert greedy(runner, ids, 12) == ref

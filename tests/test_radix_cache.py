@@ -357,7 +357,10 @@ def test_check_invariants_catches_a_slot_owned_twice():
 
 POOL_SLOTS = 48
 NAMESPACES = (None, "tenant-a")
-tokens_st = st.lists(st.integers(0, 3), max_size=12)
+# A binary alphabet half the time, so that keys often share prefixes and edges get split.
+tokens_st = st.one_of(
+    st.lists(st.integers(0, 1), max_size=12), st.lists(st.integers(0, 3), max_size=12)
+)
 namespace_st = st.sampled_from(NAMESPACES)
 
 
@@ -373,7 +376,7 @@ class Request:
 
 
 class RadixCacheMachine(RuleBasedStateMachine):
-    """Drives the cache like a scheduler and mirrors it in a dict of prefix -> slot."""
+    """Drives the cache like a scheduler and mirrors it in a dict of prefix -> page slots."""
 
     @initialize(
         page_size=st.sampled_from([1, 2, 4]),
@@ -533,8 +536,8 @@ class RadixCacheMachine(RuleBasedStateMachine):
 
 
 RadixCacheMachine.TestCase.settings = settings(
-    max_examples=150,
-    stateful_step_count=40,
+    max_examples=400,
+    stateful_step_count=50,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )

@@ -131,6 +131,12 @@ def test_stop_string_becomes_list():
     assert SamplingParams.from_dict({"stop": "###"}).stop == ["###"]
     assert SamplingParams.from_dict({"stop": ["a", "b"]}).stop == ["a", "b"]
     assert SamplingParams.from_dict({"stop": None}).stop == []
+    assert SamplingParams.from_dict({"stop_token_ids": None}).stop_token_ids == []
+
+
+def test_from_dict_needs_a_dict():
+    with pytest.raises(ValueError, match="dict"):
+        SamplingParams.from_dict([("temperature", 0.5)])
 
 
 @pytest.mark.parametrize("stop", [3, ["a", 3], [None], {"a": 1}, [""]])
@@ -323,16 +329,16 @@ def test_min_p_excludes_low_tokens():
 
 
 def test_wide_nucleus_matches_a_sorted_reference():
-    vocab, top_p = 2000, 0.5
+    vocab, top_p = 6000, 0.5
     logits = torch.randn(vocab, generator=torch.Generator().manual_seed(3)) * 0.3
-    probs = torch.softmax(logits, -1)
-    sorted_probs, order = probs.sort(descending=True)
+    sorted_probs, order = torch.softmax(logits, -1).sort(descending=True)
     size = int((sorted_probs.cumsum(0) < top_p).sum()) + 1
-    nucleus = set(order[:size].tolist())
-    assert size > 300  # wider than any short candidate list
-    counts = seeded_counts(logits, 3000, top_p=top_p)
-    assert set(counts) <= nucleus
-    assert len(counts) > 0.6 * size
+    assert size > 1000  # far wider than a short candidate list
+    rank = {t: r for r, t in enumerate(order.tolist())}
+    counts = seeded_counts(logits, 2000, top_p=top_p)
+    ranks = [rank[t] for t in counts.elements()]
+    assert max(ranks) < size
+    assert sum(r >= 0.8 * size for r in ranks) > 200  # the nucleus' far end is reachable
 
 
 def test_large_top_k_with_top_p_matches_a_sorted_reference():

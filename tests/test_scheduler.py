@@ -6,18 +6,24 @@ import random
 
 import pytest
 from fake_worker import FakeWorker, reference_output
-
 from radixmesh.services.scheduler.request import FinishKind, Req
 from radixmesh.services.scheduler.scheduler import Scheduler, SchedulerConfig
 from radixmesh.services.worker.sampling_params import SamplingParams
 
 
 def make_req(rid: str, prompt: list[int], max_new: int = 8, **kw: object) -> Req:
-    return Req(rid=rid, input_ids=prompt, params=SamplingParams(max_new_tokens=max_new), seed=0, **kw)
+    return Req(
+        rid=rid, input_ids=prompt, params=SamplingParams(max_new_tokens=max_new), seed=0, **kw
+    )
 
 
-def run(sched: Scheduler, worker: FakeWorker, overlap: bool, max_steps: int = 10_000,
-        on_step: object = None) -> int:
+def run(
+    sched: Scheduler,
+    worker: FakeWorker,
+    overlap: bool,
+    max_steps: int = 10_000,
+    on_step: object = None,
+) -> int:
     """Drive the scheduler like the engine does; check invariants after every step."""
     in_flight = None
     steps = 0
@@ -108,7 +114,10 @@ def test_namespaces_do_not_share() -> None:
 
 
 def test_chunked_prefill_respects_the_budget() -> None:
-    sched, worker = Scheduler(SchedulerConfig(num_slots=1024, chunked_prefill_size=16)), FakeWorker(1024)
+    sched, worker = (
+        Scheduler(SchedulerConfig(num_slots=1024, chunked_prefill_size=16)),
+        FakeWorker(1024),
+    )
     sched.add_request(make_req("long", list(range(50)) * 2, max_new=3))
     sched.add_request(make_req("short", [1, 2, 3], max_new=20))
     sizes = []
@@ -140,7 +149,9 @@ def test_random_aborts_leak_nothing(overlap: bool) -> None:
     rng = random.Random(7)
     cfg = SchedulerConfig(num_slots=512, page_size=2, chunked_prefill_size=24)
     sched, worker = Scheduler(cfg), FakeWorker(512)
-    reqs = [make_req(f"r{i}", p, max_new=rng.randint(1, 30)) for i, p in enumerate(prompts(40, 5, 10))]
+    reqs = [
+        make_req(f"r{i}", p, max_new=rng.randint(1, 30)) for i, p in enumerate(prompts(40, 5, 10))
+    ]
     for r in reqs[:20]:
         sched.add_request(r)
     later = reqs[20:]

@@ -305,7 +305,7 @@ class RadixCache:
         matched = 0
         while edge[matched] == tokens[start + matched]:
             matched += 1
-        return matched
+        return matched - matched % self.page_size
 
     def _split(self, node: TreeNode, at: int) -> TreeNode:
         """Cuts node's edge at `at`; returns the new upper node, node keeps the lower part.

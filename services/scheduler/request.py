@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 
 from radixmesh.services.scheduler.radix_cache import TreeNode
 from radixmesh.services.worker.sampling_params import SamplingParams
@@ -12,7 +12,7 @@ from radixmesh.services.worker.sampling_params import SamplingParams
 _arrivals = itertools.count()
 
 
-class FinishKind(str, Enum):
+class FinishKind(StrEnum):
     """Why a request stopped, named as the APIs report it."""
 
     STOP = "stop"
@@ -89,7 +89,6 @@ class Req:
     def num_tokens(self) -> int:
         """Length of prompt + output so far."""
         return len(self.input_ids) + len(self.output_ids)
-
 
     def remaining_new_tokens(self) -> int:
         """Tokens it may still generate, counting steps already in flight."""

@@ -243,7 +243,9 @@ class Scheduler:
         aligned = len(req.slots) - len(req.slots) % self.page
         if aligned <= req.cached_len:
             return
-        cached = self.cache.insert(req.tokens[:aligned], req.slots[:aligned], req.namespace, req.priority)
+        cached = self.cache.insert(
+            req.tokens[:aligned], req.slots[:aligned], req.namespace, req.priority
+        )
         # Another request cached part of this continuation first: the tree keeps its copy
         # and ours stays private to this request until it finishes.
         req.orphans.extend(req.slots[req.cached_len : cached])
@@ -257,7 +259,9 @@ class Scheduler:
         """Hand a request's computed tokens to the tree and free the slots the tree declines."""
         n = len(req.slots)
         aligned = n - n % self.page
-        cached = self.cache.insert(req.tokens[:aligned], req.slots[:aligned], req.namespace, req.priority)
+        cached = self.cache.insert(
+            req.tokens[:aligned], req.slots[:aligned], req.namespace, req.priority
+        )
         self.allocator.free(req.slots[req.cached_len : cached] + req.slots[aligned:] + req.orphans)
         if req.last_node is not None:
             self.cache.unlock(req.last_node)

@@ -1,21 +1,19 @@
-"""A Llama-family decoder (Llama/SmolLM2, Qwen2, Qwen3) for inference over a slot-indexed KV pool."""
+"""A Llama-family decoder (Llama/SmolLM2, Qwen2, Qwen3) over a slot-indexed KV pool."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
 from radixmesh.services.worker.attention import AttentionBackend
 from radixmesh.services.worker.kv_pool import KVPool
+from radixmesh.services.worker.linear import Linear
 from radixmesh.services.worker.model_config import ModelConfig
-from radixmesh.services.worker.rope import RotaryEmbedding
+from radixmesh.services.worker.rope import RotaryEmbedding, apply_rotary
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm computed in float32, as the checkpoints were trained."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+    """RMSNorm over the last dimension (accumulated in float32 by torch's kernel)."""
+    return F.rms_norm(x, weight.shape, weight, eps)
 
 
 class DecoderLayer:
@@ -26,16 +24,16 @@ class DecoderLayer:
         self.cfg = cfg
         self.input_norm = w[f"{prefix}.input_layernorm.weight"]
         self.post_norm = w[f"{prefix}.post_attention_layernorm.weight"]
-        self.qkv = torch.cat([w[f"{attn}.{p}_proj.weight"] for p in "qkv"])
-        self.qkv_bias = (
+        qkv_bias = (
             torch.cat([w[f"{attn}.{p}_proj.bias"] for p in "qkv"]) if cfg.attention_bias else None
         )
-        self.o = w[f"{attn}.o_proj.weight"]
+        self.qkv = Linear(torch.cat([w[f"{attn}.{p}_proj.weight"] for p in "qkv"]), qkv_bias)
+        self.o = Linear(w[f"{attn}.o_proj.weight"])
         self.q_norm = w.get(f"{attn}.q_norm.weight") if cfg.qk_norm else None
         self.k_norm = w.get(f"{attn}.k_norm.weight") if cfg.qk_norm else None
         mlp = f"{prefix}.mlp"
-        self.gate_up = torch.cat([w[f"{mlp}.gate_proj.weight"], w[f"{mlp}.up_proj.weight"]])
-        self.down = w[f"{mlp}.down_proj.weight"]
+        self.gate_up = Linear(torch.cat([w[f"{mlp}.gate_proj.weight"], w[f"{mlp}.up_proj.weight"]]))
+        self.down = Linear(w[f"{mlp}.down_proj.weight"])
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
 
@@ -43,42 +41,49 @@ class DecoderLayer:
         self,
         layer: int,
         hidden: torch.Tensor,
-        positions: torch.Tensor,
-        rope: RotaryEmbedding,
+        rope: tuple[torch.Tensor, torch.Tensor],
         attn: AttentionBackend,
         pool: KVPool,
     ) -> torch.Tensor:
         cfg = self.cfg
         x = rms_norm(hidden, self.input_norm, cfg.rms_norm_eps)
-        qkv = F.linear(x, self.qkv, self.qkv_bias)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, cfg.num_heads, cfg.head_dim)
-        k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
+        qkv = self.qkv(x)
+        qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        qk = qk.view(-1, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
         v = v.reshape(-1, cfg.num_kv_heads, cfg.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
-            q = rms_norm(q, self.q_norm, cfg.rms_norm_eps)
-            k = rms_norm(k, self.k_norm, cfg.rms_norm_eps)
-        q, k = rope(positions, q, k)
+            q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
+            qk = torch.cat(
+                (
+                    rms_norm(q, self.q_norm, cfg.rms_norm_eps),
+                    rms_norm(k, self.k_norm, cfg.rms_norm_eps),
+                ),
+                dim=1,
+            )
+        # q and k heads rotate together: one set of elementwise ops instead of two.
+        q, k = apply_rotary(qk, *rope).split([cfg.num_heads, cfg.num_kv_heads], dim=1)
         out = attn.forward(layer, q, k, v, pool)
-        hidden = hidden + F.linear(out.reshape(-1, self.q_size), self.o)
+        hidden = hidden + self.o(out.reshape(-1, self.q_size))
         x = rms_norm(hidden, self.post_norm, cfg.rms_norm_eps)
-        gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
-        return hidden + F.linear(F.silu(gate) * up, self.down)
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return hidden + self.down(F.silu(gate) * up)
 
 
 class CausalLM:
     """Embeddings, decoder layers, final norm and the output projection."""
 
-    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
+    def __init__(
+        self, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype
+    ) -> None:
         w = {name: t.to(dtype) for name, t in weights.items()}
         self.cfg = cfg
         self.dtype = dtype
         self.embed = w["model.embed_tokens.weight"]
-        self.lm_head = self.embed if cfg.tie_word_embeddings else w["lm_head.weight"]
+        self.lm_head = Linear(self.embed if cfg.tie_word_embeddings else w["lm_head.weight"])
         self.norm = w["model.norm.weight"]
         self.layers = [DecoderLayer(cfg, w, f"model.layers.{i}") for i in range(cfg.num_layers)]
         self.rope = RotaryEmbedding(
-            cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
+            cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, dtype, cfg.rope_scaling
         )
 
     def forward(
@@ -90,10 +95,11 @@ class CausalLM:
     ) -> torch.Tensor:
         """Token ids [T] at positions [T] -> final hidden states [T, hidden]."""
         hidden = self.embed[input_ids]
+        rope = self.rope.tables(positions)
         for i, layer in enumerate(self.layers):
-            hidden = layer(i, hidden, positions, self.rope, attn, pool)
+            hidden = layer(i, hidden, rope, attn, pool)
         return rms_norm(hidden, self.norm, self.cfg.rms_norm_eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final hidden states [N, hidden] -> float32 logits [N, vocab]."""
-        return F.linear(hidden, self.lm_head).float()
+        return self.lm_head(hidden).float()

@@ -43,6 +43,12 @@ class ModelConfig:
             rope = {}
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        # transformers 5 writes rope scaling into `rope_parameters` (with rope_theta) instead of
+        # `rope_scaling`; a "default" rope type there means no scaling.
+        rope_params = cfg.get("rope_parameters") or {}
+        rope_scaling = cfg.get("rope_scaling")
+        if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
+            rope_scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
         return cls(
             architecture=model_type,
             vocab_size=cfg["vocab_size"],

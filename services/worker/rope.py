@@ -8,7 +8,9 @@ from typing import Any
 import torch
 
 
-def inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
+def inverse_frequencies(
+    head_dim: int, theta: float, scaling: dict[str, Any] | None
+) -> torch.Tensor:
     """Per-pair rotation frequencies, with the checkpoint's rope scaling applied."""
     # float32 throughout, as the checkpoints' reference implementation computes it.
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
@@ -33,31 +35,30 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | N
 
 
 class RotaryEmbedding:
-    """Precomputed cos/sin per position; applied to q and k in place of positions."""
+    """cos/sin tables per position, looked up once per step and shared by every layer."""
 
     def __init__(
         self,
         head_dim: int,
         max_positions: int,
         theta: float,
+        dtype: torch.dtype,
         scaling: dict[str, Any] | None = None,
     ) -> None:
         inv_freq = inverse_frequencies(head_dim, theta, scaling)
         angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq.float())
-        self.cos = angles.cos()
-        self.sin = angles.sin()
+        angles = torch.cat((angles, angles), dim=-1)
+        # Cast like the reference does, so bf16 models rotate in bf16 as they were trained.
+        self.cos = angles.cos().to(dtype)
+        self.sin = angles.sin().to(dtype)
 
-    def __call__(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate q [T, Hq, D] and k [T, Hk, D] by their token positions [T]."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [T, 1, D] for the step's token positions [T]."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [T, H, D] (q and k heads side by side are fine) by tables from `tables`."""
     half = x.shape[-1] // 2
-    x1, x2 = x[..., :half].float(), x[..., half:].float()
-    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    return out.to(x.dtype)
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin

