@@ -68,7 +68,10 @@ class Engine:
         self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._streams: dict[str, RequestStream] = {}
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="radixmesh-scheduler", daemon=True)
+        # Guards _closed: once set, nothing new enters the inbox (see shutdown / _fail_all).
+        self._lock = threading.Lock()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="radixmesh-scheduler", daemon=True)
         self._thread.start()
         log.info("engine started: %s", asdict(self.args))
 
@@ -105,6 +108,8 @@ class Engine:
         rids = rid if isinstance(rid, list) else [rid] * len(prompts)
         if len(params) != len(prompts) or len(rids) != len(prompts):
             raise ValueError("sampling_params and rid lists must match the number of prompts")
+        if stream and batched:
+            raise ValueError("stream=True takes a single prompt")
         logprobs = _logprob_request(return_logprob, logprob_start_len, top_logprobs_num)
         reqs = [
             self._make_req(p, sp, logprobs, cache_salt, priority, r)
@@ -112,34 +117,35 @@ class Engine:
         ]
         streams = [self._submit(req) for req in reqs]
         if stream:
-            if batched:
-                raise ValueError("stream=True takes a single prompt")
             return streams[0].chunks()
         results = [s.result() for s in streams]
         return results if batched else results[0]
 
     def abort(self, rid: str) -> None:
         """Stop a request wherever it is; its slots return to the pool."""
-        self._inbox.put(("abort", rid))
+        self._post("abort", rid)
 
     def flush_cache(self) -> bool:
         """Drop every cached prefix (only while idle)."""
         done: Future[bool] = Future()
-        self._inbox.put(("flush", done))
+        self._post("flush", done)
         return done.result()
 
     def server_info(self) -> dict[str, Any]:
         """Pool and cache occupancy, read consistently from the scheduler thread."""
         done: Future[dict[str, Any]] = Future()
-        self._inbox.put(("info", done))
+        self._post("info", done)
         return done.result()
 
     def shutdown(self) -> None:
-        """Stop the scheduler thread and the worker."""
+        """Stop the scheduler thread and the worker; unfinished requests raise RuntimeError."""
+        with self._lock:
+            self._closed = True
         self._stop.set()
         self._inbox.put(("wake", None))
         self._thread.join()
         self._worker.shutdown()
+        self._fail_all(RuntimeError("the engine was shut down"))
 
     def __enter__(self) -> Engine:
         return self
@@ -190,10 +196,40 @@ class Engine:
 
     def _submit(self, req: Req) -> RequestStream:
         stream = RequestStream(req, self.tokenizer)
-        self._inbox.put(("add", (req, stream)))
+        self._post("add", (req, stream))
         return stream
 
+    def _post(self, kind: str, payload: Any) -> None:
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the engine is not running")
+            self._inbox.put((kind, payload))
+
+    def _fail_all(self, error: Exception) -> None:
+        """Fail every request and call still waiting on the (stopped) scheduler thread."""
+        with self._lock:
+            self._closed = True
+        for stream in self._streams.values():
+            stream.fail(error)
+        self._streams.clear()
+        while True:
+            try:
+                kind, payload = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                payload[1].fail(error)
+            elif kind in ("flush", "info"):
+                payload.set_exception(error)
+
     # ---- the scheduler thread ----------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            self._loop()
+        except Exception as exc:
+            log.exception("the scheduler thread failed")
+            self._fail_all(RuntimeError(f"the engine failed: {exc!r}"))
 
     def _loop(self) -> None:
         in_flight: tuple[ScheduledBatch, Future[pb.ForwardResult]] | None = None

@@ -9,8 +9,8 @@ from collections.abc import Iterator
 from typing import Any
 
 from radixmesh.services.detokenizer.incremental import IncrementalDetokenizer
-from radixmesh.services.detokenizer.stop_strings import StopStringMatcher
-from radixmesh.services.scheduler.request import Req
+from radixmesh.services.detokenizer.stop_strings import StopResult, StopStringMatcher
+from radixmesh.services.scheduler.request import FinishKind, Req
 from radixmesh.services.tokenizer.tokenizer import Tokenizer
 
 # Prompt tokens given to the detokenizer as left context for the first output token.
@@ -38,9 +38,15 @@ class RequestStream:
         req = self.req
         new_ids = req.output_ids[self._seen :]
         self._seen = len(req.output_ids)
+        # Like SGLang, the text leaves out a matched stop token (unless no_stop_trim); it
+        # is always the last output id and arrives together with the finish.
+        shown = new_ids[:-1] if new_ids and self._trims_stop_token() else new_ids
         delta, matched = "", None
         if self._stops.matched is None:
-            released = self._stops.feed(self._detok.step(new_ids))
+            text = self._detok.step(shown)
+            # Stop strings count only once min_new_tokens is reached, as stop tokens do.
+            armed = len(req.output_ids) > req.params.min_new_tokens
+            released = self._stops.feed(text) if armed else StopResult(text, None)
             delta, matched = released.text, released.matched
             if req.finish is not None and matched is None:
                 tail = self._stops.feed(self._detok.finish())
@@ -53,6 +59,15 @@ class RequestStream:
             self._result = self._final()
             self._done.set()
         return matched
+
+    def _trims_stop_token(self) -> bool:
+        finish = self.req.finish
+        return (
+            finish is not None
+            and finish.kind is FinishKind.STOP
+            and isinstance(finish.matched, int)
+            and not self.req.params.no_stop_trim
+        )
 
     def fail(self, error: BaseException) -> None:
         """The request was refused before it ran."""

@@ -211,7 +211,8 @@ class Scheduler:
             sampling=sampling_to_proto(req.params, req.seed),
             return_logprob=req.logprobs.return_logprob,
             top_logprobs_num=req.logprobs.top_logprobs_num,
-            logprob_start_len=req.logprobs.logprob_start_len,
+            # A readmitted request already has its prompt logprobs.
+            logprob_start_len=-1 if req.admitted else req.logprobs.logprob_start_len,
         )
 
     # ---- KV slots --------------------------------------------------------------------
@@ -313,6 +314,9 @@ class Scheduler:
                 if not req.pending:
                     self.requests.pop(req.rid, None)
                 continue  # a step run ahead past the finish; its token is dropped
+            if req.params.max_new_tokens == 0:  # prefill only: the sampled token is not wanted
+                self._finish(req, FinishReason(FinishKind.LENGTH, 0))
+                continue
             req.output_ids.append(out.token_id)
             if req.logprobs.return_logprob:
                 req.output_logprobs.append(out.logprob)

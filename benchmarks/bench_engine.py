@@ -1,0 +1,524 @@
+"""The in-process radixmesh Engine against Hugging Face transformers `generate`.
+
+Both sides run the same model (default: the bundled SmolLM2-135M-Instruct GGUF) in the same
+precision on the same token-id prompts, each in its own subprocess (so that each has its own
+peak RSS and its own torch thread pool). The parent prints a table with the ratio radixmesh/HF.
+
+Usage:
+    python benchmarks/bench_engine.py                      # full sizes, bfloat16
+    python benchmarks/bench_engine.py --quick              # smoke run, small sizes
+    python benchmarks/bench_engine.py --dtype float32 --repeats 5 --json out.json
+    python benchmarks/bench_engine.py --sides radixmesh    # one side only
+
+Figures (greedy, exact output lengths: ignore_eos on radixmesh, min_new_tokens on HF):
+  1. batch: N concurrent requests x M new tokens -> aggregate output tok/s
+     (HF: one batched `generate`, left padding with pad = eos).
+  2. stream: one request; TTFT and decode tok/s = (n - 1) / (t_total - t_first_token).
+     radixmesh: t_first_token = time to the first streamed chunk; HF: a separate
+     max_new_tokens=1 `generate` on the same prompt.
+  3. prefill: a fresh P-token prompt with max_new_tokens=1 -> P / wall time.
+  4. shared prefix (radixmesh only): K requests sharing an S-token system prompt, each with its
+     own Q-token question. TTFT of the cold first request vs the median TTFT of the K-1 cached
+     follow-ups run one at a time; prefix hit rate = sum(cached_tokens) / ((K-1) * S); then
+     the K requests as one batch on a flushed cache.
+  5. peak RSS (ru_maxrss) of each side's process, and its RSS at the end.
+Figures 2 and 3 are medians of --repeats timed runs, 1 and 4 of --long-repeats; every timed
+run follows a warm-up and, on radixmesh, starts from an empty prefix cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import random
+import re
+import resource
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Any
+
+SIDES = ("radixmesh", "hf")
+SEED = 1234
+# Ordinary lower-case word tokens with a leading space: prompts of them are plain word salad.
+WORD_TOKEN = re.compile(r"^Ġ[a-z]{3,12}$")
+
+
+@dataclass(frozen=True)
+class Sizes:
+    batch_requests: int
+    batch_prompt_len: tuple[int, int]  # each batch prompt's length is drawn from [lo, hi]
+    batch_new_tokens: int
+    stream_prompt_len: int
+    stream_new_tokens: int
+    prefill_len: int
+    prefix_requests: int
+    prefix_len: int
+    question_len: int
+    prefix_new_tokens: int
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Sizes:
+        return cls(**{**d, "batch_prompt_len": tuple(d["batch_prompt_len"])})
+
+    def kv_tokens(self) -> int:
+        """KV slots that hold every request of the largest figure, with room to spare."""
+        need = max(
+            self.batch_requests * (self.batch_prompt_len[1] + self.batch_new_tokens),
+            self.prefill_len + 1,
+            self.prefix_len + self.prefix_requests * (self.question_len + self.prefix_new_tokens),
+        )
+        return -(-need * 5 // 4 // 1024) * 1024
+
+
+FULL = Sizes(32, (64, 128), 128, 32, 128, 2048, 16, 1024, 64, 32)
+QUICK = Sizes(4, (16, 32), 16, 16, 16, 256, 4, 256, 16, 8)
+
+
+# ---- prompts (parent) ----
+
+
+def word_tokens() -> list[int]:
+    """Ids of ordinary word tokens in the default model's vocabulary."""
+    from radixmesh.services.tokenizer.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_path(None)
+    ids = [i for i in range(tok.vocab_size) if WORD_TOKEN.match(tok.id_to_token(i) or "")]
+    if len(ids) < 1000:
+        raise RuntimeError(f"only {len(ids)} word tokens found in the vocabulary")
+    return ids
+
+
+def make_prompts(sizes: Sizes, repeats: int, long_repeats: int) -> dict[str, Any]:
+    """Every prompt either side runs, as token ids; fresh ones for each timed run."""
+    rng = random.Random(SEED)
+    pool = word_tokens()
+
+    def ids(n: int) -> list[int]:
+        return rng.choices(pool, k=n)
+
+    lo, hi = sizes.batch_prompt_len
+    return {
+        "sizes": asdict(sizes),
+        "repeats": repeats,
+        "long_repeats": long_repeats,
+        "batch": [ids(rng.randint(lo, hi)) for _ in range(sizes.batch_requests)],
+        # [0] is the warm-up, [1:] the timed runs
+        "stream": [ids(sizes.stream_prompt_len) for _ in range(repeats + 1)],
+        "prefill": [ids(sizes.prefill_len) for _ in range(repeats + 1)],
+        "prefix_system": [ids(sizes.prefix_len) for _ in range(2)],  # warm-up, timed
+        "prefix_questions": [ids(sizes.question_len) for _ in range(sizes.prefix_requests)],
+    }
+
+
+# ---- measuring ----
+
+
+def log(side: str, message: str) -> None:
+    print(f"[{side}] {message}", file=sys.stderr, flush=True)
+
+
+@contextmanager
+def timer() -> Iterator[list[float]]:
+    """`with timer() as t: ...` then t[0] is the elapsed seconds."""
+    out: list[float] = []
+    began = time.perf_counter()
+    yield out
+    out.append(time.perf_counter() - began)
+
+
+def rss_mib() -> tuple[float, float]:
+    """(peak, current) resident set size of this process in MiB."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    with open("/proc/self/statm") as f:
+        pages = int(f.read().split()[1])
+    return peak, pages * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def median_of(runs: list[dict[str, float]]) -> dict[str, float]:
+    """Per key, the median over runs."""
+    return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+
+
+def check_lengths(side: str, what: str, got: list[int], want: int) -> None:
+    if any(n != want for n in got):
+        raise RuntimeError(f"{side} {what}: expected {want} new tokens each, got {got}")
+
+
+# ---- radixmesh side ----
+
+
+def greedy(new_tokens: int) -> dict[str, Any]:
+    return {"max_new_tokens": new_tokens, "temperature": 0.0, "ignore_eos": True}
+
+
+class RadixmeshSide:
+    name = "radixmesh"
+
+    def __init__(self, dtype: str, sizes: Sizes) -> None:
+        from radixmesh.engine import Engine
+
+        self.kv_tokens = sizes.kv_tokens()
+        self.engine = Engine(
+            dtype=dtype, max_total_tokens=self.kv_tokens, show_progress=False, random_seed=0
+        )
+
+    def info(self) -> dict[str, Any]:
+        layer = self.engine.runner.model.layers[0].qkv
+        return {
+            "kv_pool_tokens": self.kv_tokens,
+            "weight_dtype": str(self.engine.runner.model.dtype),
+            "linear_prepacked": layer.packed,
+        }
+
+    def batch(self, prompts: list[list[int]], new_tokens: int) -> dict[str, float]:
+        self.engine.flush_cache()
+        with timer() as t:
+            outs = self.engine.generate(input_ids=prompts, sampling_params=greedy(new_tokens))
+        got = [o["meta_info"]["completion_tokens"] for o in outs]
+        check_lengths(self.name, "batch", got, new_tokens)
+        return {"batch_s": t[0], "batch_tok_s": sum(got) / t[0]}
+
+    def stream(self, prompt: list[int], new_tokens: int) -> tuple[float, float, list[int], dict]:
+        """(seconds to the first token, seconds in all, output ids, final meta_info)."""
+        first: float | None = None
+        ids: list[int] = []
+        meta: dict[str, Any] = {}
+        began = time.perf_counter()
+        chunks = self.engine.generate(
+            input_ids=prompt, sampling_params=greedy(new_tokens), stream=True
+        )
+        for chunk in chunks:
+            if first is None and chunk["output_ids"]:
+                first = time.perf_counter() - began
+            ids += chunk["output_ids"]
+            meta = chunk["meta_info"]
+        total = time.perf_counter() - began
+        assert first is not None
+        return first, total, ids, meta
+
+    def single(self, prompt: list[int], new_tokens: int) -> tuple[dict[str, float], list[int]]:
+        self.engine.flush_cache()
+        first, total, ids, _ = self.stream(prompt, new_tokens)
+        check_lengths(self.name, "stream", [len(ids)], new_tokens)
+        decode = (len(ids) - 1) / (total - first)
+        return {"stream_ttft_ms": first * 1e3, "stream_decode_tok_s": decode}, ids
+
+    def prefill(self, prompt: list[int]) -> dict[str, float]:
+        self.engine.flush_cache()
+        with timer() as t:
+            out = self.engine.generate(input_ids=prompt, sampling_params=greedy(1))
+        assert isinstance(out, dict) and out["meta_info"]["cached_tokens"] == 0
+        return {"prefill_tok_s": len(prompt) / t[0]}
+
+    def shared_prefix(
+        self, system: list[int], questions: list[list[int]], new_tokens: int
+    ) -> dict[str, float]:
+        self.engine.flush_cache()
+        ttfts, cached = [], []
+        for q in questions:  # one at a time: the first is cold, the rest find the prefix
+            first, _, ids, meta = self.stream(system + q, new_tokens)
+            check_lengths(self.name, "shared prefix", [len(ids)], new_tokens)
+            ttfts.append(first)
+            cached.append(meta["cached_tokens"])
+        cold, warm = ttfts[0], statistics.median(ttfts[1:])
+        self.engine.flush_cache()
+        with timer() as t:
+            outs = self.engine.generate(
+                input_ids=[system + q for q in questions], sampling_params=greedy(new_tokens)
+            )
+        got = [o["meta_info"]["completion_tokens"] for o in outs]
+        check_lengths(self.name, "shared-prefix batch", got, new_tokens)
+        return {
+            "prefix_cold_ttft_ms": cold * 1e3,
+            "prefix_cached_ttft_ms": warm * 1e3,
+            "prefix_ttft_ratio": cold / warm,
+            "prefix_first_cached_tokens": cached[0],
+            "prefix_hit_rate": sum(cached[1:]) / (len(system) * (len(questions) - 1)),
+            "prefix_batch_s": t[0],
+            "prefix_batch_tok_s": sum(got) / t[0],
+            "prefix_batch_cached_tokens": sum(o["meta_info"]["cached_tokens"] for o in outs),
+        }
+
+    def close(self) -> None:
+        self.engine.shutdown()
+
+
+# ---- Hugging Face side ----
+
+
+class HFSide:
+    name = "hf"
+
+    def __init__(self, dtype: str, sizes: Sizes) -> None:
+        import torch
+        import transformers
+        from radixmesh.services.worker.model_source import default_model_path
+
+        # The GGUF quantizer warns that bf16 "keeps the weights quantized" even on the path
+        # that dequantizes them; info() records what was actually loaded.
+        transformers.logging.set_verbosity_error()
+        transformers.utils.logging.disable_progress_bar()
+        path = default_model_path()
+        self.torch = torch
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=getattr(torch, dtype)
+        ).eval()
+        eos = self.model.config.eos_token_id
+        self.pad = eos[0] if isinstance(eos, list) else eos
+
+    def info(self) -> dict[str, Any]:
+        layer = self.model.model.layers[0].self_attn.q_proj
+        return {
+            "weight_dtype": str(layer.weight.dtype),
+            "linear_class": type(layer).__name__,
+            "attn_implementation": self.model.config._attn_implementation,
+        }
+
+    def generate(self, prompts: list[list[int]], new_tokens: int) -> Any:
+        """Greedy, exactly `new_tokens` each, prompts left-padded to one length."""
+        torch = self.torch
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), self.pad, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p) :] = torch.tensor(p)
+            mask[i, width - len(p) :] = 1
+        with torch.inference_mode():
+            out = self.model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=False,
+                pad_token_id=self.pad,
+            )
+        return out[:, width:]
+
+    def batch(self, prompts: list[list[int]], new_tokens: int) -> dict[str, float]:
+        with timer() as t:
+            out = self.generate(prompts, new_tokens)
+        check_lengths(self.name, "batch", [out.shape[1]] * out.shape[0], new_tokens)
+        return {"batch_s": t[0], "batch_tok_s": out.numel() / t[0]}
+
+    def single(self, prompt: list[int], new_tokens: int) -> tuple[dict[str, float], list[int]]:
+        with timer() as t_first:
+            self.generate([prompt], 1)
+        with timer() as t_total:
+            out = self.generate([prompt], new_tokens)
+        ids = out[0].tolist()
+        check_lengths(self.name, "stream", [len(ids)], new_tokens)
+        decode = (len(ids) - 1) / (t_total[0] - t_first[0])
+        return {"stream_ttft_ms": t_first[0] * 1e3, "stream_decode_tok_s": decode}, ids
+
+    def prefill(self, prompt: list[int]) -> dict[str, float]:
+        with timer() as t:
+            self.generate([prompt], 1)
+        return {"prefill_tok_s": len(prompt) / t[0]}
+
+    def close(self) -> None:
+        pass
+
+
+# ---- one side, in its own process ----
+
+
+def timed(side: str, what: str, runs: int, fn: Callable[[], dict[str, float]]) -> dict:
+    results = []
+    for i in range(runs):
+        with timer() as t:
+            results.append(fn())
+        log(side, f"{what} run {i + 1}/{runs}: {t[0]:.1f} s")
+    return median_of(results)
+
+
+def run_side(name: str, dtype: str, threads: int | None, prompts: dict[str, Any]) -> dict:
+    import torch
+
+    if threads:
+        torch.set_num_threads(threads)
+    sizes = Sizes.from_dict(prompts["sizes"])
+    repeats, long_repeats = prompts["repeats"], prompts["long_repeats"]
+    log(name, f"loading the model ({dtype}, {torch.get_num_threads()} torch threads)")
+    with timer() as t_load:
+        side: RadixmeshSide | HFSide = (
+            RadixmeshSide(dtype, sizes) if name == "radixmesh" else HFSide(dtype, sizes)
+        )
+    res: dict[str, Any] = {"side": name, "load_s": t_load[0], **side.info()}
+
+    log(name, "warming up")
+    with timer() as t_warm:
+        side.batch(prompts["batch"], 2)
+        side.single(prompts["stream"][0], min(8, sizes.stream_new_tokens))
+        side.prefill(prompts["prefill"][0])
+        if isinstance(side, RadixmeshSide):
+            warm_q = prompts["prefix_questions"][:2]
+            side.shared_prefix(prompts["prefix_system"][0], warm_q, 2)
+    log(name, f"warm-up: {t_warm[0]:.1f} s")
+
+    new = sizes.batch_new_tokens
+    res |= timed(name, "batch", long_repeats, lambda: side.batch(prompts["batch"], new))
+    stream_ids: list[list[int]] = []
+
+    def single() -> dict[str, float]:
+        figures, ids = side.single(prompts["stream"][len(stream_ids) + 1], sizes.stream_new_tokens)
+        stream_ids.append(ids)
+        return figures
+
+    res |= timed(name, "stream", repeats, single)
+    res["stream_ids"] = stream_ids
+    prefill_runs = iter(prompts["prefill"][1:])
+    res |= timed(name, "prefill", repeats, lambda: side.prefill(next(prefill_runs)))
+    if isinstance(side, RadixmeshSide):
+        system, questions = prompts["prefix_system"][1], prompts["prefix_questions"]
+        res |= timed(
+            name,
+            "shared prefix",
+            long_repeats,
+            lambda: side.shared_prefix(system, questions, sizes.prefix_new_tokens),
+        )
+    side.close()
+    res["peak_rss_mib"], res["end_rss_mib"] = rss_mib()
+    res["torch_threads"] = torch.get_num_threads()
+    return res
+
+
+# ---- the parent ----
+
+# (key, label, format); higher is better for every tok/s figure and the TTFT ratio.
+ROWS = [
+    ("load_s", "model load (s)", "{:.1f}"),
+    ("batch_tok_s", "batch: output tok/s", "{:.1f}"),
+    ("batch_s", "batch: wall time (s)", "{:.2f}"),
+    ("stream_ttft_ms", "stream: TTFT (ms)", "{:.1f}"),
+    ("stream_decode_tok_s", "stream: decode tok/s", "{:.1f}"),
+    ("stream_greedy_match", "stream: tokens equal to HF's", "{:.0f}"),
+    ("prefill_tok_s", "prefill: tok/s", "{:.1f}"),
+    ("prefix_cold_ttft_ms", "prefix: cold TTFT (ms)", "{:.1f}"),
+    ("prefix_cached_ttft_ms", "prefix: cached TTFT, median (ms)", "{:.1f}"),
+    ("prefix_ttft_ratio", "prefix: cold / cached TTFT (>= 8)", "{:.1f}x"),
+    ("prefix_hit_rate", "prefix: hit rate (>= 0.90)", "{:.3f}"),
+    ("prefix_batch_s", "prefix: all as one batch (s)", "{:.2f}"),
+    ("prefix_batch_tok_s", "prefix: batch output tok/s", "{:.1f}"),
+    ("prefix_batch_cached_tokens", "prefix: batch cached tokens", "{:.0f}"),
+    ("peak_rss_mib", "peak RSS (MiB)", "{:.0f}"),
+    ("end_rss_mib", "RSS at the end (MiB)", "{:.0f}"),
+]
+
+
+def spawn_side(side: str, args: argparse.Namespace, prompts_path: str) -> dict[str, Any]:
+    cmd = [sys.executable, __file__, "--side", side, "--prompts", prompts_path]
+    cmd += ["--dtype", args.dtype] + (["--threads", str(args.threads)] if args.threads else [])
+    print(f"# running: {shlex.join(cmd)}", flush=True)
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
+    lines = proc.stdout.splitlines()
+    for line in lines[:-1]:
+        print(f"[{side} stdout] {line}", file=sys.stderr)
+    if proc.returncode != 0 or not lines or not lines[-1].startswith("{"):
+        raise SystemExit(f"the {side} side failed (exit code {proc.returncode})")
+    return json.loads(lines[-1])
+
+
+def greedy_match(results: dict[str, dict[str, Any]]) -> None:
+    """How many leading stream tokens radixmesh shares with HF (the same greedy decode)."""
+    if set(results) != set(SIDES):
+        return
+    ours, ref = results["radixmesh"]["stream_ids"], results["hf"]["stream_ids"]
+    counts = []
+    for a, b in zip(ours, ref, strict=True):
+        same = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
+        counts.append(same)
+    results["radixmesh"]["stream_greedy_match"] = min(counts)
+
+
+def print_table(results: dict[str, dict[str, Any]], sizes: Sizes) -> None:
+    s = sizes
+    print(
+        f"\n# batch: {s.batch_requests} requests x {s.batch_new_tokens} new tokens, prompts of "
+        f"{s.batch_prompt_len[0]}-{s.batch_prompt_len[1]} tokens | stream: "
+        f"{s.stream_prompt_len}-token prompt, {s.stream_new_tokens} new tokens, decode tok/s = "
+        f"(n-1)/(t_total - t_first) | prefill: {s.prefill_len} tokens | prefix: "
+        f"{s.prefix_requests} requests, {s.prefix_len}-token system prompt + {s.question_len}"
+        f"-token question, {s.prefix_new_tokens} new tokens"
+    )
+    rm, hf = results.get("radixmesh", {}), results.get("hf", {})
+    header = f"{'figure':<36} {'radixmesh':>11} {'HF':>11} {'rm/HF':>8}"
+    print(header + "\n" + "-" * len(header))
+    for key, label, fmt in ROWS:
+        if key not in rm and key not in hf:
+            continue
+        a, b = rm.get(key), hf.get(key)
+        ratio = f"{a / b:.2f}x" if a is not None and b else "-"
+        cell_a = fmt.format(a) if a is not None else "-"
+        cell_b = fmt.format(b) if b is not None else "-"
+        print(f"{label:<36} {cell_a:>11} {cell_b:>11} {ratio:>8}")
+    for name, res in results.items():
+        info = {k: v for k, v in res.items() if isinstance(v, str | bool) and k != "side"}
+        print(f"# {name}: {info}, {res['torch_threads']} torch threads")
+
+
+def package_version(name: str) -> str:
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return getattr(importlib.import_module(name), "__version__", "unknown")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    p.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs of stream and prefill")
+    p.add_argument("--long-repeats", type=int, default=1, help="timed runs of batch and prefix")
+    p.add_argument("--sides", default="radixmesh,hf", help="comma-separated: radixmesh,hf")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads in each side")
+    p.add_argument("--json", type=Path, default=None, help="also write the results here")
+    p.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)  # internal: run one side
+    p.add_argument("--prompts", help=argparse.SUPPRESS)  # internal: the prompts file
+    args = p.parse_args(argv)
+    if args.repeats < 1 or args.long_repeats < 1:
+        p.error("--repeats and --long-repeats must be at least 1")
+    if any(s not in SIDES for s in args.sides.split(",")):
+        p.error(f"--sides takes a comma-separated subset of {SIDES}")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    if args.side:
+        prompts = json.loads(Path(args.prompts).read_text())
+        print(json.dumps(run_side(args.side, args.dtype, args.threads, prompts)), flush=True)
+        return
+    versions = {p: package_version(p) for p in ("torch", "transformers", "radixmesh")}
+    sys.stdout.reconfigure(line_buffering=True)
+    print(f"# {shlex.join([sys.executable, *sys.argv])}")
+    print(f"# versions: {versions}, python {sys.version.split()[0]}, {os.cpu_count()} CPUs")
+    sizes = QUICK if args.quick else FULL
+    prompts = make_prompts(sizes, args.repeats, args.long_repeats)
+    results: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "prompts.json")
+        Path(path).write_text(json.dumps(prompts))
+        for side in args.sides.split(","):
+            results[side] = spawn_side(side, args, path)
+    greedy_match(results)
+    print_table(results, sizes)
+    if args.json:
+        payload = {"argv": sys.argv, "versions": versions, "dtype": args.dtype}
+        payload |= {"sizes": asdict(sizes), "results": results}
+        args.json.write_text(json.dumps(payload, indent=2))
+        print(f"# wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

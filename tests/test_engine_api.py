@@ -1,0 +1,629 @@
+"""End-to-end tests of the offline Engine on the bundled SmolLM2-135M-Instruct.
+
+One float32 engine serves most tests (so the prefix cache carries over between them;
+tests that count cached tokens flush it first); a second one with tiny prefill chunks
+checks that chunking changes nothing a caller can see."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from typing import Any
+
+import pytest
+
+from radixmesh.engine import Engine
+
+PROMPT = "The capital of France is"
+# Greedy SmolLM2 answers this in a few tokens and then emits <|im_end|> (eos id 2).
+EOS_CHAT = (
+    "<|im_start|>user\nWhat is 2+2? Answer with one number.<|im_end|>\n<|im_start|>assistant\n"
+)
+# ... while it keeps talking here.
+LONG_CHAT = "<|im_start|>user\nSay hi<|im_end|>\n<|im_start|>assistant\n"
+LOGPROB_PROMPT = "The quick brown fox jumps over the lazy dog, and then the dog wakes up and"
+EOS_ID = 2
+GREEDY = {"temperature": 0}
+Result = dict[str, Any]
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[Engine]:
+    eng = Engine(dtype="float32", max_total_tokens=8192, show_progress=False, random_seed=0)
+    yield eng
+    eng.shutdown()
+
+
+@pytest.fixture(scope="module")
+def chunked() -> Iterator[Engine]:
+    """Prompts prefilled 4 tokens per step, so every prompt spans several chunks."""
+    eng = Engine(
+        dtype="float32",
+        max_total_tokens=2048,
+        chunked_prefill_size=4,
+        show_progress=False,
+        random_seed=0,
+    )
+    yield eng
+    eng.shutdown()
+
+
+@pytest.fixture(scope="module")
+def greedy16(engine: Engine) -> Result:
+    """PROMPT's greedy continuation, 16 tokens; any shorter greedy run is a prefix of it."""
+    out = engine.generate(PROMPT, {"max_new_tokens": 16, **GREEDY})
+    assert isinstance(out, dict)
+    assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 16}
+    return out
+
+
+def one(engine: Engine, prompt: str, params: dict[str, Any], **kw: Any) -> Result:
+    out = engine.generate(prompt, params, **kw)
+    assert isinstance(out, dict)
+    return out
+
+
+def assert_nothing_held(engine: Engine) -> dict[str, Any]:
+    info = engine.server_info()
+    assert info["held_slots"] == 0, info
+    assert info["running"] == 0 and info["waiting"] == 0, info
+    assert info["free_slots"] + info["cached_tokens"] == info["num_slots"], info
+    return info
+
+
+def in_thread(fn: Callable[..., Any], *args: Any, **kw: Any) -> Future[Any]:
+    """Run fn on a daemon thread, so a regression that hangs it cannot hang the test run."""
+    done: Future[Any] = Future()
+
+    def target() -> None:
+        try:
+            done.set_result(fn(*args, **kw))
+        except BaseException as exc:
+            done.set_exception(exc)
+
+    threading.Thread(target=target, daemon=True).start()
+    return done
+
+
+def tokens_until(engine: Engine, ids: list[int], text: str) -> int:
+    """Fewest leading ids whose decoded text contains `text`."""
+    for n in range(1, len(ids) + 1):
+        if text in engine.tokenizer.decode(ids[:n]):
+            return n
+    raise AssertionError(f"{text!r} never appears")
+
+
+# ---- 1, 2: basic generation ---------------------------------------------------------------
+
+
+def test_generate_returns_text_ids_and_meta(engine: Engine, greedy16: Result) -> None:
+    out = one(engine, PROMPT, {"max_new_tokens": 8, "temperature": 0})
+    assert set(out) == {"text", "output_ids", "meta_info"}
+    ids = out["output_ids"]
+    assert len(ids) == 8 and all(isinstance(t, int) for t in ids)
+    assert ids == greedy16["output_ids"][:8]
+    assert out["text"] == engine.tokenizer.decode(ids)
+    assert out["text"] and greedy16["text"].startswith(out["text"])
+    meta = out["meta_info"]
+    assert isinstance(meta["id"], str) and meta["id"]
+    assert meta["id"] != greedy16["meta_info"]["id"]
+    assert meta["prompt_tokens"] == len(engine.tokenizer.encode(PROMPT))
+    assert meta["completion_tokens"] == 8
+    assert meta["cached_tokens"] == meta["prompt_tokens"] - 1  # greedy16 ran it just before
+    assert meta["finish_reason"] == {"type": "length", "length": 8}
+    assert "output_token_logprobs" not in meta
+
+
+def test_rid_and_input_ids_are_honoured(engine: Engine, greedy16: Result) -> None:
+    ids = engine.tokenizer.encode(PROMPT)
+    out = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 4, **GREEDY}, rid="x1")
+    assert isinstance(out, dict)
+    assert out["meta_info"]["id"] == "x1"
+    assert out["output_ids"] == greedy16["output_ids"][:4]
+
+
+def test_batch_keeps_order_and_matches_single_runs(engine: Engine, greedy16: Result) -> None:
+    prompts = [PROMPT, "Hello, my name is", "The quick brown fox jumps over the lazy dog. Then"]
+    params = {"max_new_tokens": 8, **GREEDY}
+    batch = engine.generate(prompts, params)
+    assert isinstance(batch, list) and len(batch) == 3
+    alone = [greedy16["output_ids"][:8]] + [
+        one(engine, p, params)["output_ids"] for p in prompts[1:]
+    ]
+    for prompt, got, want in zip(prompts, batch, alone, strict=True):
+        assert got["output_ids"] == want
+        assert got["text"] == engine.tokenizer.decode(want)
+        assert got["meta_info"]["prompt_tokens"] == len(engine.tokenizer.encode(prompt))
+        assert got["meta_info"]["finish_reason"] == {"type": "length", "length": 8}
+    assert len({r["meta_info"]["id"] for r in batch}) == 3
+    # input_ids lists batch the same way
+    by_ids = engine.generate(
+        input_ids=[engine.tokenizer.encode(p) for p in prompts[:2]], sampling_params=params
+    )
+    assert isinstance(by_ids, list)
+    assert [r["output_ids"] for r in by_ids] == alone[:2]
+
+
+def test_max_new_tokens_zero_only_prefills(engine: Engine) -> None:
+    out = one(engine, PROMPT, {"max_new_tokens": 0}, return_logprob=True, logprob_start_len=0)
+    meta = out["meta_info"]
+    assert len(meta["input_token_logprobs"]) == meta["prompt_tokens"]
+    assert meta["finish_reason"] == {"type": "length", "length": 0}
+    assert out["output_ids"] == [] and meta["completion_tokens"] == 0 and out["text"] == ""
+
+
+# ---- 3: prefix cache ----------------------------------------------------------------------
+
+
+def test_repeated_prompt_hits_the_prefix_cache(engine: Engine) -> None:
+    assert engine.flush_cache() is True
+    prompt = "Write one sentence about the sea."
+    params = {"max_new_tokens": 4, **GREEDY}
+    first = one(engine, prompt, params)
+    second = one(engine, prompt, params)
+    n = first["meta_info"]["prompt_tokens"]
+    assert first["meta_info"]["cached_tokens"] == 0
+    # all but the last prompt token, whose logits the new request must compute
+    assert second["meta_info"]["cached_tokens"] == n - 1
+    assert second["output_ids"] == first["output_ids"]  # the cached K/V is the right K/V
+    salted = one(engine, prompt, params, cache_salt="tenant-b")
+    assert salted["meta_info"]["cached_tokens"] == 0
+    assert salted["output_ids"] == first["output_ids"]
+    assert_nothing_held(engine)
+
+
+def test_multi_turn_reuses_the_previous_turn(engine: Engine) -> None:
+    tok = engine.tokenizer
+    turn1 = tok.encode(LONG_CHAT)
+    out1 = engine.generate(input_ids=turn1, sampling_params={"max_new_tokens": 8, **GREEDY})
+    assert isinstance(out1, dict) and len(out1["output_ids"]) == 8
+    follow = tok.encode("<|im_end|>\n<|im_start|>user\nThanks!<|im_end|>\n<|im_start|>assistant\n")
+    turn2 = turn1 + out1["output_ids"] + follow
+    out2 = engine.generate(input_ids=turn2, sampling_params={"max_new_tokens": 4, **GREEDY})
+    assert isinstance(out2, dict)
+    meta = out2["meta_info"]
+    assert meta["prompt_tokens"] == len(turn2)
+    assert meta["cached_tokens"] >= len(turn1) + len(out1["output_ids"]) - 1
+    assert meta["cached_tokens"] < len(turn2)
+
+
+# ---- 4: seeds -----------------------------------------------------------------------------
+
+
+def test_seeded_sampling_is_reproducible_and_batch_invariant(engine: Engine) -> None:
+    prompt = "Once upon a time"
+
+    def params(seed: int) -> dict[str, Any]:
+        return {"max_new_tokens": 8, "temperature": 0.8, "seed": seed}
+
+    alone = one(engine, prompt, params(42))
+    again = one(engine, prompt, params(42))
+    assert again["output_ids"] == alone["output_ids"]
+    assert again["text"] == alone["text"]
+    prompts = [prompt, prompt, prompt, prompt, "My favourite food is", "In 1999, the"]
+    seeds = [42, 1, 2, 3, 7, 8]
+    batch = engine.generate(prompts, [params(s) for s in seeds])
+    assert isinstance(batch, list)
+    assert batch[0]["output_ids"] == alone["output_ids"]
+    assert any(r["output_ids"] != alone["output_ids"] for r in batch[1:4])
+    assert all(len(r["output_ids"]) == 8 for r in batch)
+
+
+# ---- 5: stopping --------------------------------------------------------------------------
+
+
+def test_stop_strings_and_stop_token_ids(engine: Engine, greedy16: Result) -> None:
+    tok = engine.tokenizer
+    ids, text = greedy16["output_ids"], greedy16["text"]
+    # a stop string spanning several tokens, starting after the first one
+    stop = tok.decode(ids[1:5])
+    assert stop.strip() and text.index(stop) > 0
+    upto = tokens_until(engine, ids, stop)
+    # a stop token that first occurs at position i >= 2
+    i = next(i for i in range(2, len(ids)) if ids[i] not in ids[:i])
+    base = {"max_new_tokens": 16, **GREEDY}
+    runs = engine.generate(
+        [PROMPT] * 4,
+        [
+            {**base, "stop": stop},
+            {**base, "stop": [stop, "never-in-the-output"], "no_stop_trim": True},
+            {**base, "stop_token_ids": [ids[i]]},
+            {**base, "stop_token_ids": [ids[i]], "no_stop_trim": True},
+        ],
+    )
+    assert isinstance(runs, list)
+    trimmed, kept, by_token, by_token_kept = runs
+    assert trimmed["text"] == text[: text.index(stop)]
+    assert trimmed["output_ids"] == ids[:upto]
+    assert trimmed["meta_info"]["completion_tokens"] == upto
+    assert trimmed["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert kept["text"] == text[: text.index(stop) + len(stop)]
+    assert kept["output_ids"] == ids[:upto]
+    assert kept["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    for run in (by_token, by_token_kept):
+        assert run["output_ids"] == ids[: i + 1]
+        assert run["meta_info"]["finish_reason"] == {"type": "stop", "matched": ids[i]}
+    # like SGLang, the matched stop token's text is trimmed unless no_stop_trim
+    assert by_token["text"] == tok.decode(ids[:i])
+    assert by_token_kept["text"] == tok.decode(ids[: i + 1])
+
+
+def test_stop_strings_wait_for_min_new_tokens(engine: Engine, greedy16: Result) -> None:
+    ids, text = greedy16["output_ids"], greedy16["text"]
+    stop = engine.tokenizer.decode(ids[1:3])
+    upto = tokens_until(engine, ids, stop)
+    assert upto < 10
+    out = one(engine, PROMPT, {"max_new_tokens": 16, "min_new_tokens": 10, "stop": stop, **GREEDY})
+    # The early occurrence does not count; generation runs past min_new_tokens.
+    assert len(out["output_ids"]) >= 10
+    assert out["output_ids"] == ids[: len(out["output_ids"])]
+    assert out["text"].startswith(text[: text.index(stop) + len(stop)])
+
+
+def test_eos_ignore_eos_and_min_new_tokens(engine: Engine) -> None:
+    runs = engine.generate(
+        [EOS_CHAT] * 5,
+        [
+            {"max_new_tokens": 16, **GREEDY},
+            {"max_new_tokens": 12, "ignore_eos": True, **GREEDY},
+            {"max_new_tokens": 24, "min_new_tokens": 20, **GREEDY},
+            {"max_new_tokens": 16, "skip_special_tokens": False, **GREEDY},
+            {"max_new_tokens": 16, "skip_special_tokens": False, "no_stop_trim": True, **GREEDY},
+        ],
+    )
+    assert isinstance(runs, list)
+    plain, ignored, at_least, special, special_kept = runs
+    ids = plain["output_ids"]
+    assert len(ids) < 16 and ids[-1] == EOS_ID and EOS_ID not in ids[:-1]
+    assert plain["meta_info"]["finish_reason"] == {"type": "stop", "matched": EOS_ID}
+    assert plain["text"] == engine.tokenizer.decode(ids[:-1])
+    assert "<|im_end|>" not in plain["text"]
+
+    assert len(ignored["output_ids"]) == 12
+    assert ignored["output_ids"][: len(ids)] == ids  # ran straight through the eos
+    assert ignored["meta_info"]["finish_reason"] == {"type": "length", "length": 12}
+
+    got = at_least["output_ids"]
+    assert 20 <= len(got) <= 24
+    assert EOS_ID not in got[:20]
+    finish = at_least["meta_info"]["finish_reason"]
+    assert finish in ({"type": "length", "length": 24}, {"type": "stop", "matched": EOS_ID})
+    assert (finish["type"] == "stop") == (got[-1] == EOS_ID)
+
+    # eos is a stop token: trimmed from the text unless no_stop_trim
+    assert special["output_ids"] == ids and special["text"] == plain["text"]
+    assert special_kept["text"] == plain["text"] + "<|im_end|>"
+
+
+# ---- 6: logprobs --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def prompt_logprobs(engine: Engine) -> Result:
+    """LOGPROB_PROMPT with every prompt and output logprob and the top 3 alternatives."""
+    return one(
+        engine,
+        LOGPROB_PROMPT,
+        {"max_new_tokens": 8, **GREEDY},
+        return_logprob=True,
+        logprob_start_len=0,
+        top_logprobs_num=3,
+    )
+
+
+def test_output_logprobs(prompt_logprobs: Result) -> None:
+    ids = prompt_logprobs["output_ids"]
+    meta = prompt_logprobs["meta_info"]
+    out = meta["output_token_logprobs"]
+    assert len(ids) == 8 and len(out) == 8
+    assert [t for _, t, _ in out] == ids
+    assert all(text is None for _, _, text in out)
+    assert all(isinstance(lp, float) and lp <= 0 for lp, _, _ in out)
+    tops = meta["output_top_logprobs"]
+    assert len(tops) == 8
+    for (lp, token, _), top in zip(out, tops, strict=True):
+        assert len(top) == 3
+        values = [v for v, _, _ in top]
+        assert values == sorted(values, reverse=True)
+        assert len({t for _, t, _ in top}) == 3
+        # greedy: the chosen token is the most likely one
+        assert top[0][1] == token
+        assert lp == pytest.approx(max(values), abs=1e-6)
+
+
+def test_input_logprobs_from_the_start(engine: Engine, prompt_logprobs: Result) -> None:
+    prompt_ids = engine.tokenizer.encode(LOGPROB_PROMPT)
+    meta = prompt_logprobs["meta_info"]
+    assert meta["prompt_tokens"] == len(prompt_ids) >= 12
+    assert meta["cached_tokens"] == 0  # logprobs from position 0 need the whole prompt
+    entries = meta["input_token_logprobs"]
+    assert len(entries) == len(prompt_ids)
+    assert [t for _, t, _ in entries] == prompt_ids
+    assert entries[0][0] is None  # nothing predicts the first token
+    assert all(isinstance(lp, float) and lp <= 0 for lp, _, _ in entries[1:])
+    tops = meta["input_top_logprobs"]
+    assert len(tops) == len(prompt_ids) and tops[0] is None
+    for (lp, token, _), top in zip(entries[1:], tops[1:], strict=True):
+        assert len(top) == 3
+        assert lp <= top[0][0] + 1e-6
+        for v, t, _ in top:
+            if t == token:
+                assert lp == pytest.approx(v, abs=1e-6)
+
+
+def test_input_logprobs_from_an_offset(engine: Engine, prompt_logprobs: Result) -> None:
+    full = prompt_logprobs["meta_info"]["input_token_logprobs"]
+    n = len(full)
+    for k in (1, 5, n - 1):
+        out = one(
+            engine,
+            LOGPROB_PROMPT,
+            {"max_new_tokens": 1, **GREEDY},
+            return_logprob=True,
+            logprob_start_len=k,
+        )
+        meta = out["meta_info"]
+        # the prompt is cached, but position k's logprob needs position k-1 computed
+        assert meta["cached_tokens"] == max(k - 1, 0)
+        entries = meta["input_token_logprobs"]
+        assert len(entries) == meta["prompt_tokens"] - k
+        assert [t for _, t, _ in entries] == [t for _, t, _ in full[k:]]
+        assert [lp for lp, _, _ in entries] == pytest.approx(
+            [lp for lp, _, _ in full[k:]], abs=1e-3
+        )
+        assert "input_top_logprobs" not in meta
+        assert out["output_ids"] == prompt_logprobs["output_ids"][:1]
+    beyond = one(
+        engine,
+        LOGPROB_PROMPT,
+        {"max_new_tokens": 1, **GREEDY},
+        return_logprob=True,
+        logprob_start_len=n,
+    )
+    assert beyond["meta_info"]["input_token_logprobs"] == []
+
+
+def test_chunked_prefill_changes_nothing(chunked: Engine, prompt_logprobs: Result) -> None:
+    full = prompt_logprobs["meta_info"]["input_token_logprobs"]
+    # start inside the third chunk, before anything is cached
+    mid = one(
+        chunked,
+        LOGPROB_PROMPT,
+        {"max_new_tokens": 1, **GREEDY},
+        return_logprob=True,
+        logprob_start_len=9,
+    )
+    entries = mid["meta_info"]["input_token_logprobs"]
+    assert [t for _, t, _ in entries] == [t for _, t, _ in full[9:]]
+    assert [lp for lp, _, _ in entries] == pytest.approx([lp for lp, _, _ in full[9:]], abs=1e-3)
+
+    out = one(
+        chunked,
+        LOGPROB_PROMPT,
+        {"max_new_tokens": 8, **GREEDY},
+        return_logprob=True,
+        logprob_start_len=0,
+        top_logprobs_num=3,
+    )
+    meta, ref = out["meta_info"], prompt_logprobs["meta_info"]
+    assert out["output_ids"] == prompt_logprobs["output_ids"]
+    assert out["text"] == prompt_logprobs["text"]
+    got = meta["input_token_logprobs"]
+    assert len(got) == len(full) and got[0][0] is None
+    assert [t for _, t, _ in got] == [t for _, t, _ in full]
+    # every 4th prompt token is predicted from the previous chunk's last position
+    assert [lp for lp, _, _ in got[1:]] == pytest.approx([lp for lp, _, _ in full[1:]], abs=1e-3)
+    assert [[t for _, t, _ in top] for top in meta["input_top_logprobs"][1:]] == [
+        [t for _, t, _ in top] for top in ref["input_top_logprobs"][1:]
+    ]
+    assert [lp for lp, _, _ in meta["output_token_logprobs"]] == pytest.approx(
+        [lp for lp, _, _ in ref["output_token_logprobs"]], abs=1e-3
+    )
+    assert_nothing_held(chunked)
+
+
+# ---- 7: streaming -------------------------------------------------------------------------
+
+
+def collect(chunks: Any) -> list[Result]:
+    got = list(chunks)
+    assert got, "no chunks"
+    for chunk in got[:-1]:
+        assert chunk["meta_info"]["finish_reason"] is None
+    return got
+
+
+def test_streaming_matches_the_whole_result(engine: Engine, greedy16: Result) -> None:
+    chunks = collect(engine.generate(PROMPT, {"max_new_tokens": 16, **GREEDY}, stream=True))
+    assert len(chunks) > 1
+    assert "".join(c["text"] for c in chunks) == greedy16["text"]
+    assert [t for c in chunks for t in c["output_ids"]] == greedy16["output_ids"]
+    last = chunks[-1]["meta_info"]
+    assert last["finish_reason"] == {"type": "length", "length": 16}
+    assert last["completion_tokens"] == 16
+    # completion_tokens grows with the ids streamed so far
+    seen = 0
+    for c in chunks:
+        seen += len(c["output_ids"])
+        assert c["meta_info"]["completion_tokens"] == seen
+
+
+def test_streaming_with_a_stop_string(engine: Engine, greedy16: Result) -> None:
+    text = greedy16["text"]
+    stop = engine.tokenizer.decode(greedy16["output_ids"][1:5])
+    params = {"max_new_tokens": 16, "stop": stop, **GREEDY}
+    whole = one(engine, PROMPT, params)
+    chunks = collect(engine.generate(PROMPT, params, stream=True))
+    assert "".join(c["text"] for c in chunks) == whole["text"] == text[: text.index(stop)]
+    assert [t for c in chunks for t in c["output_ids"]] == whole["output_ids"]
+    assert chunks[-1]["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+
+
+def test_batched_streaming_is_refused_before_anything_runs(engine: Engine) -> None:
+    with pytest.raises(ValueError, match="stream"):
+        engine.generate([PROMPT, PROMPT], {"max_new_tokens": 8}, stream=True)
+    assert_nothing_held(engine)  # neither prompt was queued
+
+
+# ---- 8: abort -----------------------------------------------------------------------------
+
+
+def test_abort_running_requests(engine: Engine, greedy16: Result) -> None:
+    long = {"max_new_tokens": 200, "ignore_eos": True, **GREEDY}
+    blocking = in_thread(engine.generate, LONG_CHAT, long, rid="abort-blocking")
+    chunks = engine.generate(PROMPT, long, rid="abort-streamed", stream=True)
+    assert isinstance(chunks, Iterator)
+    first = next(chunks)
+    assert first["output_ids"] and first["meta_info"]["finish_reason"] is None
+    # while they run: the cache cannot be flushed and their ids are taken
+    assert engine.flush_cache() is False
+    with pytest.raises(ValueError, match="duplicate"):
+        engine.generate("Hi", {"max_new_tokens": 2}, rid="abort-streamed")
+    engine.abort("abort-streamed")
+    engine.abort("abort-blocking")
+    engine.abort("no-such-request")  # ignored
+    rest = collect(chunks)
+    done = blocking.result(timeout=120)
+    streamed = [t for c in [first, *rest] for t in c["output_ids"]]
+    final = rest[-1]["meta_info"]
+    assert final["id"] == "abort-streamed"
+    assert final["finish_reason"]["type"] == "abort"
+    assert 1 <= len(streamed) == final["completion_tokens"] < 200
+    assert streamed[:16] == greedy16["output_ids"][: len(streamed)]
+    assert done["meta_info"]["id"] == "abort-blocking"
+    assert done["meta_info"]["finish_reason"]["type"] == "abort"
+    assert len(done["output_ids"]) < 200
+    assert_nothing_held(engine)
+    after = one(engine, PROMPT, {"max_new_tokens": 4, **GREEDY}, rid="abort-streamed")
+    assert after["output_ids"] == greedy16["output_ids"][:4]
+    assert after["meta_info"]["finish_reason"] == {"type": "length", "length": 4}
+
+
+# ---- 9: bad input -------------------------------------------------------------------------
+
+
+BAD_INPUTS: list[tuple[str, Callable[[Engine], dict[str, Any]], str]] = [
+    ("empty-prompt", lambda e: {"prompt": ""}, "prompt"),
+    ("no-prompts", lambda e: {"prompt": []}, "prompt"),
+    ("empty-input-ids", lambda e: {"input_ids": []}, "input_ids"),
+    ("neither", lambda e: {}, "prompt and input_ids"),
+    ("both", lambda e: {"prompt": "Hi", "input_ids": [1, 2]}, "prompt and input_ids"),
+    ("out-of-vocab", lambda e: {"input_ids": [1, e.model_config.vocab_size]}, "input_ids"),
+    ("negative-id", lambda e: {"input_ids": [1, -3]}, "input_ids"),
+    (
+        "longer-than-context",
+        lambda e: {"input_ids": [100] * (e.context_length + 1)},
+        "context length",
+    ),
+    ("exactly-context", lambda e: {"input_ids": [100] * e.context_length}, "context length"),
+    ("max_new_tokens", lambda e: {"sampling_params": {"max_new_tokens": -1}}, "max_new_tokens"),
+    ("max_new_tokens-type", lambda e: {"sampling_params": {"max_new_tokens": 2.5}}, "max_new"),
+    (
+        "min_new_tokens",
+        lambda e: {"sampling_params": {"max_new_tokens": 4, "min_new_tokens": 5}},
+        "min_new_tokens",
+    ),
+    ("temperature", lambda e: {"sampling_params": {"temperature": -0.5}}, "temperature"),
+    ("top_p-zero", lambda e: {"sampling_params": {"top_p": 0}}, "top_p"),
+    ("top_p-big", lambda e: {"sampling_params": {"top_p": 1.5}}, "top_p"),
+    ("stop-int", lambda e: {"sampling_params": {"stop": 5}}, "stop"),
+    ("stop-empty", lambda e: {"sampling_params": {"stop": ""}}, "stop"),
+    (
+        "stop_token_ids",
+        lambda e: {"sampling_params": {"stop_token_ids": [e.model_config.vocab_size]}},
+        "stop_token_ids",
+    ),
+    ("unknown-key", lambda e: {"sampling_params": {"temprature": 0.5}}, "temprature"),
+    ("params-not-dict", lambda e: {"sampling_params": "greedy"}, "sampling_params"),
+    ("top_logprobs_num", lambda e: {"top_logprobs_num": -1}, "top_logprobs_num"),
+    ("logprob_start_len", lambda e: {"logprob_start_len": -2}, "logprob_start_len"),
+    (
+        "params-count",
+        lambda e: {"prompt": ["a", "b"], "sampling_params": [{}, {}, {}]},
+        "sampling_params",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"), [pytest.param(k, f, id=name) for name, k, f in BAD_INPUTS]
+)
+def test_bad_input_raises_value_error(
+    engine: Engine, kwargs: Callable[[Engine], dict[str, Any]], field: str
+) -> None:
+    args = kwargs(engine)
+    if "prompt" not in args and "input_ids" not in args and args:
+        args["prompt"] = "Hi"
+    with pytest.raises(ValueError, match=field):
+        engine.generate(**args)
+
+
+def test_prompt_larger_than_the_kv_pool_is_refused(chunked: Engine) -> None:
+    # within the context length (8192) but not the 2048-slot pool: the scheduler refuses it
+    with pytest.raises(ValueError, match="KV pool"):
+        chunked.generate(input_ids=[100] * 3000, sampling_params={"max_new_tokens": 1})
+    assert_nothing_held(chunked)
+
+
+def test_engine_serves_after_bad_input(engine: Engine, greedy16: Result) -> None:
+    assert_nothing_held(engine)
+    out = one(engine, PROMPT, {"max_new_tokens": 4, **GREEDY})
+    assert out["output_ids"] == greedy16["output_ids"][:4]
+    assert_nothing_held(engine)
+
+
+# ---- 10: flush_cache ----------------------------------------------------------------------
+
+
+def test_flush_cache_drops_every_prefix(engine: Engine) -> None:
+    params = {"max_new_tokens": 1, **GREEDY}
+    one(engine, PROMPT, params)
+    warm = one(engine, PROMPT, params)
+    assert warm["meta_info"]["cached_tokens"] == warm["meta_info"]["prompt_tokens"] - 1
+    assert engine.flush_cache() is True
+    info = assert_nothing_held(engine)
+    assert info["cached_tokens"] == 0 and info["free_slots"] == info["num_slots"]
+    cold = one(engine, PROMPT, params)
+    assert cold["meta_info"]["cached_tokens"] == 0
+    assert cold["output_ids"] == warm["output_ids"]
+
+
+# ---- shutdown and failures ----------------------------------------------------------------
+
+
+def test_a_failed_step_fails_requests_instead_of_hanging(chunked: Engine) -> None:
+    def broken(batch: Any) -> Any:
+        raise RuntimeError("device lost")
+
+    chunked.runner.forward = broken  # type: ignore[method-assign]
+    pending = in_thread(chunked.generate, PROMPT, {"max_new_tokens": 2})
+    with pytest.raises(RuntimeError, match="device lost"):
+        pending.result(timeout=60)
+    with pytest.raises(RuntimeError, match="not running"):
+        chunked.generate(PROMPT, {"max_new_tokens": 2})
+    with pytest.raises(RuntimeError):
+        chunked.server_info()
+    chunked.shutdown()
+    chunked.shutdown()  # idempotent
+
+
+def test_shutdown_fails_unfinished_requests() -> None:
+    eng = Engine(dtype="float32", max_total_tokens=1024, show_progress=False)
+    started = threading.Event()
+
+    def stream_forever() -> list[Result]:
+        chunks = eng.generate(PROMPT, {"max_new_tokens": 500, "ignore_eos": True}, stream=True)
+        assert isinstance(chunks, Iterator)
+        got = [next(chunks)]
+        started.set()
+        got.extend(chunks)
+        return got
+
+    running = in_thread(stream_forever)
+    assert started.wait(timeout=120)
+    eng.shutdown()
+    with pytest.raises(RuntimeError, match="shut down"):
+        running.result(timeout=60)
+    with pytest.raises(RuntimeError, match="not running"):
+        eng.generate(PROMPT, {"max_new_tokens": 2})
