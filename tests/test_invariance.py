@@ -10,7 +10,31 @@ import pytest
 from radixmesh.engine import Engine
 
 GREEDY = {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}
-WORDS = ["river", "stone", "quietly", "garden", "because", "maybe", "seven", "orange", "window", "travel", "music", "paper", "between", "under", "forest", "winter", "morning", "simple", "answer", "number", "question", "story", "light"]
+WORDS = [
+    "river",
+    "stone",
+    "quietly",
+    "garden",
+    "because",
+    "maybe",
+    "seven",
+    "orange",
+    "window",
+    "travel",
+    "music",
+    "paper",
+    "between",
+    "under",
+    "forest",
+    "winter",
+    "morning",
+    "simple",
+    "answer",
+    "number",
+    "question",
+    "story",
+    "light",
+]
 
 
 def text(n_words: int, seed: int) -> str:
