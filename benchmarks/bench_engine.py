@@ -402,7 +402,7 @@ ROWS = [
     ("batch_s", "batch: wall time (s)", "{:.2f}"),
     ("stream_ttft_ms", "stream: TTFT (ms)", "{:.1f}"),
     ("stream_decode_tok_s", "stream: decode tok/s", "{:.1f}"),
-    ("stream_greedy_match", "stream: tokens equal to HF's", "{:.0f}"),
+    ("stream_same_as_hf", "stream: greedy tokens as HF's", "{:.0%}"),
     ("prefill_tok_s", "prefill: tok/s", "{:.1f}"),
     ("prefix_cold_ttft_ms", "prefix: cold TTFT (ms)", "{:.1f}"),
     ("prefix_cached_ttft_ms", "prefix: cached TTFT, median (ms)", "{:.1f}"),
@@ -430,15 +430,18 @@ def spawn_side(side: str, args: argparse.Namespace, prompts_path: str) -> dict[s
 
 
 def greedy_match(results: dict[str, dict[str, Any]]) -> None:
-    """How many leading stream tokens radixmesh shares with HF (the same greedy decode)."""
+    """The share of stream tokens radixmesh decodes like HF before the first difference.
+
+    1.0 in float32; in bfloat16 near-ties on these word-salad prompts can flip an argmax."""
     if set(results) != set(SIDES):
         return
     ours, ref = results["radixmesh"]["stream_ids"], results["hf"]["stream_ids"]
-    counts = []
-    for a, b in zip(ours, ref, strict=True):
-        same = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
-        counts.append(same)
-    results["radixmesh"]["stream_greedy_match"] = min(counts)
+    same = [
+        next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
+        for a, b in zip(ours, ref, strict=True)
+    ]
+    results["radixmesh"]["stream_same_as_hf"] = sum(same) / sum(len(a) for a in ours)
+    results["radixmesh"]["stream_same_as_hf_per_run"] = same
 
 
 def print_table(results: dict[str, dict[str, Any]], sizes: Sizes) -> None:
