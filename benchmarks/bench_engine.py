@@ -21,9 +21,11 @@ Figures (greedy, exact output lengths: ignore_eos on radixmesh, min_new_tokens o
      own Q-token question. TTFT of the cold first request vs the median TTFT of the K-1 cached
      follow-ups run one at a time; prefix hit rate = sum(cached_tokens) / ((K-1) * S); then
      the K requests as one batch on a flushed cache.
-  5. peak RSS (ru_maxrss) of each side's process, and its RSS at the end.
+  5. peak RSS (ru_maxrss) of each side's process, its RSS at the end, and the minor page
+     faults taken during the timed runs (many faults: memory freed to the OS every step).
 Figures 2 and 3 are medians of --repeats timed runs, 1 and 4 of --long-repeats; every timed
 run follows a warm-up and, on radixmesh, starts from an empty prefix cache.
+Both sides inherit the environment (OMP_*, MALLOC_*, ...); --threads sets torch's threads.
 """
 
 from __future__ import annotations
@@ -354,7 +356,7 @@ def run_side(name: str, dtype: str, threads: int | None, prompts: dict[str, Any]
         side: RadixmeshSide | HFSide = (
             RadixmeshSide(dtype, sizes) if name == "radixmesh" else HFSide(dtype, sizes)
         )
-    res: dict[str, Any] = {"side": name, "load_s": t_load[0], **side.info()}
+    res: dict[str, Any] = {"side": name, "load_s": t_load[0], "info": side.info()}
 
     log(name, "warming up")
     with timer() as t_warm:
@@ -365,6 +367,7 @@ def run_side(name: str, dtype: str, threads: int | None, prompts: dict[str, Any]
             warm_q = prompts["prefix_questions"][:2]
             side.shared_prefix(prompts["prefix_system"][0], warm_q, 2)
     log(name, f"warm-up: {t_warm[0]:.1f} s")
+    faults_before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
     new = sizes.batch_new_tokens
     res |= timed(name, "batch", long_repeats, lambda: side.batch(prompts["batch"], new))
@@ -387,9 +390,13 @@ def run_side(name: str, dtype: str, threads: int | None, prompts: dict[str, Any]
             long_repeats,
             lambda: side.shared_prefix(system, questions, sizes.prefix_new_tokens),
         )
+    # Page faults while timing mean memory freed to the OS and touched again, step after step.
+    res["timed_minor_faults_k"] = (
+        resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults_before
+    ) / 1e3
     side.close()
     res["peak_rss_mib"], res["end_rss_mib"] = rss_mib()
-    res["torch_threads"] = torch.get_num_threads()
+    res["info"]["torch_threads"] = torch.get_num_threads()
     return res
 
 
@@ -413,6 +420,7 @@ ROWS = [
     ("prefix_batch_cached_tokens", "prefix: batch cached tokens", "{:.0f}"),
     ("peak_rss_mib", "peak RSS (MiB)", "{:.0f}"),
     ("end_rss_mib", "RSS at the end (MiB)", "{:.0f}"),
+    ("timed_minor_faults_k", "minor page faults, timed (1000s)", "{:.1f}"),
 ]
 
 
@@ -466,8 +474,7 @@ def print_table(results: dict[str, dict[str, Any]], sizes: Sizes) -> None:
         cell_b = fmt.format(b) if b is not None else "-"
         print(f"{label:<36} {cell_a:>11} {cell_b:>11} {ratio:>8}")
     for name, res in results.items():
-        info = {k: v for k, v in res.items() if isinstance(v, str | bool) and k != "side"}
-        print(f"# {name}: {info}, {res['torch_threads']} torch threads")
+        print(f"# {name}: {res['info']}")
 
 
 def package_version(name: str) -> str:

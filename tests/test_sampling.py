@@ -522,3 +522,14 @@ def test_mixed_batch_matches_each_row_alone():
         assert batch.logprobs[i] == pytest.approx(alone.logprobs[0], abs=1e-6)
         assert [t for t, _ in batch.top_logprobs[i]] == [t for t, _ in alone.top_logprobs[0]]
     assert batch.token_ids[-1] != 0
+
+
+def test_without_logprobs_picks_the_same_tokens():
+    logits = torch.randn(6, 40, generator=torch.Generator().manual_seed(3))
+    greedy = [make(40, seed=i, temperature=0.0) for i in range(6)]
+    mixed = [make(40, seed=i, temperature=0.0 if i % 2 else 0.7) for i in range(6)]
+    for reqs in (greedy, mixed):
+        full = sample(logits, reqs)
+        fast = sample(logits, reqs, with_logprobs=False)
+        assert fast.token_ids == full.token_ids
+    assert sample(logits, greedy, with_logprobs=False).logprobs == []

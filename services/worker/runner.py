@@ -10,6 +10,7 @@ from radixmesh.proto import forward_pb2 as pb
 from radixmesh.proto.convert import sampling_from_proto
 from radixmesh.services.worker.attention import AttentionBackend, AttentionMetadata, SeqSpan
 from radixmesh.services.worker.kv_pool import KVPool
+from radixmesh.services.worker.memory import keep_freed_memory
 from radixmesh.services.worker.model import CausalLM
 from radixmesh.services.worker.model_config import ModelConfig
 from radixmesh.services.worker.sampling import RequestSampler, sample
@@ -52,6 +53,7 @@ class ModelRunner:
         num_slots: int,
         attention: AttentionBackend | None = None,
     ) -> None:
+        keep_freed_memory()
         self.config = config
         self.model = CausalLM(config, weights, dtype)
         self.pool = KVPool(
@@ -119,7 +121,8 @@ class ModelRunner:
         top_n = [
             reqs[i].spec.top_logprobs_num if reqs[i].spec.return_logprob else 0 for i in picked
         ]
-        sampled = sample(logits, samplers, top_n)
+        with_logprobs = any(reqs[i].spec.return_logprob for i in picked)
+        sampled = sample(logits, samplers, top_n, with_logprobs=with_logprobs)
         for j, i in enumerate(picked):
             token = sampled.token_ids[j]
             reqs[i].last_token = token

