@@ -265,6 +265,7 @@ class HFSide:
     def __init__(self, dtype: str, sizes: Sizes) -> None:
         import torch
         import transformers
+
         from radixmesh.services.worker.model_source import default_model_path
 
         # The GGUF quantizer warns that bf16 "keeps the weights quantized" even on the path

@@ -7,9 +7,10 @@ from collections.abc import Sequence
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
 from radixmesh.services.detokenizer.incremental import DecodeFn, IncrementalDetokenizer
 from radixmesh.services.detokenizer.stop_strings import StopResult, StopStringMatcher
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 EOS = "<|eos|>"
 CORPUS = [

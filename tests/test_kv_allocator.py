@@ -1,6 +1,7 @@
 """KVAllocator: whole pages, FIFO reuse, double frees caught."""
 
 import pytest
+
 from radixmesh.services.scheduler.kv_allocator import KVAllocator
 
 

@@ -10,6 +10,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+
 from radixmesh.services.worker.model_source import LoadedModel, load_model, resolve_model_path
 from radixmesh.services.worker.weights_gguf import read_gguf, unpermute_rows
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from radixmesh.proto import forward_pb2 as pb
 from radixmesh.proto.convert import sampling_to_proto
 from radixmesh.services.worker.model_config import ModelConfig

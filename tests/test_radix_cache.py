@@ -13,6 +13,7 @@ from hypothesis.stateful import (
     precondition,
     rule,
 )
+
 from radixmesh.services.scheduler.kv_allocator import KVAllocator
 from radixmesh.services.scheduler.radix_cache import RadixCache, TreeNode
 

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 import pytest
 import torch
+
 from radixmesh.services.worker.sampling import RequestSampler, sample
 from radixmesh.services.worker.sampling_params import SamplingParams
 

@@ -6,6 +6,7 @@ import random
 
 import pytest
 from fake_worker import FakeWorker, reference_output
+
 from radixmesh.services.scheduler.request import FinishKind, Req
 from radixmesh.services.scheduler.scheduler import Scheduler, SchedulerConfig
 from radixmesh.services.worker.sampling_params import SamplingParams

@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 
 import pytest
+
 from radixmesh.services.tokenizer.tokenizer import Tokenizer
 from radixmesh.services.worker.model_source import resolve_model_path
 

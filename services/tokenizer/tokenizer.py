@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+
 from radixmesh.services.worker.model_source import resolve_model_path
 from radixmesh.services.worker.weights_gguf import (
     TOKEN_TYPE_CONTROL,
@@ -23,7 +25,6 @@ from radixmesh.services.worker.weights_gguf import (
     gguf_eos_token_ids,
     read_gguf,
 )
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 
 log = logging.getLogger(__name__)
 

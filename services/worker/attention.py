@@ -6,6 +6,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
+
 from radixmesh.services.worker.kv_pool import KVPool
 
 

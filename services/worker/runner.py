@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+
 from radixmesh.proto import forward_pb2 as pb
 from radixmesh.proto.convert import sampling_from_proto
 from radixmesh.services.worker.attention import AttentionBackend, AttentionMetadata, SeqSpan

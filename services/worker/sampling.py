@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
+
 from radixmesh.services.worker.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
 from radixmesh.services.worker.attention import AttentionBackend, AttentionMetadata
 from radixmesh.services.worker.kv_pool import KVPool
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
 from radixmesh.services.worker.model_config import ModelConfig
 
 if TYPE_CHECKING:
