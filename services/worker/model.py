@@ -67,7 +67,7 @@ class DecoderLayer:
         hidden = hidden + self.o(out.reshape(-1, self.q_size))
         x = rms_norm(hidden, self.post_norm, cfg.rms_norm_eps)
         gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return hidden + self.down(F.silu(gate) * up)
+        return hidden + self.down(F.silu(gate).mul_(up))
 
 
 class CausalLM:
