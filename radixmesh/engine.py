@@ -23,6 +23,7 @@ from radixmesh.request_output import RequestStream
 from radixmesh.services.scheduler.request import FinishKind, FinishReason, LogprobRequest, Req
 from radixmesh.services.scheduler.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from radixmesh.services.tokenizer.tokenizer import Tokenizer
+from radixmesh.services.worker.memory import release_free_memory
 from radixmesh.services.worker.model_source import load_model, resolve_model_path
 from radixmesh.services.worker.runner import ModelRunner
 from radixmesh.services.worker.sampling_params import SamplingParams
@@ -78,7 +79,10 @@ class Engine:
     def _build_runner(self, path: str) -> ModelRunner:
         loaded = load_model(path, progress=self.args.show_progress)
         num_slots = self.args.max_total_tokens - self.args.max_total_tokens % self.args.page_size
-        return ModelRunner(loaded.config, loaded.weights, _DTYPES[self.args.dtype], num_slots)
+        runner = ModelRunner(loaded.config, loaded.weights, _DTYPES[self.args.dtype], num_slots)
+        del loaded
+        release_free_memory()
+        return runner
 
     # ---- public API ----------------------------------------------------------------------
 

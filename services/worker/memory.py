@@ -11,6 +11,24 @@ _M_MMAP_THRESHOLD = -3
 _MMAP_THRESHOLD_MAX = 32 << 20
 
 
+def _libc() -> ctypes.CDLL | None:
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return None
+    try:
+        return ctypes.CDLL(name)
+    except OSError:
+        return None
+
+
+def release_free_memory() -> None:
+    """Give the heap's free memory back to the OS (after loading, when the float32
+    copies of the weights are gone)."""
+    libc = _libc()
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
+
+
 def keep_freed_memory() -> bool:
     """Keep freed blocks in the heap instead of returning them to the OS.
 
@@ -18,14 +36,10 @@ def keep_freed_memory() -> bool:
     glibc's defaults those go back to the OS at every free and fault in again at the next
     step (measured: ~150k page faults and 2-3x slower steps after a large batch).
     Returns False where the C library is not glibc."""
-    name = ctypes.util.find_library("c")
-    if name is None:
+    libc = _libc()
+    if libc is None or not hasattr(libc, "mallopt"):
         return False
-    try:
-        libc = ctypes.CDLL(name)
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
-        return False
+    mallopt = libc.mallopt
     return bool(mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX)) and bool(
         mallopt(_M_TRIM_THRESHOLD, 1 << 30)
     )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
+
 import torch
 import torch.nn.functional as F
 
@@ -17,10 +19,26 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x, weight.shape, weight, eps)
 
 
+class _Cast(Mapping[str, torch.Tensor]):
+    """Weights cast to the model dtype one at a time, so no second full copy is ever held."""
+
+    def __init__(self, weights: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
+        self.weights, self.dtype = weights, dtype
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.weights[name].to(self.dtype)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.weights)
+
+    def __len__(self) -> int:
+        return len(self.weights)
+
+
 class DecoderLayer:
     """Attention + gated MLP with pre-norms; q/k/v and gate/up are fused into one matmul each."""
 
-    def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], prefix: str) -> None:
+    def __init__(self, cfg: ModelConfig, w: Mapping[str, torch.Tensor], prefix: str) -> None:
         attn = f"{prefix}.self_attn"
         self.cfg = cfg
         self.input_norm = w[f"{prefix}.input_layernorm.weight"]
@@ -76,7 +94,7 @@ class CausalLM:
     def __init__(
         self, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype
     ) -> None:
-        w = {name: t.to(dtype) for name, t in weights.items()}
+        w = _Cast(weights, dtype)
         self.cfg = cfg
         self.dtype = dtype
         self.embed = w["model.embed_tokens.weight"]
