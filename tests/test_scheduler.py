@@ -203,3 +203,16 @@ def test_policies_admit_all() -> None:
             sched.add_request(r)
         run(sched, worker, overlap=True)
         assert [r.output_ids for r in reqs] == [reference_output(p, 4) for p in ps]
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_request_that_outgrows_the_pool_finishes_instead_of_spinning(overlap: bool) -> None:
+    sched, worker = Scheduler(SchedulerConfig(num_slots=64)), FakeWorker(64)
+    r = make_req("big", list(range(40)), max_new=100)
+    sched.add_request(r)
+    run(sched, worker, overlap, max_steps=200)
+    assert r.finish is not None and r.finish.kind is FinishKind.LENGTH
+    assert r.finish.message == "KV pool full"
+    assert r.output_ids == reference_output(list(range(40)), len(r.output_ids))
+    assert 20 <= len(r.output_ids) < 30
+    assert sched.held_slots() == 0

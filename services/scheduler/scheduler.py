@@ -123,6 +123,12 @@ class Scheduler:
                 i += 1  # its last token is in flight; the result will finish it
                 continue
             slots = self._grow(req, 1)
+            if slots is None and len(self.running) == 1:
+                # Alone and still out of room: it could never be readmitted either.
+                self._finish(
+                    req, FinishReason(FinishKind.LENGTH, len(req.output_ids), "KV pool full")
+                )
+                break
             if slots is None:
                 victim = self.running[-1]
                 self._retract(victim)
