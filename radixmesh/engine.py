@@ -119,7 +119,7 @@ class Engine:
             self._make_req(p, sp, logprobs, cache_salt, priority, r)
             for p, sp, r in zip(prompts, params, rids, strict=True)
         ]
-        streams = [self._submit(req) for req in reqs]
+        streams = [self._submit(req, stream) for req in reqs]
         if stream:
             return streams[0].chunks()
         results = [s.result() for s in streams]
@@ -198,8 +198,8 @@ class Engine:
             logprobs=logprobs,
         )
 
-    def _submit(self, req: Req) -> RequestStream:
-        stream = RequestStream(req, self.tokenizer)
+    def _submit(self, req: Req, streaming: bool) -> RequestStream:
+        stream = RequestStream(req, self.tokenizer, streaming)
         self._post("add", (req, stream))
         return stream
 
@@ -326,7 +326,7 @@ def _as_list(
 
 
 def _logprob_request(return_logprob: bool, start: int, top_n: int) -> LogprobRequest:
-    if not isinstance(top_logprobs := top_n, int) or top_logprobs < 0:
+    if not isinstance(top_n, int) or top_n < 0:
         raise ValueError("top_logprobs_num must be a non-negative integer")
     if not isinstance(start, int) or start < -1:
         raise ValueError("logprob_start_len must be an integer >= -1")

@@ -20,8 +20,10 @@ _PROMPT_CONTEXT = 4
 class RequestStream:
     """Fed by the scheduler thread; read by the caller, streaming or all at once."""
 
-    def __init__(self, req: Req, tokenizer: Tokenizer) -> None:
+    def __init__(self, req: Req, tokenizer: Tokenizer, streaming: bool) -> None:
         self.req = req
+        # Only a streaming caller reads chunks; others would pay for a meta dict per step.
+        self._streaming = streaming
         skip = req.params.skip_special_tokens
         self._detok = IncrementalDetokenizer(
             tokenizer.decode, req.input_ids[-_PROMPT_CONTEXT:], skip_special_tokens=skip
@@ -53,7 +55,7 @@ class RequestStream:
                 delta += tail.text + ("" if tail.matched else self._stops.flush())
                 matched = tail.matched
         self.text += delta
-        if req.finish is not None or delta or new_ids:
+        if self._streaming and (req.finish is not None or delta or new_ids):
             self._chunks.put(self._chunk(delta, new_ids))
         if req.finish is not None:
             self._result = self._final()

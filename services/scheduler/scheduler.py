@@ -300,6 +300,10 @@ class Scheduler:
             self._release_kv(req)
         self._forget_on_worker(req)
         self._updated[req.rid] = req
+        self._forget_if_settled(req)
+
+    def _forget_if_settled(self, req: Req) -> None:
+        """Drop a finished request once no step of it is still in flight."""
         if not req.pending:
             self.requests.pop(req.rid, None)
 
@@ -317,8 +321,7 @@ class Scheduler:
                 continue
             req.pending -= 1
             if req.finish is not None:
-                if not req.pending:
-                    self.requests.pop(req.rid, None)
+                self._forget_if_settled(req)
                 continue  # a step run ahead past the finish; its token is dropped
             if req.params.max_new_tokens == 0:  # prefill only: the sampled token is not wanted
                 self._finish(req, FinishReason(FinishKind.LENGTH, 0))

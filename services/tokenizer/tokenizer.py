@@ -285,12 +285,6 @@ class Tokenizer:
         """Token ids of ``text``; BOS is prepended only if the model asks for it."""
         return self._raw.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def encode_batch(
-        self, texts: Sequence[str], add_special_tokens: bool = True
-    ) -> list[list[int]]:
-        encs = self._raw.encode_batch(list(texts), add_special_tokens=add_special_tokens)
-        return [e.ids for e in encs]
-
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._raw.decode(list(ids), skip_special_tokens=skip_special_tokens)
 

@@ -26,7 +26,3 @@ class KVPool:
         """Write new tokens' K/V [T, Hkv, D] into their slots [T]."""
         self.k[layer].index_copy_(0, slots, k)
         self.v[layer].index_copy_(0, slots, v)
-
-    def nbytes(self) -> int:
-        """Bytes held by the pool."""
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
