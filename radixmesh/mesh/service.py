@@ -1,0 +1,88 @@
+"""The lifecycle every mesh service shares: one config line at start, /health and
+/metrics over HTTP, and a clean stop on SIGTERM or SIGINT."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import signal
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+HealthCheck = Callable[[], tuple[bool, dict[str, Any]]]
+
+
+def setup_logging(level: str = "INFO") -> None:
+    """One line per record, service name first, as the launcher interleaves them."""
+    logging.basicConfig(
+        level=level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
+    )
+
+
+def log_config(log: logging.Logger, service: str, config: Any) -> None:
+    """The one start-up line: the service's whole config as JSON."""
+    fields = dataclasses.asdict(config) if dataclasses.is_dataclass(config) else dict(config)
+    log.info("%s starting with config %s", service, json.dumps(fields, default=str))
+
+
+def stop_event() -> asyncio.Event:
+    """An event set by SIGTERM or SIGINT (call from inside the running loop)."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    return stop
+
+
+async def run_until_stopped(start: Awaitable[None], stop: asyncio.Event) -> bool:
+    """Run a service's start-up unless a stop signal comes first (then it is cancelled)."""
+    task = asyncio.ensure_future(start)
+    waiter = asyncio.ensure_future(stop.wait())
+    await asyncio.wait([task, waiter], return_when=asyncio.FIRST_COMPLETED)
+    waiter.cancel()
+    if task.done():
+        task.result()
+        return True
+    task.cancel()
+    return False
+
+
+async def metrics_response(_: web.Request) -> web.Response:
+    """Prometheus text exposition of this process's metrics."""
+    body = generate_latest()
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+def health_handler(check: HealthCheck) -> Callable[[web.Request], Awaitable[web.Response]]:
+    """GET /health: 200 with details when ready, 503 otherwise."""
+
+    async def handle(_: web.Request) -> web.Response:
+        ok, details = check()
+        return web.json_response({"status": "ok" if ok else "starting", **details},
+                                 status=200 if ok else 503)
+
+    return handle
+
+
+class StatusServer:
+    """/health and /metrics for services that have no HTTP API of their own."""
+
+    def __init__(self, host: str, port: int, check: HealthCheck) -> None:
+        self.host, self.port = host, port
+        app = web.Application()
+        app.router.add_get("/health", health_handler(check))
+        app.router.add_get("/metrics", metrics_response)
+        self._runner = web.AppRunner(app, access_log=None)
+
+    async def start(self) -> None:
+        await self._runner.setup()
+        await web.TCPSite(self._runner, self.host, self.port).start()
+        self.port = self._runner.addresses[0][1]  # the real one when asked for port 0
+
+    async def stop(self) -> None:
+        await self._runner.cleanup()

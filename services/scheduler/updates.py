@@ -1,0 +1,106 @@
+"""Turns a request's progress into TokenUpdates for the detokenizers: what is new since
+the last update, plus the few tokens of context any detokenizer replica needs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from radixmesh.proto import forward_pb2 as fpb
+from radixmesh.proto import mesh_pb2 as mpb
+from radixmesh.services.scheduler.request import FinishReason, Req
+
+
+def finish_to_proto(reason: FinishReason) -> mpb.Finish:
+    """FinishReason as the Finish message (a length limit travels as token_id)."""
+    out = mpb.Finish(kind=reason.kind.value, message=reason.message or "")
+    if isinstance(reason.matched, str):
+        out.text = reason.matched
+    elif isinstance(reason.matched, int):
+        out.token_id = reason.matched
+    return out
+
+
+def _top(items: list[tuple[int, float]]) -> fpb.TopLogprobs:
+    return fpb.TopLogprobs(items=[fpb.TokenLogprob(token_id=t, logprob=lp) for t, lp in items])
+
+
+@dataclass
+class _Route:
+    """Where one request's updates go and how far they have got."""
+
+    reply_to: str
+    detok: mpb.DetokSpec
+    context: int
+    seq: int = 0
+    sent_outputs: int = 0
+    sent_input_logprobs: int = 0
+
+
+class UpdateBuilder:
+    """Per-request delivery state; the scheduler's requests stay free of transport."""
+
+    def __init__(self, engine_id: str) -> None:
+        self.engine_id = engine_id
+        self._routes: dict[str, _Route] = {}
+
+    def register(self, rid: str, reply_to: str, detok: mpb.DetokSpec, context: int) -> None:
+        self._routes[rid] = _Route(reply_to, detok, max(context, 1))
+
+    def __contains__(self, rid: str) -> bool:
+        return rid in self._routes
+
+    def __len__(self) -> int:
+        return len(self._routes)
+
+    def build(self, req: Req) -> mpb.TokenUpdate | None:
+        """What is new for `req` since its last update; forgets it once finished."""
+        route = self._routes.get(req.rid)
+        if route is None:
+            return None
+        offset, end = route.sent_outputs, len(req.output_ids)
+        update = mpb.TokenUpdate(
+            rid=req.rid,
+            reply_to=route.reply_to,
+            seq=route.seq,
+            offset=offset,
+            context_ids=_context(req, offset, route.context),
+            new_ids=req.output_ids[offset:end],
+            detok=route.detok,
+            prompt_tokens=len(req.input_ids),
+            cached_tokens=req.cached_tokens,
+            engine_id=self.engine_id,
+        )
+        if req.logprobs.return_logprob:
+            update.output_logprobs.extend(req.output_logprobs[offset:end])
+            update.output_top_logprobs.extend(_top(t) for t in req.output_top_logprobs[offset:end])
+            start = route.sent_input_logprobs
+            update.input_logprobs_offset = start
+            update.input_logprobs.extend(req.input_logprobs[start:])
+            update.input_top_logprobs.extend(_top(t) for t in req.input_top_logprobs[start:])
+            route.sent_input_logprobs = len(req.input_logprobs)
+        if req.finish is not None:
+            update.finish.CopyFrom(finish_to_proto(req.finish))
+            del self._routes[req.rid]
+        route.seq += 1
+        route.sent_outputs = end
+        return update
+
+    def refusal(self, rid: str, message: str) -> mpb.TokenUpdate | None:
+        """The one update of a request the scheduler could not take."""
+        route = self._routes.pop(rid, None)
+        if route is None:
+            return None
+        return mpb.TokenUpdate(
+            rid=rid,
+            reply_to=route.reply_to,
+            detok=route.detok,
+            finish=mpb.Finish(kind="abort", message=message),
+            engine_id=self.engine_id,
+        )
+
+
+def _context(req: Req, offset: int, size: int) -> list[int]:
+    """The `size` tokens right before output position `offset` (prompt tail first)."""
+    if offset >= size:
+        return req.output_ids[offset - size : offset]
+    return req.input_ids[max(0, len(req.input_ids) - (size - offset)) :] + req.output_ids[:offset]

@@ -1,0 +1,65 @@
+"""The scheduler's side of gRPC Forward: one channel per worker rank, the same batch to
+every rank, rank 0's result back."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+
+from radixmesh.proto import forward_pb2 as fpb
+from radixmesh.proto import mesh_pb2 as mpb
+from radixmesh.proto import mesh_pb2_grpc as mgrpc
+
+MAX_MESSAGE_BYTES = 64 << 20
+_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+
+
+class WorkerClient:
+    """Drives the worker ranks of one engine replica."""
+
+    def __init__(self, addrs: list[str]) -> None:
+        if not addrs:
+            raise ValueError("at least one worker address is needed")
+        self._channels = [grpc.aio.insecure_channel(a, options=_OPTIONS) for a in addrs]
+        self._stubs = [mgrpc.WorkerStub(c) for c in self._channels]
+        self.addrs = addrs
+
+    async def connect(self, timeout: float) -> mpb.WorkerInfo:
+        """Wait for every rank to answer; rank 0's info (ranks are reordered by tp_rank)."""
+        deadline = time.monotonic() + timeout
+        infos = await asyncio.gather(*(self._info(s, deadline) for s in self._stubs))
+        order = sorted(range(len(infos)), key=lambda i: infos[i].tp_rank)
+        self._stubs = [self._stubs[i] for i in order]
+        infos = [infos[i] for i in order]
+        sizes = {i.tp_size for i in infos}
+        if sizes != {len(infos)} or [i.tp_rank for i in infos] != list(range(len(infos))):
+            raise RuntimeError(
+                f"workers report tp ranks {[i.tp_rank for i in infos]} of sizes {sorted(sizes)}; "
+                f"expected ranks 0..{len(infos) - 1}, one address per rank"
+            )
+        return infos[0]
+
+    @staticmethod
+    async def _info(stub: mgrpc.WorkerStub, deadline: float) -> mpb.WorkerInfo:
+        while True:
+            try:
+                return await stub.GetInfo(mpb.WorkerInfoRequest(), timeout=5, wait_for_ready=True)
+            except grpc.aio.AioRpcError:
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.2)
+
+    async def forward(self, batch: fpb.ForwardBatch) -> fpb.ForwardResult:
+        """Run one step on every rank; they stay in lockstep, rank 0 answers."""
+        if len(self._stubs) == 1:
+            return await self._stubs[0].Forward(batch)
+        results = await asyncio.gather(*(s.Forward(batch) for s in self._stubs))
+        return results[0]
+
+    async def close(self) -> None:
+        await asyncio.gather(*(c.close() for c in self._channels))

@@ -1,0 +1,185 @@
+"""The scheduler service over real NATS and real gRPC, with a model-free worker."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import grpc
+import nats
+import pytest
+from fake_worker import FakeWorker, reference_output
+
+from radixmesh.mesh import subjects
+from radixmesh.mesh.nats_server import EmbeddedNats
+from radixmesh.proto import forward_pb2 as fpb
+from radixmesh.proto import mesh_pb2 as mpb
+from radixmesh.proto import mesh_pb2_grpc as mgrpc
+from radixmesh.services.scheduler.config import SchedulerServiceConfig
+from radixmesh.services.scheduler.server import SchedulerService
+
+NUM_SLOTS = 256
+REPLY = "rm.tokenizer.test.out"
+
+
+class FakeWorkerServicer(mgrpc.WorkerServicer):
+    def __init__(self) -> None:
+        self.worker = FakeWorker(NUM_SLOTS)
+
+    async def Forward(self, request: fpb.ForwardBatch, context: object) -> fpb.ForwardResult:
+        await asyncio.sleep(0.002)  # a step takes time, so requests overlap
+        return self.worker.forward(request)
+
+    async def GetInfo(self, request: mpb.WorkerInfoRequest, context: object) -> mpb.WorkerInfo:
+        return mpb.WorkerInfo(
+            num_slots=NUM_SLOTS, vocab_size=50, max_position_embeddings=200, tp_size=1,
+            model_path="fake", dtype="float32",
+        )
+
+
+@pytest.fixture(scope="module")
+def nats_url():
+    with EmbeddedNats() as server:
+        yield server.url
+
+
+@asynccontextmanager
+async def mesh(nats_url: str, overlap: bool = True) -> AsyncIterator[tuple[SchedulerService,
+                                                                           nats.NATS]]:
+    server = grpc.aio.server()
+    mgrpc.add_WorkerServicer_to_server(FakeWorkerServicer(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    service = SchedulerService(
+        SchedulerServiceConfig(
+            nats_url=nats_url, engine_id="e1", worker_addrs=f"127.0.0.1:{port}",
+            enable_overlap=overlap, max_running_requests=8, chunked_prefill_size=16,
+        )
+    )
+    await service.start()
+    stop = asyncio.Event()
+    running = asyncio.create_task(service.run(stop))
+    nc = await nats.connect(nats_url)
+    try:
+        yield service, nc
+    finally:
+        await nc.close()
+        stop.set()
+        await running
+        await server.stop(None)
+
+
+def request(rid: str, prompt: list[int], max_new: int, **kw: object) -> bytes:
+    msg = mpb.EngineRequest(
+        rid=rid, input_ids=prompt, max_new_tokens=max_new, reply_to=REPLY, detok_context=3,
+        **kw,
+    )
+    msg.sampling.temperature = 0
+    msg.sampling.top_p = 1
+    msg.sampling.ignore_eos = True
+    msg.sampling.repetition_penalty = 1
+    return msg.SerializeToString()
+
+
+async def collect(nc: nats.NATS, rids: set[str]) -> tuple[dict[str, list[mpb.TokenUpdate]],
+                                                          asyncio.Event, object]:
+    updates: dict[str, list[mpb.TokenUpdate]] = {r: [] for r in rids}
+    done = asyncio.Event()
+
+    async def on_step(msg: object) -> None:
+        for u in mpb.TokenStep.FromString(msg.data).updates:  # type: ignore[attr-defined]
+            updates.setdefault(u.rid, []).append(u)
+        if all(u and u[-1].HasField("finish") for u in updates.values()):
+            done.set()
+
+    sub = await nc.subscribe(subjects.DETOK, queue=subjects.DETOK_QUEUE, cb=on_step)
+    return updates, done, sub
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_requests_stream_exact_tokens_in_order(nats_url, overlap):
+    async def run() -> None:
+        async with mesh(nats_url, overlap) as (service, nc):
+            prompts = {f"r{i}": [1 + i, 2, 3, 4, 5, 6, 7, 8] * (i + 1) for i in range(6)}
+            updates, done, _ = await collect(nc, set(prompts))
+            for rid, prompt in prompts.items():
+                await nc.publish(subjects.engine_generate("e1"), request(rid, prompt, 12))
+            await asyncio.wait_for(done.wait(), 20)
+            for rid, prompt in prompts.items():
+                ups = updates[rid]
+                assert [u.seq for u in ups] == list(range(len(ups)))
+                assert [u.offset for u in ups] == sorted(u.offset for u in ups)
+                out = [t for u in ups for t in u.new_ids]
+                assert out == reference_output(prompt, 12)
+                assert ups[-1].finish.kind == "length" and ups[-1].finish.token_id == 12
+                assert all(u.reply_to == REPLY and u.engine_id == "e1" for u in ups)
+                # Each update carries the 3 tokens before its new ids as context.
+                for u in ups:
+                    seq = prompt + out
+                    before = seq[: len(prompt) + u.offset]
+                    assert list(u.context_ids) == before[-3:]
+            info = json.loads((await nc.request(
+                subjects.engine_control("e1"), b'{"op": "info"}', timeout=5)).data)
+            assert info["held_slots"] == 0 and info["running"] == 0
+            assert info["cached_tokens"] > 0
+            service.scheduler.check_invariants()
+
+    asyncio.run(run())
+
+
+def test_repeat_hits_cache_and_cache_events_flow(nats_url):
+    async def run() -> None:
+        async with mesh(nats_url) as (service, nc):
+            events: list[mpb.CacheEvent] = []
+
+            async def on_event(msg: object) -> None:
+                events.append(mpb.CacheEvent.FromString(msg.data))  # type: ignore[attr-defined]
+
+            await nc.subscribe(subjects.CACHE_EVENTS_ALL, cb=on_event)
+            prompt = list(range(1, 41))
+            for rid in ("a", "b"):
+                updates, done, sub = await collect(nc, {rid})
+                await nc.publish(subjects.engine_generate("e1"), request(rid, prompt, 4))
+                await asyncio.wait_for(done.wait(), 20)
+                await sub.unsubscribe()
+            assert updates["b"][0].cached_tokens == 39  # all but the last prompt token
+            await nc.flush()
+            seqs = [list(s.token_ids) for e in events for s in e.inserted]
+            assert prompt + reference_output(prompt, 4) in seqs
+            reply = await nc.request(subjects.engine_control("e1"), b'{"op": "flush"}', timeout=5)
+            assert json.loads(reply.data) == {"success": True}
+            await asyncio.sleep(0.05)
+            assert any(e.flushed for e in events)
+
+    asyncio.run(run())
+
+
+def test_abort_and_refusal(nats_url):
+    async def run() -> None:
+        async with mesh(nats_url) as (service, nc):
+            updates, done, _ = await collect(nc, {"long", "huge", "stopped"})
+            await nc.publish(subjects.engine_generate("e1"), request("long", [1, 2, 3], 150))
+            await nc.publish(subjects.engine_generate("e1"), request("huge", [1] * 300, 4))
+            await nc.publish(subjects.engine_generate("e1"), request("stopped", [4, 5], 150))
+            while len(updates["long"]) < 3 or len(updates["stopped"]) < 2:
+                await asyncio.sleep(0.01)
+            await nc.publish(subjects.engine_abort("e1"), mpb.AbortRequest(rid="long")
+                             .SerializeToString())
+            stop = mpb.AbortRequest(rid="stopped", finish=mpb.Finish(kind="stop", text="</s>"))
+            await nc.publish(subjects.engine_abort("e1"), stop.SerializeToString())
+            await asyncio.wait_for(done.wait(), 20)
+            assert updates["long"][-1].finish.kind == "abort"
+            assert updates["stopped"][-1].finish.kind == "stop"
+            assert updates["stopped"][-1].finish.text == "</s>"
+            refused = updates["huge"]
+            assert len(refused) == 1 and refused[0].finish.kind == "abort"
+            assert "context length" in refused[0].finish.message
+            await asyncio.sleep(0.05)
+            info = json.loads((await nc.request(
+                subjects.engine_control("e1"), b'{"op": "info"}', timeout=5)).data)
+            assert info["held_slots"] == 0 and info["running"] == 0 and info["waiting"] == 0
+            service.scheduler.check_invariants()
+
+    asyncio.run(run())
