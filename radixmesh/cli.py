@@ -5,15 +5,19 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from dataclasses import fields
 
-from radixmesh.engine import Engine
 from radixmesh.engine_args import EngineArgs
+from radixmesh.launcher import MeshArgs, serve
 
 
-def _engine_flags(parser: argparse.ArgumentParser) -> None:
-    for f in fields(EngineArgs):
+def _flags(parser: argparse.ArgumentParser, config: type, skip: tuple[str, ...] = ()) -> None:
+    """One flag per field of a config dataclass, typed after its annotation."""
+    for f in fields(config):
+        if f.name in skip:
+            continue
         flag = "--" + f.name.replace("_", "-")
         if f.type in ("bool", bool):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
@@ -23,6 +27,8 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _generate(args: argparse.Namespace) -> int:
+    from radixmesh.engine import Engine  # torch loads only for this command
+
     engine_kwargs = {f.name: getattr(args, f.name) for f in fields(EngineArgs)}
     sampling = json.loads(args.sampling_params)
     sampling.setdefault("max_new_tokens", args.max_new_tokens)
@@ -39,6 +45,12 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _up(args: argparse.Namespace) -> int:
+    values = {f.name: getattr(args, f.name) for f in fields(MeshArgs) if f.name != "extra_env"}
+    values["nats_url"] = values["nats_url"] or os.environ.get("NATS_URL")
+    return serve(MeshArgs(**values))
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `radixmesh` console script."""
     parser = argparse.ArgumentParser(prog="radixmesh", description=__doc__)
@@ -48,8 +60,11 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     gen.add_argument("--max-new-tokens", type=int, default=64)
     gen.add_argument("--sampling-params", default="{}", help="JSON object of sampling params")
-    _engine_flags(gen)
+    _flags(gen, EngineArgs)
     gen.set_defaults(func=_generate)
+    up = sub.add_parser("up", help="run the whole mesh on loopback with an embedded NATS")
+    _flags(up, MeshArgs, skip=("extra_env",))
+    up.set_defaults(func=_up)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     try:

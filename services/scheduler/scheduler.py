@@ -105,14 +105,14 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch | None:
         """The next step's batch: every decoding request, then prefill under the budget."""
-        self._step += 1
-        batch = ScheduledBatch(pb.ForwardBatch(step=self._step))
+        batch = ScheduledBatch(pb.ForwardBatch(step=self._step + 1))
         self._schedule_decodes(batch)
         self._schedule_prefills(batch)
         batch.proto.release.extend(self._release)
         self._release.clear()
         if not batch.reqs and not batch.proto.release:
             return None
+        self._step += 1  # steps count 1, 2, 3... so a worker can put them back in order
         return batch
 
     def _schedule_decodes(self, batch: ScheduledBatch) -> None:

@@ -11,6 +11,7 @@ from radixmesh.services.worker.attention import AttentionBackend
 from radixmesh.services.worker.kv_pool import KVPool
 from radixmesh.services.worker.linear import Linear
 from radixmesh.services.worker.model_config import ModelConfig
+from radixmesh.services.worker.parallel import TensorParallel, row_parallel
 from radixmesh.services.worker.rope import RotaryEmbedding, apply_rotary
 
 
@@ -36,9 +37,17 @@ class _Cast(Mapping[str, torch.Tensor]):
 
 
 class DecoderLayer:
-    """Attention + gated MLP with pre-norms; q/k/v and gate/up are fused into one matmul each."""
+    """Attention + gated MLP with pre-norms; q/k/v and gate/up are fused into one matmul each.
 
-    def __init__(self, cfg: ModelConfig, w: Mapping[str, torch.Tensor], prefix: str) -> None:
+    Under tensor parallelism `cfg` is this rank's share (see parallel.local_config)."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        w: Mapping[str, torch.Tensor],
+        prefix: str,
+        tp: TensorParallel | None = None,
+    ) -> None:
         attn = f"{prefix}.self_attn"
         self.cfg = cfg
         self.input_norm = w[f"{prefix}.input_layernorm.weight"]
@@ -47,12 +56,12 @@ class DecoderLayer:
             torch.cat([w[f"{attn}.{p}_proj.bias"] for p in "qkv"]) if cfg.attention_bias else None
         )
         self.qkv = Linear(torch.cat([w[f"{attn}.{p}_proj.weight"] for p in "qkv"]), qkv_bias)
-        self.o = Linear(w[f"{attn}.o_proj.weight"])
+        self.o = row_parallel(w[f"{attn}.o_proj.weight"], tp)
         self.q_norm = w.get(f"{attn}.q_norm.weight") if cfg.qk_norm else None
         self.k_norm = w.get(f"{attn}.k_norm.weight") if cfg.qk_norm else None
         mlp = f"{prefix}.mlp"
         self.gate_up = Linear(torch.cat([w[f"{mlp}.gate_proj.weight"], w[f"{mlp}.up_proj.weight"]]))
-        self.down = Linear(w[f"{mlp}.down_proj.weight"])
+        self.down = row_parallel(w[f"{mlp}.down_proj.weight"], tp)
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
 
@@ -92,7 +101,11 @@ class CausalLM:
     """Embeddings, decoder layers, final norm and the output projection."""
 
     def __init__(
-        self, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype
+        self,
+        cfg: ModelConfig,
+        weights: dict[str, torch.Tensor],
+        dtype: torch.dtype,
+        tp: TensorParallel | None = None,
     ) -> None:
         w = _Cast(weights, dtype)
         self.cfg = cfg
@@ -100,7 +113,7 @@ class CausalLM:
         self.embed = w["model.embed_tokens.weight"]
         self.lm_head = Linear(self.embed if cfg.tie_word_embeddings else w["lm_head.weight"])
         self.norm = w["model.norm.weight"]
-        self.layers = [DecoderLayer(cfg, w, f"model.layers.{i}") for i in range(cfg.num_layers)]
+        self.layers = [DecoderLayer(cfg, w, f"model.layers.{i}", tp) for i in range(cfg.num_layers)]
         self.rope = RotaryEmbedding(
             cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, dtype, cfg.rope_scaling
         )

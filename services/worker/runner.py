@@ -14,6 +14,7 @@ from radixmesh.services.worker.kv_pool import KVPool
 from radixmesh.services.worker.memory import keep_freed_memory
 from radixmesh.services.worker.model import CausalLM
 from radixmesh.services.worker.model_config import ModelConfig
+from radixmesh.services.worker.parallel import TensorParallel, local_config
 from radixmesh.services.worker.sampling import RequestSampler, sample
 from radixmesh.services.worker.torch_attention import TorchAttention
 
@@ -44,7 +45,10 @@ class _Request:
 
 
 class ModelRunner:
-    """Owns the weights, the KV pool and each request's sampling state."""
+    """Owns the weights, the KV pool and each request's sampling state.
+
+    Under tensor parallelism `weights` hold this rank's shards (parallel.shard_weights)
+    and the pool only this rank's KV heads; rank 0 samples and the others take its tokens."""
 
     def __init__(
         self,
@@ -53,13 +57,14 @@ class ModelRunner:
         dtype: torch.dtype,
         num_slots: int,
         attention: AttentionBackend | None = None,
+        tp: TensorParallel | None = None,
     ) -> None:
         keep_freed_memory()
         self.config = config
-        self.model = CausalLM(config, weights, dtype)
-        self.pool = KVPool(
-            config.num_layers, num_slots, config.num_kv_heads, config.head_dim, dtype
-        )
+        self.tp = tp
+        shard = config if tp is None else local_config(config, tp.size)
+        self.model = CausalLM(shard, weights, dtype, tp)
+        self.pool = KVPool(shard.num_layers, num_slots, shard.num_kv_heads, shard.head_dim, dtype)
         self.attention = attention or TorchAttention(config.head_dim**-0.5)
         self.requests: dict[str, _Request] = {}
 
@@ -100,6 +105,9 @@ class ModelRunner:
             torch.tensor(ids), torch.tensor(positions), self.attention, self.pool
         )
         outs = [result.results.add(rid=e.rid, token_id=-1) for e in batch.entries]
+        if self.tp is not None and not self.tp.is_leader:
+            self._follow(self.tp, batch, reqs, outs)
+            return
         for req, span, out in zip(reqs, spans, outs, strict=True):
             if req.spec.return_logprob and req.spec.logprob_start_len >= 0:
                 self._input_logprobs(req, span, hidden, out)
@@ -124,8 +132,11 @@ class ModelRunner:
         ]
         with_logprobs = any(reqs[i].spec.return_logprob for i in picked)
         sampled = sample(logits, samplers, top_n, with_logprobs=with_logprobs)
+        tokens = sampled.token_ids
+        if self.tp is not None:
+            tokens = self.tp.broadcast_tokens(tokens)
         for j, i in enumerate(picked):
-            token = sampled.token_ids[j]
+            token = tokens[j]
             reqs[i].last_token = token
             samplers[j].record(token)
             out = outs[i]
@@ -134,6 +145,23 @@ class ModelRunner:
                 out.logprob = sampled.logprobs[j]
                 for tid, lp in sampled.top_logprobs[j]:
                     out.top_logprobs.items.add(token_id=tid, logprob=lp)
+
+    @staticmethod
+    def _follow(
+        tp: TensorParallel,
+        batch: pb.ForwardBatch,
+        reqs: list[_Request],
+        outs: list[pb.EntryResult],
+    ) -> None:
+        """A rank other than 0 takes rank 0's tokens instead of computing logits, so every
+        rank feeds the same tokens next step (sampling state lives on rank 0 only)."""
+        picked = [i for i, e in enumerate(batch.entries) if e.sample]
+        if not picked:
+            return
+        tokens = tp.broadcast_tokens([0] * len(picked))
+        for i, token in zip(picked, tokens, strict=True):
+            reqs[i].last_token = token
+            outs[i].token_id = token
 
     def _sampler(self, req: _Request) -> RequestSampler:
         if req.sampler is None:

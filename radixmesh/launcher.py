@@ -1,0 +1,236 @@
+"""`radixmesh up`: every service of the mesh as processes on loopback, plus an embedded
+NATS server unless one is given; stops them all on Ctrl-C or when one dies."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+from radixmesh.mesh.nats_server import EmbeddedNats, free_port
+
+
+@dataclass(frozen=True)
+class MeshArgs:
+    """What `radixmesh up` starts and how (service flags keep their own names)."""
+
+    model_path: str | None = None
+    dtype: str = "bfloat16"
+    tp: int = 1
+    engines: int = 1
+    tokenizers: int = 1
+    detokenizers: int = 1
+    host: str = "127.0.0.1"
+    port: int = 30000  # first tokenizer's HTTP port; the next ones count up
+    grpc_port: int = 30001  # first tokenizer's gRPC port; 0 picks free ones
+    nats_url: str | None = None  # None: start an embedded NATS server
+    page_size: int = 1
+    max_total_tokens: int = 65536
+    max_running_requests: int = 64
+    chunked_prefill_size: int = 1024
+    schedule_policy: str = "lpm"
+    eviction_policy: str = "lru"
+    enable_overlap: bool = True
+    context_length: int = 0
+    log_level: str = "INFO"
+    log_dir: str | None = None  # None: children write to this process's stdout
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class _Child:
+    name: str
+    proc: subprocess.Popen[bytes]
+    health_url: str
+    log: IO[bytes] | None
+
+
+class Mesh:
+    """Start with `start()`, stop with `stop()`; or `with Mesh(args) as mesh:`."""
+
+    def __init__(self, args: MeshArgs) -> None:
+        self.args = args
+        self.children: list[_Child] = []
+        self.nats: EmbeddedNats | None = None
+        self.nats_url = args.nats_url or ""
+        self.http_urls: list[str] = []
+        self.grpc_addrs: list[str] = []
+
+    @property
+    def url(self) -> str:
+        """The first tokenizer's HTTP base URL."""
+        return self.http_urls[0]
+
+    def start(self, timeout: float = 600.0) -> Mesh:
+        """Start everything and wait until every service reports healthy."""
+        try:
+            if not self.nats_url:
+                self.nats = EmbeddedNats(self.args.host).start()
+                self.nats_url = self.nats.url
+            for e in range(self.args.engines):
+                self._start_engine(e)
+            for d in range(self.args.detokenizers):
+                self._spawn(f"detokenizer-{d}", "detokenizer", [f"--replica-id=d{d}"])
+            for t in range(self.args.tokenizers):
+                self._start_tokenizer(t)
+            self._wait_healthy(timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _start_engine(self, e: int) -> None:
+        a = self.args
+        ports = [free_port(a.host) for _ in range(a.tp)]
+        dist = f"tcp://{a.host}:{free_port(a.host)}"
+        threads = max(1, (os.cpu_count() or 1) // (a.engines * a.tp))
+        for rank, port in enumerate(ports):
+            self._spawn(f"worker-{e}.{rank}", "worker", [
+                f"--port={port}", f"--dtype={a.dtype}", f"--max-total-tokens={a.max_total_tokens}",
+                f"--page-size={a.page_size}", f"--tp-size={a.tp}", f"--tp-rank={rank}",
+                f"--dist-init-addr={dist}",
+                f"--num-threads={threads if a.engines * a.tp > 1 else 0}",
+            ])
+        self._spawn(f"scheduler-{e}", "scheduler", [
+            f"--engine-id=e{e}", f"--worker-addrs={','.join(f'{a.host}:{p}' for p in ports)}",
+            f"--page-size={a.page_size}", f"--max-running-requests={a.max_running_requests}",
+            f"--chunked-prefill-size={a.chunked_prefill_size}",
+            f"--schedule-policy={a.schedule_policy}", f"--eviction-policy={a.eviction_policy}",
+            f"--enable-overlap={a.enable_overlap}", f"--context-length={a.context_length}",
+        ])
+
+    def _start_tokenizer(self, t: int) -> None:
+        a = self.args
+        port = a.port + t if a.port else free_port(a.host)
+        grpc_port = a.grpc_port + t if a.grpc_port else free_port(a.host)
+        self.http_urls.append(f"http://{a.host}:{port}")
+        self.grpc_addrs.append(f"{a.host}:{grpc_port}")
+        self._spawn(f"tokenizer-{t}", "tokenizer", [
+            f"--port={port}", f"--grpc-port={grpc_port}", f"--replica-id=t{t}",
+        ], health_port=port)
+
+    def _spawn(
+        self, name: str, service: str, flags: list[str], health_port: int | None = None
+    ) -> None:
+        a = self.args
+        metrics_port = health_port or free_port(a.host)
+        args = [sys.executable, "-m", f"radixmesh.services.{service}", *flags,
+                f"--host={a.host}", f"--log-level={a.log_level}"]
+        if health_port is None:
+            args.append(f"--metrics-port={metrics_port}")
+        if service != "worker":
+            args.append(f"--nats-url={self.nats_url}")
+        if a.model_path:
+            args.append(f"--model-path={a.model_path}")
+        log = None
+        if a.log_dir:
+            Path(a.log_dir).mkdir(parents=True, exist_ok=True)
+            log = open(Path(a.log_dir) / f"{name}.log", "ab")  # noqa: SIM115 (closed in stop)
+        proc = subprocess.Popen(
+            args, stdout=log, stderr=subprocess.STDOUT if log else None,
+            env={**os.environ, **a.extra_env}, start_new_session=True,
+        )
+        self.children.append(
+            _Child(name, proc, f"http://{a.host}:{metrics_port}/health", log)
+        )
+
+    def _wait_healthy(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        pending = list(self.children)
+        while pending:
+            self.check_alive()
+            pending = [c for c in pending if not _healthy(c.health_url)]
+            if time.monotonic() > deadline:
+                names = ", ".join(c.name for c in pending)
+                raise TimeoutError(f"not healthy after {timeout:.0f} s: {names}")
+            if pending:
+                time.sleep(0.2)
+
+    def check_alive(self) -> None:
+        """Raise if any service has exited."""
+        for c in self.children:
+            code = c.proc.poll()
+            if code is not None:
+                raise RuntimeError(f"{c.name} exited with code {code}")
+
+    def child(self, name: str) -> subprocess.Popen[bytes]:
+        """The process of one service, e.g. "scheduler-0"."""
+        return next(c.proc for c in self.children if c.name == name)
+
+    def stop(self, grace: float = 15.0) -> dict[str, int | None]:
+        """SIGTERM every service (front doors first), wait, then kill stragglers; exit codes."""
+        for c in reversed(self.children):
+            if c.proc.poll() is None:
+                c.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        codes: dict[str, int | None] = {}
+        for c in reversed(self.children):
+            try:
+                codes[c.name] = c.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                c.proc.kill()
+                c.proc.wait()
+                codes[c.name] = None
+            if c.log is not None:
+                c.log.close()
+        self.children.clear()
+        if self.nats is not None:
+            self.nats.stop()
+            self.nats = None
+        return codes
+
+    def __enter__(self) -> Mesh:
+        return self if self.children else self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as resp:
+            return bool(resp.status == 200)
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def serve(args: MeshArgs) -> int:
+    """Run the mesh in the foreground until Ctrl-C / SIGTERM or a service dies."""
+    stopping = False
+
+    def on_signal(*_: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    mesh = Mesh(args)
+    print(f"radixmesh: starting {args.engines} engine(s) x tp {args.tp}, "
+          f"{args.tokenizers} tokenizer(s), {args.detokenizers} detokenizer(s)", flush=True)
+    try:
+        mesh.start()
+    except (RuntimeError, TimeoutError) as exc:
+        print(f"radixmesh: failed to start: {exc}", file=sys.stderr)
+        return 1
+    for url, addr in zip(mesh.http_urls, mesh.grpc_addrs, strict=True):
+        print(f"radixmesh: serving at {url} (OpenAI: {url}/v1, gRPC Generate: {addr})",
+              flush=True)
+    code = 0
+    while not stopping:
+        try:
+            mesh.check_alive()
+        except RuntimeError as exc:
+            print(f"radixmesh: {exc}; stopping", file=sys.stderr)
+            code = 1
+            break
+        time.sleep(0.5)
+    print("radixmesh: stopping", flush=True)
+    mesh.stop()
+    return code

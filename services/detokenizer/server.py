@@ -1,0 +1,212 @@
+"""The detokenizer service: TokenSteps in from the schedulers (one queue group, so any
+replica may get any update), TextChunks out to the tokenizer replicas that own the
+requests, and an AbortRequest to the engine when a stop string ends a request."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, NamedTuple
+
+import nats
+from google.protobuf.message import DecodeError
+from nats.aio.msg import Msg
+from nats.errors import Error as NatsError
+
+from radixmesh.mesh import subjects
+from radixmesh.mesh.service import StatusServer
+from radixmesh.proto import mesh_pb2 as mpb
+from radixmesh.services.detokenizer import metrics
+from radixmesh.services.detokenizer.config import DetokenizerConfig
+from radixmesh.services.detokenizer.incremental import DecodeFn
+from radixmesh.services.detokenizer.windowed import TextRules, Update, window_text
+from radixmesh.services.tokenizer.tokenizer import Tokenizer
+from radixmesh.services.worker.model_source import resolve_model_path
+
+log = logging.getLogger("radixmesh.detokenizer")
+
+
+class StepReplies(NamedTuple):
+    """What one TokenStep turns into."""
+
+    chunks: dict[str, mpb.TextChunks]  # by reply_to subject
+    aborts: list[tuple[str, mpb.AbortRequest]]  # (engine abort subject, message)
+    stop_matches: int  # stop strings completed by the step's tokens
+    errors: int
+
+
+class UpdateReply(NamedTuple):
+    """What one TokenUpdate turns into."""
+
+    chunk: mpb.TextChunk
+    stop_matched: bool  # a stop string completed within the update's new ids
+    stops_engine: bool  # the chunk ends a request the engine still runs
+
+
+def text_chunk(update: mpb.TokenUpdate, decode: DecodeFn) -> UpdateReply:
+    """The chunk of one update, with the stop strings of its request applied."""
+    spec = update.detok
+    finish = update.finish if update.HasField("finish") else None
+    trim_stop_token = (
+        finish is not None
+        and finish.kind == "stop"
+        and finish.WhichOneof("matched") == "token_id"
+        and not spec.no_stop_trim
+    )
+    rules = TextRules(
+        tuple(spec.stop), spec.no_stop_trim, spec.skip_special_tokens, spec.min_new_tokens
+    )
+    window = window_text(
+        decode,
+        rules,
+        Update(
+            update.context_ids,
+            update.new_ids,
+            update.offset,
+            finish is not None,
+            trim_stop_token,
+            spec.prompt_tail,
+        ),
+    )
+    total = update.offset + len(update.new_ids)
+    kept, completion = len(update.new_ids), total
+    # A stop string completed by the last token of a finished request trims the text but
+    # keeps the finish the engine reported, as the in-process engine does.
+    stopped = window.stop_at is not None and (finish is None or window.stop_at < total)
+    if window.stop_at is not None:
+        completion = window.stop_at
+    if stopped:
+        kept = max(completion - update.offset, 0)
+        finish = mpb.Finish(kind="stop", text=window.matched)
+    chunk = mpb.TextChunk(
+        rid=update.rid,
+        seq=update.seq,
+        text=window.text,
+        output_ids=update.new_ids[:kept],
+        finish=finish,
+        prompt_tokens=update.prompt_tokens,
+        cached_tokens=update.cached_tokens,
+        completion_tokens=completion,
+        output_logprobs=update.output_logprobs[:kept],
+        output_top_logprobs=update.output_top_logprobs[:kept],
+        input_logprobs_offset=update.input_logprobs_offset,
+        input_logprobs=update.input_logprobs,
+        input_top_logprobs=update.input_top_logprobs,
+    )
+    matched_here = window.stop_at is not None and window.stop_at > update.offset
+    return UpdateReply(chunk, matched_here, stopped and not update.HasField("finish"))
+
+
+def _failed(update: mpb.TokenUpdate, error: Exception) -> UpdateReply:
+    chunk = mpb.TextChunk(
+        rid=update.rid,
+        seq=update.seq,
+        finish=mpb.Finish(kind="abort", message=f"detokenizer error: {error}"),
+        prompt_tokens=update.prompt_tokens,
+        cached_tokens=update.cached_tokens,
+        completion_tokens=update.offset,
+    )
+    return UpdateReply(chunk, False, not update.HasField("finish"))
+
+
+def step_replies(step: mpb.TokenStep, decode: DecodeFn) -> StepReplies:
+    """Detokenize every update of a step: one TextChunks per owner, aborts for the engines."""
+    chunks: dict[str, mpb.TextChunks] = {}
+    aborts: list[tuple[str, mpb.AbortRequest]] = []
+    stop_matches = errors = 0
+    for update in step.updates:
+        try:
+            reply = text_chunk(update, decode)
+        except Exception as exc:
+            # One bad update must not hold back the other requests of the step.
+            log.exception("cannot detokenize update %d of %s", update.seq, update.rid)
+            reply = _failed(update, exc)
+            errors += 1
+        stop_matches += reply.stop_matched
+        if update.reply_to:
+            chunks.setdefault(update.reply_to, mpb.TextChunks()).chunks.append(reply.chunk)
+        else:
+            log.warning("update %d of %s names no reply subject", update.seq, update.rid)
+        if reply.stops_engine and update.engine_id:
+            abort = mpb.AbortRequest(rid=update.rid, finish=reply.chunk.finish)
+            aborts.append((subjects.engine_abort(update.engine_id), abort))
+    return StepReplies(chunks, aborts, stop_matches, errors)
+
+
+async def _log_nats_error(error: Exception) -> None:
+    log.warning("nats: %s", str(error) or type(error).__name__)
+
+
+class DetokenizerService:
+    """One stateless replica in the detokenizer queue group."""
+
+    def __init__(self, config: DetokenizerConfig, tokenizer: Tokenizer | None = None) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self._nc: nats.NATS | None = None
+        self._status = StatusServer(config.host, config.metrics_port, self._health)
+
+    @property
+    def metrics_port(self) -> int:
+        """The bound /health and /metrics port (after start)."""
+        return self._status.port
+
+    async def start(self) -> None:
+        """Load the tokenizer, then take TokenSteps from NATS."""
+        await self._status.start()
+        if self.tokenizer is None:
+            path = str(resolve_model_path(self.config.model_path))
+            self.tokenizer = await asyncio.to_thread(Tokenizer.from_path, path)
+        self._nc = await nats.connect(
+            self.config.nats_url,
+            name=f"detokenizer-{self.config.replica_id}",
+            # A stateless replica rides out NATS restarts instead of exiting.
+            max_reconnect_attempts=-1,
+            error_cb=_log_nats_error,
+        )
+        await self._nc.subscribe(subjects.DETOK, queue=subjects.DETOK_QUEUE, cb=self._on_step)
+        await self._nc.flush()
+        log.info(
+            "detokenizer %s ready: tokenizer %s, /metrics on %s:%d",
+            self.config.replica_id,
+            self.tokenizer.source,
+            self.config.host,
+            self._status.port,
+        )
+
+    async def stop(self) -> None:
+        """Finish the steps already received, then disconnect."""
+        if self._nc is not None and not self._nc.is_closed:
+            await self._nc.drain()
+        await self._status.stop()
+
+    def _health(self) -> tuple[bool, dict[str, Any]]:
+        connected = self._nc is not None and self._nc.is_connected
+        ok = connected and self.tokenizer is not None
+        return ok, {"replica_id": self.config.replica_id, "nats_connected": connected}
+
+    async def _on_step(self, msg: Msg) -> None:
+        tokenizer = self.tokenizer
+        assert tokenizer is not None
+        with metrics.HANDLE_SECONDS.time():
+            try:
+                step = mpb.TokenStep.FromString(msg.data)
+            except DecodeError as exc:
+                log.warning("dropping a TokenStep that does not parse: %s", exc)
+                return
+            replies = step_replies(step, tokenizer.decode)
+            metrics.UPDATES.inc(len(step.updates))
+            metrics.STOP_MATCHES.inc(replies.stop_matches)
+            metrics.ERRORS.inc(replies.errors)
+            for reply_to, chunks in replies.chunks.items():
+                await self._publish(reply_to, chunks.SerializeToString())
+                metrics.CHUNKS.inc(len(chunks.chunks))
+            for subject, abort in replies.aborts:
+                await self._publish(subject, abort.SerializeToString())
+
+    async def _publish(self, subject: str, payload: bytes) -> None:
+        assert self._nc is not None
+        try:
+            await self._nc.publish(subject, payload)
+        except NatsError as exc:
+            log.warning("could not publish to %r: %s", subject, exc)

@@ -1,0 +1,139 @@
+"""The gRPC Generate service: the fields of /generate, streamed back as deltas."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from typing import Any
+
+import grpc
+
+from radixmesh.proto import mesh_pb2 as mpb
+from radixmesh.proto import mesh_pb2_grpc
+from radixmesh.services.tokenizer import metrics
+from radixmesh.services.tokenizer.generation import (
+    GenerationChunk,
+    GenerationClient,
+    GenerationError,
+    GenerationRequest,
+    TokenLogprob,
+)
+from radixmesh.services.tokenizer.request_checks import build_request
+
+_ENDPOINT = "grpc:/radixmesh.mesh.Generate/Generate"
+_OPTIONAL_SAMPLING = (
+    "max_new_tokens", "temperature", "top_p", "top_k", "min_p", "frequency_penalty",
+    "presence_penalty", "repetition_penalty", "min_new_tokens", "seed", "skip_special_tokens",
+)
+
+
+def sampling_dict(p: mpb.ClientSamplingParams) -> dict[str, Any]:
+    """The set fields of ClientSamplingParams as the dict /generate takes."""
+    out: dict[str, Any] = {name: getattr(p, name) for name in _OPTIONAL_SAMPLING
+                           if p.HasField(name)}
+    if p.stop:
+        out["stop"] = list(p.stop)
+    if p.stop_token_ids:
+        out["stop_token_ids"] = list(p.stop_token_ids)
+    out["ignore_eos"] = p.ignore_eos
+    out["no_stop_trim"] = p.no_stop_trim
+    return out
+
+
+def finish_to_proto(finish: dict[str, Any]) -> mpb.Finish:
+    """SGLang's finish_reason object as the Finish message."""
+    out = mpb.Finish(kind=finish["type"], message=finish.get("message") or "")
+    matched = finish.get("length", finish.get("matched"))
+    if isinstance(matched, str):
+        out.text = matched
+    elif isinstance(matched, int):
+        out.token_id = matched
+    return out
+
+
+def _entries(logprobs: list[TokenLogprob]) -> list[mpb.TokenLogprobEntry]:
+    return [
+        mpb.TokenLogprobEntry(logprob=lp or 0.0, token_id=tid, has_logprob=lp is not None)
+        for lp, tid, _ in logprobs
+    ]
+
+
+def response_from_chunk(chunk: GenerationChunk) -> mpb.GenerateResponse:
+    """One GenerationChunk as one streamed GenerateResponse."""
+    out = mpb.GenerateResponse(
+        rid=chunk.rid,
+        text=chunk.text,
+        output_ids=chunk.output_ids,
+        prompt_tokens=chunk.prompt_tokens,
+        completion_tokens=chunk.completion_tokens,
+        cached_tokens=chunk.cached_tokens,
+        output_token_logprobs=_entries(chunk.output_token_logprobs),
+        output_top_logprobs=[mpb.TopLogprobList(items=_entries(top))
+                             for top in chunk.output_top_logprobs],
+        input_token_logprobs=_entries(chunk.input_token_logprobs),
+        input_top_logprobs=[mpb.TopLogprobList(items=_entries(top or []))
+                            for top in chunk.input_top_logprobs],
+    )
+    if chunk.finish is not None:
+        out.finish.CopyFrom(finish_to_proto(chunk.finish))
+    return out
+
+
+class GenerateService(mesh_pb2_grpc.GenerateServicer):
+    """Serves Generate from a GenerationClient; a cancelled call aborts its request."""
+
+    def __init__(self, client: GenerationClient) -> None:
+        self.client = client
+
+    async def Generate(  # noqa: N802 - the RPC's name
+        self, request: mpb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[mpb.GenerateResponse]:
+        """Validate, run on an engine, stream each chunk back."""
+        code = grpc.StatusCode.OK
+        try:
+            try:
+                job = self._prepare(request)
+            except ValueError as exc:
+                code = grpc.StatusCode.INVALID_ARGUMENT
+                await context.abort(code, str(exc))
+                return
+            try:
+                async with aclosing(self.client.generate(job)) as chunks:
+                    async for chunk in chunks:
+                        yield response_from_chunk(chunk)
+            except GenerationError as exc:
+                code = (grpc.StatusCode.INVALID_ARGUMENT if exc.status == 400
+                        else grpc.StatusCode.UNAVAILABLE)
+                await context.abort(code, str(exc))
+        except asyncio.CancelledError:
+            code = grpc.StatusCode.CANCELLED
+            raise
+        except Exception:
+            if code is grpc.StatusCode.OK:
+                code = grpc.StatusCode.INTERNAL
+            raise
+        finally:
+            metrics.REQUESTS.labels(_ENDPOINT, code.name).inc()
+
+    def _prepare(self, request: mpb.GenerateRequest) -> GenerationRequest:
+        which = request.WhichOneof("prompt")
+        if which == "text":
+            ids, field = self.client.tokenizer.encode(request.text), "text"
+        elif which == "input_ids":
+            ids, field = list(request.input_ids.ids), "input_ids"
+        else:
+            raise ValueError("text or input_ids is required")
+        # Unset means "none" unless logprobs were asked for, where it means "from the start".
+        start = request.logprob_start_len if request.return_logprob else -1
+        return build_request(
+            self.client,
+            request.rid or uuid.uuid4().hex,
+            ids,
+            sampling_dict(request.sampling_params),
+            (request.return_logprob, start, request.top_logprobs_num),
+            request.cache_salt or None,
+            request.priority,
+            field,
+        )

@@ -1,0 +1,285 @@
+"""The mesh as the front doors see it: requests go to engines over NATS, TextChunks come
+back on this replica's own subject, engines are found by their heartbeats."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import random
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from google.protobuf.json_format import MessageToDict
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from nats.errors import Error as NatsError
+
+from radixmesh.mesh import subjects
+from radixmesh.proto import mesh_pb2 as mpb
+from radixmesh.proto.convert import sampling_to_proto
+from radixmesh.services.detokenizer.windowed import detok_context_size
+from radixmesh.services.tokenizer import metrics
+from radixmesh.services.tokenizer.engine_registry import EngineRegistry
+from radixmesh.services.tokenizer.generation import (
+    GenerationChunk,
+    GenerationError,
+    GenerationRequest,
+)
+from radixmesh.services.tokenizer.reassembly import ChunkAssembler
+from radixmesh.services.tokenizer.router import Route, Router
+from radixmesh.services.tokenizer.tokenizer import Tokenizer
+
+log = logging.getLogger("radixmesh.tokenizer.mesh")
+
+_PROMPT_TAIL = 4  # prompt tokens the detokenizer gets as left context for the first output
+
+
+@dataclass
+class _InFlight:
+    """One request this replica sent and is waiting on."""
+
+    engine_id: str
+    assembler: ChunkAssembler
+    queue: asyncio.Queue[GenerationChunk]
+
+
+class MeshClient:
+    """GenerationClient over NATS with cache-aware routing among the live engines."""
+
+    def __init__(
+        self,
+        nc: NATS,
+        tokenizer: Tokenizer,
+        model_name: str,
+        replica_id: str,
+        router: Router | None = None,
+        engine_timeout_s: float = 3.0,
+        control_timeout_s: float = 5.0,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.replica_id = replica_id
+        self.router = router or Router()
+        self.engines = EngineRegistry(engine_timeout_s)
+        self._nc = nc
+        self._control_timeout_s = control_timeout_s
+        self._reply_to = subjects.tokenizer_out(replica_id)
+        self._in_flight: dict[str, _InFlight] = {}
+        self._subs: list[Subscription] = []
+        self._reaper: asyncio.Task[None] | None = None
+        self._changed = asyncio.Condition()
+
+    # ---- lifecycle --------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Listen for engines, their cache events and this replica's output."""
+        nc = self._nc
+        self._subs = [
+            await nc.subscribe(subjects.ENGINES, cb=self._on_status),
+            await nc.subscribe(subjects.CACHE_EVENTS_ALL, cb=self._on_cache_event),
+            await nc.subscribe(self._reply_to, cb=self._on_output),
+        ]
+        self._reaper = asyncio.create_task(self._reap_loop())
+
+    async def close(self) -> None:
+        """Stop listening; requests still waiting end with an abort."""
+        if self._reaper is not None:
+            self._reaper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reaper
+        for sub in self._subs:
+            with contextlib.suppress(NatsError):
+                await sub.unsubscribe()
+        self._subs.clear()
+        for rid, flight in list(self._in_flight.items()):
+            if not flight.assembler.finished:
+                flight.queue.put_nowait(flight.assembler.abort("the tokenizer is shutting down"))
+                await self._abort(flight.engine_id, rid)
+
+    # ---- what the front doors read ------------------------------------------------------
+
+    @property
+    def context_length(self) -> int:
+        """Longest prompt + output every known engine accepts (0 until one is known)."""
+        return self.engines.context_length
+
+    @property
+    def vocab_size(self) -> int:
+        """The engines' vocabulary size, else the tokenizer's."""
+        return self.engines.vocab_size or self.tokenizer.vocab_size
+
+    @property
+    def in_flight(self) -> int:
+        """Requests sent to engines and not finished."""
+        return len(self._in_flight)
+
+    async def wait_for_engines(self, count: int = 1, timeout_s: float = 10.0) -> None:
+        """Block until at least `count` engines are known."""
+        async with self._changed:
+            await asyncio.wait_for(
+                self._changed.wait_for(lambda: len(self.engines) >= count), timeout_s
+            )
+
+    # ---- generation ---------------------------------------------------------------------
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+        """Run a request on an engine; closing the iterator early aborts it there."""
+        if request.rid in self._in_flight:
+            raise GenerationError(f"request id {request.rid!r} is already running", 400)
+        try:
+            route = self.router.route(request.input_ids, request.cache_salt or "")
+        except LookupError:
+            raise GenerationError("no engine is available", 503) from None
+        try:
+            payload = self._engine_request(request, route)
+        except ValueError as exc:  # a value the message cannot carry, e.g. out of int32
+            raise GenerationError(f"invalid request: {exc}", 400) from exc
+        flight = _InFlight(route.engine_id, ChunkAssembler(request), asyncio.Queue())
+        self._in_flight[request.rid] = flight
+        metrics.IN_FLIGHT.inc()
+        metrics.PROMPT_TOKENS.inc(len(request.input_ids))
+        started = time.monotonic()
+        first = True
+        finished = False
+        try:
+            await self._nc.publish(subjects.engine_generate(route.engine_id), payload)
+            while not finished:
+                chunk = await flight.queue.get()
+                if first:
+                    metrics.TIME_TO_FIRST_TOKEN.observe(time.monotonic() - started)
+                    first = False
+                finished = chunk.finish is not None
+                yield chunk
+        finally:
+            del self._in_flight[request.rid]
+            metrics.IN_FLIGHT.dec()
+            metrics.GENERATION_TOKENS.inc(flight.assembler.completion_tokens)
+            if finished:
+                metrics.E2E_LATENCY.observe(time.monotonic() - started)
+            elif not flight.assembler.finished:
+                await self._abort(route.engine_id, request.rid)
+
+    def _engine_request(self, request: GenerationRequest, route: Route) -> bytes:
+        params = request.params
+        seed = params.seed if params.seed is not None else random.getrandbits(63)
+        lp = request.logprobs
+        message = mpb.EngineRequest(
+            rid=request.rid,
+            input_ids=request.input_ids,
+            sampling=sampling_to_proto(params, seed),
+            max_new_tokens=params.max_new_tokens,
+            cache_salt=request.cache_salt or "",
+            priority=request.priority,
+            return_logprob=lp.return_logprob,
+            top_logprobs_num=lp.top_logprobs_num,
+            logprob_start_len=lp.logprob_start_len,
+            reply_to=self._reply_to,
+            detok=mpb.DetokSpec(
+                stop=params.stop,
+                no_stop_trim=params.no_stop_trim,
+                skip_special_tokens=params.skip_special_tokens,
+                min_new_tokens=params.min_new_tokens,
+                prompt_tail=request.input_ids[-_PROMPT_TAIL:],
+            ),
+            detok_context=detok_context_size(params.stop),
+        )
+        log.debug("request %s -> engine %s (%d cached)", request.rid, route.engine_id,
+                  route.matched_tokens)
+        return message.SerializeToString()
+
+    async def _abort(self, engine_id: str, rid: str) -> None:
+        try:
+            await self._nc.publish(
+                subjects.engine_abort(engine_id), mpb.AbortRequest(rid=rid).SerializeToString()
+            )
+        except NatsError as exc:
+            log.warning("could not abort %s on engine %s: %s", rid, engine_id, exc)
+
+    # ---- control ------------------------------------------------------------------------
+
+    async def control(self, engine_id: str, op: str) -> dict[str, Any]:
+        """One JSON request/reply with an engine's scheduler."""
+        reply = await self._nc.request(
+            subjects.engine_control(engine_id),
+            json.dumps({"op": op}).encode(),
+            timeout=self._control_timeout_s,
+        )
+        return json.loads(reply.data)
+
+    async def flush_cache(self) -> bool:
+        """Ask every engine to drop its prefix cache; True when all did."""
+        ids = self.engines.ids
+        replies = await asyncio.gather(*(self.control(e, "flush") for e in ids),
+                                       return_exceptions=True)
+        ok = bool(ids)
+        for engine_id, reply in zip(ids, replies, strict=True):
+            if isinstance(reply, dict) and reply.get("success"):
+                self.router.flush(engine_id)
+            else:
+                log.warning("engine %s did not flush its cache: %s", engine_id, reply)
+                ok = False
+        return ok
+
+    async def engine_infos(self) -> list[dict[str, Any]]:
+        """Each engine's own server info, or its last heartbeat when it does not answer."""
+        ids = self.engines.ids
+        replies = await asyncio.gather(*(self.control(e, "info") for e in ids),
+                                       return_exceptions=True)
+        out = []
+        for engine_id, reply in zip(ids, replies, strict=True):
+            if isinstance(reply, dict):
+                out.append(reply)
+            elif engine_id in self.engines:
+                status = self.engines.status(engine_id)
+                out.append(MessageToDict(status, preserving_proto_field_name=True))
+        return out
+
+    # ---- NATS callbacks -----------------------------------------------------------------
+
+    async def _on_status(self, msg: Msg) -> None:
+        status = mpb.EngineStatus.FromString(msg.data)
+        if not status.engine_id:
+            return
+        self.router.update_engine(status.engine_id, status.running + status.waiting)
+        if self.engines.heard(status):
+            log.info("engine %s joined (context %d)", status.engine_id, status.context_length)
+            await self._membership_changed()
+
+    async def _on_cache_event(self, msg: Msg) -> None:
+        event = mpb.CacheEvent.FromString(msg.data)
+        if event.flushed:
+            self.router.flush(event.engine_id)
+        for seq in event.inserted:
+            self.router.record_cached(event.engine_id, seq.token_ids, seq.cache_salt)
+
+    async def _on_output(self, msg: Msg) -> None:
+        for chunk in mpb.TextChunks.FromString(msg.data).chunks:
+            flight = self._in_flight.get(chunk.rid)
+            if flight is None:
+                continue  # a late chunk of a request that already ended
+            for out in flight.assembler.add(chunk):
+                flight.queue.put_nowait(out)
+
+    async def _reap_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.engines.timeout_s / 4)
+            gone = self.engines.expire()
+            for engine_id in gone:
+                log.warning("engine %s fell silent; dropping it", engine_id)
+                self.router.remove_engine(engine_id)
+                for flight in self._in_flight.values():
+                    if flight.engine_id == engine_id and not flight.assembler.finished:
+                        message = f"engine {engine_id} went away"
+                        flight.queue.put_nowait(flight.assembler.abort(message))
+            if gone:
+                await self._membership_changed()
+
+    async def _membership_changed(self) -> None:
+        metrics.ENGINES.set(len(self.engines))
+        async with self._changed:
+            self._changed.notify_all()

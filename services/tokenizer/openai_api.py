@@ -1,0 +1,187 @@
+"""The OpenAI-compatible HTTP routes: /v1/models, /v1/completions, /v1/chat/completions."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from aiohttp import web
+
+from radixmesh.services.tokenizer.generation import GenerationClient, GenerationError
+from radixmesh.services.tokenizer.openai_errors import OpenAIError, error_body
+from radixmesh.services.tokenizer.openai_fanout import ClientGone, GenerationFanout
+from radixmesh.services.tokenizer.openai_protocol import (
+    OpenAIRequest,
+    ServedModel,
+    parse_body,
+    parse_chat,
+    parse_completion,
+)
+from radixmesh.services.tokenizer.openai_response import (
+    ChatResponse,
+    CompletionResponse,
+    ResponseBuilder,
+)
+from radixmesh.services.tokenizer.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+Parser = Callable[[dict[str, Any], Tokenizer, ServedModel, str], OpenAIRequest]
+
+_SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
+_DONE = b"data: [DONE]\n\n"
+# How often a request checks that its client is still connected (see _watch_client).
+_CLIENT_POLL_S = 0.2
+# nginx's "client closed request": logged, never received.
+_CLIENT_CLOSED = 499
+
+
+def add_openai_routes(app: web.Application, client: GenerationClient) -> None:
+    """Serve the OpenAI API on `app`, generating through `client`."""
+    routes = OpenAIRoutes(client)
+    app.router.add_get("/v1/models", routes.models)
+    app.router.add_get("/v1/models/{model:.+}", routes.model)
+    app.router.add_post("/v1/completions", routes.completions)
+    app.router.add_post("/v1/chat/completions", routes.chat_completions)
+
+
+def error_response(message: str, status: int = 400, param: str | None = None) -> web.Response:
+    """An error answer in OpenAI's shape."""
+    return web.json_response(error_body(message, status, param), status=status)
+
+
+class OpenAIRoutes:
+    """The handlers, bound to one GenerationClient."""
+
+    def __init__(self, client: GenerationClient) -> None:
+        self.client = client
+        self.created = int(time.time())
+
+    async def models(self, _: web.Request) -> web.Response:
+        """GET /v1/models: the one served model."""
+        return web.json_response({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: web.Request) -> web.Response:
+        """GET /v1/models/{model}."""
+        name = request.match_info["model"]
+        if name != self.client.model_name:
+            message = f"the model {name!r} does not exist; this server serves "
+            return error_response(f"{message}{self.client.model_name!r}", 404, "model")
+        return web.json_response(self._model_card())
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        """POST /v1/completions."""
+        return await self._serve(request, parse_completion, CompletionResponse, "cmpl")
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        """POST /v1/chat/completions."""
+        return await self._serve(request, parse_chat, ChatResponse, "chatcmpl")
+
+    def _model_card(self) -> dict[str, Any]:
+        return {
+            "id": self.client.model_name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "radixmesh",
+            "max_model_len": self.client.context_length or None,
+        }
+
+    def _served_model(self) -> ServedModel:
+        client = self.client
+        vocab_size = client.vocab_size or client.tokenizer.vocab_size
+        return ServedModel(client.model_name, client.context_length, vocab_size)
+
+    async def _serve(
+        self,
+        request: web.Request,
+        parse: Parser,
+        builder_type: type[ResponseBuilder],
+        id_prefix: str,
+    ) -> web.StreamResponse:
+        tokenizer = self.client.tokenizer
+        try:
+            body = parse_body(await request.read())
+            parsed = parse(body, tokenizer, self._served_model(), f"{id_prefix}-{uuid.uuid4().hex}")
+        except OpenAIError as exc:
+            return error_response(exc.message, exc.status, exc.param)
+        except web.HTTPRequestEntityTooLarge as exc:
+            return error_response(exc.text or "the request body is too large", exc.status)
+        builder = builder_type(parsed, self.client.model_name, int(time.time()), tokenizer)
+        async with GenerationFanout(self.client, parsed.requests) as fanout:
+            watcher = asyncio.create_task(_watch_client(request, fanout))
+            try:
+                if parsed.stream:
+                    return await _stream(request, fanout, builder)
+                return await _complete(fanout, builder)
+            except GenerationError as exc:
+                return error_response(str(exc), exc.status)
+            except ClientGone:
+                log.info("client of %s went away; its requests were aborted", parsed.id)
+                return web.Response(status=_CLIENT_CLOSED)
+            except Exception:
+                log.exception("request %s failed", parsed.id)
+                return error_response("internal server error", 500)
+            finally:
+                watcher.cancel()
+
+
+async def _complete(fanout: GenerationFanout, builder: ResponseBuilder) -> web.Response:
+    async for index, chunk in fanout:
+        builder.add(index, chunk)
+    return web.json_response(builder.response())
+
+
+async def _stream(
+    request: web.Request, fanout: GenerationFanout, builder: ResponseBuilder
+) -> web.StreamResponse:
+    # Wait for the first output before answering, so a request the mesh refuses at once
+    # still gets a plain error with its status.
+    first = await anext(fanout, None)
+    head = builder.start_chunks() + (builder.delta_chunks(*first) if first else [])
+    response = web.StreamResponse(headers=_SSE_HEADERS)
+    await response.prepare(request)
+    try:
+        await response.write(_events(head))
+        tail = await _relay(response, fanout, builder)
+        await response.write(_events(tail) + _DONE)
+    except (ConnectionResetError, ClientGone):
+        log.info("client of %s went away mid-stream; its requests were aborted", builder.request.id)
+    return response
+
+
+async def _relay(
+    response: web.StreamResponse, fanout: GenerationFanout, builder: ResponseBuilder
+) -> list[dict[str, Any]]:
+    """Send chunks as they come; returns the events that end the stream."""
+    try:
+        async for index, chunk in fanout:
+            await response.write(_events(builder.delta_chunks(index, chunk)))
+    except (ConnectionResetError, ClientGone):
+        raise
+    except GenerationError as exc:
+        return [error_body(str(exc), exc.status)]
+    except Exception:
+        # The headers are out: the error can only travel as an event.
+        log.exception("stream of %s failed", builder.request.id)
+        return [error_body("internal server error", 500)]
+    return [builder.usage_chunk()] if builder.request.include_usage else []
+
+
+def _events(events: list[dict[str, Any]]) -> bytes:
+    """Server-sent events: one `data:` line each, never a comment or keep-alive."""
+    return "".join(f"data: {json.dumps(e, ensure_ascii=False)}\n\n" for e in events).encode()
+
+
+async def _watch_client(request: web.Request, fanout: GenerationFanout) -> None:
+    """Tell the fanout when the client's connection closes."""
+    # aiohttp cancels a handler whose client left only when the server enables handler
+    # cancellation, and offers nothing to await otherwise, so the transport is polled; while
+    # tokens flow, a failed write notices sooner.
+    while request.transport is not None and not request.transport.is_closing():
+        await asyncio.sleep(_CLIENT_POLL_S)
+    fanout.client_gone()

@@ -1,0 +1,116 @@
+"""A tokenizer replica: the SGLang-native and OpenAI HTTP APIs and gRPC Generate, in front
+of a MeshClient that routes requests to the engines over NATS."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import re
+from pathlib import Path
+from typing import Any
+
+import grpc
+import nats
+from aiohttp import web
+from nats.aio.client import Client as NATS
+
+from radixmesh.proto import mesh_pb2_grpc
+from radixmesh.services.tokenizer.config import TokenizerServiceConfig
+from radixmesh.services.tokenizer.grpc_api import GenerateService
+from radixmesh.services.tokenizer.http_util import metrics_middleware
+from radixmesh.services.tokenizer.mesh_client import MeshClient
+from radixmesh.services.tokenizer.native_api import NativeApi
+from radixmesh.services.tokenizer.openai_api import add_openai_routes
+from radixmesh.services.tokenizer.router import Router
+from radixmesh.services.tokenizer.tokenizer import Tokenizer
+from radixmesh.services.worker.model_source import resolve_model_path
+
+log = logging.getLogger("radixmesh.tokenizer")
+
+
+def public_args(config: TokenizerServiceConfig) -> dict[str, Any]:
+    """The config as /server_info shows it: without credentials in the NATS address."""
+    args = dataclasses.asdict(config)
+    args["nats_url"] = re.sub(r"//[^/@]*@", "//", config.nats_url)
+    return args
+
+
+def served_name(model_path: Path) -> str:
+    """The name clients use for a model: its GGUF file's or directory's name, no extension."""
+    return model_path.stem if model_path.is_file() else model_path.name
+
+
+class TokenizerServer:
+    """Start with `start()`, stop with `stop()`; `port` and `grpc_port` are the bound ones."""
+
+    def __init__(self, config: TokenizerServiceConfig, tokenizer: Tokenizer | None = None) -> None:
+        self.config = config
+        self.port = config.port
+        self.grpc_port = config.grpc_port
+        self.client: MeshClient | None = None
+        self._tokenizer = tokenizer
+        self._nc: NATS | None = None
+        self._runner: web.AppRunner | None = None
+        self._grpc: grpc.aio.Server | None = None
+
+    async def start(self) -> None:
+        """Load the tokenizer, join the mesh, then open the HTTP and gRPC ports."""
+        cfg = self.config
+        model_path = resolve_model_path(cfg.model_path)
+        tokenizer = self._tokenizer or await asyncio.to_thread(Tokenizer.from_path, str(model_path))
+        self._nc = await nats.connect(
+            cfg.nats_url, name=f"tokenizer-{cfg.replica_id}", error_cb=_log_nats_error
+        )
+        client = self.client = MeshClient(
+            self._nc,
+            tokenizer,
+            cfg.served_model_name or served_name(model_path),
+            cfg.replica_id,
+            Router(cfg.router),
+            engine_timeout_s=cfg.engine_timeout,
+        )
+        await client.start()
+
+        app = web.Application(middlewares=[metrics_middleware])
+        NativeApi(client, str(model_path), public_args(cfg)).add_routes(app)
+        add_openai_routes(app, client)
+        # Cancelling the handler of a client that hung up closes its generation, which
+        # aborts the request on its engine.
+        self._runner = web.AppRunner(
+            app, handler_cancellation=True, shutdown_timeout=cfg.shutdown_grace, access_log=None
+        )
+        await self._runner.setup()
+        await web.TCPSite(self._runner, cfg.host, cfg.port).start()
+        self.port = self._runner.addresses[0][1]
+
+        if cfg.grpc_port >= 0:
+            self._grpc = grpc.aio.server()
+            mesh_pb2_grpc.add_GenerateServicer_to_server(GenerateService(client), self._grpc)
+            self.grpc_port = self._grpc.add_insecure_port(f"{cfg.host}:{cfg.grpc_port}")
+            await self._grpc.start()
+        log.info(
+            "tokenizer %s serving %s: HTTP on %s:%d, gRPC %s",
+            cfg.replica_id, client.model_name, cfg.host, self.port,
+            f"on {cfg.host}:{self.grpc_port}" if self._grpc else "off",
+        )
+
+    async def stop(self) -> None:
+        """Stop accepting, let in-flight requests finish within the grace period (then
+        abort them), and leave NATS."""
+        grace = self.config.shutdown_grace
+        closing = []
+        if self._grpc is not None:
+            closing.append(self._grpc.stop(grace))
+        if self._runner is not None:
+            closing.append(self._runner.cleanup())
+        await asyncio.gather(*closing)
+        if self.client is not None:
+            await self.client.close()
+        if self._nc is not None and not self._nc.is_closed:
+            await self._nc.drain()
+        log.info("tokenizer %s stopped", self.config.replica_id)
+
+
+async def _log_nats_error(exc: Exception) -> None:
+    log.warning("NATS: %s", exc)

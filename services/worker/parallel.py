@@ -1,0 +1,135 @@
+"""Tensor parallelism: the rank group, the collectives the model needs, and weight sharding.
+
+Attention heads and MLP columns are split across ranks (Megatron-style): q/k/v and
+gate/up are column-parallel, o_proj and down_proj row-parallel and summed over the
+group; embeddings, norms and the LM head are replicated."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from radixmesh.services.worker.linear import Linear
+from radixmesh.services.worker.model_config import ModelConfig
+
+# Projections split by output rows (column-parallel) and by input columns (row-parallel).
+_ROW_SPLIT = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+_COLUMN_SPLIT = ("o_proj", "down_proj")
+# A rank that waits this long on a collective is stuck behind a dead peer.
+_COLLECTIVE_TIMEOUT = timedelta(minutes=10)
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """This process's place in an initialised tensor-parallel group."""
+
+    rank: int
+    size: int
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def is_leader(self) -> bool:
+        """Rank 0 samples; the others take its tokens."""
+        return self.rank == 0
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum x over the group, in place."""
+        dist.all_reduce(x)
+        return x
+
+    def broadcast_tokens(self, tokens: list[int]) -> list[int]:
+        """Rank 0's tokens on every rank (the others pass a placeholder of the same length)."""
+        t = torch.tensor(tokens, dtype=torch.long, device=self.device)
+        dist.broadcast(t, src=0)
+        return t.tolist()
+
+
+class RowParallelLinear(Linear):
+    """A Linear over this rank's slice of the input features, summed over the group."""
+
+    def __init__(self, weight: torch.Tensor, tp: TensorParallel) -> None:
+        super().__init__(weight)
+        self.tp = tp
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tp.all_reduce(super().__call__(x))
+
+
+def row_parallel(weight: torch.Tensor, tp: TensorParallel | None) -> Linear:
+    """A plain Linear without tensor parallelism, else its row-parallel form."""
+    return Linear(weight) if tp is None else RowParallelLinear(weight, tp)
+
+
+def init_tensor_parallel(
+    init_addr: str, rank: int, size: int, device: torch.device | None = None
+) -> TensorParallel:
+    """Join the group (blocks until every rank has joined): gloo on CPU, NCCL on CUDA."""
+    device = device or torch.device("cpu")
+    if not 0 <= rank < size:
+        raise ValueError(f"tp_rank must be in [0, {size}), got {rank}")
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(
+        backend, init_method=init_addr, rank=rank, world_size=size, timeout=_COLLECTIVE_TIMEOUT
+    )
+    return TensorParallel(rank, size, device)
+
+
+def destroy_tensor_parallel() -> None:
+    """Leave the group, if this process joined one."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def check_divisible(config: ModelConfig, size: int) -> None:
+    """Raise ValueError unless heads, KV heads and the MLP width split evenly over `size`."""
+    for name in ("num_heads", "num_kv_heads", "intermediate_size"):
+        value = getattr(config, name)
+        if value % size:
+            raise ValueError(
+                f"tensor parallel size {size} does not divide the model's {name} ({value}); "
+                f"it must divide {config.num_heads} heads, {config.num_kv_heads} KV heads "
+                f"and intermediate size {config.intermediate_size}"
+            )
+
+
+def local_config(config: ModelConfig, size: int) -> ModelConfig:
+    """The shape of one rank's share of the model."""
+    check_divisible(config, size)
+    return dataclasses.replace(
+        config,
+        num_heads=config.num_heads // size,
+        num_kv_heads=config.num_kv_heads // size,
+        intermediate_size=config.intermediate_size // size,
+    )
+
+
+def shard_weights(
+    config: ModelConfig, weights: dict[str, torch.Tensor], rank: int, size: int
+) -> None:
+    """Replace each split weight in `weights` by this rank's slice, in place, so the full
+    tensors are freed one by one."""
+    check_divisible(config, size)
+    for name in list(weights):
+        dim = _split_dim(name)
+        if dim is None:
+            continue
+        full = weights[name]
+        part = full.shape[dim] // size
+        weights[name] = full.narrow(dim, rank * part, part).clone()
+
+
+def _split_dim(name: str) -> int | None:
+    """The dimension a parameter is split along, or None when it is replicated."""
+    parts = name.split(".")
+    if len(parts) < 2:
+        return None
+    proj, kind = parts[-2], parts[-1]
+    if proj in _ROW_SPLIT and kind in ("weight", "bias"):
+        return 0
+    if proj in _COLUMN_SPLIT and kind == "weight":
+        return 1
+    return None

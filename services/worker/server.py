@@ -1,0 +1,197 @@
+"""The worker service: gRPC Forward and GetInfo over one model runner, gRPC health, and
+/health + /metrics over HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import grpc
+import torch
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from prometheus_client import Counter, Gauge, Histogram
+
+from radixmesh.mesh.service import StatusServer
+from radixmesh.proto import forward_pb2 as fpb
+from radixmesh.proto import mesh_pb2 as mpb
+from radixmesh.proto import mesh_pb2_grpc as mgrpc
+from radixmesh.services.worker.config import WorkerConfig
+from radixmesh.services.worker.memory import release_free_memory
+from radixmesh.services.worker.model_source import load_model, resolve_model_path
+from radixmesh.services.worker.parallel import (
+    TensorParallel,
+    check_divisible,
+    destroy_tensor_parallel,
+    init_tensor_parallel,
+    shard_weights,
+)
+from radixmesh.services.worker.runner import ModelRunner
+
+log = logging.getLogger("radixmesh.worker")
+
+SERVICE_NAME = mpb.DESCRIPTOR.services_by_name["Worker"].full_name
+MAX_MESSAGE_BYTES = 64 << 20
+STOP_GRACE_S = 2.0
+# How long a stop waits for the torch thread (a step or a model load) to finish.
+SETTLE_TIMEOUT_S = 15.0
+ORDER_WAIT_S = 1.0
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+_P = "radixmesh_worker_"
+FORWARDS = Counter(_P + "forward_total", "Forward steps run")
+FORWARD_SECONDS = Histogram(
+    _P + "forward_seconds",
+    "Model time per forward step",
+    buckets=(0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10),
+)
+BATCH_TOKENS = Histogram(
+    _P + "batch_tokens",
+    "Tokens computed per forward step",
+    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096),
+)
+KV_POOL_SLOTS = Gauge(_P + "kv_pool_slots", "Token slots in this rank's KV pool")
+
+
+def _set_threads(num_threads: int) -> None:
+    # On the torch thread itself: OpenMP's thread count is per calling thread.
+    if num_threads > 0:
+        torch.set_num_threads(num_threads)
+
+
+class WorkerService(mgrpc.WorkerServicer):
+    """One rank: every torch call runs on one dedicated thread, in the order batches came."""
+
+    def __init__(self, config: WorkerConfig) -> None:
+        self.config = config
+        self.runner: ModelRunner | None = None
+        self.info: mpb.WorkerInfo | None = None
+        self.port = 0
+        # A second thread running torch ops would start a second OpenMP team, and the two
+        # slow each other down by ~1.5x.
+        self._torch = ThreadPoolExecutor(
+            1, "radixmesh-torch", initializer=_set_threads, initargs=(config.num_threads,)
+        )
+        self._health = health.aio.HealthServicer()
+        opts = [
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ]
+        self._server = grpc.aio.server(options=opts)
+        mgrpc.add_WorkerServicer_to_server(self, self._server)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
+        self._status = StatusServer(config.host, config.metrics_port, self._check)
+        self._started = False
+        # Overlapped steps are in flight together and gRPC may hand them over in either
+        # order; each must reach the torch thread after the step before it.
+        self._order = asyncio.Condition()
+        self._submitted_step = 0
+
+    # ---- lifecycle ------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Serve at once (health NOT_SERVING), then load the model and turn SERVING."""
+        c = self.config
+        for name in ("", SERVICE_NAME):
+            await self._health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.port = self._server.add_insecure_port(f"{c.host}:{c.port}")
+        await self._server.start()
+        await self._status.start()
+        self._started = True
+        where = f"gRPC on {c.host}:{self.port}, /metrics on {c.host}:{self._status.port}"
+        log.info("worker rank %d/%d: %s", c.tp_rank, c.tp_size, where)
+        loop = asyncio.get_running_loop()
+        self.runner = await loop.run_in_executor(self._torch, self._load)
+        self.info = mpb.WorkerInfo(
+            num_slots=self.runner.pool.num_slots,
+            vocab_size=self.runner.config.vocab_size,
+            max_position_embeddings=self.runner.config.max_position_embeddings,
+            eos_token_ids=list(self.runner.config.eos_token_ids),
+            model_path=str(resolve_model_path(c.model_path)),
+            dtype=c.dtype,
+            tp_rank=c.tp_rank,
+            tp_size=c.tp_size,
+        )
+        KV_POOL_SLOTS.set(self.info.num_slots)
+        for name in ("", SERVICE_NAME):
+            await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        log.info("model %s loaded: %d KV slots", self.info.model_path, self.info.num_slots)
+
+    def _load(self) -> ModelRunner:
+        """Load (and, with tp_size > 1, join the group and shard) on the torch thread."""
+        c = self.config
+        loaded = load_model(c.model_path, progress=False)
+        tp: TensorParallel | None = None
+        if c.tp_size > 1:
+            check_divisible(loaded.config, c.tp_size)
+            assert c.dist_init_addr is not None  # WorkerConfig checks it
+            tp = init_tensor_parallel(c.dist_init_addr, c.tp_rank, c.tp_size)
+            shard_weights(loaded.config, loaded.weights, c.tp_rank, c.tp_size)
+        runner = ModelRunner(loaded.config, loaded.weights, _DTYPES[c.dtype], c.num_slots, tp=tp)
+        del loaded
+        release_free_memory()
+        return runner
+
+    async def stop(self) -> bool:
+        """Stop serving and leave the rank group; False when the torch thread is still busy
+        (a step stuck on a dead peer, or a load) after SETTLE_TIMEOUT_S."""
+        if self._started:
+            await self._health.enter_graceful_shutdown()
+            await self._server.stop(STOP_GRACE_S)
+            await self._status.stop()
+        settled = asyncio.get_running_loop().run_in_executor(self._torch, destroy_tensor_parallel)
+        try:
+            await asyncio.wait_for(settled, SETTLE_TIMEOUT_S)
+        except TimeoutError:
+            log.warning("the torch thread is still busy after %.0f s", SETTLE_TIMEOUT_S)
+            self._torch.shutdown(wait=False, cancel_futures=True)
+            return False
+        self._torch.shutdown()
+        return True
+
+    def _check(self) -> tuple[bool, dict[str, Any]]:
+        return self.runner is not None, {
+            "tp_rank": self.config.tp_rank,
+            "tp_size": self.config.tp_size,
+        }
+
+    # ---- RPCs -----------------------------------------------------------------------------
+
+    async def Forward(
+        self, request: fpb.ForwardBatch, context: grpc.aio.ServicerContext
+    ) -> fpb.ForwardResult:
+        """Run one step on the torch thread."""
+        runner = self.runner
+        if runner is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
+        loop = asyncio.get_running_loop()
+        async with self._order:
+            # A step at or below the last one is a scheduler that started over; a gap that
+            # does not fill within ORDER_WAIT_S is one that will never fill.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(
+                    self._order.wait_for(lambda: request.step <= self._submitted_step + 1),
+                    ORDER_WAIT_S,
+                )
+            pending = loop.run_in_executor(self._torch, runner.forward, request)
+            self._submitted_step = request.step
+            self._order.notify_all()
+        try:
+            result = await pending
+        except Exception as exc:
+            log.exception("step %d failed", request.step)
+            await context.abort(grpc.StatusCode.INTERNAL, f"forward failed: {exc!r}")
+        FORWARDS.inc()
+        FORWARD_SECONDS.observe(result.forward_ms / 1e3)
+        BATCH_TOKENS.observe(sum(len(e.input_ids) or 1 for e in request.entries))
+        return result
+
+    async def GetInfo(
+        self, request: mpb.WorkerInfoRequest, context: grpc.aio.ServicerContext
+    ) -> mpb.WorkerInfo:
+        """The loaded model and KV pool."""
+        if self.info is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
+        return self.info

@@ -1,0 +1,168 @@
+"""compose.yaml and the Dockerfile, checked with the real compose binary (no Docker engine)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import subprocess
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import compose
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+COMPOSE_FILE = ROOT / "compose.yaml"
+BINARY = Path(compose.__file__).parent / "docker-compose"
+MESH = ("worker", "scheduler", "detokenizer", "tokenizer")
+SCALABLE = ("tokenizer", "detokenizer")
+CPU_INDEX = "https://download.pytorch.org/whl/cpu"
+
+
+def render(*overrides: Path) -> dict[str, Any]:
+    """The project as the compose binary resolves it, with optional override files."""
+    files = [arg for f in (COMPOSE_FILE, *overrides) for arg in ("-f", str(f))]
+    # COMPOSE_* from the caller's shell (COMPOSE_FILE, COMPOSE_PROFILES) would change the model.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COMPOSE_")}
+    done = subprocess.run(
+        [str(BINARY), *files, "config", "--format", "json"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+@pytest.fixture(scope="module")
+def services() -> dict[str, dict[str, Any]]:
+    """The resolved services of compose.yaml alone."""
+    return render()["services"]
+
+
+def module_of(service: dict[str, Any]) -> str:
+    """The module a `python -m` service command runs."""
+    command = service["command"]
+    assert command[:2] == ["python", "-m"], command
+    return command[2]
+
+
+def host_ports(published: str) -> range:
+    """Host ports of a published entry: "30000" or a range "30000-30009"."""
+    low, _, high = published.partition("-")
+    return range(int(low), int(high or low) + 1)
+
+
+def runnable(module: str) -> bool:
+    """Whether `python -m module` has something to run."""
+    spec = importlib.util.find_spec(module)
+    if spec is None or spec.submodule_search_locations is None:
+        return spec is not None
+    return importlib.util.find_spec(module + ".__main__") is not None
+
+
+def test_expected_services(services):
+    assert {"nats", "jaeger", *MESH} <= set(services)
+    assert {name for name, s in services.items() if "build" in s} == set(MESH)
+
+
+def test_mesh_services_share_one_image(services):
+    builds = {json.dumps(services[name]["build"], sort_keys=True) for name in MESH}
+    assert builds == {json.dumps({"context": str(ROOT), "dockerfile": "Dockerfile"})}
+    assert len({services[name]["image"] for name in MESH}) == 1
+    for name in MESH:
+        assert module_of(services[name]) == f"radixmesh.services.{name}"
+        assert services[name]["restart"] == "unless-stopped"
+
+
+def test_service_modules_exist(services):
+    modules = [module_of(services[name]) for name in MESH]
+    assert [m for m in modules if not runnable(m)] == []
+
+
+def test_every_service_but_jaeger_has_a_healthcheck(services):
+    for name in ("nats", *MESH):
+        assert services[name]["healthcheck"]["test"][0] in ("CMD", "CMD-SHELL"), name
+    assert "http://127.0.0.1:8222/healthz" in services["nats"]["healthcheck"]["test"]
+    assert {"-js", "-m", "8222"} <= set(services["nats"]["command"])
+
+
+def test_mesh_healthchecks_get_their_own_health_port(services):
+    for name in MESH:
+        env = services[name]["environment"]
+        port = env["RADIXMESH_PORT"] if name == "tokenizer" else env["RADIXMESH_METRICS_PORT"]
+        test = services[name]["healthcheck"]["test"]
+        assert test[:3] == ["CMD", "python", "-c"], name
+        assert test[-1] == f"http://127.0.0.1:{port}/health", name
+
+
+def test_scalable_services_publish_only_port_ranges(services):
+    for name in SCALABLE:
+        assert "container_name" not in services[name]
+        for port in services[name].get("ports", []):
+            assert len(host_ports(port["published"])) >= 2, (name, port)
+    targets = {p["target"] for p in services["tokenizer"]["ports"]}
+    env = services["tokenizer"]["environment"]
+    assert targets == {int(env["RADIXMESH_PORT"]), int(env["RADIXMESH_GRPC_PORT"])}
+
+
+def test_no_host_port_is_published_twice(services):
+    taken: list[int] = []
+    for service in services.values():
+        for port in service.get("ports", []):
+            taken.extend(host_ports(port["published"]))
+    assert len(taken) == len(set(taken))
+
+
+def test_scaling_out_the_front_validates(tmp_path):
+    override = tmp_path / "scale.yaml"
+    override.write_text("services:\n" + "".join(f"  {n}:\n    scale: 2\n" for n in SCALABLE))
+    scaled = render(override)["services"]
+    assert all(scaled[name]["scale"] == 2 for name in SCALABLE)
+
+
+def test_scheduler_points_at_nats_and_the_worker(services):
+    scheduler = services["scheduler"]
+    worker_port = services["worker"]["environment"]["RADIXMESH_PORT"]
+    assert scheduler["environment"]["RADIXMESH_WORKER_ADDRS"] == f"worker:{worker_port}"
+    assert scheduler["environment"]["RADIXMESH_ENGINE_ID"] == "0"
+    for dependency in ("nats", "worker"):
+        assert scheduler["depends_on"][dependency]["condition"] == "service_healthy"
+
+
+def test_mesh_environment_reaches_nats_and_jaeger(services):
+    for name in MESH:
+        env = services[name]["environment"]
+        nats_url = urlparse(env["NATS_URL"])
+        assert (nats_url.scheme, nats_url.hostname, nats_url.port) == ("nats", "nats", 4222)
+        otlp = urlparse(env["OTEL_EXPORTER_OTLP_ENDPOINT"])
+        assert (otlp.hostname, otlp.port) == ("jaeger", 4317)
+        assert env["OTEL_SERVICE_NAME"] == f"radixmesh-{name}"
+        assert env["RADIXMESH_HOST"] == "0.0.0.0"
+        if name != "worker":
+            assert services[name]["depends_on"]["nats"]["condition"] == "service_healthy"
+    assert 4317 in {p["target"] for p in services["jaeger"]["ports"]}
+    assert services["worker"]["environment"]["RADIXMESH_DTYPE"] == "bfloat16"
+
+
+def test_dockerfile_installs_cpu_torch_then_the_project():
+    text = (ROOT / "Dockerfile").read_text()
+    assert re.findall(r"^FROM (\S+)", text, re.MULTILINE)[-1] == "python:3.11-slim"
+    torch_lines = [line for line in text.splitlines() if "torch==" in line]
+    assert len(torch_lines) == 1
+    assert "torch==2.13.0" in torch_lines[0].split()
+    assert f"--index-url {CPU_INDEX}" in torch_lines[0]
+    assert text.index("torch==2.13.0") < text.index("pip install .")
+    users = re.findall(r"^USER (\S+)", text, re.MULTILINE)
+    assert users and users[-1] not in ("root", "0")
+
+
+def test_dockerignore_keeps_local_state_out():
+    ignored = set((ROOT / ".dockerignore").read_text().split())
+    assert {".venv", ".git", "benchmarks"} <= ignored

@@ -1,0 +1,236 @@
+"""The detokenizer service on a NATS server of its own: chunks reach each request's owner,
+a stop string aborts the engine, SIGTERM stops the process cleanly."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+
+import aiohttp
+import nats
+import pytest
+
+from radixmesh.mesh import subjects
+from radixmesh.mesh.nats_server import EmbeddedNats
+from radixmesh.proto import forward_pb2 as fpb
+from radixmesh.proto import mesh_pb2 as mpb
+from radixmesh.services.detokenizer.config import DetokenizerConfig
+from radixmesh.services.detokenizer.server import DetokenizerService, step_replies
+from radixmesh.services.tokenizer.tokenizer import Tokenizer
+
+OWNER_A = subjects.tokenizer_out("a")
+OWNER_B = subjects.tokenizer_out("b")
+ENGINE = "e1"
+
+
+@pytest.fixture(scope="module")
+def nats_url() -> Iterator[str]:
+    with EmbeddedNats() as server:
+        yield server.url
+
+
+@functools.cache
+def tokenizer() -> Tokenizer:
+    return Tokenizer.from_path(None)
+
+
+def two_requests() -> tuple[mpb.TokenStep, mpb.TextChunks, mpb.TextChunks, mpb.AbortRequest]:
+    """A step with a plain update for owner A and a stop-string match for owner B."""
+    tok = tokenizer()
+    prompt = tok.encode("Hi")
+    hello = tok.encode(" Hello 😀 world")
+    plain = mpb.TokenUpdate(
+        rid="r1",
+        reply_to=OWNER_A,
+        seq=0,
+        offset=0,
+        context_ids=prompt,
+        new_ids=hello,
+        detok=mpb.DetokSpec(skip_special_tokens=True, prompt_tail=prompt),
+        prompt_tokens=1,
+        cached_tokens=1,
+        output_logprobs=[-0.5, -1.0, -1.5, -2.0],
+        output_top_logprobs=[
+            fpb.TopLogprobs(items=[fpb.TokenLogprob(token_id=i, logprob=-0.1)]) for i in hello
+        ],
+        engine_id=ENGINE,
+    )
+    one, end, two = tok.encode(" one END two")
+    stopping = mpb.TokenUpdate(
+        rid="r2",
+        reply_to=OWNER_B,
+        seq=1,
+        offset=1,
+        context_ids=[*prompt, one],
+        new_ids=[end, two],
+        detok=mpb.DetokSpec(stop=["END"], skip_special_tokens=True, prompt_tail=prompt),
+        prompt_tokens=1,
+        engine_id=ENGINE,
+    )
+    step = mpb.TokenStep(updates=[plain, stopping])
+    expected_a = mpb.TextChunks(
+        chunks=[
+            mpb.TextChunk(
+                rid="r1",
+                seq=0,
+                text=" Hello 😀 world",
+                output_ids=hello,
+                prompt_tokens=1,
+                cached_tokens=1,
+                completion_tokens=4,
+                output_logprobs=plain.output_logprobs,
+                output_top_logprobs=plain.output_top_logprobs,
+            )
+        ]
+    )
+    finish = mpb.Finish(kind="stop", text="END")
+    expected_b = mpb.TextChunks(
+        chunks=[
+            mpb.TextChunk(
+                rid="r2",
+                seq=1,
+                text=" ",
+                output_ids=[end],
+                finish=finish,
+                prompt_tokens=1,
+                completion_tokens=2,
+            )
+        ]
+    )
+    return step, expected_a, expected_b, mpb.AbortRequest(rid="r2", finish=finish)
+
+
+def test_stop_token_is_counted_but_not_shown() -> None:
+    tok = tokenizer()
+    prompt = tok.encode("Hi")
+    update = mpb.TokenUpdate(
+        rid="r",
+        reply_to=OWNER_A,
+        seq=3,
+        offset=3,
+        context_ids=[*prompt, *tok.encode(" a b c")],
+        new_ids=[*tok.encode(" d"), 2],
+        detok=mpb.DetokSpec(stop=["x"], skip_special_tokens=False),
+        finish=mpb.Finish(kind="stop", token_id=2),
+        engine_id=ENGINE,
+    )
+    replies = step_replies(mpb.TokenStep(updates=[update]), tok.decode)
+    (chunk,) = replies.chunks[OWNER_A].chunks
+    assert (chunk.text, list(chunk.output_ids), chunk.completion_tokens) == (
+        " d",
+        list(update.new_ids),
+        5,
+    )
+    assert chunk.finish == update.finish
+    assert replies.aborts == [] and replies.stop_matches == 0
+
+
+def test_updates_after_a_stop_string_repeat_the_stop() -> None:
+    tok = tokenizer()
+    prompt = tok.encode("Hi")
+    out = tok.encode(" one END two three")
+    spec = mpb.DetokSpec(stop=["END"], skip_special_tokens=True)
+    late = mpb.TokenUpdate(
+        rid="r", reply_to=OWNER_A, seq=2, offset=3, context_ids=[*prompt, *out[:3]],
+        new_ids=out[3:], detok=spec, engine_id=ENGINE,
+    )  # fmt: skip
+    last = mpb.TokenUpdate(
+        rid="r", reply_to=OWNER_A, seq=3, offset=4, context_ids=[*prompt, *out],
+        detok=spec, finish=mpb.Finish(kind="stop", text="END"), engine_id=ENGINE,
+    )  # fmt: skip
+    replies = step_replies(mpb.TokenStep(updates=[late, last]), tok.decode)
+    stop = mpb.Finish(kind="stop", text="END")
+    assert list(replies.chunks[OWNER_A].chunks) == [
+        mpb.TextChunk(rid="r", seq=2, finish=stop, completion_tokens=2),
+        mpb.TextChunk(rid="r", seq=3, finish=stop, completion_tokens=2),
+    ]
+    # Only the update the engine may still be running for asks it again to stop.
+    assert replies.aborts == [
+        (subjects.engine_abort(ENGINE), mpb.AbortRequest(rid="r", finish=stop))
+    ]
+    assert replies.stop_matches == 0
+
+
+def test_a_bad_update_aborts_only_its_request() -> None:
+    tok = tokenizer()
+    bad = mpb.TokenUpdate(rid="bad", reply_to=OWNER_A, seq=0, new_ids=[-1], engine_id=ENGINE)
+    good = mpb.TokenUpdate(rid="ok", reply_to=OWNER_A, seq=0, new_ids=tok.encode("fine"))
+    nowhere = mpb.TokenUpdate(rid="lost", seq=0, new_ids=tok.encode("x"))
+    replies = step_replies(mpb.TokenStep(updates=[bad, good, nowhere]), tok.decode)
+    failed, fine = replies.chunks[OWNER_A].chunks
+    assert failed.finish.kind == "abort" and failed.finish.message.startswith("detokenizer")
+    assert fine.text == "fine" and not fine.HasField("finish")
+    assert list(replies.chunks) == [OWNER_A]
+    assert [subject for subject, _ in replies.aborts] == [subjects.engine_abort(ENGINE)]
+    assert replies.errors == 1
+
+
+async def _exchange(url: str) -> None:
+    config = DetokenizerConfig(nats_url=url, replica_id="test")
+    service = DetokenizerService(config, tokenizer())
+    await service.start()
+    client = await nats.connect(url)
+    try:
+        inbox_a = await client.subscribe(OWNER_A)
+        inbox_b = await client.subscribe(OWNER_B)
+        aborts = await client.subscribe(subjects.engine_abort(ENGINE))
+        await client.flush()
+        step, expected_a, expected_b, expected_abort = two_requests()
+        await client.publish(subjects.DETOK, step.SerializeToString())
+        got_a = mpb.TextChunks.FromString((await inbox_a.next_msg(timeout=10)).data)
+        got_b = mpb.TextChunks.FromString((await inbox_b.next_msg(timeout=10)).data)
+        got_abort = mpb.AbortRequest.FromString((await aborts.next_msg(timeout=10)).data)
+        assert got_a == expected_a
+        assert got_b == expected_b
+        assert got_abort == expected_abort
+        base = f"http://{config.host}:{service.metrics_port}"
+        async with aiohttp.ClientSession() as http:
+            async with http.get(base + "/health") as response:
+                assert response.status == 200
+                assert (await response.json())["status"] == "ok"
+            async with http.get(base + "/metrics") as response:
+                body = await response.text()
+        for name in ("updates_total", "chunks_total", "stop_string_matches_total"):
+            assert f"radixmesh_detokenizer_{name} " in body
+        assert "radixmesh_detokenizer_handle_seconds_count" in body
+    finally:
+        await client.close()
+        await service.stop()
+
+
+def test_step_reaches_each_owner_and_a_stop_aborts_the_engine(nats_url: str) -> None:
+    asyncio.run(_exchange(nats_url))
+
+
+def _lines(stream: object, into: queue.Queue[str]) -> None:
+    for line in stream:  # type: ignore[attr-defined]
+        into.put(line)
+
+
+def test_sigterm_stops_the_process_cleanly(nats_url: str) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "radixmesh.services.detokenizer", "--nats-url", nats_url],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=_lines, args=(proc.stderr, lines), daemon=True).start()
+    try:
+        seen = []
+        while not any(" ready: " in line for line in seen):
+            seen.append(lines.get(timeout=60))
+        assert "starting with config" in seen[0]
+        assert re.search(r"/metrics on 127\.0\.0\.1:\d+", seen[-1])
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -1,0 +1,234 @@
+"""The whole mesh as real processes (NATS, worker, scheduler, detokenizer, tokenizer) on
+the real SmolLM2, called through its front doors the way users call it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Iterator
+
+import grpc
+import httpx
+import openai
+import pytest
+
+from radixmesh.launcher import Mesh, MeshArgs
+from radixmesh.proto import mesh_pb2 as mpb
+from radixmesh.proto import mesh_pb2_grpc as mgrpc
+
+GREEDY = {"temperature": 0, "max_new_tokens": 16}
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory) -> Iterator[Mesh]:
+    args = MeshArgs(
+        dtype="float32", port=0, grpc_port=0, max_total_tokens=8192,
+        log_dir=str(tmp_path_factory.mktemp("mesh-logs")),
+    )
+    with Mesh(args).start(timeout=300) as m:
+        yield m
+
+
+@pytest.fixture(scope="module")
+def client(mesh: Mesh) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=mesh.url, timeout=120) as c:
+        yield c
+
+
+def engine_info(client: httpx.Client) -> dict:
+    states = client.get("/server_info").json()["internal_states"]
+    assert len(states) == 1
+    return states[0]
+
+
+def wait_idle(client: httpx.Client, timeout: float = 30) -> dict:
+    """Engine info once nothing runs and no request holds KV slots."""
+    deadline = time.monotonic() + timeout
+    while True:
+        info = engine_info(client)
+        if info["running"] == 0 and info["waiting"] == 0 and info["held_slots"] == 0:
+            return info
+        assert time.monotonic() < deadline, info
+        time.sleep(0.1)
+
+
+def sse_events(response: httpx.Response) -> list[dict]:
+    """Every `data:` payload of an SSE stream; the stream must end with [DONE]."""
+    lines = [line for line in response.iter_lines() if line]
+    assert all(line.startswith("data: ") for line in lines), lines
+    assert lines[-1] == "data: [DONE]"
+    return [json.loads(line[len("data: "):]) for line in lines[:-1]]
+
+
+def test_mesh_output_equals_in_process_engine(client):
+    from radixmesh.engine import Engine
+
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    with Engine(dtype="float32", max_total_tokens=4096, show_progress=False) as engine:
+        expected = engine.generate(prompts, GREEDY)
+    got = client.post("/generate", json={"text": prompts, "sampling_params": GREEDY}).json()
+    for g, e in zip(got, expected, strict=True):
+        assert g["output_ids"] == e["output_ids"]
+        assert g["text"] == e["text"]
+        assert g["meta_info"]["completion_tokens"] == 16
+        assert g["meta_info"]["finish_reason"] == {"type": "length", "length": 16}
+
+
+def test_native_generate_single_stream_logprobs_and_cache(client):
+    body = {"text": "List three colors:", "sampling_params": GREEDY}
+    first = client.post("/generate", json=body).json()
+    meta = first["meta_info"]
+    assert meta["prompt_tokens"] > 0 and meta["completion_tokens"] == 16
+    assert set(meta) >= {"id", "prompt_tokens", "completion_tokens", "cached_tokens",
+                         "finish_reason"}
+    again = client.post("/generate", json=body).json()
+    assert again["meta_info"]["cached_tokens"] == meta["prompt_tokens"] - 1
+    assert again["output_ids"] == first["output_ids"]
+
+    with client.stream("POST", "/generate", json={**body, "stream": True}) as r:
+        events = sse_events(r)
+    assert events[-1]["meta_info"]["finish_reason"]["type"] == "length"
+    assert events[-1]["text"] == first["text"]  # SGLang streams the text so far
+
+    lp = client.post("/generate", json={
+        **body, "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 2,
+    }).json()["meta_info"]
+    assert len(lp["output_token_logprobs"]) == 16
+    assert [t[1] for t in lp["output_token_logprobs"]] == first["output_ids"]
+    assert len(lp["input_token_logprobs"]) == meta["prompt_tokens"]
+    assert lp["input_token_logprobs"][0][0] is None
+    assert all(len(top) == 2 for top in lp["output_top_logprobs"])
+
+
+def test_openai_chat_and_completions(mesh, client):
+    oa = openai.OpenAI(base_url=mesh.url + "/v1", api_key="none")
+    model = oa.models.list().data[0].id
+    chat = oa.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Say hello."}],
+        max_tokens=12, temperature=0, n=2,
+    )
+    assert len(chat.choices) == 2
+    assert chat.choices[0].message.content == chat.choices[1].message.content != ""
+    assert chat.usage.completion_tokens <= 24
+    streamed = oa.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Say hello."}],
+        max_tokens=12, temperature=0, stream=True, stream_options={"include_usage": True},
+    )
+    chunks = list(streamed)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == chat.choices[0].message.content
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens > 0
+
+    done = oa.completions.create(model=model, prompt="1, 2, 3, 4,", max_tokens=8, temperature=0)
+    stop_at = done.choices[0].text.split(",")[1]
+    stopped = oa.completions.create(
+        model=model, prompt="1, 2, 3, 4,", max_tokens=8, temperature=0, stop=[stop_at],
+    )
+    assert stopped.choices[0].finish_reason == "stop"
+    assert stop_at not in stopped.choices[0].text
+    text = "".join(c.choices[0].text for c in oa.completions.create(
+        model=model, prompt="1, 2, 3, 4,", max_tokens=8, temperature=0, stream=True))
+    assert text == done.choices[0].text
+
+
+def test_grpc_generate_streams(mesh):
+    async def run() -> list[mpb.GenerateResponse]:
+        async with grpc.aio.insecure_channel(mesh.grpc_addrs[0]) as channel:
+            stub = mgrpc.GenerateStub(channel)
+            request = mpb.GenerateRequest(
+                text="Count: one, two,",
+                sampling_params=mpb.ClientSamplingParams(max_new_tokens=10, temperature=0),
+            )
+            return [r async for r in stub.Generate(request)]
+
+    responses = asyncio.run(run())
+    assert len(responses) > 1
+    assert responses[-1].finish.kind == "length"
+    assert sum(len(r.output_ids) for r in responses) == 10
+    assert responses[-1].completion_tokens == 10
+
+
+def test_grpc_cancel_frees_slots(mesh, client):
+    async def run() -> int:
+        async with grpc.aio.insecure_channel(mesh.grpc_addrs[0]) as channel:
+            stub = mgrpc.GenerateStub(channel)
+            params = mpb.ClientSamplingParams(max_new_tokens=2000, ignore_eos=True)
+            call = stub.Generate(mpb.GenerateRequest(text="Go on and on", sampling_params=params))
+            seen = 0
+            async for response in call:
+                seen += len(response.output_ids)
+                if seen >= 2:
+                    call.cancel()
+                    break
+            return seen
+
+    assert asyncio.run(run()) >= 2
+    info = wait_idle(client, timeout=10)
+    assert info["free_slots"] + info["cached_tokens"] == info["num_slots"]
+
+
+def test_32_concurrent_streams_complete(mesh, client):
+    async def one(http: httpx.AsyncClient, i: int) -> tuple[int, int]:
+        body = {"text": f"Story number {i}:", "stream": True,
+                "sampling_params": {"max_new_tokens": 8 + i % 5, "ignore_eos": True}}
+        ids = 0
+        async with http.stream("POST", "/generate", json=body) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    chunk = json.loads(line[6:])
+                    ids = chunk["meta_info"]["completion_tokens"]
+        return i, ids
+
+    async def run() -> list[tuple[int, int]]:
+        async with httpx.AsyncClient(base_url=mesh.url, timeout=300) as http:
+            return await asyncio.gather(*(one(http, i) for i in range(32)))
+
+    for i, n in asyncio.run(run()):
+        assert n == 8 + i % 5
+    wait_idle(client)
+
+
+def test_client_disconnect_frees_slots(mesh, client):
+    async def run() -> int:
+        async with httpx.AsyncClient(base_url=mesh.url, timeout=300) as http:
+            body = {"text": "Write a long essay.", "stream": True,
+                    "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True}}
+            other = asyncio.create_task(http.post("/generate", json={
+                "text": "Hi", "sampling_params": {"max_new_tokens": 24, "ignore_eos": True}}))
+            async with http.stream("POST", "/generate", json=body) as r:
+                async for line in r.aiter_lines():
+                    if line.startswith("data: {"):
+                        break  # hang up after the first chunk
+            return (await other).json()["meta_info"]["completion_tokens"]
+
+    assert asyncio.run(run()) == 24
+    info = wait_idle(client, timeout=10)
+    assert info["free_slots"] + info["cached_tokens"] == info["num_slots"]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "needle"),
+    [
+        ("/generate", "{not json", "json"),
+        ("/generate", {"text": 5}, "text"),
+        ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": -1}}, "max_new_tokens"),
+        ("/generate", {"text": "hi", "sampling_params": {"temperature": -0.5}}, "temperature"),
+        ("/generate", {"text": "word " * 9000}, "context length"),
+        ("/v1/completions", {"model": "MODEL", "prompt": "hi", "max_tokens": -3}, "max_tokens"),
+        ("/v1/completions", {"model": "MODEL", "prompt": "hi", "temperature": -1}, "temperature"),
+        ("/v1/completions", {"model": "no-such-model", "prompt": "hi"}, "no-such-model"),
+        ("/v1/chat/completions", {"model": "MODEL", "messages": []}, "messages"),
+        ("/v1/chat/completions", {"model": "MODEL", "messages": "hi"}, "messages"),
+        ("/v1/completions", {"model": "MODEL", "prompt": "word " * 9000}, "context length"),
+    ],
+)
+def test_bad_input_is_a_400_naming_the_problem(client, path, body, needle):
+    model = client.get("/v1/models").json()["data"][0]["id"]
+    if isinstance(body, dict):
+        body = json.dumps(body).replace("MODEL", model)
+    r = client.post(path, content=body, headers={"Content-Type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert needle in r.json()["error"]["message"].lower()
+    ok = client.post("/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 2}})
+    assert ok.status_code == 200

@@ -1,0 +1,147 @@
+"""Tensor parallelism: weight sharding, and two gloo ranks against one process (float32)."""
+
+from __future__ import annotations
+
+import multiprocessing
+from pathlib import Path
+
+import pytest
+import torch
+from tiny_model import HEADS, INTERMEDIATE, KV_HEADS, forward_script, save_tiny_model, tokens
+
+from radixmesh.mesh.nats_server import free_port
+from radixmesh.proto import forward_pb2 as pb
+from radixmesh.services.worker.attention import AttentionMetadata, SeqSpan
+from radixmesh.services.worker.linear import Linear
+from radixmesh.services.worker.model_source import load_model
+from radixmesh.services.worker.parallel import (
+    RowParallelLinear,
+    TensorParallel,
+    check_divisible,
+    destroy_tensor_parallel,
+    init_tensor_parallel,
+    local_config,
+    shard_weights,
+)
+from radixmesh.services.worker.runner import ModelRunner
+
+KINDS = ("llama", "qwen2", "qwen3")
+LOGIT_IDS = [(5 * i + 1) % 256 for i in range(10)]
+LOGIT_SLOTS = list(range(200, 210))
+
+
+def run_script(runner: ModelRunner) -> tuple[list[pb.ForwardResult], torch.Tensor]:
+    """The fixed batches, then every-position logits of one more prompt (in fresh slots)."""
+    results = [runner.forward(batch) for batch in forward_script()]
+    slots = torch.tensor(LOGIT_SLOTS)
+    runner.attention.prepare(AttentionMetadata(slots, (SeqSpan(0, len(LOGIT_IDS), slots),)))
+    with torch.inference_mode():
+        positions = torch.arange(len(LOGIT_IDS))
+        hidden = runner.model.forward(
+            torch.tensor(LOGIT_IDS), positions, runner.attention, runner.pool
+        )
+        logits = runner.model.logits(hidden)
+    return results, logits
+
+
+def _rank_main(rank: int, size: int, addr: str, model_dirs: list[str], out_dir: str) -> None:
+    """One rank of the group: run the script on every model, save what it got."""
+    torch.set_num_threads(1)
+    tp = init_tensor_parallel(addr, rank, size)
+    try:
+        for i, model_dir in enumerate(model_dirs):
+            loaded = load_model(model_dir, progress=False)
+            shard_weights(loaded.config, loaded.weights, rank, size)
+            runner = ModelRunner(loaded.config, loaded.weights, torch.float32, 256, tp=tp)
+            results, logits = run_script(runner)
+            saved = {"results": [r.SerializeToString() for r in results], "logits": logits}
+            torch.save(saved, Path(out_dir) / f"rank{rank}-model{i}.pt")
+    finally:
+        destroy_tensor_parallel()
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory) -> list[Path]:
+    root = tmp_path_factory.mktemp("tiny")
+    return [save_tiny_model(root / kind, kind) for kind in KINDS]
+
+
+def test_shards_concatenate_to_the_full_weights(model_dirs) -> None:
+    full = load_model(str(model_dirs[1]), progress=False)  # qwen2: q/k/v biases too
+    shards = []
+    for rank in range(2):
+        part = load_model(str(model_dirs[1]), progress=False)
+        shard_weights(part.config, part.weights, rank, 2)
+        shards.append(part.weights)
+    for name, w in full.weights.items():
+        pieces = [s[name] for s in shards]
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            dim = 1
+        elif name.endswith(("_proj.weight", "_proj.bias")):
+            dim = 0
+        else:
+            assert all(torch.equal(p, w) for p in pieces), f"{name} must be replicated"
+            continue
+        assert pieces[0].shape[dim] == w.shape[dim] // 2, name
+        assert torch.equal(torch.cat(pieces, dim=dim), w), name
+    local = local_config(full.config, 2)
+    assert (local.num_heads, local.num_kv_heads) == (HEADS // 2, KV_HEADS // 2)
+    assert local.intermediate_size == INTERMEDIATE // 2
+    assert (local.hidden_size, local.vocab_size) == (full.config.hidden_size, 256)
+
+
+def test_uneven_split_is_a_clear_error(model_dirs) -> None:
+    loaded = load_model(str(model_dirs[0]), progress=False)
+    with pytest.raises(ValueError, match="does not divide the model's num_heads"):
+        check_divisible(loaded.config, 3)
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        check_divisible(loaded.config, 4)  # 4 heads split, 2 KV heads do not
+
+
+def test_one_rank_keeps_the_plain_layers(model_dirs) -> None:
+    loaded = load_model(str(model_dirs[0]), progress=False)
+    runner = ModelRunner(loaded.config, loaded.weights, torch.float32, 64)
+    layer = runner.model.layers[0]
+    assert type(layer.o) is Linear and type(layer.down) is Linear
+    assert runner.pool.k[0].shape[1] == KV_HEADS
+    tp = TensorParallel(rank=0, size=2)
+    shard_weights(loaded.config, loaded.weights, 0, 2)
+    sharded = ModelRunner(loaded.config, loaded.weights, torch.float32, 64, tp=tp)
+    assert isinstance(sharded.model.layers[0].o, RowParallelLinear)
+    assert sharded.pool.k[0].shape[1] == KV_HEADS // 2
+
+
+def test_two_ranks_match_one_process(model_dirs, tmp_path) -> None:
+    ctx = multiprocessing.get_context("spawn")
+    addr = f"tcp://127.0.0.1:{free_port()}"
+    dirs = [str(d) for d in model_dirs]
+    procs = [
+        ctx.Process(target=_rank_main, args=(rank, 2, addr, dirs, str(tmp_path)))
+        for rank in range(2)
+    ]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+    assert [p.exitcode for p in procs] == [0, 0]
+    for i, model_dir in enumerate(model_dirs):
+        loaded = load_model(str(model_dir), progress=False)
+        ref_results, ref_logits = run_script(
+            ModelRunner(loaded.config, loaded.weights, torch.float32, 256)
+        )
+        ranks = [torch.load(tmp_path / f"rank{r}-model{i}.pt") for r in range(2)]
+        got = [[pb.ForwardResult.FromString(b) for b in saved["results"]] for saved in ranks]
+        kind = KINDS[i]
+        assert tokens(got[0]) == tokens(ref_results), f"{kind}: rank 0 differs from tp=1"
+        assert tokens(got[1]) == tokens(got[0]), f"{kind}: rank 1 diverged from rank 0"
+        torch.testing.assert_close(ranks[0]["logits"], ref_logits, atol=1e-4, rtol=1e-4)
+        for ours, ref in zip(got[0], ref_results, strict=True):
+            for a, b in zip(ours.results, ref.results, strict=True):
+                assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+                assert a.input_logprobs_start == b.input_logprobs_start
+                assert list(a.input_logprobs)[1:] == pytest.approx(
+                    list(b.input_logprobs)[1:], abs=1e-4
+                )
+                assert [t.token_id for t in a.top_logprobs.items] == [
+                    t.token_id for t in b.top_logprobs.items
+                ]

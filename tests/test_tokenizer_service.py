@@ -1,0 +1,433 @@
+"""The tokenizer's mesh client, routing and gRPC Generate against fake engines on a real
+NATS server; and the service's process lifecycle."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+from contextlib import aclosing
+
+import aiohttp
+import grpc
+import nats
+import pytest
+from fake_engine import FakeEngine, echo_ids, input_logprob, output_logprob, token_text
+
+from radixmesh.mesh.nats_server import EmbeddedNats
+from radixmesh.proto import mesh_pb2 as mpb
+from radixmesh.proto import mesh_pb2_grpc
+from radixmesh.services.detokenizer.windowed import detok_context_size
+from radixmesh.services.scheduler.request import LogprobRequest
+from radixmesh.services.tokenizer.config import TokenizerServiceConfig
+from radixmesh.services.tokenizer.generation import (
+    GenerationChunk,
+    GenerationError,
+    GenerationRequest,
+)
+from radixmesh.services.tokenizer.mesh_client import MeshClient
+from radixmesh.services.tokenizer.server import TokenizerServer, public_args
+from radixmesh.services.tokenizer.tokenizer import Tokenizer
+from radixmesh.services.worker.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+@pytest.fixture(scope="module")
+def nats_url():
+    with EmbeddedNats() as server:
+        yield server.url
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return Tokenizer.from_path(None)
+
+
+@pytest.fixture
+async def nc(nats_url):
+    conn = await nats.connect(nats_url)
+    yield conn
+    await conn.close()
+
+
+class Mesh:
+    """A MeshClient plus the fake engines it routes to, all on one NATS connection."""
+
+    def __init__(self, nc, tokenizer, engine_timeout_s: float = 3.0) -> None:
+        self.nc = nc
+        self.client = MeshClient(nc, tokenizer, "fake-model", os.urandom(6).hex(),
+                                 engine_timeout_s=engine_timeout_s)
+        self.engines: list[FakeEngine] = []
+
+    async def add_engine(self, name: str, **options) -> FakeEngine:
+        engine = await FakeEngine(self.nc, f"{name}-{os.urandom(3).hex()}", **options).start()
+        self.engines.append(engine)
+        await self.client.wait_for_engines(len(self.engines))
+        return engine
+
+    async def close(self) -> None:
+        for engine in self.engines:
+            await engine.stop()
+        await self.client.close()
+
+
+@pytest.fixture
+async def mesh(nc, tokenizer):
+    m = Mesh(nc, tokenizer)
+    await m.client.start()
+    yield m
+    await m.close()
+
+
+def _request(ids: list[int], rid: str | None = None, **params) -> GenerationRequest:
+    return GenerationRequest(rid or os.urandom(8).hex(), ids, SamplingParams(**params))
+
+
+async def _run(client: MeshClient, request: GenerationRequest) -> list[GenerationChunk]:
+    async with aclosing(client.generate(request)) as chunks:
+        return [chunk async for chunk in chunks]
+
+
+# ---- the mesh client ---------------------------------------------------------------------
+
+
+async def test_single_request_round_trip(mesh):
+    engine = await mesh.add_engine("e")
+    prompt = [5, 6, 7, 8, 9]
+    request = _request(prompt, max_new_tokens=3, stop=["xy"], temperature=0.5)
+    chunks = await _run(mesh.client, request)
+    assert [c.text for c in chunks] == [token_text(t) for t in echo_ids(prompt, 3)]
+    assert [c.output_ids for c in chunks] == [[5], [6], [7]]
+    assert [c.completion_tokens for c in chunks] == [1, 2, 3]
+    assert chunks[-1].finish == {"type": "length", "length": 3}
+    assert all(c.finish is None for c in chunks[:-1])
+    assert chunks[-1].prompt_tokens == 5
+    sent = engine.requests[0]
+    assert sent.rid == request.rid and list(sent.input_ids) == prompt
+    assert sent.reply_to == f"rm.tokenizer.{mesh.client.replica_id}.out"
+    assert sent.max_new_tokens == 3
+    assert sent.sampling.temperature == 0.5 and 0 <= sent.sampling.seed < 2**63
+    assert list(sent.detok.stop) == ["xy"] and list(sent.detok.prompt_tail) == [6, 7, 8, 9]
+    assert sent.detok.skip_special_tokens and sent.detok_context == detok_context_size(["xy"])
+    assert mesh.client.in_flight == 0 and engine.aborts == []
+
+
+async def test_given_seed_is_kept(mesh):
+    engine = await mesh.add_engine("e")
+    await _run(mesh.client, _request([1, 2], max_new_tokens=1, seed=1234))
+    assert engine.requests[0].sampling.seed == 1234
+
+
+async def test_out_of_order_chunks_are_reassembled_and_a_late_finish_ignored(mesh):
+    await mesh.add_engine("e", reverse=True, extra_finish=True)
+    chunks = await _run(mesh.client, _request([3, 4, 5], max_new_tokens=5))
+    assert [c.output_ids[0] for c in chunks] == echo_ids([3, 4, 5], 5)
+    assert [c.completion_tokens for c in chunks] == [1, 2, 3, 4, 5]
+    assert chunks[-1].finish == {"type": "length", "length": 5}
+    assert "LATE" not in "".join(c.text for c in chunks)
+
+
+async def test_logprobs_pass_through_and_prompt_logprobs_arrive_complete_at_the_end(mesh):
+    await mesh.add_engine("e")
+    prompt = [11, 12, 13, 14, 15, 16]
+    request = GenerationRequest("lp", prompt, SamplingParams(max_new_tokens=3),
+                                LogprobRequest(True, 2, 0))
+    chunks = await _run(mesh.client, request)
+    assert [c.output_token_logprobs for c in chunks] == [
+        [(pytest.approx(output_logprob(i)), t, None)] for i, t in enumerate(echo_ids(prompt, 3))
+    ]
+    assert chunks[0].output_top_logprobs == [[(-1.0, 11, None), (-2.0, 12, None)]]
+    assert chunks[0].input_token_logprobs == []  # only the last chunk carries them
+    last = chunks[-1]
+    assert last.input_token_logprobs[0] == (None, 11, None)  # NaN -> None
+    assert last.input_token_logprobs[1:] == [
+        (pytest.approx(input_logprob(p)), prompt[p], None) for p in range(1, 6)
+    ]
+    assert last.input_top_logprobs[0] is None
+    assert last.input_top_logprobs[3] == [(-1.0, 14, None), (-2.0, 15, None)]
+
+
+async def test_closing_the_iterator_early_sends_an_abort(mesh):
+    engine = await mesh.add_engine("e", hold=True)
+    gen = mesh.client.generate(_request([1, 2, 3], rid="held", max_new_tokens=8))
+    first = await gen.__anext__()
+    assert first.output_ids == [1]
+    await gen.aclose()
+    await engine.wait_for("aborts")
+    assert engine.aborts == ["held"]
+    assert mesh.client.in_flight == 0
+
+
+async def test_cancelling_the_consumer_task_sends_an_abort(mesh):
+    engine = await mesh.add_engine("e", hold=True)
+    started = asyncio.Event()
+
+    async def consume() -> None:
+        async with aclosing(mesh.client.generate(_request([1], rid="task", max_new_tokens=8))) as g:
+            async for _ in g:
+                started.set()
+
+    task = asyncio.create_task(consume())
+    await started.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await engine.wait_for("aborts")
+    assert engine.aborts == ["task"]
+
+
+async def test_no_engine_is_503(mesh):
+    with pytest.raises(GenerationError) as info:
+        await _run(mesh.client, _request([1, 2]))
+    assert info.value.status == 503
+
+
+async def test_a_rid_already_running_is_refused(mesh):
+    await mesh.add_engine("e", hold=True)
+    gen = mesh.client.generate(_request([1], rid="dup", max_new_tokens=4))
+    await gen.__anext__()
+    with pytest.raises(GenerationError) as info:
+        await _run(mesh.client, _request([1], rid="dup"))
+    assert info.value.status == 400
+    await gen.aclose()
+
+
+async def test_a_vanished_engine_ends_its_requests_with_an_abort(nc, tokenizer):
+    m = Mesh(nc, tokenizer, engine_timeout_s=0.3)
+    await m.client.start()
+    try:
+        engine = await m.add_engine("e", hold=True)
+        assert m.client.context_length == 4096 and m.client.vocab_size == 49152
+        gen = m.client.generate(_request([1, 2], max_new_tokens=4))
+        await gen.__anext__()
+        await engine.stop()
+        last = await asyncio.wait_for(gen.__anext__(), 5)
+        assert last.finish["type"] == "abort"
+        assert engine.engine_id in last.finish["message"]
+        with pytest.raises(StopAsyncIteration):
+            await gen.__anext__()
+        assert len(m.client.engines) == 0 and m.client.context_length == 0
+    finally:
+        await m.close()
+
+
+async def test_context_length_is_the_smallest_an_engine_reports(mesh):
+    await mesh.add_engine("a", context_length=2048)
+    await mesh.add_engine("b", context_length=1024)
+    assert mesh.client.context_length == 1024
+
+
+# ---- routing -----------------------------------------------------------------------------
+
+
+async def test_shared_prefixes_stick_to_one_engine_and_unrelated_prompts_spread(mesh):
+    # Slow heartbeats: the load this router counts is only what it sent itself.
+    a = await mesh.add_engine("a", heartbeat_s=30)
+    b = await mesh.add_engine("b", heartbeat_s=30)
+    system = list(range(1000, 1064))
+    cached = []
+    for i in range(4):
+        chunks = await _run(mesh.client, _request(system + [i, i + 1], max_new_tokens=1))
+        cached.append(chunks[-1].cached_tokens)
+    assert sorted([len(a.requests), len(b.requests)]) == [0, 4]
+    assert cached == [0, 64, 64, 64]  # the engine's own count, passed through
+    unrelated = [_request(list(range(2000 + 100 * i, 2040 + 100 * i)), max_new_tokens=1)
+                 for i in range(5)]
+    await asyncio.gather(*(_run(mesh.client, r) for r in unrelated))
+    assert len(a.requests) + len(b.requests) == 9
+    loads = [mesh.client.router.load(a.engine_id), mesh.client.router.load(b.engine_id)]
+    assert abs(loads[0] - loads[1]) <= 1
+
+
+async def test_cache_events_steer_routing(mesh):
+    a = await mesh.add_engine("a")
+    b = await mesh.add_engine("b")
+    prompt = list(range(300, 340))
+    await b.announce_cached(prompt)
+    await mesh.nc.flush()
+    await asyncio.sleep(0.05)  # the event has no reply to wait on
+    await _run(mesh.client, _request(prompt + [1], max_new_tokens=1))
+    assert len(b.requests) == 1 and len(a.requests) == 0
+
+
+async def test_flush_cache_and_engine_infos(mesh):
+    a = await mesh.add_engine("a")
+    b = await mesh.add_engine("b")
+    assert await mesh.client.flush_cache()
+    assert a.flushes == 1 and b.flushes == 1
+    b.flush_ok = False
+    assert not await mesh.client.flush_cache()
+    infos = await mesh.client.engine_infos()
+    assert sorted(i["engine_id"] for i in infos) == sorted([a.engine_id, b.engine_id])
+
+
+# ---- gRPC Generate -----------------------------------------------------------------------
+
+
+@pytest.fixture
+async def grpc_stack(nats_url, nc, tokenizer):
+    config = TokenizerServiceConfig(nats_url=nats_url, port=0, grpc_port=0,
+                                    replica_id=os.urandom(6).hex())
+    server = TokenizerServer(config, tokenizer=tokenizer)
+    await server.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.grpc_port}")
+    stub = mesh_pb2_grpc.GenerateStub(channel)
+    engines: list[FakeEngine] = []
+
+    async def add_engine(**options) -> FakeEngine:
+        engine = await FakeEngine(nc, f"g-{os.urandom(3).hex()}", **options).start()
+        engines.append(engine)
+        await server.client.wait_for_engines(len(engines))
+        return engine
+
+    yield stub, add_engine
+    await channel.close()
+    for engine in engines:
+        await engine.stop()
+    await server.stop()
+
+
+async def test_grpc_generate_streams_deltas_and_finishes(grpc_stack):
+    stub, add_engine = grpc_stack
+    await add_engine()
+    request = mpb.GenerateRequest(
+        input_ids=mpb.TokenIds(ids=[21, 22, 23]),
+        sampling_params=mpb.ClientSamplingParams(max_new_tokens=2, temperature=0.0),
+        return_logprob=True, top_logprobs_num=1, rid="g1",
+    )
+    replies = [r async for r in stub.Generate(request)]
+    assert [r.text for r in replies] == [token_text(21), token_text(22)]
+    assert [list(r.output_ids) for r in replies] == [[21], [22]]
+    last = replies[-1]
+    assert last.rid == "g1" and last.completion_tokens == 2 and last.prompt_tokens == 3
+    assert last.finish.kind == "length" and last.finish.token_id == 2
+    assert [e.token_id for e in last.input_token_logprobs] == [21, 22, 23]
+    assert not last.input_token_logprobs[0].has_logprob
+    assert last.input_token_logprobs[1].has_logprob
+    assert math.isclose(replies[0].output_token_logprobs[0].logprob, output_logprob(0),
+                        rel_tol=1e-6)
+    assert replies[0].output_top_logprobs[0].items[0].token_id == 21
+
+
+async def test_grpc_text_prompt_is_tokenized(grpc_stack, tokenizer):
+    stub, add_engine = grpc_stack
+    engine = await add_engine()
+    request = mpb.GenerateRequest(text="Hello there",
+                                  sampling_params=mpb.ClientSamplingParams(max_new_tokens=1))
+    _ = [r async for r in stub.Generate(request)]
+    assert list(engine.requests[0].input_ids) == tokenizer.encode("Hello there")
+    assert engine.requests[0].logprob_start_len == -1
+
+
+@pytest.mark.parametrize(
+    ("request_fields", "needle"),
+    [
+        ({}, "text or input_ids"),
+        ({"input_ids": mpb.TokenIds(ids=[])}, "empty"),
+        ({"input_ids": mpb.TokenIds(ids=[1]),
+          "sampling_params": mpb.ClientSamplingParams(temperature=-1)}, "temperature"),
+        ({"input_ids": mpb.TokenIds(ids=[1] * 5000)}, "context length"),
+    ],
+)
+async def test_grpc_bad_requests_are_invalid_argument(grpc_stack, request_fields, needle):
+    stub, add_engine = grpc_stack
+    await add_engine()
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        _ = [r async for r in stub.Generate(mpb.GenerateRequest(**request_fields))]
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert needle in info.value.details()
+
+
+async def test_grpc_without_engines_is_unavailable(grpc_stack):
+    stub, _ = grpc_stack
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        _ = [r async for r in stub.Generate(mpb.GenerateRequest(text="hi"))]
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+async def test_grpc_cancelled_call_aborts_the_request(grpc_stack):
+    stub, add_engine = grpc_stack
+    engine = await add_engine(hold=True)
+    call = stub.Generate(mpb.GenerateRequest(input_ids=mpb.TokenIds(ids=[1, 2]), rid="gc"))
+    first = await call.read()
+    assert list(first.output_ids) == [1]
+    call.cancel()
+    await engine.wait_for("aborts")
+    assert engine.aborts == ["gc"]
+
+
+# ---- the process -------------------------------------------------------------------------
+
+
+def test_module_serves_and_stops_cleanly_on_sigterm(nats_url):
+    env = {**os.environ, "NATS_URL": nats_url, "RADIXMESH_PORT": "0",
+           "RADIXMESH_GRPC_PORT": "-1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "radixmesh.services.tokenizer", "--replica-id", "proc"],
+        env=env, stderr=subprocess.PIPE, text=True,
+    )
+    lines = []
+    try:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            lines.append(line)
+            if "serving" in line:
+                break
+        assert re.search(r"HTTP on 127\.0\.0\.1:\d+, gRPC off", lines[-1]), lines
+        assert any('"replica_id": "proc"' in line for line in lines)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+async def test_stop_lets_requests_finish_within_the_grace_period_then_aborts(nats_url, nc,
+                                                                             tokenizer):
+    config = TokenizerServiceConfig(nats_url=nats_url, port=0, grpc_port=-1,
+                                    replica_id=os.urandom(6).hex(), shutdown_grace=0.5)
+    server = TokenizerServer(config, tokenizer=tokenizer)
+    await server.start()
+    slow = await FakeEngine(nc, "slow", delay_s=0.01).start()
+    held = await FakeEngine(nc, "held", hold=True).start()
+    await server.client.wait_for_engines(2)
+    url = f"http://127.0.0.1:{server.port}/generate"
+
+    async def call(http, rid: str, prompt: list[int]) -> tuple[int, bytes]:
+        body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 10}, "rid": rid}
+        async with http.post(url, json=body) as resp:
+            return resp.status, await resp.read()
+
+    try:
+        async with aiohttp.ClientSession() as http:
+            finishing = asyncio.create_task(call(http, "finishing", [1, 2]))
+            await slow.wait_for("requests")
+            stuck = asyncio.create_task(call(http, "stuck", [3, 4]))
+            await held.wait_for("requests")
+            await server.stop()
+            status, body = await finishing
+            assert status == 200
+            assert json.loads(body)["meta_info"]["completion_tokens"] == 10
+            assert held.aborts == ["stuck"]
+            with pytest.raises(aiohttp.ClientError):
+                await stuck
+    finally:
+        await slow.stop()
+        await held.stop()
+
+
+def test_server_info_hides_nats_credentials():
+    config = TokenizerServiceConfig(nats_url="nats://user:secret@mesh:4222")
+    assert public_args(config)["nats_url"] == "nats://mesh:4222"

@@ -1,0 +1,164 @@
+"""The worker service as a process: GetInfo, gRPC health, Forward against an in-process
+ModelRunner, /metrics, SIGTERM; and two tensor-parallel ranks behind gRPC."""
+
+from __future__ import annotations
+
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import urllib.request
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from tiny_model import EOS, forward_script, save_tiny_model, tokens
+
+from radixmesh.mesh.nats_server import free_port
+from radixmesh.proto import forward_pb2 as fpb
+from radixmesh.proto import mesh_pb2 as mpb
+from radixmesh.proto import mesh_pb2_grpc as mgrpc
+from radixmesh.services.worker.model_source import load_model
+from radixmesh.services.worker.runner import ModelRunner
+from radixmesh.services.worker.server import SERVICE_NAME
+
+_LISTENING = re.compile(r"gRPC on (\S+):(\d+), /metrics on (\S+):(\d+)")
+START_TIMEOUT = 120.0
+
+
+class WorkerProcess:
+    """`python -m radixmesh.services.worker` with its log read on a thread."""
+
+    def __init__(self, *flags: str) -> None:
+        args = [sys.executable, "-m", "radixmesh.services.worker", "--num-threads=1", *flags]
+        self.proc = subprocess.Popen(args, stderr=subprocess.PIPE, text=True)
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        self.log: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+        match = None
+        while match is None:
+            line = self.lines.get(timeout=START_TIMEOUT)
+            assert line is not None, "the worker exited at start:\n" + "".join(self.log)
+            match = _LISTENING.search(line)
+        self.addr = f"{match[1]}:{match[2]}"
+        self.metrics_url = f"http://{match[3]}:{match[4]}/metrics"
+        self.channel = grpc.insecure_channel(self.addr)
+        self.stub = mgrpc.WorkerStub(self.channel)
+        self.health = health_pb2_grpc.HealthStub(self.channel)
+
+    def _read(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.log.append(line)
+            self.lines.put(line)
+        self.lines.put(None)
+
+    def wait_serving(self) -> None:
+        """Block on the health Watch stream until the model is loaded."""
+        request = health_pb2.HealthCheckRequest(service=SERVICE_NAME)
+        watch = self.health.Watch(request, timeout=START_TIMEOUT)
+        for reply in watch:
+            if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                watch.cancel()
+                return
+
+    def terminate(self) -> int:
+        """SIGTERM; the exit code."""
+        self.channel.close()
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout=30)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return save_tiny_model(tmp_path_factory.mktemp("tiny") / "llama")
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir) -> list[fpb.ForwardResult]:
+    loaded = load_model(str(model_dir), progress=False)
+    runner = ModelRunner(loaded.config, loaded.weights, torch.float32, num_slots=496)
+    return [runner.forward(b) for b in forward_script()]
+
+
+def assert_same_results(got: list[fpb.ForwardResult], ref: list[fpb.ForwardResult]) -> None:
+    assert tokens(got) == tokens(ref)
+    for ours, theirs in zip(got, ref, strict=True):
+        assert ours.step == theirs.step
+        for a, b in zip(ours.results, theirs.results, strict=True):
+            assert a.rid == b.rid
+            assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+
+
+def test_worker_serves_forward(model_dir, reference) -> None:
+    worker = WorkerProcess(
+        f"--model-path={model_dir}", "--dtype=float32", "--max-total-tokens=500", "--page-size=16"
+    )
+    try:
+        worker.wait_serving()
+        check = worker.health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME))
+        assert check.status == health_pb2.HealthCheckResponse.SERVING
+        info = worker.stub.GetInfo(mpb.WorkerInfoRequest())
+        assert info == mpb.WorkerInfo(
+            num_slots=496,
+            vocab_size=256,
+            max_position_embeddings=256,
+            eos_token_ids=[EOS],
+            model_path=str(model_dir),
+            dtype="float32",
+            tp_rank=0,
+            tp_size=1,
+        )
+        got = [worker.stub.Forward(b) for b in forward_script()]
+        assert_same_results(got, reference)
+        assert all(r.forward_ms > 0 for r in got)
+        unknown = fpb.ForwardBatch(step=len(got) + 1)
+        unknown.entries.add(rid="nobody", slots=[0], sample=True)
+        with pytest.raises(grpc.RpcError) as err:
+            worker.stub.Forward(unknown)
+        assert err.value.code() == grpc.StatusCode.INTERNAL
+        metrics = urllib.request.urlopen(worker.metrics_url, timeout=10).read().decode()
+        assert f"radixmesh_worker_forward_total {float(len(got))}" in metrics
+        assert "radixmesh_worker_kv_pool_slots 496.0" in metrics
+        assert "radixmesh_worker_batch_tokens_sum 34.0" in metrics  # 12+4, 1+5, then 6 x 2
+        assert worker.terminate() == 0
+    finally:
+        worker.kill()
+
+
+def test_two_ranks_behind_grpc(model_dir, reference) -> None:
+    addr = f"tcp://127.0.0.1:{free_port()}"
+    flags = [f"--model-path={model_dir}", "--dtype=float32", "--max-total-tokens=496"]
+    ranks: list[WorkerProcess] = []
+    try:
+        for rank in range(2):
+            ranks.append(
+                WorkerProcess(
+                    *flags, "--tp-size=2", f"--tp-rank={rank}", f"--dist-init-addr={addr}"
+                )
+            )
+        for worker in ranks:
+            worker.wait_serving()
+        infos = [w.stub.GetInfo(mpb.WorkerInfoRequest()) for w in ranks]
+        assert [(i.tp_rank, i.tp_size, i.num_slots) for i in infos] == [(0, 2, 496), (1, 2, 496)]
+        results: list[list[fpb.ForwardResult]] = [[], []]
+        for batch in forward_script():
+            # Every rank gets the same batch at once: they meet in collectives.
+            calls = [w.stub.Forward.future(batch) for w in ranks]
+            for out, call in zip(results, calls, strict=True):
+                out.append(call.result(timeout=60))
+        assert_same_results(results[0], reference)
+        assert tokens(results[1]) == tokens(results[0])
+        assert [w.terminate() for w in ranks] == [0, 0]
+    finally:
+        for worker in ranks:
+            worker.kill()
