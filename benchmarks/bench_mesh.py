@@ -76,7 +76,7 @@ def run_engine(work: list[list[int]], new_tokens: int, dtype: str) -> dict[str, 
 
     params = {"max_new_tokens": new_tokens, "ignore_eos": True, "temperature": 0}
     with Engine(dtype=dtype, show_progress=False) as engine:
-        engine.generate(work[0], params)  # warm-up
+        engine.generate(input_ids=work[0], sampling_params=params)  # warm-up
         engine.flush_cache()
         streams: list[list[tuple[float, int]]] = [[] for _ in work]
 
@@ -141,8 +141,10 @@ def spawn(side: str, args: argparse.Namespace) -> dict[str, float]:
     cmd = [sys.executable, __file__, "--side", side, "--requests", str(args.requests),
            "--prompt-len", str(args.prompt_len), "--new-tokens", str(args.new_tokens),
            "--dtype", args.dtype]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-    return json.loads(out.strip().splitlines()[-1])
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode:
+        sys.exit(f"the {side} side failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:

@@ -4,6 +4,7 @@ NATS server unless one is given; stops them all on Ctrl-C or when one dies."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -41,6 +42,9 @@ class MeshArgs:
     context_length: int = 0
     log_level: str = "INFO"
     log_dir: str | None = None  # None: children write to this process's stdout
+    # Every service but the workers runs this much nicer: on a small CPU their per-step
+    # bursts would otherwise preempt a thread of the model's team and stall the whole step.
+    service_nice: int = 10
     extra_env: dict[str, str] = field(default_factory=dict)
 
 
@@ -123,6 +127,9 @@ class Mesh:
         metrics_port = health_port or free_port(a.host)
         args = [sys.executable, "-m", f"radixmesh.services.{service}", *flags,
                 f"--host={a.host}", f"--log-level={a.log_level}"]
+        nice = shutil.which("nice")
+        if service != "worker" and a.service_nice and nice:
+            args = [nice, "-n", str(a.service_nice), *args]
         if health_port is None:
             args.append(f"--metrics-port={metrics_port}")
         if service != "worker":
