@@ -94,7 +94,7 @@ class AbortRequest(_message.Message):
     def __init__(self, rid: _Optional[str] = ..., finish: _Optional[_Union[Finish, _Mapping]] = ...) -> None: ...
 
 class TokenUpdate(_message.Message):
-    __slots__ = ("rid", "reply_to", "seq", "offset", "context_ids", "new_ids", "detok", "finish", "prompt_tokens", "cached_tokens", "output_logprobs", "output_top_logprobs", "input_logprobs_offset", "input_logprobs", "input_top_logprobs", "engine_id")
+    __slots__ = ("rid", "reply_to", "seq", "offset", "context_ids", "new_ids", "detok", "finish", "prompt_tokens", "cached_tokens", "output_logprobs", "output_top_logprobs", "input_logprobs_offset", "input_logprobs", "input_top_logprobs", "engine_id", "traceparent")
     RID_FIELD_NUMBER: _ClassVar[int]
     REPLY_TO_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
@@ -111,6 +111,7 @@ class TokenUpdate(_message.Message):
     INPUT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     INPUT_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     rid: str
     reply_to: str
     seq: int
@@ -127,7 +128,8 @@ class TokenUpdate(_message.Message):
     input_logprobs: _containers.RepeatedScalarFieldContainer[float]
     input_top_logprobs: _containers.RepeatedCompositeFieldContainer[_forward_pb2.TopLogprobs]
     engine_id: str
-    def __init__(self, rid: _Optional[str] = ..., reply_to: _Optional[str] = ..., seq: _Optional[int] = ..., offset: _Optional[int] = ..., context_ids: _Optional[_Iterable[int]] = ..., new_ids: _Optional[_Iterable[int]] = ..., detok: _Optional[_Union[DetokSpec, _Mapping]] = ..., finish: _Optional[_Union[Finish, _Mapping]] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., output_logprobs: _Optional[_Iterable[float]] = ..., output_top_logprobs: _Optional[_Iterable[_Union[_forward_pb2.TopLogprobs, _Mapping]]] = ..., input_logprobs_offset: _Optional[int] = ..., input_logprobs: _Optional[_Iterable[float]] = ..., input_top_logprobs: _Optional[_Iterable[_Union[_forward_pb2.TopLogprobs, _Mapping]]] = ..., engine_id: _Optional[str] = ...) -> None: ...
+    traceparent: str
+    def __init__(self, rid: _Optional[str] = ..., reply_to: _Optional[str] = ..., seq: _Optional[int] = ..., offset: _Optional[int] = ..., context_ids: _Optional[_Iterable[int]] = ..., new_ids: _Optional[_Iterable[int]] = ..., detok: _Optional[_Union[DetokSpec, _Mapping]] = ..., finish: _Optional[_Union[Finish, _Mapping]] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., output_logprobs: _Optional[_Iterable[float]] = ..., output_top_logprobs: _Optional[_Iterable[_Union[_forward_pb2.TopLogprobs, _Mapping]]] = ..., input_logprobs_offset: _Optional[int] = ..., input_logprobs: _Optional[_Iterable[float]] = ..., input_top_logprobs: _Optional[_Iterable[_Union[_forward_pb2.TopLogprobs, _Mapping]]] = ..., engine_id: _Optional[str] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class TokenStep(_message.Message):
     __slots__ = ("updates",)

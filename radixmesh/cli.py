@@ -9,8 +9,10 @@ import os
 import sys
 from dataclasses import fields
 
+from radixmesh.bench import cli as bench_cli
 from radixmesh.engine_args import EngineArgs
 from radixmesh.launcher import MeshArgs, serve
+from radixmesh.tracing.cli import add_trace_command
 
 
 def _flags(parser: argparse.ArgumentParser, config: type, skip: tuple[str, ...] = ()) -> None:
@@ -65,6 +67,10 @@ def main(argv: list[str] | None = None) -> int:
     up = sub.add_parser("up", help="run the whole mesh on loopback with an embedded NATS")
     _flags(up, MeshArgs, skip=("extra_env",))
     up.set_defaults(func=_up)
+    bench = sub.add_parser("bench", help="benchmark a serving endpoint (or --launch the mesh)")
+    bench_cli.add_arguments(bench)
+    bench.set_defaults(func=bench_cli.run)
+    add_trace_command(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     try:

@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import IO
 
 from radixmesh.mesh.nats_server import EmbeddedNats, free_port
+from radixmesh.tracing.config import exporter_env, instance_env
+from radixmesh.tracing.receiver import JsonlSink, SpanReceiver
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,8 @@ class MeshArgs:
     context_length: int = 0
     log_level: str = "INFO"
     log_dir: str | None = None  # None: children write to this process's stdout
+    # Every service's spans as JSON lines, via an OTLP receiver on loopback (tracing on).
+    trace_file: str | None = None
     # Every service but the workers runs this much nicer: on a small CPU their per-step
     # bursts would otherwise preempt a thread of the model's team and stall the whole step.
     service_nice: int = 10
@@ -66,6 +70,7 @@ class Mesh:
         self.nats_url = args.nats_url or ""
         self.http_urls: list[str] = []
         self.grpc_addrs: list[str] = []
+        self.spans: SpanReceiver | None = None  # with trace_file: what every service sent
 
     @property
     def url(self) -> str:
@@ -78,6 +83,8 @@ class Mesh:
             if not self.nats_url:
                 self.nats = EmbeddedNats(self.args.host).start()
                 self.nats_url = self.nats.url
+            if self.args.trace_file:
+                self.spans = SpanReceiver(JsonlSink(self.args.trace_file)).start()
             for e in range(self.args.engines):
                 self._start_engine(e)
             for d in range(self.args.detokenizers):
@@ -142,11 +149,18 @@ class Mesh:
             log = open(Path(a.log_dir) / f"{name}.log", "ab")  # noqa: SIM115 (closed in stop)
         proc = subprocess.Popen(
             args, stdout=log, stderr=subprocess.STDOUT if log else None,
-            env={**os.environ, **a.extra_env}, start_new_session=True,
+            env={**os.environ, **self._trace_env(name), **a.extra_env}, start_new_session=True,
         )
         self.children.append(
             _Child(name, proc, f"http://{a.host}:{metrics_port}/health", log)
         )
+
+    def _trace_env(self, name: str) -> dict[str, str]:
+        """A child's tracing variables: its instance name, and the receiver when there is one."""
+        env = instance_env(name, os.environ)
+        if self.spans is not None:
+            env.update(exporter_env(self.spans.endpoint, os.environ))
+        return env
 
     def _wait_healthy(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -191,6 +205,9 @@ class Mesh:
         if self.nats is not None:
             self.nats.stop()
             self.nats = None
+        if self.spans is not None:  # last: services export their final spans as they exit
+            self.spans.stop()
+            self.spans = None
         return codes
 
     def __enter__(self) -> Mesh:
@@ -229,6 +246,9 @@ def serve(args: MeshArgs) -> int:
     for url, addr in zip(mesh.http_urls, mesh.grpc_addrs, strict=True):
         print(f"radixmesh: serving at {url} (OpenAI: {url}/v1, gRPC Generate: {addr})",
               flush=True)
+    if args.trace_file:
+        print(f"radixmesh: spans go to {args.trace_file}; see one request with "
+              f"`radixmesh trace <request id> --file {args.trace_file}`", flush=True)
     code = 0
     while not stopping:
         try:

@@ -198,8 +198,8 @@ async def _exchange(url: str) -> None:
             async with http.get(base + "/metrics") as response:
                 body = await response.text()
         for name in ("updates_total", "chunks_total", "stop_string_matches_total"):
-            assert f"radixmesh_detokenizer_{name} " in body
-        assert "radixmesh_detokenizer_handle_seconds_count" in body
+            assert f"radixmesh:detokenizer_{name} " in body
+        assert "radixmesh:detokenizer_handle_seconds_count" in body
     finally:
         await client.close()
         await service.stop()

@@ -362,13 +362,13 @@ async def test_metrics_count_requests_tokens_and_latency(stack):
     async with stack.http.get(stack.url + "/metrics") as resp:
         text = await resp.text()
     for name in (
-        'radixmesh_tokenizer_requests_total{endpoint="/generate",status="200"}',
-        'radixmesh_tokenizer_requests_total{endpoint="/generate",status="400"}',
-        "radixmesh_tokenizer_prompt_tokens_total",
-        "radixmesh_tokenizer_generation_tokens_total",
-        "radixmesh_tokenizer_time_to_first_token_seconds_bucket",
-        "radixmesh_tokenizer_e2e_request_latency_seconds_count",
-        "radixmesh_tokenizer_requests_in_flight 0.0",
+        'radixmesh:tokenizer_api_requests_total{endpoint="/generate",status="200"}',
+        'radixmesh:tokenizer_api_requests_total{endpoint="/generate",status="400"}',
+        "radixmesh:prompt_tokens_total",
+        "radixmesh:generation_tokens_total",
+        "radixmesh:time_to_first_token_seconds_bucket",
+        "radixmesh:e2e_request_latency_seconds_count",
+        'radixmesh:tokenizer_num_in_flight_reqs{model_name="SmolLM2-135M-Instruct.Q4_1"} 0.0',
     ):
         assert name in text, name
 

@@ -127,9 +127,11 @@ def test_worker_serves_forward(model_dir, reference) -> None:
             worker.stub.Forward(unknown)
         assert err.value.code() == grpc.StatusCode.INTERNAL
         metrics = urllib.request.urlopen(worker.metrics_url, timeout=10).read().decode()
-        assert f"radixmesh_worker_forward_total {float(len(got))}" in metrics
-        assert "radixmesh_worker_kv_pool_slots 496.0" in metrics
-        assert "radixmesh_worker_batch_tokens_sum 34.0" in metrics  # 12+4, 1+5, then 6 x 2
+        labels = f'{{model_name="{model_dir.name}",tp_rank="0"}}'
+        assert f"radixmesh:worker_forward_seconds_count{labels} {float(len(got))}" in metrics
+        assert f"radixmesh:worker_kv_pool_tokens{labels} 496.0" in metrics
+        # 12+4, 1+5, then 6 x 2
+        assert f"radixmesh:worker_batch_tokens_sum{labels} 34.0" in metrics
         assert worker.terminate() == 0
     finally:
         worker.kill()

@@ -4,6 +4,7 @@ installs beside the Python interpreter's scripts."""
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -26,11 +27,24 @@ def nats_server_binary() -> str:
     return found
 
 
+# Ports handed to child processes come from below Linux's ephemeral range (32768-60999):
+# between our check and the child's bind, an outgoing connection anywhere on the machine
+# may take any ephemeral port, but never one of these.
+_PORT_RANGE = (20000, 32000)
+_port_rng = random.Random()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nothing listens on right now."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    """A TCP port nothing listens on right now, outside the ephemeral range."""
+    for _ in range(200):
+        port = _port_rng.randrange(*_PORT_RANGE)
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise OSError(f"no free port in {_PORT_RANGE} on {host}")
 
 
 def wait_for_port(host: str, port: int, timeout: float) -> None:

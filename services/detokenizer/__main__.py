@@ -9,6 +9,7 @@ from radixmesh.mesh.config import build_config
 from radixmesh.mesh.service import log_config, run_until_stopped, setup_logging, stop_event
 from radixmesh.services.detokenizer.config import DetokenizerConfig
 from radixmesh.services.detokenizer.server import DetokenizerService
+from radixmesh.tracing import init_tracing
 
 log = logging.getLogger("radixmesh.detokenizer")
 
@@ -28,6 +29,7 @@ def main() -> None:
     config = build_config(DetokenizerConfig, prog="radixmesh-detokenizer")
     setup_logging(config.log_level)
     log_config(log, "detokenizer", config)
+    init_tracing("detokenizer", config.replica_id)
     asyncio.run(_main(config))
 
 

@@ -19,6 +19,7 @@ from radixmesh.proto import mesh_pb2 as mpb
 from radixmesh.services.detokenizer import metrics
 from radixmesh.services.detokenizer.config import DetokenizerConfig
 from radixmesh.services.detokenizer.incremental import DecodeFn
+from radixmesh.services.detokenizer.step_trace import StepTrace
 from radixmesh.services.detokenizer.windowed import TextRules, Update, window_text
 from radixmesh.services.tokenizer.tokenizer import Tokenizer
 from radixmesh.services.worker.model_source import resolve_model_path
@@ -188,6 +189,7 @@ class DetokenizerService:
     async def _on_step(self, msg: Msg) -> None:
         tokenizer = self.tokenizer
         assert tokenizer is not None
+        trace = StepTrace()
         with metrics.HANDLE_SECONDS.time():
             try:
                 step = mpb.TokenStep.FromString(msg.data)
@@ -195,18 +197,22 @@ class DetokenizerService:
                 log.warning("dropping a TokenStep that does not parse: %s", exc)
                 return
             replies = step_replies(step, tokenizer.decode)
-            metrics.UPDATES.inc(len(step.updates))
+            trace.decoded(step, replies)
+            metrics.observe_updates(step.updates)
             metrics.STOP_MATCHES.inc(replies.stop_matches)
             metrics.ERRORS.inc(replies.errors)
             for reply_to, chunks in replies.chunks.items():
                 await self._publish(reply_to, chunks.SerializeToString())
                 metrics.CHUNKS.inc(len(chunks.chunks))
             for subject, abort in replies.aborts:
-                await self._publish(subject, abort.SerializeToString())
+                await self._publish(subject, abort.SerializeToString(), trace.headers(abort.rid))
+            trace.end()
 
-    async def _publish(self, subject: str, payload: bytes) -> None:
+    async def _publish(
+        self, subject: str, payload: bytes, headers: dict[str, str] | None = None
+    ) -> None:
         assert self._nc is not None
         try:
-            await self._nc.publish(subject, payload)
+            await self._nc.publish(subject, payload, headers=headers)
         except NatsError as exc:
             log.warning("could not publish to %r: %s", subject, exc)

@@ -9,6 +9,7 @@ from radixmesh.mesh.config import build_config
 from radixmesh.mesh.service import log_config, run_until_stopped, setup_logging, stop_event
 from radixmesh.services.scheduler.config import SchedulerServiceConfig
 from radixmesh.services.scheduler.server import SchedulerService
+from radixmesh.tracing import init_tracing
 
 log = logging.getLogger("radixmesh.scheduler")
 
@@ -24,6 +25,7 @@ def main() -> None:
     config = build_config(SchedulerServiceConfig, prog="radixmesh-scheduler")
     setup_logging(config.log_level)
     log_config(log, "scheduler", config)
+    init_tracing("scheduler", config.engine_id)
     asyncio.run(_main(config))
 
 

@@ -1,28 +1,176 @@
-"""Prometheus metrics of the scheduler service."""
+"""Prometheus metrics of the scheduler service: one engine's queue, KV pool and cache.
+
+Gauges take SGLang's scheduler names with the `radixmesh:` prefix. The engine's own count
+of tokens and requests carries `scheduler_` in its names, so one Prometheus can scrape the
+tokenizers (what clients got) and the schedulers (what engines did) without a clash."""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any
+
 from prometheus_client import Counter, Gauge, Histogram
 
-_P = "radixmesh_scheduler_"
+from radixmesh.services.scheduler.scheduler import Scheduler
 
-RUNNING = Gauge(_P + "running_requests", "Requests prefilling or decoding")
-WAITING = Gauge(_P + "waiting_requests", "Requests queued")
-KV_USED = Gauge(_P + "kv_used_slots", "KV slots held by requests or the prefix cache")
-KV_TOTAL = Gauge(_P + "kv_total_slots", "KV slots in the pool")
-CACHED = Gauge(_P + "cached_tokens", "Tokens in the radix prefix cache")
-PROMPT_TOKENS = Counter(_P + "prompt_tokens_total", "Prompt tokens of admitted requests")
-CACHE_HIT_TOKENS = Counter(_P + "cache_hit_tokens_total", "Prompt tokens found in the cache")
-GENERATED_TOKENS = Counter(_P + "generation_tokens_total", "Output tokens produced")
-FINISHED = Counter(_P + "finished_requests_total", "Finished requests", ["reason"])
-REFUSED = Counter(_P + "refused_requests_total", "Requests refused at admission")
-STEP_TOKENS = Histogram(
-    _P + "forward_batch_tokens",
-    "Tokens per forward step",
-    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096),
+Clock = Callable[[], float]
+
+# The tier that holds every cached token until HiCache adds host and storage tiers.
+DEVICE_TIER = "device"
+
+_ENGINE = ("model_name", "engine_id")
+_TIERED = (*_ENGINE, "tier")
+_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+_SECONDS_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10)
+
+NUM_RUNNING = Gauge("radixmesh:num_running_reqs", "Requests prefilling or decoding", _ENGINE)
+NUM_QUEUE = Gauge("radixmesh:num_queue_reqs", "Requests waiting to be scheduled", _ENGINE)
+NUM_USED_TOKENS = Gauge(
+    "radixmesh:num_used_tokens", "KV slots held by requests or the prefix cache", _ENGINE
 )
-STEP_SECONDS = Histogram(
-    _P + "forward_seconds",
-    "Forward round trip per step",
-    buckets=(0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10),
+MAX_TOTAL_TOKENS = Gauge("radixmesh:max_total_num_tokens", "KV slots in the pool", _ENGINE)
+TOKEN_USAGE = Gauge("radixmesh:token_usage", "Fraction of the KV slots in use", _ENGINE)
+CACHE_HIT_RATE = Gauge(
+    "radixmesh:cache_hit_rate",
+    "Prompt tokens found in the prefix cache over prompt tokens, since start",
+    _ENGINE,
 )
+GEN_THROUGHPUT = Gauge(
+    "radixmesh:gen_throughput", "Output tokens per second since the previous status", _ENGINE
+)
+NUM_RETRACTED = Counter(
+    "radixmesh:num_retracted_requests_total",
+    "Running requests sent back to the queue for lack of KV slots",
+    _ENGINE,
+)
+CACHE_TOKENS = Gauge(
+    "radixmesh:scheduler_cache_tokens", "Tokens held in the prefix cache, by tier", _TIERED
+)
+PROMPT_TOKENS = Counter(
+    "radixmesh:scheduler_prompt_tokens_total", "Prompt tokens of admitted requests", _ENGINE
+)
+CACHED_TOKENS = Counter(
+    "radixmesh:scheduler_cached_tokens_total",
+    "Prompt tokens found in the prefix cache when a request was first scheduled, by tier",
+    _TIERED,
+)
+GENERATION_TOKENS = Counter(
+    "radixmesh:scheduler_generation_tokens_total", "Output tokens produced", _ENGINE
+)
+FINISHED = Counter(
+    "radixmesh:scheduler_finished_requests_total",
+    "Finished requests, by finish reason",
+    (*_ENGINE, "finish_reason"),
+)
+REFUSED = Counter(
+    "radixmesh:scheduler_refused_requests_total", "Requests refused at admission", _ENGINE
+)
+BATCH_TOKENS = Histogram(
+    "radixmesh:scheduler_batch_tokens",
+    "Tokens computed per model step",
+    _ENGINE,
+    buckets=_SIZE_BUCKETS,
+)
+BATCH_REQS = Histogram(
+    "radixmesh:scheduler_batch_reqs",
+    "Requests per model step",
+    _ENGINE,
+    buckets=_SIZE_BUCKETS,
+)
+FORWARD_SECONDS = Histogram(
+    "radixmesh:scheduler_forward_seconds",
+    "Worker round trip per step",
+    _ENGINE,
+    buckets=_SECONDS_BUCKETS,
+)
+
+
+class ThroughputMeter:
+    """Tokens per second between two readings."""
+
+    def __init__(self, clock: Clock = time.monotonic) -> None:
+        self._clock = clock
+        self._since = clock()
+        self._tokens = 0
+
+    def add(self, tokens: int) -> None:
+        self._tokens += tokens
+
+    def read(self) -> float:
+        """The rate since the previous reading (or start); starts a new interval."""
+        now = self._clock()
+        elapsed, tokens = now - self._since, self._tokens
+        self._since, self._tokens = now, 0
+        return tokens / elapsed if elapsed > 0 else 0.0
+
+
+class SchedulerMetrics:
+    """One engine's metrics; the model's name joins the labels once it is known."""
+
+    def __init__(self, engine_id: str, clock: Clock = time.monotonic) -> None:
+        self._labels = {"model_name": "", "engine_id": engine_id}
+        self._throughput = ThroughputMeter(clock)
+        self._prompt_tokens = 0
+        self._cached_tokens = 0
+        self._retractions = 0
+
+    def start(self, model_name: str, num_slots: int) -> None:
+        """Bind the model's name and show the pool's size."""
+        self._labels["model_name"] = model_name
+        MAX_TOTAL_TOKENS.labels(**self._labels).set(num_slots)
+
+    def admitted(self, prompt_tokens: int) -> None:
+        """A request the scheduler took."""
+        self._prompt_tokens += prompt_tokens
+        PROMPT_TOKENS.labels(**self._labels).inc(prompt_tokens)
+        self._set_hit_rate()
+
+    def refused(self) -> None:
+        """A request the scheduler could not take."""
+        REFUSED.labels(**self._labels).inc()
+
+    def update(
+        self, first: bool, cached_tokens: int, new_tokens: int, finish_reason: str | None
+    ) -> None:
+        """One TokenUpdate on its way to the detokenizers."""
+        if first:
+            self._cached_tokens += cached_tokens
+            CACHED_TOKENS.labels(**self._labels, tier=DEVICE_TIER).inc(cached_tokens)
+            self._set_hit_rate()
+        self._throughput.add(new_tokens)
+        GENERATION_TOKENS.labels(**self._labels).inc(new_tokens)
+        if finish_reason is not None:
+            FINISHED.labels(**self._labels, finish_reason=finish_reason).inc()
+
+    def batch(self, tokens: int, reqs: int) -> None:
+        """One step's size; steps that only release requests compute nothing and are skipped."""
+        if reqs:
+            BATCH_TOKENS.labels(**self._labels).observe(tokens)
+            BATCH_REQS.labels(**self._labels).observe(reqs)
+
+    def forward_timer(self) -> AbstractContextManager[Any]:
+        """Times one step's round trip to the workers."""
+        return FORWARD_SECONDS.labels(**self._labels).time()
+
+    def state(self, sched: Scheduler) -> None:
+        """The queue, the KV pool and the cache as they are now."""
+        labels = self._labels
+        used = sched.config.num_slots - sched.allocator.available()
+        NUM_RUNNING.labels(**labels).set(len(sched.running) + (sched.chunked is not None))
+        NUM_QUEUE.labels(**labels).set(len(sched.waiting))
+        NUM_USED_TOKENS.labels(**labels).set(used)
+        TOKEN_USAGE.labels(**labels).set(used / sched.config.num_slots)
+        CACHE_TOKENS.labels(**labels, tier=DEVICE_TIER).set(sched.cache.total_size())
+        NUM_RETRACTED.labels(**labels).inc(sched.num_retractions - self._retractions)
+        self._retractions = sched.num_retractions
+
+    def throughput(self) -> None:
+        """Show the output rate since the previous call (the status heartbeat)."""
+        GEN_THROUGHPUT.labels(**self._labels).set(self._throughput.read())
+
+    def _set_hit_rate(self) -> None:
+        if self._prompt_tokens:
+            rate = self._cached_tokens / self._prompt_tokens
+            CACHE_HIT_RATE.labels(**self._labels).set(rate)

@@ -18,14 +18,15 @@ from radixmesh.mesh.service import StatusServer
 from radixmesh.proto import forward_pb2 as fpb
 from radixmesh.proto import mesh_pb2 as mpb
 from radixmesh.proto.convert import engine_params_from_proto
-from radixmesh.services.scheduler import metrics
 from radixmesh.services.scheduler.config import SchedulerServiceConfig
+from radixmesh.services.scheduler.metrics import SchedulerMetrics
 from radixmesh.services.scheduler.request import FinishKind, FinishReason, LogprobRequest, Req
+from radixmesh.services.scheduler.request_traces import RequestTraces
 from radixmesh.services.scheduler.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from radixmesh.services.scheduler.updates import UpdateBuilder
 from radixmesh.services.scheduler.worker_client import WorkerClient
 from radixmesh.services.tokenizer.tokenizer import Tokenizer
-from radixmesh.services.worker.model_source import resolve_model_path
+from radixmesh.services.worker.model_source import resolve_model_path, served_name
 
 log = logging.getLogger("radixmesh.scheduler")
 
@@ -40,6 +41,8 @@ class SchedulerService:
         self.engine_id = config.engine_id
         self.workers = WorkerClient(config.worker_list)
         self.updates = UpdateBuilder(config.engine_id)
+        self.metrics = SchedulerMetrics(config.engine_id)
+        self.traces = RequestTraces(config.engine_id)
         self.scheduler: Scheduler | None = None
         self.info: mpb.WorkerInfo | None = None
         self._inbox: deque[tuple[str, Any]] = deque()
@@ -57,7 +60,8 @@ class SchedulerService:
         await self._status.start()
         self.info = await self.workers.connect(self.config.worker_timeout)
         eos = list(self.info.eos_token_ids)
-        tokenizer = Tokenizer.from_path(str(resolve_model_path(self.config.model_path)))
+        model_path = resolve_model_path(self.config.model_path)
+        tokenizer = Tokenizer.from_path(str(model_path))
         eos = tuple(dict.fromkeys(eos + list(tokenizer.eos_token_ids)))
         context = self.info.max_position_embeddings
         if self.config.context_length:
@@ -74,7 +78,7 @@ class SchedulerService:
                 eos_token_ids=eos,
             )
         )
-        metrics.KV_TOTAL.set(self.info.num_slots)
+        self.metrics.start(served_name(model_path), self.info.num_slots)
         self._nc = await nats.connect(self.config.nats_url, name=f"scheduler-{self.engine_id}")
         nc = self._nc
         await nc.subscribe(
@@ -120,10 +124,14 @@ class SchedulerService:
     # ---- NATS callbacks: queue work for the loop -----------------------------------------
 
     async def _on_request(self, msg: Msg) -> None:
-        self._post("add", mpb.EngineRequest.FromString(msg.data))
+        request = mpb.EngineRequest.FromString(msg.data)
+        self.traces.received(request, msg.headers)
+        self._post("add", request)
 
     async def _on_abort(self, msg: Msg) -> None:
-        self._post("abort", mpb.AbortRequest.FromString(msg.data))
+        abort = mpb.AbortRequest.FromString(msg.data)
+        self.traces.aborted(abort, msg.headers)
+        self._post("abort", abort)
 
     async def _on_control(self, msg: Msg) -> None:
         op = json.loads(msg.data or b"{}").get("op")
@@ -148,9 +156,10 @@ class SchedulerService:
                 if self._stopping:
                     break
             self._drain_inbox()
-            batch = sched.schedule() if not self._stopping else None
+            batch = self.traces.schedule(sched) if not self._stopping else None
             if batch is not None:
-                metrics.STEP_TOKENS.observe(sum(len(e.slots) for e in batch.proto.entries))
+                entries = batch.proto.entries
+                self.metrics.batch(sum(len(e.slots) for e in entries), len(entries))
             if self.config.enable_overlap:
                 task = asyncio.create_task(self._forward(batch)) if batch else None
                 if in_flight is not None:
@@ -161,8 +170,8 @@ class SchedulerService:
             await self._publish_updates()
 
     async def _forward(self, batch: ScheduledBatch) -> fpb.ForwardResult:
-        with metrics.STEP_SECONDS.time():
-            return await self.workers.forward(batch.proto)
+        with self.metrics.forward_timer(), self.traces.forward(batch) as metadata:
+            return await self.workers.forward(batch.proto, metadata)
 
     def _drain_inbox(self) -> None:
         sched = self.scheduler
@@ -208,10 +217,10 @@ class SchedulerService:
             )
             sched.add_request(req)
         except ValueError as exc:
-            metrics.REFUSED.inc()
+            self.metrics.refused()
             self._refused.append((msg.rid, str(exc)))
             return
-        metrics.PROMPT_TOKENS.inc(len(req.input_ids))
+        self.metrics.admitted(len(req.input_ids))
 
     async def _publish_updates(self) -> None:
         """Send every request's news as one TokenStep; cached sequences to the routers."""
@@ -228,13 +237,14 @@ class SchedulerService:
             update = self.updates.build(req)
             if update is None:
                 continue
-            if update.seq == 0:
-                metrics.CACHE_HIT_TOKENS.inc(update.cached_tokens)
-            metrics.GENERATED_TOKENS.inc(len(update.new_ids))
+            finish = req.finish.kind.value if req.finish is not None else None
+            self.metrics.update(update.seq == 0, update.cached_tokens, len(update.new_ids), finish)
             step.updates.append(update)
             if req.finish is not None:
-                metrics.FINISHED.labels(req.finish.kind.value).inc()
                 cached.inserted.add(cache_salt=req.namespace or "", token_ids=req.tokens)
+        # Before publishing: once a client has its answer, the gauges already show it.
+        self.metrics.state(sched)
+        self.traces.sent(step.updates)
         if step.updates:
             await self._nc.publish(subjects.DETOK, step.SerializeToString())
         if cached.inserted:
@@ -276,10 +286,8 @@ class SchedulerService:
             return
         running = len(s.running) + (s.chunked is not None)
         free = s.allocator.available()
-        metrics.RUNNING.set(running)
-        metrics.WAITING.set(len(s.waiting))
-        metrics.KV_USED.set(s.config.num_slots - free)
-        metrics.CACHED.set(s.cache.total_size())
+        self.metrics.state(s)
+        self.metrics.throughput()
         status = mpb.EngineStatus(
             engine_id=self.engine_id,
             running=running,

@@ -54,11 +54,15 @@ class WorkerClient:
                     raise
                 await asyncio.sleep(0.2)
 
-    async def forward(self, batch: fpb.ForwardBatch) -> fpb.ForwardResult:
-        """Run one step on every rank; they stay in lockstep, rank 0 answers."""
+    async def forward(
+        self, batch: fpb.ForwardBatch, metadata: tuple[tuple[str, str], ...] | None = None
+    ) -> fpb.ForwardResult:
+        """Run one step on every rank; they stay in lockstep, rank 0 answers. `metadata`
+        goes with each call (the step's trace context)."""
         if len(self._stubs) == 1:
-            return await self._stubs[0].Forward(batch)
-        results = await asyncio.gather(*(s.Forward(batch) for s in self._stubs))
+            return await self._stubs[0].Forward(batch, metadata=metadata)
+        results = await asyncio.gather(*(s.Forward(batch, metadata=metadata)
+                                         for s in self._stubs))
         return results[0]
 
     async def close(self) -> None:

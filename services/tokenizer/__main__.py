@@ -9,6 +9,7 @@ from radixmesh.mesh.config import build_config
 from radixmesh.mesh.service import log_config, setup_logging, stop_event
 from radixmesh.services.tokenizer.config import TokenizerServiceConfig
 from radixmesh.services.tokenizer.server import TokenizerServer
+from radixmesh.tracing import init_tracing
 
 log = logging.getLogger("radixmesh.tokenizer")
 
@@ -27,6 +28,7 @@ def main() -> None:
     config = build_config(TokenizerServiceConfig, prog="radixmesh-tokenizer")
     setup_logging(config.log_level)
     log_config(log, "tokenizer", config)
+    init_tracing("tokenizer", config.replica_id)
     asyncio.run(_main(config))
 
 

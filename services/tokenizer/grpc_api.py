@@ -21,6 +21,7 @@ from radixmesh.services.tokenizer.generation import (
     TokenLogprob,
 )
 from radixmesh.services.tokenizer.request_checks import build_request
+from radixmesh.services.tokenizer.request_trace import encode_traced
 
 _ENDPOINT = "grpc:/radixmesh.mesh.Generate/Generate"
 _OPTIONAL_SAMPLING = (
@@ -118,9 +119,10 @@ class GenerateService(mesh_pb2_grpc.GenerateServicer):
             metrics.REQUESTS.labels(_ENDPOINT, code.name).inc()
 
     def _prepare(self, request: mpb.GenerateRequest) -> GenerationRequest:
+        rid = request.rid or uuid.uuid4().hex
         which = request.WhichOneof("prompt")
         if which == "text":
-            ids, field = self.client.tokenizer.encode(request.text), "text"
+            ids, field = encode_traced(self.client.tokenizer, request.text, rid), "text"
         elif which == "input_ids":
             ids, field = list(request.input_ids.ids), "input_ids"
         else:
@@ -129,7 +131,7 @@ class GenerateService(mesh_pb2_grpc.GenerateServicer):
         start = request.logprob_start_len if request.return_logprob else -1
         return build_request(
             self.client,
-            request.rid or uuid.uuid4().hex,
+            rid,
             ids,
             sampling_dict(request.sampling_params),
             (request.return_logprob, start, request.top_logprobs_num),

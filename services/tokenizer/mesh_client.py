@@ -8,7 +8,6 @@ import contextlib
 import json
 import logging
 import random
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +30,7 @@ from radixmesh.services.tokenizer.generation import (
     GenerationRequest,
 )
 from radixmesh.services.tokenizer.reassembly import ChunkAssembler
+from radixmesh.services.tokenizer.request_trace import RequestTrace
 from radixmesh.services.tokenizer.router import Route, Router
 from radixmesh.services.tokenizer.tokenizer import Tokenizer
 
@@ -63,6 +63,7 @@ class MeshClient:
     ) -> None:
         self.tokenizer = tokenizer
         self.model_name = model_name
+        self.metrics = metrics.TokenizerMetrics(model_name)
         self.replica_id = replica_id
         self.router = router or Router()
         self.engines = EngineRegistry(engine_timeout_s)
@@ -131,38 +132,38 @@ class MeshClient:
         """Run a request on an engine; closing the iterator early aborts it there."""
         if request.rid in self._in_flight:
             raise GenerationError(f"request id {request.rid!r} is already running", 400)
+        trace = RequestTrace(request)
         try:
-            route = self.router.route(request.input_ids, request.cache_salt or "")
+            route = trace.route(self.router, request)
         except LookupError:
+            trace.end("no engine is available")
             raise GenerationError("no engine is available", 503) from None
         try:
             payload = self._engine_request(request, route)
         except ValueError as exc:  # a value the message cannot carry, e.g. out of int32
+            trace.end(f"invalid request: {exc}")
             raise GenerationError(f"invalid request: {exc}", 400) from exc
         flight = _InFlight(route.engine_id, ChunkAssembler(request), asyncio.Queue())
         self._in_flight[request.rid] = flight
-        metrics.IN_FLIGHT.inc()
-        metrics.PROMPT_TOKENS.inc(len(request.input_ids))
-        started = time.monotonic()
-        first = True
+        observed = self.metrics.request(len(request.input_ids))
         finished = False
         try:
-            await self._nc.publish(subjects.engine_generate(route.engine_id), payload)
+            await self._nc.publish(
+                subjects.engine_generate(route.engine_id), payload, headers=trace.headers()
+            )
             while not finished:
                 chunk = await flight.queue.get()
-                if first:
-                    metrics.TIME_TO_FIRST_TOKEN.observe(time.monotonic() - started)
-                    first = False
+                observed.on_chunk(chunk)
                 finished = chunk.finish is not None
+                trace.chunk(chunk)
                 yield chunk
         finally:
             del self._in_flight[request.rid]
-            metrics.IN_FLIGHT.dec()
-            metrics.GENERATION_TOKENS.inc(flight.assembler.completion_tokens)
-            if finished:
-                metrics.E2E_LATENCY.observe(time.monotonic() - started)
-            elif not flight.assembler.finished:
-                await self._abort(route.engine_id, request.rid)
+            observed.close()
+            if not finished and not flight.assembler.finished:
+                with trace.aborting("the caller stopped reading") as headers:
+                    await self._abort(route.engine_id, request.rid, headers)
+            trace.end()
 
     def _engine_request(self, request: GenerationRequest, route: Route) -> bytes:
         params = request.params
@@ -192,10 +193,13 @@ class MeshClient:
                   route.matched_tokens)
         return message.SerializeToString()
 
-    async def _abort(self, engine_id: str, rid: str) -> None:
+    async def _abort(
+        self, engine_id: str, rid: str, headers: dict[str, str] | None = None
+    ) -> None:
         try:
             await self._nc.publish(
-                subjects.engine_abort(engine_id), mpb.AbortRequest(rid=rid).SerializeToString()
+                subjects.engine_abort(engine_id), mpb.AbortRequest(rid=rid).SerializeToString(),
+                headers=headers,
             )
         except NatsError as exc:
             log.warning("could not abort %s on engine %s: %s", rid, engine_id, exc)

@@ -30,6 +30,7 @@ from radixmesh.services.tokenizer.mesh_client import MeshClient
 from radixmesh.services.tokenizer.native_request import NativeItem, NativeRequest, parse_generate
 from radixmesh.services.tokenizer.native_response import NativeOutput, TokenText
 from radixmesh.services.tokenizer.request_checks import build_request
+from radixmesh.services.tokenizer.request_trace import encode_traced
 from radixmesh.services.worker.sampling_params import SamplingParams
 
 _Event = tuple[int, GenerationChunk | GenerationError]
@@ -87,7 +88,7 @@ class NativeApi:
         if item.input_ids is not None:
             ids, field = item.input_ids, "input_ids"
         else:
-            ids, field = self.client.tokenizer.encode(item.text or ""), "text"
+            ids, field = encode_traced(self.client.tokenizer, item.text or "", item.rid), "text"
         logprobs = (item.return_logprob, item.logprob_start_len, item.top_logprobs_num)
         return build_request(self.client, item.rid, ids, item.sampling, logprobs,
                              item.cache_salt, item.priority, field)

@@ -27,6 +27,7 @@ from radixmesh.services.tokenizer.openai_response import (
     CompletionResponse,
     ResponseBuilder,
 )
+from radixmesh.services.tokenizer.request_trace import tokenize_span
 from radixmesh.services.tokenizer.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -106,7 +107,10 @@ class OpenAIRoutes:
         tokenizer = self.client.tokenizer
         try:
             body = parse_body(await request.read())
-            parsed = parse(body, tokenizer, self._served_model(), f"{id_prefix}-{uuid.uuid4().hex}")
+            with tokenize_span() as tokenized:
+                parsed = parse(body, tokenizer, self._served_model(),
+                               f"{id_prefix}-{uuid.uuid4().hex}")
+                tokenized(parsed.requests)
         except OpenAIError as exc:
             return error_response(exc.message, exc.status, exc.param)
         except web.HTTPRequestEntityTooLarge as exc:

@@ -7,7 +7,6 @@ import asyncio
 import dataclasses
 import logging
 import re
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -24,9 +23,13 @@ from radixmesh.services.tokenizer.native_api import NativeApi
 from radixmesh.services.tokenizer.openai_api import add_openai_routes
 from radixmesh.services.tokenizer.router import Router
 from radixmesh.services.tokenizer.tokenizer import Tokenizer
-from radixmesh.services.worker.model_source import resolve_model_path
+from radixmesh.services.worker.model_source import resolve_model_path, served_name
+from radixmesh.tracing.grpc_server import tracing_interceptors
+from radixmesh.tracing.http_server import tracing_middleware
 
 log = logging.getLogger("radixmesh.tokenizer")
+
+_TRACED_RPCS = {"/radixmesh.mesh.Generate/Generate": "radixmesh.mesh.Generate/Generate"}
 
 
 def public_args(config: TokenizerServiceConfig) -> dict[str, Any]:
@@ -34,11 +37,6 @@ def public_args(config: TokenizerServiceConfig) -> dict[str, Any]:
     args = dataclasses.asdict(config)
     args["nats_url"] = re.sub(r"//[^/@]*@", "//", config.nats_url)
     return args
-
-
-def served_name(model_path: Path) -> str:
-    """The name clients use for a model: its GGUF file's or directory's name, no extension."""
-    return model_path.stem if model_path.is_file() else model_path.name
 
 
 class TokenizerServer:
@@ -72,7 +70,7 @@ class TokenizerServer:
         )
         await client.start()
 
-        app = web.Application(middlewares=[metrics_middleware])
+        app = web.Application(middlewares=[tracing_middleware, metrics_middleware])
         NativeApi(client, str(model_path), public_args(cfg)).add_routes(app)
         add_openai_routes(app, client)
         # Cancelling the handler of a client that hung up closes its generation, which
@@ -85,7 +83,7 @@ class TokenizerServer:
         self.port = self._runner.addresses[0][1]
 
         if cfg.grpc_port >= 0:
-            self._grpc = grpc.aio.server()
+            self._grpc = grpc.aio.server(interceptors=tracing_interceptors(_TRACED_RPCS))
             mesh_pb2_grpc.add_GenerateServicer_to_server(GenerateService(client), self._grpc)
             self.grpc_port = self._grpc.add_insecure_port(f"{cfg.host}:{cfg.grpc_port}")
             await self._grpc.start()

@@ -115,7 +115,12 @@ class CausalLM:
         self.norm = w["model.norm.weight"]
         self.layers = [DecoderLayer(cfg, w, f"model.layers.{i}", tp) for i in range(cfg.num_layers)]
         self.rope = RotaryEmbedding(
-            cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, dtype, cfg.rope_scaling
+            cfg.head_dim,
+            cfg.max_position_embeddings,
+            cfg.rope_theta,
+            dtype,
+            cfg.rope_scaling,
+            device=self.embed.device,
         )
 
     def forward(

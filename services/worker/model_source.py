@@ -57,6 +57,11 @@ def resolve_model_path(path: str | None) -> Path:
     raise FileNotFoundError(f"model path not found: {p}")
 
 
+def served_name(model_path: Path) -> str:
+    """The name clients use for a model: its GGUF file's or directory's name, no extension."""
+    return model_path.stem if model_path.is_file() else model_path.name
+
+
 def is_gguf(path: Path) -> bool:
     return path.is_file() and path.suffix.lower() == ".gguf"
 

@@ -44,13 +44,14 @@ class RotaryEmbedding:
         theta: float,
         dtype: torch.dtype,
         scaling: dict[str, Any] | None = None,
+        device: torch.device | str = "cpu",
     ) -> None:
         inv_freq = inverse_frequencies(head_dim, theta, scaling)
         angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq.float())
         angles = torch.cat((angles, angles), dim=-1)
         # Cast like the reference does, so bf16 models rotate in bf16 as they were trained.
-        self.cos = angles.cos().to(dtype)
-        self.sin = angles.sin().to(dtype)
+        self.cos = angles.cos().to(device, dtype)
+        self.sin = angles.sin().to(device, dtype)
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin [T, 1, D] for the step's token positions [T]."""

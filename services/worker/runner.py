@@ -10,13 +10,13 @@ import torch
 from radixmesh.proto import forward_pb2 as pb
 from radixmesh.proto.convert import sampling_from_proto
 from radixmesh.services.worker.attention import AttentionBackend, AttentionMetadata, SeqSpan
+from radixmesh.services.worker.attention_choice import make_attention
 from radixmesh.services.worker.kv_pool import KVPool
 from radixmesh.services.worker.memory import keep_freed_memory
 from radixmesh.services.worker.model import CausalLM
 from radixmesh.services.worker.model_config import ModelConfig
 from radixmesh.services.worker.parallel import TensorParallel, local_config
 from radixmesh.services.worker.sampling import RequestSampler, sample
-from radixmesh.services.worker.torch_attention import TorchAttention
 
 # Rows of prompt logits turned into logprobs at a time: bounds the float32 [rows, vocab] buffer.
 _LOGPROB_BLOCK = 256
@@ -48,7 +48,8 @@ class ModelRunner:
     """Owns the weights, the KV pool and each request's sampling state.
 
     Under tensor parallelism `weights` hold this rank's shards (parallel.shard_weights)
-    and the pool only this rank's KV heads; rank 0 samples and the others take its tokens."""
+    and the pool only this rank's KV heads; rank 0 samples and the others take its tokens.
+    `attention` is a backend or its name (see attention_choice.make_attention)."""
 
     def __init__(
         self,
@@ -56,7 +57,7 @@ class ModelRunner:
         weights: dict[str, torch.Tensor],
         dtype: torch.dtype,
         num_slots: int,
-        attention: AttentionBackend | None = None,
+        attention: AttentionBackend | str = "auto",
         tp: TensorParallel | None = None,
     ) -> None:
         keep_freed_memory()
@@ -65,7 +66,11 @@ class ModelRunner:
         shard = config if tp is None else local_config(config, tp.size)
         self.model = CausalLM(shard, weights, dtype, tp)
         self.pool = KVPool(shard.num_layers, num_slots, shard.num_kv_heads, shard.head_dim, dtype)
-        self.attention = attention or TorchAttention(config.head_dim**-0.5)
+        self.attention = (
+            attention
+            if isinstance(attention, AttentionBackend)
+            else make_attention(attention, config.head_dim**-0.5, self.model.embed.device)
+        )
         self.requests: dict[str, _Request] = {}
 
     @torch.inference_mode()

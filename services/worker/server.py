@@ -12,15 +12,16 @@ from typing import Any
 import grpc
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from prometheus_client import Counter, Gauge, Histogram
 
 from radixmesh.mesh.service import StatusServer
 from radixmesh.proto import forward_pb2 as fpb
 from radixmesh.proto import mesh_pb2 as mpb
 from radixmesh.proto import mesh_pb2_grpc as mgrpc
 from radixmesh.services.worker.config import WorkerConfig
+from radixmesh.services.worker.forward_trace import TRACED_RPCS, note_forward
 from radixmesh.services.worker.memory import release_free_memory
-from radixmesh.services.worker.model_source import load_model, resolve_model_path
+from radixmesh.services.worker.metrics import WorkerMetrics
+from radixmesh.services.worker.model_source import load_model, resolve_model_path, served_name
 from radixmesh.services.worker.parallel import (
     TensorParallel,
     check_divisible,
@@ -29,6 +30,7 @@ from radixmesh.services.worker.parallel import (
     shard_weights,
 )
 from radixmesh.services.worker.runner import ModelRunner
+from radixmesh.tracing.grpc_server import tracing_interceptors
 
 log = logging.getLogger("radixmesh.worker")
 
@@ -39,20 +41,6 @@ STOP_GRACE_S = 2.0
 SETTLE_TIMEOUT_S = 15.0
 ORDER_WAIT_S = 1.0
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-_P = "radixmesh_worker_"
-FORWARDS = Counter(_P + "forward_total", "Forward steps run")
-FORWARD_SECONDS = Histogram(
-    _P + "forward_seconds",
-    "Model time per forward step",
-    buckets=(0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10),
-)
-BATCH_TOKENS = Histogram(
-    _P + "batch_tokens",
-    "Tokens computed per forward step",
-    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096),
-)
-KV_POOL_SLOTS = Gauge(_P + "kv_pool_slots", "Token slots in this rank's KV pool")
 
 
 def _set_threads(num_threads: int) -> None:
@@ -79,10 +67,13 @@ class WorkerService(mgrpc.WorkerServicer):
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
         ]
-        self._server = grpc.aio.server(options=opts)
+        self._server = grpc.aio.server(
+            options=opts, interceptors=tracing_interceptors(TRACED_RPCS)
+        )
         mgrpc.add_WorkerServicer_to_server(self, self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         self._status = StatusServer(config.host, config.metrics_port, self._check)
+        self.metrics = WorkerMetrics(config.tp_rank)
         self._started = False
         # Overlapped steps are in flight together and gRPC may hand them over in either
         # order; each must reach the torch thread after the step before it.
@@ -114,7 +105,7 @@ class WorkerService(mgrpc.WorkerServicer):
             tp_rank=c.tp_rank,
             tp_size=c.tp_size,
         )
-        KV_POOL_SLOTS.set(self.info.num_slots)
+        self.metrics.loaded(served_name(resolve_model_path(c.model_path)), self.info.num_slots)
         for name in ("", SERVICE_NAME):
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info("model %s loaded: %d KV slots", self.info.model_path, self.info.num_slots)
@@ -183,9 +174,8 @@ class WorkerService(mgrpc.WorkerServicer):
         except Exception as exc:
             log.exception("step %d failed", request.step)
             await context.abort(grpc.StatusCode.INTERNAL, f"forward failed: {exc!r}")
-        FORWARDS.inc()
-        FORWARD_SECONDS.observe(result.forward_ms / 1e3)
-        BATCH_TOKENS.observe(sum(len(e.input_ids) or 1 for e in request.entries))
+        self.metrics.forward(request, result.forward_ms)
+        note_forward(request, result, self.config.tp_rank)
         return result
 
     async def GetInfo(

@@ -1,0 +1,1 @@
+"""`radixmesh bench`: a serving benchmark for radixmesh and any OpenAI-compatible server."""

@@ -1,0 +1,67 @@
+"""Names of the span attributes radixmesh sets, in one place, and tagging spans with the
+requests they serve."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from opentelemetry.trace import Span
+
+RID = "radixmesh.rid"  # the request; on a span that serves several, the first of them
+RIDS = "radixmesh.rids"  # every request a span serves, when it serves more than one
+ENGINE_ID = "radixmesh.engine_id"
+PROMPT_TOKENS = "radixmesh.prompt_tokens"
+CACHED_TOKENS = "radixmesh.cached_tokens"
+COMPLETION_TOKENS = "radixmesh.completion_tokens"
+MAX_NEW_TOKENS = "radixmesh.max_new_tokens"
+FINISH = "radixmesh.finish"
+FINISH_MESSAGE = "radixmesh.finish_message"
+ROUTE_MATCHED = "radixmesh.route.matched_tokens"
+ROUTE_ENGINES = "radixmesh.route.engines"
+PREFIX_MATCHED = "radixmesh.prefix.matched_tokens"
+PREFIX_TIER = "radixmesh.prefix.tier"
+CHUNK_INDEX = "radixmesh.chunk.index"
+CHUNK_START = "radixmesh.chunk.start"
+CHUNK_TOKENS = "radixmesh.chunk.tokens"
+CHUNK_LAST = "radixmesh.chunk.last"
+DECODE_STEPS = "radixmesh.decode.steps"
+STEP = "radixmesh.step"
+BATCH_REQUESTS = "radixmesh.batch.requests"
+BATCH_PREFILL_TOKENS = "radixmesh.batch.prefill_tokens"
+BATCH_DECODES = "radixmesh.batch.decodes"
+BATCH_NEW_REQUESTS = "radixmesh.batch.new_requests"
+FORWARD_MS = "radixmesh.forward.model_ms"
+TP_RANK = "radixmesh.tp_rank"
+DETOK_SEQ = "radixmesh.detok.seq"
+DETOK_NEW_TOKENS = "radixmesh.detok.new_tokens"
+DETOK_TEXT_CHARS = "radixmesh.detok.text_chars"
+DETOK_STEP_UPDATES = "radixmesh.detok.step_updates"
+STOP_MATCHED = "radixmesh.detok.stop_matched"
+STREAM_CHUNKS = "radixmesh.stream.chunks"
+ABORT_REASON = "radixmesh.abort.reason"
+ABORT_FOUND = "radixmesh.abort.found"
+
+
+def rid_attributes(rids: Iterable[str]) -> dict[str, str | list[str]]:
+    """RID (the first request) and, for several requests, RIDS (all of them)."""
+    ordered = list(dict.fromkeys(rids))
+    if not ordered:
+        return {}
+    out: dict[str, str | list[str]] = {RID: ordered[0]}
+    if len(ordered) > 1:
+        out[RIDS] = ordered
+    return out
+
+
+def tag_rid(span: Span, rid: str) -> None:
+    """Add a request to a span that may already serve others (e.g. a batch /generate)."""
+    if not span.is_recording():
+        return
+    attributes = getattr(span, "attributes", None) or {}
+    first = attributes.get(RID)
+    if first is None:
+        span.set_attribute(RID, rid)
+        return
+    rids = list(attributes.get(RIDS) or [first])
+    if rid not in rids:
+        span.set_attribute(RIDS, [*rids, rid])

@@ -1,0 +1,224 @@
+"""The scheduler's spans, read off what its loop does: per request "engine request" with
+queue wait, prefix match, each prefill chunk, one decode span and aborts beneath it; per
+step a "forward batch" span linked to every request in the batch, whose context travels to
+the worker. The Scheduler itself knows nothing of tracing."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+
+from opentelemetry.trace import Link, Span, SpanKind, get_current_span
+
+from radixmesh.proto import mesh_pb2 as mpb
+from radixmesh.services.scheduler.request import Req
+from radixmesh.services.scheduler.scheduler import ScheduledBatch, Scheduler
+from radixmesh.tracing import attributes as attr
+from radixmesh.tracing.propagation import context_from_headers, grpc_metadata, traceparent
+from radixmesh.tracing.provider import tracer
+from radixmesh.tracing.spans import end_span, start_span
+
+GrpcMetadata = tuple[tuple[str, str], ...]
+DEVICE_TIER = "device"  # the worker's KV pool; host and storage tiers come with HiCache
+
+
+@dataclass(eq=False)
+class _RequestSpans:
+    root: Span
+    queue: Span | None
+    traceparent: str  # what the request's TokenUpdates carry
+    decode: Span | None = None
+    steps: int = 0
+    chunks: int = 0
+    admitted: bool = False
+    aborts: list[Span] = field(default_factory=list)
+    next_mark: int = 1  # output count of the next progress event on the decode span
+
+
+class RequestTraces:
+    """Every hook returns at once while tracing is off."""
+
+    def __init__(self, engine_id: str) -> None:
+        self.engine_id = engine_id
+        self._requests: dict[str, _RequestSpans] = {}
+        # By step: the (rid, prefill chunk span) pairs that the step's result ends.
+        self._chunks: dict[int, list[tuple[str, Span]]] = {}
+
+    def __len__(self) -> int:
+        return len(self._requests)
+
+    def received(self, request: mpb.EngineRequest, headers: Mapping[str, str] | None) -> None:
+        """A request arrived: it starts waiting in the queue."""
+        if tracer() is None:
+            return
+        parent = context_from_headers(headers)
+        root = start_span("engine request", parent, {
+            attr.RID: request.rid,
+            attr.ENGINE_ID: self.engine_id,
+            attr.PROMPT_TOKENS: len(request.input_ids),
+            attr.MAX_NEW_TOKENS: request.max_new_tokens,
+        }, kind=SpanKind.CONSUMER)
+        assert root is not None
+        queue = start_span("queue wait", root, {attr.RID: request.rid})
+        # Detokenizer spans hang under the tokenizer's request, which outlives this one.
+        upstream = traceparent(get_current_span(parent)) if parent is not None else ""
+        self._requests[request.rid] = _RequestSpans(root, queue, upstream or traceparent(root))
+
+    def schedule(self, sched: Scheduler) -> ScheduledBatch | None:
+        """`sched.schedule()`, noting what the step admitted and computes."""
+        if not self._requests:
+            return sched.schedule()
+        started = time.time_ns()
+        batch = sched.schedule()
+        if batch is not None:
+            self._scheduled(batch, started, time.time_ns())
+        return batch
+
+    def _scheduled(self, batch: ScheduledBatch, started: int, ended: int) -> None:
+        matched = {n.rid: len(n.prefix_ids) for n in batch.proto.new_requests}
+        chunks = []
+        for entry, req in zip(batch.proto.entries, batch.reqs, strict=True):
+            spans = self._requests.get(req.rid)
+            if spans is None:
+                continue
+            if req.rid in matched:
+                self._admitted(spans, req, matched[req.rid], started, ended)
+            if entry.input_ids:
+                n = len(entry.input_ids)
+                chunk = start_span("prefill chunk", spans.root, {
+                    attr.RID: req.rid,
+                    attr.CHUNK_INDEX: spans.chunks,
+                    attr.CHUNK_START: len(req.slots) - n,
+                    attr.CHUNK_TOKENS: n,
+                    attr.CHUNK_LAST: entry.sample,
+                    attr.STEP: batch.proto.step,
+                }, start_time=ended)
+                spans.chunks += 1
+                if chunk is not None:
+                    chunks.append((req.rid, chunk))
+            else:
+                if spans.decode is None:
+                    spans.decode = start_span("decode", spans.root, {attr.RID: req.rid},
+                                              start_time=ended)
+                spans.steps += 1
+        self._chunks[batch.proto.step] = chunks
+
+    def _admitted(
+        self, spans: _RequestSpans, req: Req, matched: int, started: int, ended: int
+    ) -> None:
+        if spans.admitted:  # back from a retraction
+            if spans.decode is not None:
+                spans.decode.add_event("readmitted", {attr.PREFIX_MATCHED: matched}, ended)
+            return
+        spans.admitted = True
+        end_span(spans.queue, started)
+        spans.queue = None
+        match = start_span("prefix match", spans.root, {
+            attr.RID: req.rid,
+            attr.PREFIX_MATCHED: matched,
+            attr.PREFIX_TIER: DEVICE_TIER,
+            attr.PROMPT_TOKENS: len(req.input_ids),
+        }, start_time=started)
+        end_span(match, ended)
+
+    @contextlib.contextmanager
+    def forward(self, batch: ScheduledBatch) -> Iterator[GrpcMetadata | None]:
+        """A "forward batch" span around running `batch`; yields the gRPC metadata that
+        makes the workers' spans its children. Its parent is the batch's first prefill chunk
+        (else its first decode), so one request's trace shows the model's work."""
+        if not self._requests:
+            yield None
+            return
+        chunks = self._chunks.pop(batch.proto.step, [])
+        members = [(r.rid, self._requests[r.rid]) for r in batch.reqs if r.rid in self._requests]
+        if not members:
+            yield None
+            return
+        anchor_rid, anchor = chunks[0] if chunks else next(
+            ((rid, s.decode) for rid, s in members if s.decode is not None),
+            (members[0][0], members[0][1].root))
+        proto = batch.proto
+        span = start_span("forward batch", anchor, {
+            **attr.rid_attributes([anchor_rid, *(rid for rid, _ in members)]),
+            attr.ENGINE_ID: self.engine_id,
+            attr.STEP: proto.step,
+            attr.BATCH_REQUESTS: len(proto.entries),
+            attr.BATCH_PREFILL_TOKENS: sum(len(e.input_ids) for e in proto.entries),
+            attr.BATCH_DECODES: sum(not e.input_ids for e in proto.entries),
+            attr.BATCH_NEW_REQUESTS: len(proto.new_requests),
+        }, kind=SpanKind.CLIENT, links=[Link(s.root.get_span_context()) for _, s in members])
+        error = None
+        try:
+            yield grpc_metadata(span)
+        except BaseException as exc:
+            error = repr(exc)
+            raise
+        finally:
+            end_span(span, error=error)
+            now = time.time_ns()
+            for _, chunk in chunks:
+                end_span(chunk, now, error)
+
+    def aborted(self, abort: mpb.AbortRequest, headers: Mapping[str, str] | None) -> None:
+        """An abort arrived; its span lasts until the request's last update is out."""
+        if tracer() is None:
+            return
+        spans = self._requests.get(abort.rid)
+        stop = abort.HasField("finish") and abort.finish.kind == "stop"
+        reason = "stop string" if stop else "requested"
+        parent = context_from_headers(headers) or (spans.root if spans is not None else None)
+        span = start_span("abort", parent, {
+            attr.RID: abort.rid, attr.ABORT_REASON: reason, attr.ABORT_FOUND: spans is not None,
+        })
+        if spans is None:
+            end_span(span)
+            return
+        if span is not None:
+            spans.aborts.append(span)
+        if spans.decode is not None:
+            spans.decode.add_event("abort requested", {attr.ABORT_REASON: reason})
+
+    def sent(self, updates: Iterable[mpb.TokenUpdate]) -> None:
+        """Updates on their way to the detokenizers: each names its request's trace; a
+        finishing one ends the request's spans."""
+        if not self._requests:
+            return
+        for update in updates:
+            spans = self._requests.get(update.rid)
+            if spans is None:
+                continue
+            update.traceparent = spans.traceparent
+            self._progress(spans, update.offset + len(update.new_ids))
+            if update.HasField("finish"):
+                del self._requests[update.rid]
+                self._finished(spans, update)
+
+    @staticmethod
+    def _progress(spans: _RequestSpans, outputs: int) -> None:
+        """An event each time the output count reaches a power of two: the decode rate over
+        time in a handful of events, never one per token."""
+        if spans.decode is None or outputs < spans.next_mark:
+            return
+        spans.decode.add_event("output tokens", {attr.COMPLETION_TOKENS: outputs})
+        while spans.next_mark <= outputs:
+            spans.next_mark *= 2
+
+    def _finished(self, spans: _RequestSpans, update: mpb.TokenUpdate) -> None:
+        finish = update.finish
+        refused = finish.kind == "abort" and not spans.admitted and not spans.aborts
+        outcome = {
+            attr.FINISH: finish.kind,
+            attr.COMPLETION_TOKENS: update.offset + len(update.new_ids),
+        }
+        end_span(spans.queue)
+        if spans.decode is not None:
+            spans.decode.set_attributes({**outcome, attr.DECODE_STEPS: spans.steps})
+            end_span(spans.decode)
+        spans.root.set_attributes({**outcome, attr.CACHED_TOKENS: update.cached_tokens})
+        if finish.message:
+            spans.root.set_attribute(attr.FINISH_MESSAGE, finish.message)
+        end_span(spans.root, error=finish.message if refused else None)
+        for span in spans.aborts:
+            end_span(span)

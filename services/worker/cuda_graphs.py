@@ -1,0 +1,94 @@
+"""Decode steps replayed from CUDA graphs, one graph per batch-size bucket (CUDA only)."""
+
+from __future__ import annotations
+
+import torch
+
+from radixmesh.services.worker.attention import AttentionMetadata
+from radixmesh.services.worker.kv_pool import KVPool
+from radixmesh.services.worker.model import CausalLM
+from radixmesh.services.worker.triton_attention import DecodeTables, TritonAttention
+
+
+def batch_buckets(max_batch: int) -> list[int]:
+    """Batch sizes that get a graph: 1, 2, 4, 8, then every 8, and max_batch itself."""
+    sizes = [b for b in (1, 2, 4) if b < max_batch] + list(range(8, max_batch, 8))
+    return [*sizes, max_batch]
+
+
+class DecodeGraphs:
+    """Runs a decode-only step padded up to the nearest bucket, from fixed input buffers.
+
+    Every bucket's step reads token ids, positions and DecodeTables from the same buffers,
+    so a graph captured once per bucket replays any batch that fits. Padding rows write no
+    KV (slot -1) and attend to nothing (length 0). With capture=False (the default off
+    CUDA) the same padded step runs eagerly, which is how its correctness is tested."""
+
+    def __init__(
+        self,
+        model: CausalLM,
+        attention: TritonAttention,
+        pool: KVPool,
+        max_batch: int,
+        max_context: int,
+        capture: bool | None = None,
+    ) -> None:
+        device = model.embed.device
+        self.model, self.attention, self.pool = model, attention, pool
+        self.buckets = batch_buckets(max_batch)
+        self.max_context = max_context
+        pages = -(-max_context // attention.page_size)
+        self.tables = DecodeTables.empty(max_batch, pages, device)
+        self.input_ids = torch.zeros(max_batch, dtype=torch.long, device=device)
+        self.positions = torch.zeros(max_batch, dtype=torch.long, device=device)
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._outputs: dict[int, torch.Tensor] = {}
+        if capture is None:
+            capture = device.type == "cuda"
+        if capture:
+            self._capture_all()
+
+    def fits(self, meta: AttentionMetadata) -> bool:
+        """Whether this step can run here: decode only, within the batch and context caps."""
+        return 0 < len(meta.seqs) <= self.buckets[-1] and all(
+            s.q_len == 1 and s.kv_slots.numel() <= self.max_context for s in meta.seqs
+        )
+
+    def run(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """Final hidden states [B, hidden] of a step that fits; valid until the next run."""
+        n = len(meta.seqs)
+        bucket = next(b for b in self.buckets if b >= n)
+        for buf, values in ((self.input_ids, input_ids), (self.positions, positions)):
+            buf[:n].copy_(values)
+            buf[n:bucket].zero_()
+        self.attention.write_decode(meta, self.tables.narrow(bucket))
+        graph = self._graphs.get(bucket)
+        if graph is None:
+            return self._step(bucket)[:n]
+        graph.replay()
+        return self._outputs[bucket][:n]
+
+    def _step(self, bucket: int) -> torch.Tensor:
+        self.attention.bind_decode(self.tables.narrow(bucket))
+        return self.model.forward(
+            self.input_ids[:bucket], self.positions[:bucket], self.attention, self.pool
+        )
+
+    def _capture_all(self) -> None:
+        memory = None
+        # Largest first, sharing one memory pool: smaller graphs reuse what it reserved.
+        for bucket in reversed(self.buckets):
+            # Warm up on a side stream, as capture needs: kernels compile and libraries
+            # set up their workspaces outside the graph.
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                self._step(bucket)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=memory):
+                self._outputs[bucket] = self._step(bucket)
+            memory = graph.pool()
+            self._graphs[bucket] = graph

@@ -1,0 +1,28 @@
+"""What the worker's "forward" span (opened by the gRPC interceptor) says about a step."""
+
+from __future__ import annotations
+
+from opentelemetry.trace import get_current_span
+
+from radixmesh.proto import forward_pb2 as fpb
+from radixmesh.tracing import attributes as attr
+
+FORWARD_RPC = "/radixmesh.mesh.Worker/Forward"
+TRACED_RPCS = {FORWARD_RPC: "forward"}
+
+
+def note_forward(batch: fpb.ForwardBatch, result: fpb.ForwardResult, tp_rank: int) -> None:
+    """Describe the step on the current span, when it is recording."""
+    span = get_current_span()
+    if not span.is_recording():
+        return
+    span.set_attributes({
+        **attr.rid_attributes(e.rid for e in batch.entries),
+        attr.STEP: batch.step,
+        attr.TP_RANK: tp_rank,
+        attr.BATCH_REQUESTS: len(batch.entries),
+        attr.BATCH_PREFILL_TOKENS: sum(len(e.input_ids) for e in batch.entries),
+        attr.BATCH_DECODES: sum(not e.input_ids for e in batch.entries),
+        attr.BATCH_NEW_REQUESTS: len(batch.new_requests),
+        attr.FORWARD_MS: round(result.forward_ms, 3),
+    })

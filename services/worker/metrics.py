@@ -1,0 +1,52 @@
+"""Prometheus metrics of the worker service: one rank's model steps and KV pool.
+
+SGLang has no worker of its own, so every name carries `radixmesh:worker_`."""
+
+from __future__ import annotations
+
+from prometheus_client import Gauge, Histogram
+
+from radixmesh.proto import forward_pb2 as fpb
+
+_RANK = ("model_name", "tp_rank")
+_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+FORWARD_SECONDS = Histogram(
+    "radixmesh:worker_forward_seconds",
+    "Model time per step, every step counted",
+    _RANK,
+    buckets=(0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10),
+)
+BATCH_TOKENS = Histogram(
+    "radixmesh:worker_batch_tokens", "Tokens computed per model step", _RANK, buckets=_SIZE_BUCKETS
+)
+BATCH_REQS = Histogram(
+    "radixmesh:worker_batch_reqs", "Requests per model step", _RANK, buckets=_SIZE_BUCKETS
+)
+KV_POOL_TOKENS = Gauge(
+    "radixmesh:worker_kv_pool_tokens", "Token slots in this rank's KV pool", _RANK
+)
+
+
+def batch_tokens(batch: fpb.ForwardBatch) -> int:
+    """Tokens a step computes: a decode entry carries no ids but computes one."""
+    return sum(len(e.input_ids) or 1 for e in batch.entries)
+
+
+class WorkerMetrics:
+    """One rank's metrics; the model's name joins the labels once it is loaded."""
+
+    def __init__(self, tp_rank: int) -> None:
+        self._labels = {"model_name": "", "tp_rank": str(tp_rank)}
+
+    def loaded(self, model_name: str, num_slots: int) -> None:
+        """Bind the model's name and show the pool's size."""
+        self._labels["model_name"] = model_name
+        KV_POOL_TOKENS.labels(**self._labels).set(num_slots)
+
+    def forward(self, batch: fpb.ForwardBatch, forward_ms: float) -> None:
+        """One step run; steps that only release requests compute nothing and add no size."""
+        FORWARD_SECONDS.labels(**self._labels).observe(forward_ms / 1e3)
+        if batch.entries:
+            BATCH_TOKENS.labels(**self._labels).observe(batch_tokens(batch))
+            BATCH_REQS.labels(**self._labels).observe(len(batch.entries))
