@@ -1,4 +1,5 @@
-"""What every kernel shares: interpreter detection and a matrix product that survives it."""
+"""What every kernel shares: interpreter detection, a matrix product that survives it, and
+the page-table lookup of the attention kernels."""
 
 from __future__ import annotations
 
@@ -28,3 +29,14 @@ def mma(a, b, UPCAST: tl.constexpr):
         return tl.dot(a, b, input_precision="ieee")
     else:
         return tl.dot(a, b)
+
+
+@triton.jit
+def load_slots(row_ptr, pos, ok, PAGE_SIZE: tl.constexpr):
+    """KV pool slots (int64) of token positions `pos` through one page-table row."""
+    if PAGE_SIZE == 1:
+        slot = tl.load(row_ptr + pos, mask=ok, other=0)
+    else:
+        page = tl.load(row_ptr + pos // PAGE_SIZE, mask=ok, other=0)
+        slot = page * PAGE_SIZE + pos % PAGE_SIZE
+    return slot.to(tl.int64)

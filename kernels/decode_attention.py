@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from radixmesh.kernels.common import mma, upcast_dots
+from radixmesh.kernels.common import load_slots, mma, upcast_dots
 from radixmesh.kernels.paging import table_slots
 
 _LOG2E = 1.4426950408889634
@@ -65,12 +65,7 @@ def _split_kernel(
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         ok = pos < end
-        if PAGE_SIZE == 1:
-            slot = tl.load(table_ptr + b * stride_tb + pos, mask=ok, other=0)
-        else:
-            page = tl.load(table_ptr + b * stride_tb + pos // PAGE_SIZE, mask=ok, other=0)
-            slot = page * PAGE_SIZE + pos % PAGE_SIZE
-        slot = slot.to(tl.int64)
+        slot = load_slots(table_ptr + b * stride_tb, pos, ok, PAGE_SIZE)
         kv_mask = ok[:, None] & dim_ok[None, :]
         k = tl.load(
             k_ptr + slot[:, None] * stride_ks + kv_head * stride_kh + dims[None, :],

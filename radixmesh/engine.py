@@ -282,7 +282,7 @@ class Engine:
         elif kind == "flush":
             payload.set_result(self.scheduler.flush_cache())
         elif kind == "info":
-            payload.set_result(self._info())
+            payload.set_result(self.scheduler.stats())
 
     def _publish(self) -> None:
         """Detokenize new tokens, apply stop strings and wake the callers."""
@@ -296,19 +296,6 @@ class Engine:
                 stream.update()
             if req.finish is not None:
                 del self._streams[req.rid]
-
-    def _info(self) -> dict[str, Any]:
-        s = self.scheduler
-        return {
-            "num_slots": s.config.num_slots,
-            "free_slots": s.allocator.available(),
-            "cached_tokens": s.cache.total_size(),
-            "evictable_tokens": s.cache.evictable_size(),
-            "held_slots": s.held_slots(),
-            "running": len(s.running) + (s.chunked is not None),
-            "waiting": len(s.waiting),
-            "num_retractions": s.num_retractions,
-        }
 
 
 def _as_list(

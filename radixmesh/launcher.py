@@ -181,10 +181,6 @@ class Mesh:
             if code is not None:
                 raise RuntimeError(f"{c.name} exited with code {code}")
 
-    def child(self, name: str) -> subprocess.Popen[bytes]:
-        """The process of one service, e.g. "scheduler-0"."""
-        return next(c.proc for c in self.children if c.name == name)
-
     def stop(self, grace: float = 15.0) -> dict[str, int | None]:
         """SIGTERM every service (front doors first), wait, then kill stragglers; exit codes."""
         for c in reversed(self.children):

@@ -3,12 +3,12 @@
 from collections.abc import Sequence
 from typing import Protocol
 
-_REPLACEMENT = "\ufffd"
+REPLACEMENT_CHAR = "\ufffd"
 # A UTF-8 character is at most 4 bytes, so an incomplete tail is at most 3 bytes long.
 _MAX_CHAR_BYTES = 4
 # Valid text never keeps more than 4 tokens pending (one per byte of a character); a longer
 # run of incomplete tails means invalid bytes, which are released once they are settled.
-_MAX_PENDING_TOKENS = 8
+MAX_PENDING_TOKENS = 8
 
 
 class DecodeFn(Protocol):
@@ -43,15 +43,15 @@ class IncrementalDetokenizer:
         self._ids.extend(new_ids)
         prefix_text = self._text(self._ids[: self._read])
         full_text = self._text(self._ids)
-        if full_text.endswith(_REPLACEMENT):
-            if len(self._ids) - self._read > _MAX_PENDING_TOKENS:
+        if full_text.endswith(REPLACEMENT_CHAR):
+            if len(self._ids) - self._read > MAX_PENDING_TOKENS:
                 return self._release_settled(prefix_text, full_text)
             return ""
         if len(full_text) <= len(prefix_text):
             # A token that decodes to nothing alone may still shape its neighbour (a leading
             # space marker at the start), so keep it, but forget a long run of such tokens
             # (skipped special tokens) so the window stays bounded.
-            if full_text == prefix_text and len(self._ids) - self._read > _MAX_PENDING_TOKENS:
+            if full_text == prefix_text and len(self._ids) - self._read > MAX_PENDING_TOKENS:
                 del self._ids[self._read :]
             return ""
         return self._emit(full_text[len(prefix_text) :], len(self._ids))

@@ -4,7 +4,7 @@ tokens were split into updates.
 
 Every update's text is a difference of one function of the request's tokens: the text
 released once output token k exists. Before stop strings, that is the decoded text up to
-the last token boundary (at most `_HOLD_TOKENS` back) where the text ends in a whole
+the last token boundary (at most `MAX_PENDING_TOKENS` back) where the text ends in a whole
 character, so a token whose bytes end inside a character waits, with the rest of its text,
 for the bytes that complete it, as `IncrementalDetokenizer` does. From the first token past
 min_new_tokens on, a suffix that may begin a stop string is held back too, and the first
@@ -22,16 +22,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+# MAX_PENDING_TOKENS: tokens a released text may lag behind while its end is not a whole
+# character; the stateful detokenizer's bound, so both release text at the same tokens.
 from radixmesh.services.detokenizer.incremental import (
-    _MAX_PENDING_TOKENS,
-    _REPLACEMENT,
+    MAX_PENDING_TOKENS,
+    REPLACEMENT_CHAR,
     DecodeFn,
 )
 from radixmesh.services.detokenizer.stop_strings import StopResult, StopStringMatcher
 
-# Tokens a released text may lag behind while its end is not a whole character; the same
-# bound as the stateful detokenizer's, so both release text at the same tokens.
-_HOLD_TOKENS = _MAX_PENDING_TOKENS
 # A window may start inside a character: up to 3 of its continuation bytes decode as
 # replacement characters before the decoder is back in step with the whole text, so the
 # window needs one more byte to see the whole text's last character.
@@ -42,13 +41,13 @@ _SKIPPED_SPECIALS = 8
 
 def detok_context_size(stop: Sequence[str]) -> int:
     """Ids of left context each update needs so that any replica decodes it exactly."""
-    # The text released before the new ids ends at a boundary at most _HOLD_TOKENS back. A
+    # The text released before the new ids ends at a boundary at most MAX_PENDING_TOKENS back. A
     # stop string that completes after it began at most len(stop) - 1 characters, so at most
     # len(stop.encode()) - 1 bytes, earlier, and the window must reach _RESYNC_BYTES further
     # back to be in step with the whole text there. Every token but a skipped special token
     # carries at least one byte.
     longest = max((len(s.encode()) for s in stop), default=0)
-    return longest + _RESYNC_BYTES + _HOLD_TOKENS + _SKIPPED_SPECIALS
+    return longest + _RESYNC_BYTES + MAX_PENDING_TOKENS + _SKIPPED_SPECIALS
 
 
 @dataclass(frozen=True)
@@ -150,9 +149,9 @@ class _Window:
         """Text released at a boundary before stop strings: up to a whole character."""
         if boundary > self._end:
             return self._decoded_at(self._end)
-        for j in range(boundary, max(boundary - _HOLD_TOKENS, self._output_start) - 1, -1):
+        for j in range(boundary, max(boundary - MAX_PENDING_TOKENS, self._output_start) - 1, -1):
             text = self._decoded_at(j)
-            if not text.endswith(_REPLACEMENT):
+            if not text.endswith(REPLACEMENT_CHAR):
                 return text
         # A final incomplete sequence decodes as one replacement character; holding back
         # just that one keeps the released text a prefix of all later text.

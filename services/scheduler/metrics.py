@@ -158,7 +158,7 @@ class SchedulerMetrics:
         """The queue, the KV pool and the cache as they are now."""
         labels = self._labels
         used = sched.config.num_slots - sched.allocator.available()
-        NUM_RUNNING.labels(**labels).set(len(sched.running) + (sched.chunked is not None))
+        NUM_RUNNING.labels(**labels).set(sched.num_running())
         NUM_QUEUE.labels(**labels).set(len(sched.waiting))
         NUM_USED_TOKENS.labels(**labels).set(used)
         TOKEN_USAGE.labels(**labels).set(used / sched.config.num_slots)

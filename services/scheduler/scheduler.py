@@ -94,6 +94,23 @@ class Scheduler:
         """Whether a step would do anything."""
         return bool(self.waiting or self.running or self.chunked or self._release)
 
+    def num_running(self) -> int:
+        """Requests prefilling or decoding."""
+        return len(self.running) + (self.chunked is not None)
+
+    def stats(self) -> dict[str, int]:
+        """Pool, cache and queue occupancy, as /server_info reports it."""
+        return {
+            "num_slots": self.config.num_slots,
+            "free_slots": self.allocator.available(),
+            "cached_tokens": self.cache.total_size(),
+            "evictable_tokens": self.cache.evictable_size(),
+            "held_slots": self.held_slots(),
+            "running": self.num_running(),
+            "waiting": len(self.waiting),
+            "num_retractions": self.num_retractions,
+        }
+
     def flush_cache(self) -> bool:
         """Drop every cached prefix; only possible while no request holds any."""
         if self.running or self.chunked or any(r.slots for r in self.waiting):

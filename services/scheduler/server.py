@@ -259,14 +259,7 @@ class SchedulerService:
         assert s is not None and self.info is not None
         return {
             "engine_id": self.engine_id,
-            "num_slots": s.config.num_slots,
-            "free_slots": s.allocator.available(),
-            "cached_tokens": s.cache.total_size(),
-            "evictable_tokens": s.cache.evictable_size(),
-            "held_slots": s.held_slots(),
-            "running": len(s.running) + (s.chunked is not None),
-            "waiting": len(s.waiting),
-            "num_retractions": s.num_retractions,
+            **s.stats(),
             "context_length": s.config.context_length,
             "page_size": s.config.page_size,
             "schedule_policy": s.config.schedule_policy,
@@ -284,7 +277,7 @@ class SchedulerService:
         s = self.scheduler
         if s is None or self._nc is None or self.info is None or not self._nc.is_connected:
             return
-        running = len(s.running) + (s.chunked is not None)
+        running = s.num_running()
         free = s.allocator.available()
         self.metrics.state(s)
         self.metrics.throughput()

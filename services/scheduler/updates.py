@@ -46,12 +46,6 @@ class UpdateBuilder:
     def register(self, rid: str, reply_to: str, detok: mpb.DetokSpec, context: int) -> None:
         self._routes[rid] = _Route(reply_to, detok, max(context, 1))
 
-    def __contains__(self, rid: str) -> bool:
-        return rid in self._routes
-
-    def __len__(self) -> int:
-        return len(self._routes)
-
     def build(self, req: Req) -> mpb.TokenUpdate | None:
         """What is new for `req` since its last update; forgets it once finished."""
         route = self._routes.get(req.rid)
