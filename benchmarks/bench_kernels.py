@@ -95,6 +95,29 @@ def ints(values: Any, device: torch.device) -> torch.Tensor:
     return torch.as_tensor(values, dtype=torch.int32, device=device)
 
 
+def extend_args(
+    slots: list[torch.Tensor],
+    pool: tuple[torch.Tensor, torch.Tensor],
+    q_lens: list[int],
+    prefixes: list[int],
+    heads: tuple[int, int, int],
+    page: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> tuple:
+    """Positional arguments of extend_attention: random new tokens over cached prefixes."""
+    hq, hkv, dim = heads
+    table = page_table([s.cpu() for s in slots], page).to(device)
+    q, k, v = (
+        torch.randn(sum(q_lens), hq + 2 * hkv, dim, device=device)
+        .to(dtype)
+        .split([hq, hkv, hkv], dim=1)
+    )
+    starts = [0, *torch.tensor(q_lens).cumsum(0)[:-1].tolist()]
+    return (q, k, v, *pool, table, ints(starts, device), ints(q_lens, device),
+            ints(prefixes, device), max(q_lens), dim**-0.5, page)
+
+
 def attention_checks(device: torch.device, small: bool, dtype: torch.dtype) -> list[tuple]:
     """(name, got, want, tol) for decode and extend over page sizes and head layouts."""
     lengths = [1, 33, 100, 0] if small else [1, 4096, 777, 2048, 0, 65, 3000, 16]
@@ -119,28 +142,8 @@ def attention_checks(device: torch.device, small: bool, dtype: torch.dtype) -> l
             )
 
             slots = scattered_slots(prefixes, page, device)
-            k_pool, v_pool = pool_for([*slots, torch.tensor([0])], hkv, dim, dtype, device)
-            table = page_table([s.cpu() for s in slots], page).to(device)
-            q, k, v = (
-                torch.randn(sum(q_lens), hq + 2 * hkv, dim, device=device)
-                .to(dtype)
-                .split([hq, hkv, hkv], dim=1)
-            )
-            starts = [0, *torch.tensor(q_lens).cumsum(0)[:-1].tolist()]
-            args = (
-                q,
-                k,
-                v,
-                k_pool,
-                v_pool,
-                table,
-                ints(starts, device),
-                ints(q_lens, device),
-                ints(prefixes, device),
-                max(q_lens),
-                dim**-0.5,
-                page,
-            )
+            pool = pool_for([*slots, torch.tensor([0])], hkv, dim, dtype, device)
+            args = extend_args(slots, pool, q_lens, prefixes, (hq, hkv, dim), page, dtype, device)
             checks.append(
                 (
                     f"extend {name}",
@@ -267,28 +270,9 @@ def extend_tflops(device: torch.device) -> list[dict[str, Any]]:
         torch.manual_seed(0)
         # a request without a prefix still needs a table row; its entries are never read
         slots = scattered_slots([max(p, 1) for p in prefixes], 1, device)
-        k_pool, v_pool = pool_for(slots, hkv, dim, BF16, device)
-        table = page_table([s.cpu() for s in slots], 1).to(device)
-        q, k, v = (
-            torch.randn(sum(q_lens), hq + 2 * hkv, dim, device=device)
-            .to(BF16)
-            .split([hq, hkv, hkv], dim=1)
-        )
-        starts = [0, *torch.tensor(q_lens).cumsum(0)[:-1].tolist()]
-        args = (
-            q,
-            k,
-            v,
-            k_pool,
-            v_pool,
-            table,
-            ints(starts, device),
-            ints(q_lens, device),
-            ints(prefixes, device),
-            max(q_lens),
-            dim**-0.5,
-        )
-        out = torch.empty_like(q)
+        pool = pool_for(slots, hkv, dim, BF16, device)
+        args = extend_args(slots, pool, q_lens, prefixes, (hq, hkv, dim), 1, BF16, device)
+        out = torch.empty_like(args[0])
         ms = bench_ms(partial(extend_attention, *args, out=out))
         pairs = sum(n * p + n * (n + 1) // 2 for n, p in zip(q_lens, prefixes, strict=True))
         flops = 4 * dim * hq * pairs
