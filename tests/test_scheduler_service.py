@@ -27,10 +27,20 @@ REPLY = "rm.tokenizer.test.out"
 class FakeWorkerServicer(mgrpc.WorkerServicer):
     def __init__(self) -> None:
         self.worker = FakeWorker(NUM_SLOTS)
+        self._order = asyncio.Condition()
+        self._last_step = 0
 
     async def Forward(self, request: fpb.ForwardBatch, context: object) -> fpb.ForwardResult:
+        # With overlap, step N+1 is sent before N returns and gRPC may hand it over
+        # first; like the real worker, run steps in their numbered order.
+        async with self._order:
+            await self._order.wait_for(lambda: request.step == self._last_step + 1)
         await asyncio.sleep(0.002)  # a step takes time, so requests overlap
-        return self.worker.forward(request)
+        result = self.worker.forward(request)
+        async with self._order:
+            self._last_step = request.step
+            self._order.notify_all()
+        return result
 
     async def GetInfo(self, request: mpb.WorkerInfoRequest, context: object) -> mpb.WorkerInfo:
         return mpb.WorkerInfo(
