@@ -18,10 +18,12 @@ Sections:
   4. extend attention: 32 query / 8 KV heads, head dim 128, bf16; TFLOP/s counting the
      visible (causal) query-key pairs, 4 * head_dim FLOPs each.
   5. model decode: 28 layers, hidden 1024, 16 query / 8 KV heads, head dim 128, vocab 151936
-     (~0.6B parameters with tied embeddings), bf16, random weights; decode steps/s (forward +
-     logits + greedy pick) at batch 1, 16 and 64 over a 1024-token cached prefix, eager and
-     with CUDA graphs, and whether both produced the same tokens (they may not: the two
-     modes can split the KV differently, and random weights leave near-ties).
+     (~0.6B parameters with tied embeddings), bf16, random weights; decode steps/s of
+     ModelRunner.forward (a ForwardBatch in, greedy tokens out: inputs, forward, logits,
+     sampling) at batch 1, 16 and 64 over a 1024-token cached prefix, eager
+     (cuda_graph_max_bs 0) and with CUDA graphs, and whether both produced the same tokens
+     (they may not: the two modes can split the KV differently, and random weights leave
+     near-ties).
 Kernel times are triton.testing.do_bench medians; steps/s are wall-clock over 64 steps.
 """
 
@@ -51,12 +53,11 @@ from radixmesh.kernels.paging import page_table
 from radixmesh.kernels.rms_norm import fused_add_rms_norm, fused_add_rms_norm_reference
 from radixmesh.kernels.rotary import rotary_embedding, rotary_embedding_reference
 from radixmesh.kernels.token_bitmask import apply_token_bitmask_, apply_token_bitmask_reference_
-from radixmesh.services.worker.attention import AttentionMetadata, SeqSpan
-from radixmesh.services.worker.cuda_graphs import DecodeGraphs
-from radixmesh.services.worker.kv_pool import KVPool
-from radixmesh.services.worker.model import CausalLM
+from radixmesh.proto import forward_pb2 as pb
+from radixmesh.proto.convert import sampling_to_proto
 from radixmesh.services.worker.model_config import ModelConfig
-from radixmesh.services.worker.triton_attention import TritonAttention
+from radixmesh.services.worker.runner import ModelRunner
+from radixmesh.services.worker.sampling_params import SamplingParams
 
 BF16, F32 = torch.bfloat16, torch.float32
 TOL = {F32: 1e-4, BF16: 2e-2}
@@ -329,55 +330,79 @@ def random_weights(cfg: ModelConfig, device: torch.device) -> dict[str, torch.Te
     return w
 
 
-def model_decode(device: torch.device, steps: int = 64, prefix: int = 1024) -> list[dict[str, Any]]:
-    """Decode steps/s over a random cached prefix, eager and with CUDA graphs."""
-    cfg = QWEN3_SMALL
-    model = CausalLM(cfg, random_weights(cfg, device), BF16)
-    warmup, max_batch = 4, 64
-    context = prefix + warmup + steps + 1
-    pool = KVPool(cfg.num_layers, max_batch * context, cfg.num_kv_heads, cfg.head_dim, BF16, device)
-    attention = TritonAttention(cfg.head_dim**-0.5, device=device)
-    graphs = DecodeGraphs(model, attention, pool, max_batch, context)
-    rows = []
-    for batch in (1, 16, 64):
-        results = {}
-        for mode in ("eager", "cuda_graphs"):
-            torch.manual_seed(0)
-            for t in (*pool.k, *pool.v):  # the same random cached prefix for both modes
-                t.normal_()
-            tokens = [7 * i % cfg.vocab_size for i in range(batch)]
-            produced: list[list[int]] = []
-            began = 0.0
-            for step in range(warmup + steps):
-                if step == warmup:
-                    torch.cuda.synchronize(device)
-                    began = time.perf_counter()
-                n = prefix + step + 1  # tokens each request attends to, the new one included
-                spans = tuple(
-                    SeqSpan(i, 1, torch.arange(i * context, i * context + n)) for i in range(batch)
-                )
-                out_slots = torch.tensor([i * context + n - 1 for i in range(batch)])
-                meta = AttentionMetadata(out_slots, spans)
-                ids = torch.tensor(tokens, device=device)
-                positions = torch.full((batch,), n - 1, device=device)
-                if mode == "eager":
-                    attention.prepare(meta)
-                    hidden = model.forward(ids, positions, attention, pool)
-                else:
-                    hidden = graphs.run(ids, positions, meta)
-                tokens = model.logits(hidden).argmax(-1).tolist()
-                produced.append(tokens)
-            elapsed = time.perf_counter() - began
-            results[mode] = (steps / elapsed, produced)
-        rows.append(
-            {
-                "batch": batch,
-                "eager_steps_per_s": results["eager"][0],
-                "graph_steps_per_s": results["cuda_graphs"][0],
-                "same_tokens": results["eager"][1] == results["cuda_graphs"][1],
-            }
+def decode_steps(
+    runner: ModelRunner, batch: int, steps: int, warmup: int, prefix: int, context: int
+) -> tuple[float, list[list[int]]]:
+    """Steps/s of `batch` greedy requests decoding over a random cached prefix of `prefix`
+    tokens (request i owns pool slots [i * context, (i + 1) * context)), and their tokens."""
+    torch.manual_seed(0)
+    for t in (*runner.pool.k, *runner.pool.v):  # the same random cached prefix every run
+        t.normal_()
+    greedy = sampling_to_proto(SamplingParams(temperature=0), seed=0)
+    rids = [f"r{i}" for i in range(batch)]
+    first = pb.ForwardBatch(step=1)
+    for i, rid in enumerate(rids):
+        first.new_requests.add(
+            rid=rid,
+            prompt_len=prefix + 1,
+            sampling=greedy,
+            prefix_ids=[1] * prefix,
+            prefix_slots=range(i * context, i * context + prefix),
+            logprob_start_len=-1,
         )
-    return rows
+        first.entries.add(
+            rid=rid, input_ids=[7 * i % 1000], slots=[i * context + prefix], sample=True
+        )
+    produced: list[list[int]] = []
+    began = 0.0
+    for step in range(warmup + steps):
+        if step == warmup:
+            torch.cuda.synchronize(runner.device)
+            began = time.perf_counter()
+        if step == 0:
+            forward = first
+        else:
+            forward = pb.ForwardBatch(step=step + 1)
+            for i, rid in enumerate(rids):
+                forward.entries.add(rid=rid, slots=[i * context + prefix + step], sample=True)
+        produced.append([r.token_id for r in runner.forward(forward).results])
+    torch.cuda.synchronize(runner.device)
+    elapsed = time.perf_counter() - began
+    runner.forward(pb.ForwardBatch(step=warmup + steps + 1, release=rids))
+    return steps / elapsed, produced
+
+
+def model_decode(device: torch.device, steps: int = 64, prefix: int = 1024) -> list[dict[str, Any]]:
+    """Decode steps/s through ModelRunner over a random cached prefix, eager and with CUDA
+    graphs."""
+    cfg = QWEN3_SMALL
+    weights = random_weights(cfg, device)
+    warmup, batches = 4, (1, 16, 64)
+    context = prefix + warmup + steps + 1
+    results: dict[tuple[str, int], tuple[float, list[list[int]]]] = {}
+    for mode, graph_bs in (("eager", 0), ("cuda_graphs", max(batches))):
+        runner = ModelRunner(
+            cfg,
+            weights,
+            BF16,
+            max(batches) * context,
+            attention="triton",
+            device=device,
+            cuda_graph_max_bs=graph_bs,
+        )
+        for batch in batches:
+            results[mode, batch] = decode_steps(runner, batch, steps, warmup, prefix, context)
+        del runner
+        torch.cuda.empty_cache()
+    return [
+        {
+            "batch": batch,
+            "eager_steps_per_s": results["eager", batch][0],
+            "graph_steps_per_s": results["cuda_graphs", batch][0],
+            "same_tokens": results["eager", batch][1] == results["cuda_graphs", batch][1],
+        }
+        for batch in batches
+    ]
 
 
 def main() -> None:

@@ -23,6 +23,7 @@ from radixmesh.request_output import RequestStream
 from radixmesh.services.scheduler.request import FinishKind, FinishReason, LogprobRequest, Req
 from radixmesh.services.scheduler.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from radixmesh.services.tokenizer.tokenizer import Tokenizer
+from radixmesh.services.worker.device import resolve_device
 from radixmesh.services.worker.memory import release_free_memory
 from radixmesh.services.worker.model_source import load_model, resolve_model_path
 from radixmesh.services.worker.runner import ModelRunner
@@ -77,9 +78,19 @@ class Engine:
         log.info("engine started: %s", asdict(self.args))
 
     def _build_runner(self, path: str) -> ModelRunner:
-        loaded = load_model(path, progress=self.args.show_progress)
-        num_slots = self.args.max_total_tokens - self.args.max_total_tokens % self.args.page_size
-        runner = ModelRunner(loaded.config, loaded.weights, _DTYPES[self.args.dtype], num_slots)
+        a = self.args
+        loaded = load_model(path, progress=a.show_progress)
+        num_slots = a.max_total_tokens - a.max_total_tokens % a.page_size
+        runner = ModelRunner(
+            loaded.config,
+            loaded.weights,
+            _DTYPES[a.dtype],
+            num_slots,
+            attention=a.attention_backend,
+            device=resolve_device(a.device),
+            page_size=a.page_size,
+            cuda_graph_max_bs=a.cuda_graph_max_bs,
+        )
         del loaded
         release_free_memory()
         return runner

@@ -7,6 +7,47 @@ from dataclasses import dataclass
 from radixmesh.services.scheduler.schedule_policy import POLICIES
 
 EVICTION_POLICIES = ("lru", "lfu", "fifo", "priority")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+DEFAULT_CUDA_GRAPH_MAX_BS = 32
+
+
+def check_device(device: str) -> None:
+    """Raise ValueError unless `device` is auto, cpu, cuda or cuda:N and present here."""
+    if device in ("auto", "cpu"):
+        return
+    kind, colon, index = device.partition(":")
+    if kind != "cuda" or (colon and not index.isdigit()):
+        raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {device!r}")
+    import torch  # only a CUDA device needs torch to be checked
+
+    if not torch.cuda.is_available():
+        raise ValueError(
+            f"device={device!r} needs CUDA, but torch.cuda.is_available() is False "
+            "(use device 'auto' or 'cpu')"
+        )
+    if colon and int(index) >= torch.cuda.device_count():
+        raise ValueError(
+            f"device={device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)"
+        )
+
+
+def check_gpu_options(device: str, attention_backend: str, cuda_graph_max_bs: int) -> None:
+    """Raise ValueError on a bad device, attention backend or CUDA-graph batch cap."""
+    check_device(device)
+    if attention_backend not in ATTENTION_BACKENDS:
+        raise ValueError(
+            f"attention_backend must be one of {ATTENTION_BACKENDS}, got {attention_backend!r}"
+        )
+    if attention_backend == "torch" and device.startswith("cuda"):
+        raise ValueError(
+            f"attention_backend='torch' runs on the CPU only; use 'triton' or 'auto' with "
+            f"device={device!r}"
+        )
+    if not isinstance(cuda_graph_max_bs, int) or cuda_graph_max_bs < 0:
+        raise ValueError(
+            f"cuda_graph_max_bs must be an integer >= 0 (0: no CUDA graphs), "
+            f"got {cuda_graph_max_bs!r}"
+        )
 
 
 @dataclass(frozen=True)
@@ -25,6 +66,10 @@ class EngineArgs:
     context_length: int | None = None  # None: the model's
     random_seed: int | None = None
     show_progress: bool = True
+    device: str = "auto"  # auto: cuda when torch sees a GPU, else cpu; or cpu, cuda, cuda:N
+    attention_backend: str = "auto"  # auto: triton on CUDA, torch on the CPU
+    # Decode batches up to this size replay CUDA graphs (CUDA only); 0: never.
+    cuda_graph_max_bs: int = DEFAULT_CUDA_GRAPH_MAX_BS
 
     def __post_init__(self) -> None:
         for name in (
@@ -44,3 +89,4 @@ class EngineArgs:
             raise ValueError(f"eviction_policy must be one of {EVICTION_POLICIES}")
         if self.context_length is not None and self.context_length < 2:
             raise ValueError("context_length must be at least 2")
+        check_gpu_options(self.device, self.attention_backend, self.cuda_graph_max_bs)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+from radixmesh.engine_args import DEFAULT_CUDA_GRAPH_MAX_BS, check_gpu_options
 from radixmesh.mesh.nats_server import EmbeddedNats, free_port
 from radixmesh.tracing.config import exporter_env, instance_env
 from radixmesh.tracing.receiver import JsonlSink, SpanReceiver
@@ -42,6 +43,9 @@ class MeshArgs:
     eviction_policy: str = "lru"
     enable_overlap: bool = True
     context_length: int = 0
+    device: str = "auto"  # every worker's; auto: cuda if torch sees a GPU; cuda: rank r on GPU r
+    attention_backend: str = "auto"  # auto: triton on CUDA, torch on the CPU
+    cuda_graph_max_bs: int = DEFAULT_CUDA_GRAPH_MAX_BS  # 0: no CUDA graphs
     log_level: str = "INFO"
     log_dir: str | None = None  # None: children write to this process's stdout
     # Every service's spans as JSON lines, via an OTLP receiver on loopback (tracing on).
@@ -50,6 +54,9 @@ class MeshArgs:
     # bursts would otherwise preempt a thread of the model's team and stall the whole step.
     service_nice: int = 10
     extra_env: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        check_gpu_options(self.device, self.attention_backend, self.cuda_graph_max_bs)
 
 
 @dataclass
@@ -108,6 +115,8 @@ class Mesh:
                 f"--page-size={a.page_size}", f"--tp-size={a.tp}", f"--tp-rank={rank}",
                 f"--dist-init-addr={dist}",
                 f"--num-threads={threads if a.engines * a.tp > 1 else 0}",
+                f"--device={a.device}", f"--attention-backend={a.attention_backend}",
+                f"--cuda-graph-max-bs={a.cuda_graph_max_bs}",
             ])
         self._spawn(f"scheduler-{e}", "scheduler", [
             f"--engine-id=e{e}", f"--worker-addrs={','.join(f'{a.host}:{p}' for p in ports)}",

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from radixmesh.engine_args import ATTENTION_BACKENDS
 from radixmesh.services.worker.attention import AttentionBackend
 from radixmesh.services.worker.torch_attention import TorchAttention
-
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 
 def make_attention(
@@ -24,3 +23,20 @@ def make_attention(
     from radixmesh.services.worker.triton_attention import TritonAttention
 
     return TritonAttention(scale, page_size, device)
+
+
+def check_runs_on(attention: AttentionBackend, device: torch.device) -> None:
+    """Raise ValueError when `attention` cannot run on `device`: torch attention is CPU
+    only, and the Triton kernels reach the CPU only through the interpreter
+    (TRITON_INTERPRET=1)."""
+    if isinstance(attention, TorchAttention):
+        if device.type != "cpu":
+            raise ValueError(f"the torch attention backend runs on the CPU only, not on {device}")
+        return
+    import triton  # a backend other than torch's is Triton's, so triton is installed
+
+    if device.type == "cpu" and not triton.knobs.runtime.interpret:
+        raise ValueError(
+            "the triton attention backend needs a CUDA device (on the CPU it runs only "
+            "under TRITON_INTERPRET=1)"
+        )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from radixmesh.engine_args import EngineArgs
+from radixmesh.engine_args import ATTENTION_BACKENDS, EngineArgs, check_gpu_options
 
 DTYPES = ("bfloat16", "float32")
 
@@ -30,6 +30,18 @@ class WorkerConfig:
         default=None, metadata={"help": "tcp://host:port of the rank group (tp_size > 1)"}
     )
     num_threads: int = field(default=0, metadata={"help": "torch threads; 0: torch's default"})
+    device: str = field(
+        default=EngineArgs.device,
+        metadata={"help": "auto (cuda if torch sees a GPU, else cpu) | cpu | cuda | cuda:N"},
+    )
+    attention_backend: str = field(
+        default=EngineArgs.attention_backend,
+        metadata={"help": "|".join(ATTENTION_BACKENDS) + "; auto: triton on CUDA, else torch"},
+    )
+    cuda_graph_max_bs: int = field(
+        default=EngineArgs.cuda_graph_max_bs,
+        metadata={"help": "decode batches up to this size replay CUDA graphs; 0: off"},
+    )
     log_level: str = "INFO"
 
     def __post_init__(self) -> None:
@@ -43,6 +55,7 @@ class WorkerConfig:
             raise ValueError("tp_size > 1 needs dist_init_addr (e.g. tcp://127.0.0.1:29500)")
         if self.num_threads < 0:
             raise ValueError("num_threads must be >= 0")
+        check_gpu_options(self.device, self.attention_backend, self.cuda_graph_max_bs)
 
     @property
     def num_slots(self) -> int:

@@ -23,7 +23,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 class _Cast(Mapping[str, torch.Tensor]):
     """Weights cast to the model dtype one at a time, so no second full copy is ever held."""
 
-    def __init__(self, weights: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
+    def __init__(self, weights: Mapping[str, torch.Tensor], dtype: torch.dtype) -> None:
         self.weights, self.dtype = weights, dtype
 
     def __getitem__(self, name: str) -> torch.Tensor:
@@ -103,7 +103,7 @@ class CausalLM:
     def __init__(
         self,
         cfg: ModelConfig,
-        weights: dict[str, torch.Tensor],
+        weights: Mapping[str, torch.Tensor],
         dtype: torch.dtype,
         tp: TensorParallel | None = None,
     ) -> None:

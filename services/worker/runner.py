@@ -3,20 +3,27 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from radixmesh.proto import forward_pb2 as pb
 from radixmesh.proto.convert import sampling_from_proto
 from radixmesh.services.worker.attention import AttentionBackend, AttentionMetadata, SeqSpan
-from radixmesh.services.worker.attention_choice import make_attention
+from radixmesh.services.worker.attention_choice import check_runs_on, make_attention
+from radixmesh.services.worker.device import current
 from radixmesh.services.worker.kv_pool import KVPool
 from radixmesh.services.worker.memory import keep_freed_memory
 from radixmesh.services.worker.model import CausalLM
 from radixmesh.services.worker.model_config import ModelConfig
 from radixmesh.services.worker.parallel import TensorParallel, local_config
 from radixmesh.services.worker.sampling import RequestSampler, sample
+from radixmesh.services.worker.torch_attention import TorchAttention
+
+if TYPE_CHECKING:
+    from radixmesh.services.worker.cuda_graphs import DecodeGraphs
 
 # Rows of prompt logits turned into logprobs at a time: bounds the float32 [rows, vocab] buffer.
 _LOGPROB_BLOCK = 256
@@ -44,12 +51,35 @@ class _Request:
         self.ids.extend(ids)
 
 
+class _OnDevice(Mapping[str, torch.Tensor]):
+    """Weights moved to the device (and cast) one at a time as the model takes them, so
+    the device never holds a second full copy."""
+
+    def __init__(
+        self, weights: Mapping[str, torch.Tensor], device: torch.device, dtype: torch.dtype
+    ) -> None:
+        self.weights, self.device, self.dtype = weights, device, dtype
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.weights[name].to(device=self.device, dtype=self.dtype)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.weights)
+
+    def __len__(self) -> int:
+        return len(self.weights)
+
+
 class ModelRunner:
-    """Owns the weights, the KV pool and each request's sampling state.
+    """Owns the weights, the KV pool and each request's sampling state, on `device`.
 
     Under tensor parallelism `weights` hold this rank's shards (parallel.shard_weights)
     and the pool only this rank's KV heads; rank 0 samples and the others take its tokens.
-    `attention` is a backend or its name (see attention_choice.make_attention)."""
+    `attention` is a backend or its name (see attention_choice.make_attention).
+
+    With the Triton backend on CUDA, decode-only steps of up to `cuda_graph_max_bs`
+    requests replay CUDA graphs (cuda_graphs.DecodeGraphs; 0: never). `eager_graphs` runs
+    that padded path eagerly instead, on any device: how it is tested without a GPU."""
 
     def __init__(
         self,
@@ -59,19 +89,48 @@ class ModelRunner:
         num_slots: int,
         attention: AttentionBackend | str = "auto",
         tp: TensorParallel | None = None,
+        device: torch.device | str = "cpu",
+        page_size: int = 1,
+        cuda_graph_max_bs: int = 0,
+        eager_graphs: bool = False,
     ) -> None:
         keep_freed_memory()
         self.config = config
         self.tp = tp
+        self.device = torch.device(device)
         shard = config if tp is None else local_config(config, tp.size)
-        self.model = CausalLM(shard, weights, dtype, tp)
-        self.pool = KVPool(shard.num_layers, num_slots, shard.num_kv_heads, shard.head_dim, dtype)
         self.attention = (
             attention
             if isinstance(attention, AttentionBackend)
-            else make_attention(attention, config.head_dim**-0.5, self.model.embed.device)
+            else make_attention(attention, config.head_dim**-0.5, self.device, page_size)
         )
+        check_runs_on(self.attention, self.device)
+        placed = weights if self.device.type == "cpu" else _OnDevice(weights, self.device, dtype)
+        with current(self.device):
+            self.model = CausalLM(shard, placed, dtype, tp)
+            self.pool = KVPool(
+                shard.num_layers, num_slots, shard.num_kv_heads, shard.head_dim, dtype, self.device
+            )
+            self.graphs = self._decode_graphs(cuda_graph_max_bs, eager_graphs, num_slots)
+        self.graph_steps = 0  # steps that ran through self.graphs
         self.requests: dict[str, _Request] = {}
+
+    def _decode_graphs(self, max_batch: int, eager: bool, num_slots: int) -> DecodeGraphs | None:
+        if max_batch == 0 or isinstance(self.attention, TorchAttention):
+            return None
+        if self.device.type != "cuda" and not eager:
+            return None
+        # Imported here: both import triton, which a CPU-only install may lack.
+        from radixmesh.services.worker.cuda_graphs import DecodeGraphs
+        from radixmesh.services.worker.triton_attention import TritonAttention
+
+        if not isinstance(self.attention, TritonAttention):
+            return None
+        max_context = min(self.config.max_position_embeddings, num_slots)
+        with torch.inference_mode():
+            return DecodeGraphs(
+                self.model, self.attention, self.pool, max_batch, max_context, capture=not eager
+            )
 
     @torch.inference_mode()
     def forward(self, batch: pb.ForwardBatch) -> pb.ForwardResult:
@@ -85,7 +144,8 @@ class ModelRunner:
             self.requests[spec.rid] = req
         result = pb.ForwardResult(step=batch.step)
         if batch.entries:
-            self._run(batch, result)
+            with current(self.device):
+                self._run(batch, result)
         result.forward_ms = (time.perf_counter() - began) * 1e3
         return result
 
@@ -105,10 +165,16 @@ class ModelRunner:
             positions.extend(range(start, start + len(new_ids)))
             slots.extend(entry.slots)
             reqs.append(req)
-        self.attention.prepare(AttentionMetadata(torch.tensor(slots), tuple(spans)))
-        hidden = self.model.forward(
-            torch.tensor(ids), torch.tensor(positions), self.attention, self.pool
-        )
+        device = self.device
+        meta = AttentionMetadata(torch.tensor(slots, device=device), tuple(spans))
+        input_ids = torch.tensor(ids, device=device)
+        input_positions = torch.tensor(positions, device=device)
+        if self.graphs is not None and self.graphs.fits(meta):
+            hidden = self.graphs.run(input_ids, input_positions, meta)
+            self.graph_steps += 1
+        else:
+            self.attention.prepare(meta)
+            hidden = self.model.forward(input_ids, input_positions, self.attention, self.pool)
         outs = [result.results.add(rid=e.rid, token_id=-1) for e in batch.entries]
         if self.tp is not None and not self.tp.is_leader:
             self._follow(self.tp, batch, reqs, outs)
@@ -129,13 +195,19 @@ class ModelRunner:
         picked = [i for i, e in enumerate(batch.entries) if e.sample]
         if not picked:
             return
-        rows = torch.tensor([spans[i].q_start + spans[i].q_len - 1 for i in picked])
-        logits = self.model.logits(hidden[rows])
+        rows = [spans[i].q_start + spans[i].q_len - 1 for i in picked]
+        logits = self.model.logits(hidden[torch.tensor(rows, device=hidden.device)])
         samplers = [self._sampler(reqs[i]) for i in picked]
         top_n = [
             reqs[i].spec.top_logprobs_num if reqs[i].spec.return_logprob else 0 for i in picked
         ]
         with_logprobs = any(reqs[i].spec.return_logprob for i in picked)
+        if logits.device.type != "cpu" and (
+            with_logprobs or not all(s.params.is_greedy for s in samplers)
+        ):
+            # Only greedy picks stay on the device: the sampler's seeded draws and sums do
+            # not depend on the rest of the batch in CPU arithmetic (see sampling.py).
+            logits = logits.cpu()
         sampled = sample(logits, samplers, top_n, with_logprobs=with_logprobs)
         tokens = sampled.token_ids
         if self.tp is not None:
@@ -208,7 +280,7 @@ class ModelRunner:
             lo += 1
         for b in range(lo, hi, _LOGPROB_BLOCK):
             e = min(b + _LOGPROB_BLOCK, hi)
-            rows = torch.arange(b - 1, e - 1) - first + span.q_start
+            rows = torch.arange(b - 1, e - 1, device=hidden.device) - first + span.q_start
             logprobs = torch.log_softmax(self.model.logits(hidden[rows]), dim=-1)
             _add_logprobs(out, logprobs, req.ids[b:e], top_n)
 
@@ -217,7 +289,8 @@ def _add_logprobs(
     out: pb.EntryResult, logprobs: torch.Tensor, targets: list[int], top_n: int
 ) -> None:
     """Append each target's logprob (and the top-n alternatives) to the entry result."""
-    picked = logprobs.gather(1, torch.tensor(targets).unsqueeze(1)).squeeze(1)
+    index = torch.tensor(targets, device=logprobs.device).unsqueeze(1)
+    picked = logprobs.gather(1, index).squeeze(1)
     out.input_logprobs.extend(picked.tolist())
     if top_n:
         values, indices = logprobs.topk(top_n, dim=-1)

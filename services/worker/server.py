@@ -18,6 +18,7 @@ from radixmesh.proto import forward_pb2 as fpb
 from radixmesh.proto import mesh_pb2 as mpb
 from radixmesh.proto import mesh_pb2_grpc as mgrpc
 from radixmesh.services.worker.config import WorkerConfig
+from radixmesh.services.worker.device import resolve_device
 from radixmesh.services.worker.forward_trace import TRACED_RPCS, note_forward
 from radixmesh.services.worker.memory import release_free_memory
 from radixmesh.services.worker.metrics import WorkerMetrics
@@ -113,16 +114,37 @@ class WorkerService(mgrpc.WorkerServicer):
     def _load(self) -> ModelRunner:
         """Load (and, with tp_size > 1, join the group and shard) on the torch thread."""
         c = self.config
+        device = resolve_device(c.device, c.tp_rank)
+        if device.type == "cuda":
+            # This thread runs every step; NCCL and the kernels use its current device.
+            torch.cuda.set_device(device)
         loaded = load_model(c.model_path, progress=False)
         tp: TensorParallel | None = None
         if c.tp_size > 1:
             check_divisible(loaded.config, c.tp_size)
             assert c.dist_init_addr is not None  # WorkerConfig checks it
-            tp = init_tensor_parallel(c.dist_init_addr, c.tp_rank, c.tp_size)
+            tp = init_tensor_parallel(c.dist_init_addr, c.tp_rank, c.tp_size, device)
             shard_weights(loaded.config, loaded.weights, c.tp_rank, c.tp_size)
-        runner = ModelRunner(loaded.config, loaded.weights, _DTYPES[c.dtype], c.num_slots, tp=tp)
+        runner = ModelRunner(
+            loaded.config,
+            loaded.weights,
+            _DTYPES[c.dtype],
+            c.num_slots,
+            attention=c.attention_backend,
+            tp=tp,
+            device=device,
+            page_size=c.page_size,
+            cuda_graph_max_bs=c.cuda_graph_max_bs,
+        )
         del loaded
         release_free_memory()
+        log.info(
+            "rank %d on %s: %s attention, CUDA graphs for decode batches up to %d",
+            c.tp_rank,
+            device,
+            type(runner.attention).__name__,
+            runner.graphs.buckets[-1] if runner.graphs is not None else 0,
+        )
         return runner
 
     async def stop(self) -> bool:
