@@ -18,6 +18,10 @@ COPY proto proto
 COPY kernels kernels
 COPY services services
 RUN pip install .
+# The native CPU kernels, built here where the compiler is; keyed by this CPU's features,
+# so on a host with other features the runtime falls back to its torch paths.
+ENV RADIXMESH_CACHE=/opt/radixmesh-cache
+RUN python -c "from radixmesh.kernels import native; assert native.library()"
 
 FROM python:3.11-slim
 # llama.cpp's OpenMP runtime; the build tools stay behind in the build stage.
@@ -26,7 +30,8 @@ RUN apt-get update \
     && rm -rf /var/lib/apt/lists/* \
     && useradd --create-home --uid 10001 radixmesh
 COPY --from=build /opt/venv /opt/venv
-ENV PATH=/opt/venv/bin:$PATH PYTHONUNBUFFERED=1
+COPY --from=build /opt/radixmesh-cache /opt/radixmesh-cache
+ENV PATH=/opt/venv/bin:$PATH PYTHONUNBUFFERED=1 RADIXMESH_CACHE=/opt/radixmesh-cache
 USER radixmesh
 WORKDIR /home/radixmesh
 EXPOSE 9100 30000 30001 50051

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from radixmesh.kernels import native
 from radixmesh.services.worker.attention import AttentionBackend, AttentionMetadata
 from radixmesh.services.worker.kv_pool import KVPool
 
@@ -14,10 +15,12 @@ _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 
 class TorchAttention(AttentionBackend):
-    """Batched decode over a padded gather of the pool; extend one request at a time."""
+    """Decode by the native CPU kernel where it is built, else batched over a padded gather
+    of the pool; extend one request at a time. native=False keeps the torch decode path."""
 
-    def __init__(self, scale: float) -> None:
+    def __init__(self, scale: float, native: bool = True) -> None:
         self.scale = scale
+        self.native = native
         self._meta: AttentionMetadata | None = None
         self._decode_rows = torch.empty(0, dtype=torch.long)
         self._decode_kv = torch.empty(0, dtype=torch.long)
@@ -38,6 +41,7 @@ class TorchAttention(AttentionBackend):
         for i, s in enumerate(decodes):
             index[i, : lens[i]] = s.kv_slots
         self._decode_kv = index
+        self._decode_lens = torch.tensor(lens)
         if min(lens) == width:
             self._decode_bias = None
         else:
@@ -64,6 +68,10 @@ class TorchAttention(AttentionBackend):
         # Grouped matmuls over contiguous per-head K/V beat CPU SDPA by ~10x for one query
         # token per request, and index_select on a 2-D view gathers ~10x faster than
         # advanced indexing (both measured).
+        if self.native and native.decode_supported(q, k_pool):
+            return native.decode_attention(
+                q, k_pool, v_pool, self._decode_kv, self._decode_lens, self.scale
+            )
         b, hq, d = q.shape
         keys, values = _gather(k_pool, self._decode_kv), _gather(v_pool, self._decode_kv)
         if keys.dtype != torch.float32 and keys.numel() <= _SMALL_DECODE:

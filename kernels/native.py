@@ -1,0 +1,163 @@
+"""Native CPU kernels: the C++ in kernels/cpu/, built by the system C++ compiler on first
+use and loaded with ctypes (calls release the GIL).
+
+The library is cached under $RADIXMESH_CACHE (default ~/.cache/radixmesh), keyed by the
+sources, the compiler, the flags and this CPU's feature flags, so each machine builds it
+once. Without a compiler, or with RADIXMESH_NATIVE_KERNELS=0, `library()` is None and
+callers keep their torch path. It links OpenMP by soname, so it shares the runtime (and
+the thread pool) that torch has already loaded."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("radixmesh.kernels")
+
+SOURCES = sorted((Path(__file__).parent / "cpu").glob("*.cpp"))
+FLAGS = ("-O3", "-march=native", "-std=c++17", "-fopenmp", "-shared", "-fPIC")
+_PTR, _INT, _FLOAT = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+_DECODE_ARGS = [_PTR] * 6 + [_INT] * 5 + [_FLOAT, _INT]
+
+
+def _cpu_flags() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor()
+    return next((line for line in text.splitlines() if line.startswith("flags")), "")
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("RADIXMESH_CACHE") or Path.home() / ".cache" / "radixmesh"
+    return Path(root) / "kernels"
+
+
+def _build(compiler: str) -> Path:
+    digest = hashlib.sha256()
+    for part in (compiler, " ".join(FLAGS), platform.machine(), _cpu_flags()):
+        digest.update(part.encode())
+    for src in SOURCES:
+        digest.update(src.read_bytes())
+    out = _cache_dir() / f"radixmesh-cpu-{digest.hexdigest()[:16]}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Build beside the target, then rename: processes starting together never load a
+    # half-written library.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        subprocess.run(
+            [compiler, *FLAGS, *map(str, SOURCES), "-o", tmp],
+            check=True, capture_output=True, text=True,
+        )
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The loaded native library, or None where it cannot be built (logged once)."""
+    if os.environ.get("RADIXMESH_NATIVE_KERNELS", "1") == "0":
+        return None
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        log.warning("no C++ compiler found: native CPU kernels off, torch fallbacks used")
+        return None
+    try:
+        lib = ctypes.CDLL(str(_build(compiler)))
+    except (OSError, subprocess.CalledProcessError) as exc:
+        detail = getattr(exc, "stderr", "") or exc
+        log.warning("native CPU kernels failed to build, torch fallbacks used: %s", detail)
+        return None
+    for name in ("decode_attention_f32", "decode_attention_bf16"):
+        getattr(lib, name).argtypes = _DECODE_ARGS
+        getattr(lib, name).restype = None
+    lib.linear_bf16.argtypes = [_PTR] * 4 + [_INT] * 4
+    lib.linear_bf16.restype = None
+    lib.linear_bf16_supported.argtypes = [_INT, _INT]
+    lib.linear_bf16_supported.restype = _INT
+    return lib
+
+
+def decode_supported(q: torch.Tensor, k_pool: torch.Tensor) -> bool:
+    """Whether `decode_attention` takes these tensors and the library is built."""
+    return (
+        q.device.type == "cpu"
+        and k_pool.device.type == "cpu"
+        and q.dtype in (torch.float32, torch.bfloat16)
+        and k_pool.dtype == q.dtype
+        and library() is not None
+    )
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    index: torch.Tensor,
+    lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """q [B, Hq, D] over pool rows [S, Hkv, D] at index [B, W] (first lens[b] live) ->
+    [B, Hq, D]; the same result as TorchAttention's torch decode path."""
+    lib = library()
+    assert lib is not None and decode_supported(q, k_pool)
+    b, hq, d = q.shape
+    hkv = k_pool.shape[1]
+    assert hq % hkv == 0 and k_pool.shape[2] == d and v_pool.shape == k_pool.shape
+    assert index.dtype == lens.dtype == torch.int64 and index.shape[0] == lens.shape[0] == b
+    q, index, lens = q.contiguous(), index.contiguous(), lens.contiguous()
+    assert k_pool.is_contiguous() and v_pool.is_contiguous()
+    out = torch.empty_like(q)
+    fn = lib.decode_attention_bf16 if q.dtype == torch.bfloat16 else lib.decode_attention_f32
+    fn(
+        q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), index.data_ptr(), lens.data_ptr(),
+        out.data_ptr(), b, index.shape[1], hq, hkv, d, scale, torch.get_num_threads(),
+    )
+    return out
+
+
+# Rows up to which `linear` beats oneDNN's packed GEMM (kMaxRows in cpu/linear.cpp).
+LINEAR_MAX_ROWS = 2
+
+
+def linear_supported(weight: torch.Tensor) -> bool:
+    """Whether `linear` takes this weight [N, K] here (bf16 on the CPU, K % 32 == 0)."""
+    lib = library()
+    return (
+        lib is not None
+        and weight.dtype == torch.bfloat16
+        and weight.device.type == "cpu"
+        and weight.dim() == 2
+        and weight.is_contiguous()
+        and bool(lib.linear_bf16_supported(1, weight.shape[1]))
+    )
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] (M <= LINEAR_MAX_ROWS) @ weight [N, K]^T (+ bias [N]), all bf16, for the one
+    or two rows of a small decode step: streams each weight row once at memory speed."""
+    lib = library()
+    assert lib is not None and x.dtype == torch.bfloat16 and 1 <= x.shape[0] <= LINEAR_MAX_ROWS
+    x = x.contiguous()
+    out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.bfloat16)
+    lib.linear_bf16(
+        x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
+        out.data_ptr(), x.shape[0], weight.shape[0], x.shape[1], torch.get_num_threads(),
+    )
+    return out

@@ -1,0 +1,113 @@
+"""The native CPU kernels (decode attention, one- and two-row linear) against plain float64
+references and against the torch paths they replace."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from radixmesh.kernels import native
+from radixmesh.services.worker.attention import AttentionMetadata, SeqSpan
+from radixmesh.services.worker.kv_pool import KVPool
+from radixmesh.services.worker.linear import Linear
+from radixmesh.services.worker.torch_attention import TorchAttention
+
+TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+
+
+def reference(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+              slots: list[torch.Tensor], scale: float) -> torch.Tensor:
+    """One request and one query head at a time, in float64."""
+    out = torch.empty(q.shape, dtype=torch.float64)
+    group = q.shape[1] // k_pool.shape[1]
+    for b, s in enumerate(slots):
+        for head in range(q.shape[1]):
+            keys = k_pool[s, head // group].double()
+            values = v_pool[s, head // group].double()
+            probs = torch.softmax(keys @ q[b, head].double() * scale, dim=0)
+            out[b, head] = probs @ values
+    return out
+
+
+def random_case(dtype: torch.dtype, hq: int, hkv: int, dim: int, lens: list[int], seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    num_slots = sum(lens) + 17
+    k_pool = torch.randn(num_slots, hkv, dim, generator=gen).to(dtype)
+    v_pool = torch.randn(num_slots, hkv, dim, generator=gen).to(dtype)
+    q = torch.randn(len(lens), hq, dim, generator=gen).to(dtype)
+    order = torch.randperm(num_slots, generator=gen)  # scattered slots, as after evictions
+    slots, start = [], 0
+    for n in lens:
+        slots.append(order[start : start + n])
+        start += n
+    return q, k_pool, v_pool, slots
+
+
+def test_library_builds_here():
+    assert native.library() is not None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("hq", "hkv", "dim"),
+    [(9, 3, 64), (4, 4, 64), (8, 2, 128), (6, 3, 48)],  # GQA 3, MHA, GQA 4 at D 128, odd D
+)
+def test_decode_matches_reference(dtype, hq, hkv, dim):
+    lens = [1, 7, 33, 200, 64, 2]
+    q, k_pool, v_pool, slots = random_case(dtype, hq, hkv, dim, lens, seed=hq * dim)
+    width = max(lens)
+    index = torch.zeros(len(lens), width, dtype=torch.long)
+    for b, s in enumerate(slots):
+        index[b, : len(s)] = s
+    scale = dim**-0.5
+    out = native.decode_attention(q, k_pool, v_pool, index, torch.tensor(lens), scale)
+    want = reference(q, k_pool, v_pool, slots, scale)
+    assert out.dtype == dtype and out.shape == q.shape
+    torch.testing.assert_close(out.double(), want, atol=TOLERANCE[dtype], rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_backend_decode_same_with_and_without_native(dtype):
+    lens = [5, 130, 1, 48]
+    q, k_pool, v_pool, slots = random_case(dtype, 9, 3, 64, lens, seed=7)
+    # The step's new K/V land in each request's last slot.
+    last = torch.stack([s[-1] for s in slots])
+    meta = AttentionMetadata(last, tuple(SeqSpan(b, 1, s) for b, s in enumerate(slots)))
+    outs = []
+    for use_native in (True, False):
+        pool = KVPool(1, k_pool.shape[0], 3, 64, dtype)
+        pool.k[0].copy_(k_pool)
+        pool.v[0].copy_(v_pool)
+        backend = TorchAttention(64**-0.5, native=use_native)
+        backend.prepare(meta)
+        outs.append(backend.forward(0, q, k_pool[last], v_pool[last], pool))
+    torch.testing.assert_close(outs[0].double(), outs[1].double(), atol=TOLERANCE[dtype], rtol=0)
+    want = reference(q, k_pool, v_pool, slots, 64**-0.5)
+    torch.testing.assert_close(outs[0].double(), want, atol=TOLERANCE[dtype], rtol=0)
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_matches_float64(rows, with_bias):
+    gen = torch.Generator().manual_seed(rows + 10 * with_bias)
+    weight = torch.randn(97, 576, generator=gen).bfloat16()  # odd N: a ragged last block
+    bias = torch.randn(97, generator=gen).bfloat16() if with_bias else None
+    x = torch.randn(rows, 576, generator=gen).bfloat16()
+    assert native.linear_supported(weight)
+    out = native.linear(x, weight, bias)
+    want = x.double() @ weight.double().T + (0 if bias is None else bias.double())
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, 97)
+    # Only the final rounding to bf16 differs from exact arithmetic.
+    torch.testing.assert_close(out.double(), want, rtol=2**-8, atol=1e-3)
+
+
+def test_layer_routes_small_steps_to_native_and_agrees_with_onednn():
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.randn(192, 64, generator=gen).bfloat16()
+    layer = Linear(weight)
+    assert layer.plain is not None and layer.packed
+    x = torch.randn(3, 64, generator=gen).bfloat16()
+    many = layer(x)  # three rows: oneDNN
+    for rows in (1, 2):
+        torch.testing.assert_close(layer(x[:rows]), many[:rows], rtol=2**-7, atol=1e-2)
+    assert Linear(weight.float()).plain is None  # float32 stays on oneDNN
