@@ -91,6 +91,9 @@ def library() -> ctypes.CDLL | None:
     lib.linear_bf16.restype = None
     lib.linear_bf16_supported.argtypes = [_INT, _INT]
     lib.linear_bf16_supported.restype = _INT
+    for name in ("rms_norm_f32", "rms_norm_bf16"):
+        getattr(lib, name).argtypes = [_PTR] * 3 + [_INT] * 2 + [_FLOAT, _INT]
+        getattr(lib, name).restype = None
     return lib
 
 
@@ -160,4 +163,29 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
         x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
         out.data_ptr(), x.shape[0], weight.shape[0], x.shape[1], torch.get_num_threads(),
     )
+    return out
+
+
+def rms_norm_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `rms_norm` takes these tensors here."""
+    return (
+        x.device.type == "cpu"
+        and x.dtype in (torch.float32, torch.bfloat16)
+        and weight.dtype == x.dtype
+        and weight.is_contiguous()
+        and library() is not None
+    )
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dimension of x [..., D] with weight [D], in float32, rounded once
+    to x's dtype: torch's rms_norm in one pass."""
+    lib = library()
+    assert lib is not None
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    dim = x.shape[-1]
+    fn = lib.rms_norm_bf16 if x.dtype == torch.bfloat16 else lib.rms_norm_f32
+    fn(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // dim, dim, eps,
+       torch.get_num_threads())
     return out

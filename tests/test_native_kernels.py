@@ -111,3 +111,20 @@ def test_layer_routes_small_steps_to_native_and_agrees_with_onednn():
     for rows in (1, 2):
         torch.testing.assert_close(layer(x[:rows]), many[:rows], rtol=2**-7, atol=1e-2)
     assert Linear(weight.float()).plain is None  # float32 stays on oneDNN
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 576), (33, 576), (300, 576), (5, 9, 64)])
+def test_rms_norm_matches_float64_and_torch(dtype, shape):
+    gen = torch.Generator().manual_seed(len(shape) + shape[0])
+    x = (torch.randn(*shape, generator=gen) * 3).to(dtype)
+    weight = torch.randn(shape[-1], generator=gen).to(dtype)
+    out = native.rms_norm(x, weight, 1e-5)
+    exact = x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-5)
+    exact = exact * weight.double()
+    assert out.dtype == dtype and out.shape == x.shape
+    tolerance = {"rtol": 2**-8, "atol": 1e-2} if dtype == torch.bfloat16 else {
+        "rtol": 1e-6, "atol": 1e-6}
+    torch.testing.assert_close(out.double(), exact, **tolerance)
+    want = torch.nn.functional.rms_norm(x, weight.shape, weight, 1e-5)
+    torch.testing.assert_close(out, want, **tolerance)

@@ -7,6 +7,7 @@ from collections.abc import Iterator, Mapping
 import torch
 import torch.nn.functional as F
 
+from radixmesh.kernels import native
 from radixmesh.services.worker.attention import AttentionBackend
 from radixmesh.services.worker.kv_pool import KVPool
 from radixmesh.services.worker.linear import Linear
@@ -16,7 +17,10 @@ from radixmesh.services.worker.rope import RotaryEmbedding, apply_rotary
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dimension (accumulated in float32 by torch's kernel)."""
+    """RMSNorm over the last dimension, in float32: the native kernel where it is built
+    (one pass instead of torch's several), else torch's."""
+    if native.rms_norm_supported(x, weight):
+        return native.rms_norm(x, weight, eps)
     return F.rms_norm(x, weight.shape, weight, eps)
 
 
