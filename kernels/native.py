@@ -25,6 +25,7 @@ import torch
 log = logging.getLogger("radixmesh.kernels")
 
 SOURCES = sorted((Path(__file__).parent / "cpu").glob("*.cpp"))
+HEADERS = sorted((Path(__file__).parent / "cpu").glob("*.h"))
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-fopenmp", "-shared", "-fPIC")
 _PTR, _INT, _FLOAT = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 _DECODE_ARGS = [_PTR] * 6 + [_INT] * 5 + [_FLOAT, _INT]
@@ -47,7 +48,7 @@ def _build(compiler: str) -> Path:
     digest = hashlib.sha256()
     for part in (compiler, " ".join(FLAGS), platform.machine(), _cpu_flags()):
         digest.update(part.encode())
-    for src in SOURCES:
+    for src in (*SOURCES, *HEADERS):
         digest.update(src.read_bytes())
     out = _cache_dir() / f"radixmesh-cpu-{digest.hexdigest()[:16]}.so"
     if out.exists():

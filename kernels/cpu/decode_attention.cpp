@@ -9,8 +9,9 @@
 // torch does. With AVX512-BF16 the bf16 dot products run on VDPBF16PS.
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <vector>
+
+#include "bf16.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -19,30 +20,11 @@
 
 namespace {
 
+using radixmesh::load;
+using radixmesh::store;
+
 // Rows are scattered over the pool: fetch this many ahead so their cache misses overlap.
 constexpr int kAhead = 8;
-
-inline float load(float x) { return x; }
-
-inline float load(uint16_t x) {
-  const uint32_t bits = static_cast<uint32_t>(x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
-inline void store(float* dst, float x) { *dst = x; }
-
-inline void store(uint16_t* dst, float x) {
-  if (std::isnan(x)) {
-    *dst = 0x7fc0;
-    return;
-  }
-  uint32_t bits;
-  std::memcpy(&bits, &x, sizeof bits);
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  *dst = static_cast<uint16_t>(bits >> 16);
-}
 
 template <typename T>
 float dot(const T* a, const T* b, int dim) {

@@ -5,7 +5,8 @@
 // all M rows of x while it is in registers. Threads split the output features. Needs
 // AVX512-BF16 and K a multiple of 32; linear_bf16_supported() says whether this build has it.
 #include <cstdint>
-#include <cstring>
+
+#include "bf16.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -19,19 +20,8 @@ constexpr int kMaxRows = 2;
 constexpr int kBlock = 16;  // output features per task
 
 #ifdef RM_AVX512_BF16
-inline uint16_t to_bf16(float x) {
-  uint32_t bits;
-  std::memcpy(&bits, &x, sizeof bits);
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  return static_cast<uint16_t>(bits >> 16);
-}
-
-inline float from_bf16(uint16_t x) {
-  const uint32_t bits = static_cast<uint32_t>(x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
+using radixmesh::load;
+using radixmesh::to_bf16;
 
 template <int M>
 void rows(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t* out, int n0,
@@ -47,7 +37,7 @@ void rows(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t* 
         acc[m] = _mm512_dpbf16_ps(acc[m], xv, wv);
       }
     }
-    const float b = bias ? from_bf16(bias[j]) : 0.0f;
+    const float b = bias ? load(bias[j]) : 0.0f;
     for (int m = 0; m < M; ++m) {
       out[static_cast<int64_t>(m) * n + j] = to_bf16(_mm512_reduce_add_ps(acc[m]) + b);
     }

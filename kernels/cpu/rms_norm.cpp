@@ -3,31 +3,16 @@
 // threads only when there are enough of them to pay for it.
 #include <cmath>
 #include <cstdint>
-#include <cstring>
+
+#include "bf16.h"
 
 namespace {
 
+using radixmesh::load;
+using radixmesh::store;
+
 // Rows x dim below which one thread does the whole tensor.
 constexpr int64_t kParallelElems = 1 << 16;
-
-inline float load(float x) { return x; }
-
-inline float load(uint16_t x) {
-  const uint32_t bits = static_cast<uint32_t>(x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
-inline float store_as(float x, float*) { return x; }
-
-inline uint16_t store_as(float x, uint16_t*) {
-  if (std::isnan(x)) return 0x7fc0;
-  uint32_t bits;
-  std::memcpy(&bits, &x, sizeof bits);
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  return static_cast<uint16_t>(bits >> 16);
-}
 
 template <typename T>
 void norm_row(const T* x, const T* w, T* out, int dim, float eps) {
@@ -36,7 +21,7 @@ void norm_row(const T* x, const T* w, T* out, int dim, float eps) {
   for (int d = 0; d < dim; ++d) sum += load(x[d]) * load(x[d]);
   const float inv = 1.0f / std::sqrt(sum / static_cast<float>(dim) + eps);
 #pragma omp simd
-  for (int d = 0; d < dim; ++d) out[d] = store_as(load(x[d]) * inv * load(w[d]), out);
+  for (int d = 0; d < dim; ++d) store(out + d, load(x[d]) * inv * load(w[d]));
 }
 
 template <typename T>
