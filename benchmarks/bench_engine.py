@@ -180,7 +180,7 @@ class RadixmeshSide:
         return {
             "kv_pool_tokens": self.kv_tokens,
             "weight_dtype": str(self.engine.runner.model.dtype),
-            "linear_prepacked": layer.packed,
+            "linear_kernel": layer.kind,
         }
 
     def batch(self, prompts: list[list[int]], new_tokens: int) -> dict[str, float]:

@@ -88,10 +88,10 @@ def library() -> ctypes.CDLL | None:
     for name in ("decode_attention_f32", "decode_attention_bf16"):
         getattr(lib, name).argtypes = _DECODE_ARGS
         getattr(lib, name).restype = None
-    lib.linear_bf16.argtypes = [_PTR] * 4 + [_INT] * 4
-    lib.linear_bf16.restype = None
-    lib.linear_bf16_supported.argtypes = [_INT, _INT]
-    lib.linear_bf16_supported.restype = _INT
+    lib.gemm_bf16.argtypes = [_PTR] * 4 + [_INT] * 4
+    lib.gemm_bf16.restype = None
+    lib.gemm_bf16_supported.argtypes = [_INT]
+    lib.gemm_bf16_supported.restype = _INT
     for name in ("rms_norm_f32", "rms_norm_bf16"):
         getattr(lib, name).argtypes = [_PTR] * 3 + [_INT] * 2 + [_FLOAT, _INT]
         getattr(lib, name).restype = None
@@ -136,37 +136,6 @@ def decode_attention(
     return out
 
 
-# Rows up to which `linear` beats oneDNN's packed GEMM (kMaxRows in cpu/linear.cpp).
-LINEAR_MAX_ROWS = 2
-
-
-def linear_supported(weight: torch.Tensor) -> bool:
-    """Whether `linear` takes this weight [N, K] here (bf16 on the CPU, K % 32 == 0)."""
-    lib = library()
-    return (
-        lib is not None
-        and weight.dtype == torch.bfloat16
-        and weight.device.type == "cpu"
-        and weight.dim() == 2
-        and weight.is_contiguous()
-        and bool(lib.linear_bf16_supported(1, weight.shape[1]))
-    )
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [M, K] (M <= LINEAR_MAX_ROWS) @ weight [N, K]^T (+ bias [N]), all bf16, for the one
-    or two rows of a small decode step: streams each weight row once at memory speed."""
-    lib = library()
-    assert lib is not None and x.dtype == torch.bfloat16 and 1 <= x.shape[0] <= LINEAR_MAX_ROWS
-    x = x.contiguous()
-    out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.bfloat16)
-    lib.linear_bf16(
-        x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
-        out.data_ptr(), x.shape[0], weight.shape[0], x.shape[1], torch.get_num_threads(),
-    )
-    return out
-
-
 def rms_norm_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `rms_norm` takes these tensors here."""
     return (
@@ -189,4 +158,43 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     fn = lib.rms_norm_bf16 if x.dtype == torch.bfloat16 else lib.rms_norm_f32
     fn(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // dim, dim, eps,
        torch.get_num_threads())
+    return out
+
+
+# Output features per packed block of `gemm` (kFeatures in cpu/gemm.cpp).
+GEMM_FEATURES = 32
+
+
+def gemm_supported(weight: torch.Tensor) -> bool:
+    """Whether `gemm` takes this weight [N, K] here (bf16 on the CPU, K even, AVX512-BF16)."""
+    lib = library()
+    return (
+        lib is not None
+        and weight.dtype == torch.bfloat16
+        and weight.device.type == "cpu"
+        and weight.dim() == 2
+        and bool(lib.gemm_bf16_supported(weight.shape[1]))
+    )
+
+
+def pack_gemm_weight(weight: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] (K even) as `gemm` reads it: [N/32][K/2][32][2], N padded with zeros."""
+    n, k = weight.shape
+    padded = -(-n // GEMM_FEATURES) * GEMM_FEATURES
+    w = torch.zeros(padded, k, dtype=weight.dtype)
+    w[:n] = weight
+    w = w.view(padded // GEMM_FEATURES, GEMM_FEATURES, k // 2, 2)
+    return w.permute(0, 2, 1, 3).contiguous()
+
+
+def gemm(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] @ weight [N, K]^T (+ bias [N]) in bf16, from `pack_gemm_weight(weight)`."""
+    lib = library()
+    assert lib is not None and x.dtype == torch.bfloat16
+    x = x.contiguous()
+    out = torch.empty(x.shape[0], n, dtype=torch.bfloat16)
+    lib.gemm_bf16(
+        x.data_ptr(), packed.data_ptr(), None if bias is None else bias.data_ptr(),
+        out.data_ptr(), x.shape[0], n, x.shape[1], torch.get_num_threads(),
+    )
     return out

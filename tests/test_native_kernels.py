@@ -1,4 +1,4 @@
-"""The native CPU kernels (decode attention, one- and two-row linear) against plain float64
+"""The native CPU kernels (decode attention, GEMM, RMSNorm) against plain float64
 references and against the torch paths they replace."""
 
 from __future__ import annotations
@@ -86,31 +86,31 @@ def test_backend_decode_same_with_and_without_native(dtype):
     torch.testing.assert_close(outs[0].double(), want, atol=TOLERANCE[dtype], rtol=0)
 
 
-@pytest.mark.parametrize("rows", [1, 2])
+@pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 33])  # row tiles of 8, and their tails
+@pytest.mark.parametrize(("features", "depth"), [(97, 576), (32, 70)])  # padded N; K % 32 != 0
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_linear_matches_float64(rows, with_bias):
-    gen = torch.Generator().manual_seed(rows + 10 * with_bias)
-    weight = torch.randn(97, 576, generator=gen).bfloat16()  # odd N: a ragged last block
-    bias = torch.randn(97, generator=gen).bfloat16() if with_bias else None
-    x = torch.randn(rows, 576, generator=gen).bfloat16()
-    assert native.linear_supported(weight)
-    out = native.linear(x, weight, bias)
+def test_gemm_matches_float64(rows, features, depth, with_bias):
+    gen = torch.Generator().manual_seed(rows + features + with_bias)
+    weight = torch.randn(features, depth, generator=gen).bfloat16()
+    bias = torch.randn(features, generator=gen).bfloat16() if with_bias else None
+    x = torch.randn(rows, depth, generator=gen).bfloat16()
+    assert native.gemm_supported(weight)
+    out = native.gemm(x, native.pack_gemm_weight(weight), features, bias)
     want = x.double() @ weight.double().T + (0 if bias is None else bias.double())
-    assert out.dtype == torch.bfloat16 and out.shape == (rows, 97)
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, features)
     # Only the final rounding to bf16 differs from exact arithmetic.
     torch.testing.assert_close(out.double(), want, rtol=2**-8, atol=1e-3)
 
 
-def test_layer_routes_small_steps_to_native_and_agrees_with_onednn():
+def test_layer_picks_native_for_bf16_and_onednn_for_float32():
     gen = torch.Generator().manual_seed(3)
-    weight = torch.randn(192, 64, generator=gen).bfloat16()
-    layer = Linear(weight)
-    assert layer.plain is not None and layer.packed
-    x = torch.randn(3, 64, generator=gen).bfloat16()
-    many = layer(x)  # three rows: oneDNN
-    for rows in (1, 2):
-        torch.testing.assert_close(layer(x[:rows]), many[:rows], rtol=2**-7, atol=1e-2)
-    assert Linear(weight.float()).plain is None  # float32 stays on oneDNN
+    weight = torch.randn(192, 64, generator=gen)
+    x = torch.randn(5, 64, generator=gen)
+    bf16, fp32 = Linear(weight.bfloat16()), Linear(weight)
+    assert (bf16.kind, fp32.kind) == ("native", "onednn")
+    want = torch.nn.functional.linear(x.bfloat16(), weight.bfloat16())
+    torch.testing.assert_close(bf16(x.bfloat16()), want, rtol=2**-7, atol=1e-2)
+    torch.testing.assert_close(fp32(x), torch.nn.functional.linear(x, weight))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -1,0 +1,122 @@
+// bf16 GEMM on the CPU for decode-sized batches: out[M, N] = x[M, K] @ w[N, K]^T (+ bias).
+//
+// The weight is packed once (see native.pack_gemm_weight) as [N/32][K/2][32][2]: for each
+// block of 32 output features and each pair of K, the 32 features' two values side by side,
+// so one 64-byte load feeds VDPBF16PS for 16 features at once. A tile of up to 8 rows of x
+// by 32 features keeps its 16 accumulators in registers for the whole K loop; x's pairs are
+// broadcast from memory. No horizontal sums are needed. Threads split the feature blocks;
+// each block's weights stay in cache while every row tile passes over them.
+#include <cstdint>
+
+#include "bf16.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#define RM_AVX512_BF16 1
+#endif
+
+namespace {
+
+#ifdef RM_AVX512_BF16
+using radixmesh::load;
+using radixmesh::to_bf16;
+
+constexpr int kRows = 8;       // rows of x per tile
+constexpr int kFeatures = 32;  // output features per packed block
+
+template <int R>
+void tile(const uint16_t* x, const uint16_t* wp, const uint16_t* bias, uint16_t* out, int m0,
+          int n0, int n, int k) {
+  __m512 lo[R], hi[R];
+  for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm512_setzero_ps();
+  const int pairs = k / 2;
+  const uint32_t* xr = reinterpret_cast<const uint32_t*>(x) + static_cast<int64_t>(m0) * pairs;
+  // Few rows make few accumulator chains: give them a second set (odd pairs) so that
+  // successive VDPBF16PS do not wait on each other.
+  constexpr int kSets = R <= 2 ? 2 : 1;
+  __m512 lo2[R], hi2[R];
+  for (int r = 0; r < R; ++r) lo2[r] = hi2[r] = _mm512_setzero_ps();
+  int p = 0;
+  for (; p + kSets <= pairs; p += kSets) {
+    for (int set = 0; set < kSets; ++set) {
+      const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wp + (p + set) * 64);
+      const __m512bh w1 = (__m512bh)_mm512_loadu_si512(wp + (p + set) * 64 + 32);
+      for (int r = 0; r < R; ++r) {
+        const __m512bh xv =
+            (__m512bh)_mm512_set1_epi32(static_cast<int>(xr[r * pairs + p + set]));
+        __m512& a = set == 0 ? lo[r] : lo2[r];
+        __m512& b = set == 0 ? hi[r] : hi2[r];
+        a = _mm512_dpbf16_ps(a, xv, w0);
+        b = _mm512_dpbf16_ps(b, xv, w1);
+      }
+    }
+  }
+  for (; p < pairs; ++p) {
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wp + p * 64);
+    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(wp + p * 64 + 32);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(xr[r * pairs + p]));
+      lo[r] = _mm512_dpbf16_ps(lo[r], xv, w0);
+      hi[r] = _mm512_dpbf16_ps(hi[r], xv, w1);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    lo[r] = _mm512_add_ps(lo[r], lo2[r]);
+    hi[r] = _mm512_add_ps(hi[r], hi2[r]);
+  }
+  alignas(64) float row[kFeatures];
+  const int width = n - n0 < kFeatures ? n - n0 : kFeatures;
+  for (int r = 0; r < R; ++r) {
+    _mm512_store_ps(row, lo[r]);
+    _mm512_store_ps(row + 16, hi[r]);
+    uint16_t* o = out + static_cast<int64_t>(m0 + r) * n + n0;
+    for (int j = 0; j < width; ++j) o[j] = to_bf16(row[j] + (bias ? load(bias[n0 + j]) : 0.0f));
+  }
+}
+
+void block(const uint16_t* x, const uint16_t* wp, const uint16_t* bias, uint16_t* out, int m,
+           int n0, int n, int k) {
+  int m0 = 0;
+  for (; m0 + kRows <= m; m0 += kRows) tile<kRows>(x, wp, bias, out, m0, n0, n, k);
+  switch (m - m0) {
+    case 1: tile<1>(x, wp, bias, out, m0, n0, n, k); break;
+    case 2: tile<2>(x, wp, bias, out, m0, n0, n, k); break;
+    case 3: tile<3>(x, wp, bias, out, m0, n0, n, k); break;
+    case 4: tile<4>(x, wp, bias, out, m0, n0, n, k); break;
+    case 5: tile<5>(x, wp, bias, out, m0, n0, n, k); break;
+    case 6: tile<6>(x, wp, bias, out, m0, n0, n, k); break;
+    case 7: tile<7>(x, wp, bias, out, m0, n0, n, k); break;
+    default: break;
+  }
+}
+#endif
+
+}  // namespace
+
+extern "C" {
+
+int gemm_bf16_supported(int k) {
+#ifdef RM_AVX512_BF16
+  return k % 2 == 0;
+#else
+  (void)k;
+  return 0;
+#endif
+}
+
+// wp: the packed weight, N rounded up to a multiple of 32 features (zeros past N).
+void gemm_bf16(const uint16_t* x, const uint16_t* wp, const uint16_t* bias, uint16_t* out,
+               int m, int n, int k, int threads) {
+#ifdef RM_AVX512_BF16
+  const int blocks = (n + kFeatures - 1) / kFeatures;
+  const int64_t block_elems = static_cast<int64_t>(kFeatures) * k;
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int b = 0; b < blocks; ++b) {
+    block(x, wp + b * block_elems, bias, out, m, b * kFeatures, n, k);
+  }
+#else
+  (void)x, (void)wp, (void)bias, (void)out, (void)m, (void)n, (void)k, (void)threads;
+#endif
+}
+
+}  // extern "C"
