@@ -190,7 +190,8 @@ def pack_gemm_weight(weight: torch.Tensor) -> torch.Tensor:
 def gemm(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T (+ bias [N]) in bf16, from `pack_gemm_weight(weight)`."""
     lib = library()
-    assert lib is not None and x.dtype == torch.bfloat16
+    assert lib is not None and x.dtype == torch.bfloat16 and x.shape[1] == packed.shape[1] * 2
+    assert bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous())
     x = x.contiguous()
     out = torch.empty(x.shape[0], n, dtype=torch.bfloat16)
     lib.gemm_bf16(
