@@ -13,6 +13,7 @@ import grpc
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from radixmesh.kernels import native
 from radixmesh.mesh.service import StatusServer
 from radixmesh.proto import forward_pb2 as fpb
 from radixmesh.proto import mesh_pb2 as mpb
@@ -139,11 +140,13 @@ class WorkerService(mgrpc.WorkerServicer):
         del loaded
         release_free_memory()
         log.info(
-            "rank %d on %s: %s attention, CUDA graphs for decode batches up to %d",
+            "rank %d on %s: %s attention, CUDA graphs for decode batches up to %d, "
+            "native CPU kernels %s",
             c.tp_rank,
             device,
             type(runner.attention).__name__,
             runner.graphs.buckets[-1] if runner.graphs is not None else 0,
+            "on" if device.type == "cpu" and native.library() is not None else "off",
         )
         return runner
 
