@@ -32,18 +32,25 @@ def nats_server_binary() -> str:
 # may take any ephemeral port, but never one of these.
 _PORT_RANGE = (20000, 32000)
 _port_rng = random.Random()
+# Every port this process has handed out: a child may not have bound its port yet when the
+# next one is picked, so a free-looking port can still be taken. Never hand one out twice.
+_handed_out: set[int] = set()
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nothing listens on right now, outside the ephemeral range."""
+    """A TCP port nothing listens on right now, outside the ephemeral range, and not handed
+    out before by this process."""
     for _ in range(200):
         port = _port_rng.randrange(*_PORT_RANGE)
+        if port in _handed_out:
+            continue
         with socket.socket() as s:
             try:
                 s.bind((host, port))
             except OSError:
                 continue
-            return port
+        _handed_out.add(port)
+        return port
     raise OSError(f"no free port in {_PORT_RANGE} on {host}")
 
 
