@@ -1,4 +1,5 @@
-// bf16 GEMM on the CPU for decode-sized batches: out[M, N] = x[M, K] @ w[N, K]^T (+ bias).
+// bf16 GEMM on the CPU, every linear layer at every batch size:
+// out[M, N] = x[M, K] @ w[N, K]^T (+ bias).
 //
 // The weight is packed once (see native.pack_gemm_weight) as [N/32][K/2][32][2]: for each
 // block of 32 output features and each pair of K, the 32 features' two values side by side,

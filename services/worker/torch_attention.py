@@ -24,6 +24,7 @@ class TorchAttention(AttentionBackend):
         self._meta: AttentionMetadata | None = None
         self._decode_rows = torch.empty(0, dtype=torch.long)
         self._decode_kv = torch.empty(0, dtype=torch.long)
+        self._decode_lens = torch.empty(0, dtype=torch.long)
         self._decode_bias: torch.Tensor | None = None
         self._extends: list[tuple[int, int, torch.Tensor]] = []
 
