@@ -263,63 +263,35 @@ class HFSide:
     name = "hf"
 
     def __init__(self, dtype: str, sizes: Sizes) -> None:
-        import torch
-        import transformers
+        from radixmesh.bench.hf_offline import HFGenerator
 
-        from radixmesh.services.worker.model_source import default_model_path
-
-        # The GGUF quantizer warns that bf16 "keeps the weights quantized" even on the path
-        # that dequantizes them; info() records what was actually loaded.
-        transformers.logging.set_verbosity_error()
-        transformers.utils.logging.disable_progress_bar()
-        path = default_model_path()
-        self.torch = torch
-        self.model = transformers.AutoModelForCausalLM.from_pretrained(
-            str(path.parent), gguf_file=path.name, dtype=getattr(torch, dtype)
-        ).eval()
-        eos = self.model.config.eos_token_id
-        self.pad = eos[0] if isinstance(eos, list) else eos
+        self.hf = HFGenerator(dtype=dtype)
 
     def info(self) -> dict[str, Any]:
-        layer = self.model.model.layers[0].self_attn.q_proj
+        model = self.hf.model
+        layer = model.model.layers[0].self_attn.q_proj
         return {
             "weight_dtype": str(layer.weight.dtype),
             "linear_class": type(layer).__name__,
-            "attn_implementation": self.model.config._attn_implementation,
+            "attn_implementation": model.config._attn_implementation,
         }
 
-    def generate(self, prompts: list[list[int]], new_tokens: int) -> Any:
+    def generate(self, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
         """Greedy, exactly `new_tokens` each, prompts left-padded to one length."""
-        torch = self.torch
-        width = max(len(p) for p in prompts)
-        ids = torch.full((len(prompts), width), self.pad, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for i, p in enumerate(prompts):
-            ids[i, width - len(p) :] = torch.tensor(p)
-            mask[i, width - len(p) :] = 1
-        with torch.inference_mode():
-            out = self.model.generate(
-                input_ids=ids,
-                attention_mask=mask,
-                max_new_tokens=new_tokens,
-                min_new_tokens=new_tokens,
-                do_sample=False,
-                pad_token_id=self.pad,
-            )
-        return out[:, width:]
+        return self.hf.generate(prompts, new_tokens)[0]
 
     def batch(self, prompts: list[list[int]], new_tokens: int) -> dict[str, float]:
         with timer() as t:
-            out = self.generate(prompts, new_tokens)
-        check_lengths(self.name, "batch", [out.shape[1]] * out.shape[0], new_tokens)
-        return {"batch_s": t[0], "batch_tok_s": out.numel() / t[0]}
+            outs = self.generate(prompts, new_tokens)
+        got = [len(o) for o in outs]
+        check_lengths(self.name, "batch", got, new_tokens)
+        return {"batch_s": t[0], "batch_tok_s": sum(got) / t[0]}
 
     def single(self, prompt: list[int], new_tokens: int) -> tuple[dict[str, float], list[int]]:
         with timer() as t_first:
             self.generate([prompt], 1)
         with timer() as t_total:
-            out = self.generate([prompt], new_tokens)
-        ids = out[0].tolist()
+            ids = self.generate([prompt], new_tokens)[0]
         check_lengths(self.name, "stream", [len(ids)], new_tokens)
         decode = (len(ids) - 1) / (t_total[0] - t_first[0])
         return {"stream_ttft_ms": t_first[0] * 1e3, "stream_decode_tok_s": decode}, ids

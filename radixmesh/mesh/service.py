@@ -9,25 +9,35 @@ import json
 import logging
 import signal
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from radixmesh.mesh.config import build_config
+from radixmesh.tracing import init_tracing
+
+C = TypeVar("C")
+
 HealthCheck = Callable[[], tuple[bool, dict[str, Any]]]
 
 
-def setup_logging(level: str = "INFO") -> None:
-    """One line per record, service name first, as the launcher interleaves them."""
+def configure_service(config_cls: type[C], service: str, instance: Callable[[C], str]) -> C:
+    """What every service's main does first: its config from flags and RADIXMESH_* variables,
+    logging (one line per record, logger name first, as the launcher interleaves them), the
+    one start-up line with the whole config as JSON, and tracing as `service` with the
+    instance id `instance(config)`."""
+    config = build_config(config_cls, prog=f"radixmesh-{service}")
     logging.basicConfig(
-        level=level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
+        level=config.log_level.upper(),  # type: ignore[attr-defined]
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
     )
-
-
-def log_config(log: logging.Logger, service: str, config: Any) -> None:
-    """The one start-up line: the service's whole config as JSON."""
-    fields = dataclasses.asdict(config) if dataclasses.is_dataclass(config) else dict(config)
-    log.info("%s starting with config %s", service, json.dumps(fields, default=str))
+    fields = dataclasses.asdict(config)  # type: ignore[call-overload]
+    logging.getLogger(f"radixmesh.{service}").info(
+        "%s starting with config %s", service, json.dumps(fields, default=str)
+    )
+    init_tracing(service, instance(config))
+    return config
 
 
 def stop_event() -> asyncio.Event:

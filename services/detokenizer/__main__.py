@@ -5,11 +5,9 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from radixmesh.mesh.config import build_config
-from radixmesh.mesh.service import log_config, run_until_stopped, setup_logging, stop_event
+from radixmesh.mesh.service import configure_service, run_until_stopped, stop_event
 from radixmesh.services.detokenizer.config import DetokenizerConfig
 from radixmesh.services.detokenizer.server import DetokenizerService
-from radixmesh.tracing import init_tracing
 
 log = logging.getLogger("radixmesh.detokenizer")
 
@@ -26,10 +24,7 @@ async def _main(config: DetokenizerConfig) -> None:
 
 
 def main() -> None:
-    config = build_config(DetokenizerConfig, prog="radixmesh-detokenizer")
-    setup_logging(config.log_level)
-    log_config(log, "detokenizer", config)
-    init_tracing("detokenizer", config.replica_id)
+    config = configure_service(DetokenizerConfig, "detokenizer", lambda c: c.replica_id)
     asyncio.run(_main(config))
 
 

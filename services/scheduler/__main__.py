@@ -3,15 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-import logging
 
-from radixmesh.mesh.config import build_config
-from radixmesh.mesh.service import log_config, run_until_stopped, setup_logging, stop_event
+from radixmesh.mesh.service import configure_service, run_until_stopped, stop_event
 from radixmesh.services.scheduler.config import SchedulerServiceConfig
 from radixmesh.services.scheduler.server import SchedulerService
-from radixmesh.tracing import init_tracing
-
-log = logging.getLogger("radixmesh.scheduler")
 
 
 async def _main(config: SchedulerServiceConfig) -> None:
@@ -22,10 +17,7 @@ async def _main(config: SchedulerServiceConfig) -> None:
 
 
 def main() -> None:
-    config = build_config(SchedulerServiceConfig, prog="radixmesh-scheduler")
-    setup_logging(config.log_level)
-    log_config(log, "scheduler", config)
-    init_tracing("scheduler", config.engine_id)
+    config = configure_service(SchedulerServiceConfig, "scheduler", lambda c: c.engine_id)
     asyncio.run(_main(config))
 
 

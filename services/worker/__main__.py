@@ -7,11 +7,9 @@ import logging
 import os
 import platform
 
-from radixmesh.mesh.config import build_config
-from radixmesh.mesh.service import log_config, run_until_stopped, setup_logging, stop_event
+from radixmesh.mesh.service import configure_service, run_until_stopped, stop_event
 from radixmesh.services.worker.config import WorkerConfig
 from radixmesh.services.worker.server import WorkerService
-from radixmesh.tracing import init_tracing
 
 log = logging.getLogger("radixmesh.worker")
 
@@ -29,10 +27,9 @@ async def _main(config: WorkerConfig) -> bool:
 
 
 def main() -> None:
-    config = build_config(WorkerConfig, prog="radixmesh-worker")
-    setup_logging(config.log_level)
-    log_config(log, "worker", config)
-    init_tracing("worker", f"rank{config.tp_rank}-{platform.node()}-{os.getpid()}")
+    config = configure_service(
+        WorkerConfig, "worker", lambda c: f"rank{c.tp_rank}-{platform.node()}-{os.getpid()}"
+    )
     if not asyncio.run(_main(config)):
         # A thread blocked in a collective on a dead peer would hold the interpreter's exit.
         os._exit(0)
