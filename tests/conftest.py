@@ -1,8 +1,10 @@
-"""Shared fixtures: the default model loaded once, and engines built from it."""
+"""Shared fixtures: the default model and its tokenizer loaded once, a NATS server per test
+module, asyncio for anyio tests."""
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -16,3 +18,25 @@ def smollm2():
     from radixmesh.services.worker.model_source import load_model
 
     return load_model(None, progress=False)
+
+
+@pytest.fixture(scope="module")
+def nats_url() -> Iterator[str]:
+    """A NATS server of this test module's own, on a free port."""
+    from radixmesh.mesh.nats_server import EmbeddedNats
+
+    with EmbeddedNats() as server:
+        yield server.url
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    """The default model's tokenizer."""
+    from radixmesh.services.tokenizer.tokenizer import Tokenizer
+
+    return Tokenizer.from_path(None)
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"

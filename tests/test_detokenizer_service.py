@@ -11,14 +11,11 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
 
 import aiohttp
 import nats
-import pytest
 
 from radixmesh.mesh import subjects
-from radixmesh.mesh.nats_server import EmbeddedNats
 from radixmesh.proto import forward_pb2 as fpb
 from radixmesh.proto import mesh_pb2 as mpb
 from radixmesh.services.detokenizer.config import DetokenizerConfig
@@ -28,12 +25,6 @@ from radixmesh.services.tokenizer.tokenizer import Tokenizer
 OWNER_A = subjects.tokenizer_out("a")
 OWNER_B = subjects.tokenizer_out("b")
 ENGINE = "e1"
-
-
-@pytest.fixture(scope="module")
-def nats_url() -> Iterator[str]:
-    with EmbeddedNats() as server:
-        yield server.url
 
 
 @functools.cache

@@ -12,30 +12,12 @@ import nats
 import pytest
 from fake_engine import FakeEngine, echo_ids, input_logprob, output_logprob, token_text
 
-from radixmesh.mesh.nats_server import EmbeddedNats
 from radixmesh.services.tokenizer.config import TokenizerServiceConfig
 from radixmesh.services.tokenizer.server import TokenizerServer
-from radixmesh.services.tokenizer.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.anyio
 
 CONTEXT = 256
-
-
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
-@pytest.fixture(scope="module")
-def nats_url():
-    with EmbeddedNats() as server:
-        yield server.url
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return Tokenizer.from_path(None)
 
 
 class Stack:

@@ -13,7 +13,6 @@ import pytest
 from fake_worker import FakeWorker, reference_output
 
 from radixmesh.mesh import subjects
-from radixmesh.mesh.nats_server import EmbeddedNats
 from radixmesh.proto import forward_pb2 as fpb
 from radixmesh.proto import mesh_pb2 as mpb
 from radixmesh.proto import mesh_pb2_grpc as mgrpc
@@ -47,12 +46,6 @@ class FakeWorkerServicer(mgrpc.WorkerServicer):
             num_slots=NUM_SLOTS, vocab_size=50, max_position_embeddings=200, tp_size=1,
             model_path="fake", dtype="float32",
         )
-
-
-@pytest.fixture(scope="module")
-def nats_url():
-    with EmbeddedNats() as server:
-        yield server.url
 
 
 @asynccontextmanager

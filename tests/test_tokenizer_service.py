@@ -19,7 +19,6 @@ import nats
 import pytest
 from fake_engine import FakeEngine, echo_ids, input_logprob, output_logprob, token_text
 
-from radixmesh.mesh.nats_server import EmbeddedNats
 from radixmesh.proto import mesh_pb2 as mpb
 from radixmesh.proto import mesh_pb2_grpc
 from radixmesh.services.detokenizer.windowed import detok_context_size
@@ -32,26 +31,9 @@ from radixmesh.services.tokenizer.generation import (
 )
 from radixmesh.services.tokenizer.mesh_client import MeshClient
 from radixmesh.services.tokenizer.server import TokenizerServer, public_args
-from radixmesh.services.tokenizer.tokenizer import Tokenizer
 from radixmesh.services.worker.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.anyio
-
-
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
-@pytest.fixture(scope="module")
-def nats_url():
-    with EmbeddedNats() as server:
-        yield server.url
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return Tokenizer.from_path(None)
 
 
 @pytest.fixture
