@@ -98,15 +98,19 @@ def library() -> ctypes.CDLL | None:
     return lib
 
 
-def decode_supported(q: torch.Tensor, k_pool: torch.Tensor) -> bool:
-    """Whether `decode_attention` takes these tensors and the library is built."""
+def _takes(*tensors: torch.Tensor) -> bool:
+    """Whether the library is built and these are CPU tensors of one float32/bf16 dtype."""
+    dtype = tensors[0].dtype
     return (
-        q.device.type == "cpu"
-        and k_pool.device.type == "cpu"
-        and q.dtype in (torch.float32, torch.bfloat16)
-        and k_pool.dtype == q.dtype
+        dtype in (torch.float32, torch.bfloat16)
+        and all(t.device.type == "cpu" and t.dtype == dtype for t in tensors)
         and library() is not None
     )
+
+
+def decode_supported(q: torch.Tensor, k_pool: torch.Tensor) -> bool:
+    """Whether `decode_attention` takes these tensors here."""
+    return _takes(q, k_pool)
 
 
 def decode_attention(
@@ -138,13 +142,7 @@ def decode_attention(
 
 def rms_norm_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `rms_norm` takes these tensors here."""
-    return (
-        x.device.type == "cpu"
-        and x.dtype in (torch.float32, torch.bfloat16)
-        and weight.dtype == x.dtype
-        and weight.is_contiguous()
-        and library() is not None
-    )
+    return weight.is_contiguous() and _takes(x, weight)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -167,13 +165,11 @@ GEMM_FEATURES = 32
 
 def gemm_supported(weight: torch.Tensor) -> bool:
     """Whether `gemm` takes this weight [N, K] here (bf16 on the CPU, K even, AVX512-BF16)."""
-    lib = library()
     return (
-        lib is not None
-        and weight.dtype == torch.bfloat16
-        and weight.device.type == "cpu"
+        weight.dtype == torch.bfloat16
         and weight.dim() == 2
-        and bool(lib.gemm_bf16_supported(weight.shape[1]))
+        and _takes(weight)
+        and bool(library().gemm_bf16_supported(weight.shape[1]))  # type: ignore[union-attr]
     )
 
 
