@@ -25,13 +25,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class _Cast(Mapping[str, torch.Tensor]):
-    """Weights cast to the model dtype one at a time, so no second full copy is ever held."""
+    """Weights moved to the model's device and dtype one at a time as the model takes them,
+    so no second full copy is ever held (on the host or the device)."""
 
-    def __init__(self, weights: Mapping[str, torch.Tensor], dtype: torch.dtype) -> None:
-        self.weights, self.dtype = weights, dtype
+    def __init__(
+        self, weights: Mapping[str, torch.Tensor], dtype: torch.dtype, device: torch.device
+    ) -> None:
+        self.weights, self.dtype, self.device = weights, dtype, device
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        return self.weights[name].to(self.dtype)
+        return self.weights[name].to(device=self.device, dtype=self.dtype)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.weights)
@@ -102,7 +105,7 @@ class DecoderLayer:
 
 
 class CausalLM:
-    """Embeddings, decoder layers, final norm and the output projection."""
+    """Embeddings, decoder layers, final norm and the output projection, on `device`."""
 
     def __init__(
         self,
@@ -110,8 +113,9 @@ class CausalLM:
         weights: Mapping[str, torch.Tensor],
         dtype: torch.dtype,
         tp: TensorParallel | None = None,
+        device: torch.device | str = "cpu",
     ) -> None:
-        w = _Cast(weights, dtype)
+        w = _Cast(weights, dtype, torch.device(device))
         self.cfg = cfg
         self.dtype = dtype
         self.embed = w["model.embed_tokens.weight"]

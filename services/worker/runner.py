@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -51,25 +50,6 @@ class _Request:
         self.ids.extend(ids)
 
 
-class _OnDevice(Mapping[str, torch.Tensor]):
-    """Weights moved to the device (and cast) one at a time as the model takes them, so
-    the device never holds a second full copy."""
-
-    def __init__(
-        self, weights: Mapping[str, torch.Tensor], device: torch.device, dtype: torch.dtype
-    ) -> None:
-        self.weights, self.device, self.dtype = weights, device, dtype
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        return self.weights[name].to(device=self.device, dtype=self.dtype)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.weights)
-
-    def __len__(self) -> int:
-        return len(self.weights)
-
-
 class ModelRunner:
     """Owns the weights, the KV pool and each request's sampling state, on `device`.
 
@@ -105,9 +85,8 @@ class ModelRunner:
             else make_attention(attention, config.head_dim**-0.5, self.device, page_size)
         )
         check_runs_on(self.attention, self.device)
-        placed = weights if self.device.type == "cpu" else _OnDevice(weights, self.device, dtype)
         with current(self.device):
-            self.model = CausalLM(shard, placed, dtype, tp)
+            self.model = CausalLM(shard, weights, dtype, tp, self.device)
             self.pool = KVPool(
                 shard.num_layers, num_slots, shard.num_kv_heads, shard.head_dim, dtype, self.device
             )
