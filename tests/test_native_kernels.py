@@ -66,6 +66,20 @@ def test_decode_matches_reference(dtype, hq, hkv, dim):
     torch.testing.assert_close(out.double(), want, atol=TOLERANCE[dtype], rtol=0)
 
 
+@pytest.mark.parametrize("sharpness", [0.0, 40.0])  # uniform weights; one key takes nearly all
+def test_decode_softmax_extremes(sharpness):
+    """Scores far apart (exp underflows to 0 for all but the top key) and all equal."""
+    lens = [16, 31, 300]
+    q, k_pool, v_pool, slots = random_case(torch.bfloat16, 9, 3, 64, lens, seed=5)
+    q = (q.float() * sharpness).bfloat16()
+    index = torch.zeros(len(lens), max(lens), dtype=torch.long)
+    for b, s in enumerate(slots):
+        index[b, : len(s)] = s
+    out = native.decode_attention(q, k_pool, v_pool, index, torch.tensor(lens), 0.125)
+    want = reference(q, k_pool, v_pool, slots, 0.125)
+    torch.testing.assert_close(out.double(), want, atol=TOLERANCE[torch.bfloat16], rtol=0)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_backend_decode_same_with_and_without_native(dtype):
     lens = [5, 130, 1, 48]

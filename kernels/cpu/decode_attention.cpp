@@ -2,16 +2,20 @@
 //
 // q [B, Hq, D] and out [B, Hq, D] are contiguous; each pool is [slots, Hkv, D], contiguous;
 // index [B, W] lists each request's slots (the first lens[b] are live). Query head j reads
-// KV head j / (Hq / Hkv). One task per request reads each of its K rows once
-// and each V row once, whole (every KV head), for all of its query heads; softmax runs in
-// float32.
-// bf16 values are widened to float32 (exact) and rounded to nearest-even on store, as
-// torch does. With AVX512-BF16 the bf16 dot products run on VDPBF16PS.
+// KV head j / (Hq / Hkv). Softmax runs in float32; bf16 values are widened to float32
+// (exact) and rounded to nearest-even on store, as torch does.
+//
+// bf16 with D a multiple of 32 (up to 256) and up to 8 query heads per KV head takes the
+// AVX512-BF16 path: per (request, KV head), each K and V row of that head is read once for
+// all of its query heads. Scores of 16 keys are summed at once (sum16x16), exp
+// is vectorized, and V rows are widened once and accumulated for every query head.
+// Everything else takes the portable path: one task per request, a key at a time.
 #include <cmath>
 #include <cstdint>
 #include <vector>
 
 #include "bf16.h"
+#include "vec.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -24,7 +28,7 @@ using radixmesh::load;
 using radixmesh::store;
 
 // Rows are scattered over the pool: fetch this many ahead so their cache misses overlap.
-constexpr int kAhead = 8;
+constexpr int kAhead = 16;
 
 template <typename T>
 float dot(const T* a, const T* b, int dim) {
@@ -122,6 +126,133 @@ void attend(const T* q, const T* k, const T* v, const int64_t* slots, int len, T
   }
 }
 
+#ifdef RM_AVX512_BF16
+constexpr int kMaxGroup = 8;   // query heads per KV head on the fast path
+constexpr int kMaxChunks = 16; // D / 16 on the fast path
+
+// One request's query heads [g, D] over one KV head (at `head` within each pool row).
+template <int C>  // C = D / 16
+void attend_head(const uint16_t* q, const uint16_t* k, const uint16_t* v,
+                 const int64_t* slots, int len, uint16_t* out, int g, int row_elems,
+                 int head, float scale) {
+  constexpr int dim = C * 16;
+  const int padded = (len + 15) & ~15;
+  thread_local std::vector<float> buffer;
+  buffer.resize(static_cast<size_t>(g) * padded);
+  float* scores = buffer.data();
+  __m512bh qv[kMaxGroup][C / 2];
+  for (int j = 0; j < g; ++j) {
+    for (int c = 0; c < C / 2; ++c) {
+      qv[j][c] = (__m512bh)_mm512_loadu_si512(q + j * dim + 32 * c);
+    }
+  }
+  const __m512 vscale = _mm512_set1_ps(scale);
+  __m512 part[kMaxGroup][16];
+  for (int l0 = 0; l0 < len; l0 += 16) {
+    const int n = len - l0 < 16 ? len - l0 : 16;
+    for (int i = 0; i < 16; ++i) {
+      if (i >= n) {
+        for (int j = 0; j < g; ++j) part[j][i] = _mm512_setzero_ps();
+        continue;
+      }
+      const int l = l0 + i;
+      if (l + kAhead < len) prefetch_row(k + slots[l + kAhead] * row_elems + head, dim);
+      const uint16_t* row = k + slots[l] * row_elems + head;
+      __m512bh kv[C / 2];
+      for (int c = 0; c < C / 2; ++c) kv[c] = (__m512bh)_mm512_loadu_si512(row + 32 * c);
+      for (int j = 0; j < g; ++j) {
+        __m512 acc = _mm512_setzero_ps();
+        for (int c = 0; c < C / 2; ++c) acc = _mm512_dpbf16_ps(acc, qv[j][c], kv[c]);
+        part[j][i] = acc;
+      }
+    }
+    for (int j = 0; j < g; ++j) {
+      _mm512_storeu_ps(scores + j * padded + l0,
+                       _mm512_mul_ps(radixmesh::sum16x16(part[j]), vscale));
+    }
+  }
+  // Softmax numerators in place; keys past len are masked off.
+  const __mmask16 tail = static_cast<__mmask16>((1u << (len - (padded - 16))) - 1);
+  float inv[kMaxGroup];
+  for (int j = 0; j < g; ++j) {
+    float* s = scores + j * padded;
+    __m512 top = _mm512_set1_ps(-INFINITY);
+    for (int l = 0; l < padded; l += 16) {
+      const __mmask16 m = l + 16 <= len ? 0xffff : tail;
+      top = _mm512_mask_max_ps(top, m, top, _mm512_loadu_ps(s + l));
+    }
+    const __m512 vtop = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+    __m512 total = _mm512_setzero_ps();
+    for (int l = 0; l < padded; l += 16) {
+      const __mmask16 m = l + 16 <= len ? 0xffff : tail;
+      const __m512 e = _mm512_maskz_mov_ps(
+          m, radixmesh::exp16(_mm512_sub_ps(_mm512_loadu_ps(s + l), vtop)));
+      _mm512_storeu_ps(s + l, e);
+      total = _mm512_add_ps(total, e);
+    }
+    const float sum = _mm512_reduce_add_ps(total);
+    inv[j] = sum > 0.0f ? 1.0f / sum : 0.0f;
+  }
+  __m512 acc[kMaxGroup][C];
+  for (int j = 0; j < g; ++j) {
+    for (int c = 0; c < C; ++c) acc[j][c] = _mm512_setzero_ps();
+  }
+  for (int l = 0; l < len; ++l) {
+    if (l + kAhead < len) prefetch_row(v + slots[l + kAhead] * row_elems + head, dim);
+    const uint16_t* row = v + slots[l] * row_elems + head;
+    __m512 vals[C];
+    for (int c = 0; c < C; ++c) vals[c] = radixmesh::load16(row + 16 * c);
+    for (int j = 0; j < g; ++j) {
+      const __m512 p = _mm512_set1_ps(scores[j * padded + l]);
+      for (int c = 0; c < C; ++c) acc[j][c] = _mm512_fmadd_ps(p, vals[c], acc[j][c]);
+    }
+  }
+  for (int j = 0; j < g; ++j) {
+    const __m512 scale_j = _mm512_set1_ps(inv[j]);
+    for (int c = 0; c < C; ++c) {
+      radixmesh::store16(out + j * dim + 16 * c, _mm512_mul_ps(acc[j][c], scale_j));
+    }
+  }
+}
+
+using HeadFn = void (*)(const uint16_t*, const uint16_t*, const uint16_t*, const int64_t*, int,
+                        uint16_t*, int, int, int, float);
+
+HeadFn head_fn(int dim) {
+  switch (dim) {
+    case 32: return attend_head<2>;
+    case 64: return attend_head<4>;
+    case 96: return attend_head<6>;
+    case 128: return attend_head<8>;
+    case 160: return attend_head<10>;
+    case 192: return attend_head<12>;
+    case 224: return attend_head<14>;
+    case 256: return attend_head<kMaxChunks>;
+    default: return nullptr;
+  }
+}
+
+// The fast path, if it takes this shape; false leaves the work to the portable one.
+bool decode_fast(const uint16_t* q, const uint16_t* k, const uint16_t* v, const int64_t* index,
+                 const int64_t* lens, uint16_t* out, int batch, int width, int hq, int hkv,
+                 int dim, float scale, int threads) {
+  const int group = hq / hkv;
+  const HeadFn fn = head_fn(dim);
+  if (fn == nullptr || group > kMaxGroup) return false;
+  const int row_elems = hkv * dim;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+  for (int b = 0; b < batch; ++b) {
+    // One thread takes every KV head of a request: the rows' other heads are then in cache.
+    for (int h = 0; h < hkv; ++h) {
+      const int64_t first = (static_cast<int64_t>(b) * hq + h * group) * dim;
+      fn(q + first, k, v, index + static_cast<int64_t>(b) * width, static_cast<int>(lens[b]),
+         out + first, group, row_elems, h * dim, scale);
+    }
+  }
+  return true;
+}
+#endif
+
 template <typename T>
 void decode(const T* q, const T* k, const T* v, const int64_t* index, const int64_t* lens,
             T* out, int batch, int width, int hq, int hkv, int dim, float scale,
@@ -148,6 +279,9 @@ void decode_attention_bf16(const uint16_t* q, const uint16_t* k, const uint16_t*
                            const int64_t* index, const int64_t* lens, uint16_t* out,
                            int batch, int width, int hq, int hkv, int dim, float scale,
                            int threads) {
+#ifdef RM_AVX512_BF16
+  if (decode_fast(q, k, v, index, lens, out, batch, width, hq, hkv, dim, scale, threads)) return;
+#endif
   decode(q, k, v, index, lens, out, batch, width, hq, hkv, dim, scale, threads);
 }
 

@@ -56,6 +56,9 @@ class TorchAttention(AttentionBackend):
         assert self._meta is not None, "prepare() must run before forward()"
         pool.store(layer, self._meta.out_slots, k, v)
         k_pool, v_pool = pool.k[layer], pool.v[layer]
+        if not self._extends and self._decode_rows.numel():
+            # Decode only: every row is a decode, in order; no scatter into a second buffer.
+            return self._decode(q, k_pool, v_pool)
         out = torch.empty_like(q)
         if self._decode_rows.numel():
             out[self._decode_rows] = self._decode(q[self._decode_rows], k_pool, v_pool)

@@ -1,0 +1,63 @@
+// AVX-512 helpers shared by the native CPU kernels: exp, 16-way horizontal sums, bf16 loads
+// and stores of 16 floats.
+#pragma once
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+
+#include <cstdint>
+
+namespace radixmesh {
+
+// e^x for 16 floats: 2^n * e^r with n = round(x / ln 2), |r| <= ln(2) / 2 and a degree-6
+// Taylor polynomial (relative error ~1e-7). NaN stays NaN; e^-inf is 0.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(_mm512_set1_ps(-104.0f), x);  // max/min return x when it is NaN
+  x = _mm512_min_ps(_mm512_set1_ps(88.72f), x);
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);  // ln 2 in two parts
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// Element i of the result is the sum of v[i]'s 16 elements (v[0..15] are overwritten).
+inline __m512 sum16x16(__m512* v) {
+  for (int i = 0; i < 8; ++i) {
+    v[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                         _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  }
+  for (int i = 0; i < 4; ++i) {
+    const __m512d a = _mm512_castps_pd(v[2 * i]), b = _mm512_castps_pd(v[2 * i + 1]);
+    v[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  for (int i = 0; i < 2; ++i) {
+    v[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xDD));
+  }
+  return _mm512_add_ps(_mm512_shuffle_f32x4(v[0], v[1], 0x88),
+                       _mm512_shuffle_f32x4(v[0], v[1], 0xDD));
+}
+
+// 16 bf16 values -> 16 floats (exact).
+inline __m512 load16(const uint16_t* p) {
+  const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+
+// 16 floats -> 16 bf16 values, rounded to nearest-even.
+inline void store16(uint16_t* p, __m512 x) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(x));
+}
+
+}  // namespace radixmesh
+
+#endif
