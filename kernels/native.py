@@ -95,6 +95,11 @@ def library() -> ctypes.CDLL | None:
     for name in ("rms_norm_f32", "rms_norm_bf16"):
         getattr(lib, name).argtypes = [_PTR] * 3 + [_INT] * 2 + [_FLOAT, _INT]
         getattr(lib, name).restype = None
+    for name in ("rotary_f32", "rotary_bf16"):
+        getattr(lib, name).argtypes = [_PTR] * 4 + [_INT] * 2 + [ctypes.c_int64, _INT, _INT]
+        getattr(lib, name).restype = None
+    lib.silu_mul_bf16_rows.argtypes = [_PTR] * 2 + [_INT] * 3
+    lib.silu_mul_bf16_rows.restype = None
     return lib
 
 
@@ -156,6 +161,50 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     fn = lib.rms_norm_bf16 if x.dtype == torch.bfloat16 else lib.rms_norm_f32
     fn(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // dim, dim, eps,
        torch.get_num_threads())
+    return out
+
+
+def rotary_supported(x: torch.Tensor, table: torch.Tensor) -> bool:
+    """Whether `rotary_` takes x [T, H, D] (heads side by side in each row) and this table."""
+    return (
+        x.dim() == 3
+        and x.stride(2) == 1
+        and x.stride(1) == x.shape[2]
+        and x.shape[2] % 2 == 0
+        and table.is_contiguous()
+        and _takes(x, table)
+    )
+
+
+def rotary_(
+    x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> torch.Tensor:
+    """Rotate x [T, H, D] in place by the rows `positions` [T] of cos/sin [P, D]: the same
+    values as rope.apply_rotary on the looked-up tables."""
+    lib = library()
+    assert lib is not None and rotary_supported(x, cos) and sin.is_contiguous()
+    assert positions.dtype == torch.int64 and positions.shape == (x.shape[0],)
+    positions = positions.contiguous()
+    fn = lib.rotary_bf16 if x.dtype == torch.bfloat16 else lib.rotary_f32
+    fn(x.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), x.shape[0],
+       x.shape[1], x.stride(0), x.shape[2], torch.get_num_threads())
+    return x
+
+
+def silu_mul_supported(x: torch.Tensor) -> bool:
+    """Whether `silu_mul` takes x [T, 2I] here (bf16 only: float32 keeps torch's exp)."""
+    return x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[1] % 2 == 0 and _takes(x)
+
+
+def silu_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [T, 2I] = [gate | up] -> silu(gate) * up [T, I], rounded as torch's two ops round."""
+    lib = library()
+    assert lib is not None and silu_mul_supported(x)
+    x = x.contiguous()
+    width = x.shape[1] // 2
+    out = torch.empty(x.shape[0], width, dtype=x.dtype)
+    lib.silu_mul_bf16_rows(x.data_ptr(), out.data_ptr(), x.shape[0], width,
+                           torch.get_num_threads())
     return out
 
 

@@ -1,4 +1,4 @@
-"""The native CPU kernels (decode attention, GEMM, RMSNorm) against plain float64
+"""The native CPU kernels (decode attention, GEMM, RMSNorm, rotary, SiLU-mul) against plain float64
 references and against the torch paths they replace."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from radixmesh.kernels import native
 from radixmesh.services.worker.attention import AttentionMetadata, SeqSpan
 from radixmesh.services.worker.kv_pool import KVPool
 from radixmesh.services.worker.linear import Linear
+from radixmesh.services.worker.rope import RotaryEmbedding, apply_rotary
 from radixmesh.services.worker.torch_attention import TorchAttention
 
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
@@ -142,3 +143,36 @@ def test_rms_norm_matches_float64_and_torch(dtype, shape):
     torch.testing.assert_close(out.double(), exact, **tolerance)
     want = torch.nn.functional.rms_norm(x, weight.shape, weight, 1e-5)
     torch.testing.assert_close(out, want, **tolerance)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("tokens", "dim"), [(1, 64), (37, 64), (300, 128), (5, 6)])
+def test_rotary_equals_torch(dtype, tokens, dim):
+    """In place on the q|k heads of a fused q|k|v row (strided), bit for bit torch's."""
+    gen = torch.Generator().manual_seed(tokens + dim)
+    rope = RotaryEmbedding(dim, 4096, 10000.0, dtype)
+    qkv = torch.randn(tokens, 13 * dim, generator=gen).to(dtype)
+    qk = qkv[:, : 12 * dim].view(tokens, 12, dim)
+    positions = torch.randint(0, 4096, (tokens,), generator=gen)
+    want = apply_rotary(qk.clone(), *rope.tables(positions))
+    v_before = qkv[:, 12 * dim :].clone()
+    assert native.rotary_supported(qk, rope.cos)
+    out = native.rotary_(qk, positions, rope.cos, rope.sin)
+    assert out.data_ptr() == qkv.data_ptr()
+    assert torch.equal(out, want)
+    assert torch.equal(qkv[:, 12 * dim :], v_before)
+
+
+@pytest.mark.parametrize("shape", [(1, 3072), (33, 3072), (4, 38)])  # vector body and tail
+def test_silu_mul_matches_torch(shape):
+    gen = torch.Generator().manual_seed(shape[0])
+    x = (torch.randn(shape, generator=gen) * 4).bfloat16()
+    x[0, :4] = torch.tensor([0.0, -100.0, 100.0, float("nan")])
+    gate, up = x.chunk(2, dim=-1)
+    want = torch.nn.functional.silu(gate) * up
+    out = native.silu_mul(x)
+    assert out.shape == want.shape and out.dtype == torch.bfloat16
+    # torch's exp and this one differ in the last float bits: at most one bf16 step apart.
+    torch.testing.assert_close(out.float(), want.float(), rtol=2**-7, atol=1e-30, equal_nan=True)
+    same = (out == want) | (out.isnan() & want.isnan())
+    assert same.float().mean() > 0.999

@@ -130,11 +130,12 @@ void attend(const T* q, const T* k, const T* v, const int64_t* slots, int len, T
 constexpr int kMaxGroup = 8;   // query heads per KV head on the fast path
 constexpr int kMaxChunks = 16; // D / 16 on the fast path
 
-// One request's query heads [g, D] over one KV head (at `head` within each pool row).
+// One request's query heads [g, D] over one KV head (at `head` within each pool row);
+// `fetch` elements of each row from `head` on are prefetched ahead.
 template <int C>  // C = D / 16
 void attend_head(const uint16_t* q, const uint16_t* k, const uint16_t* v,
                  const int64_t* slots, int len, uint16_t* out, int g, int row_elems,
-                 int head, float scale) {
+                 int head, int fetch, float scale) {
   constexpr int dim = C * 16;
   const int padded = (len + 15) & ~15;
   thread_local std::vector<float> buffer;
@@ -156,7 +157,7 @@ void attend_head(const uint16_t* q, const uint16_t* k, const uint16_t* v,
         continue;
       }
       const int l = l0 + i;
-      if (l + kAhead < len) prefetch_row(k + slots[l + kAhead] * row_elems + head, dim);
+      if (l + kAhead < len) prefetch_row(k + slots[l + kAhead] * row_elems + head, fetch);
       const uint16_t* row = k + slots[l] * row_elems + head;
       __m512bh kv[C / 2];
       for (int c = 0; c < C / 2; ++c) kv[c] = (__m512bh)_mm512_loadu_si512(row + 32 * c);
@@ -198,7 +199,7 @@ void attend_head(const uint16_t* q, const uint16_t* k, const uint16_t* v,
     for (int c = 0; c < C; ++c) acc[j][c] = _mm512_setzero_ps();
   }
   for (int l = 0; l < len; ++l) {
-    if (l + kAhead < len) prefetch_row(v + slots[l + kAhead] * row_elems + head, dim);
+    if (l + kAhead < len) prefetch_row(v + slots[l + kAhead] * row_elems + head, fetch);
     const uint16_t* row = v + slots[l] * row_elems + head;
     __m512 vals[C];
     for (int c = 0; c < C; ++c) vals[c] = radixmesh::load16(row + 16 * c);
@@ -216,7 +217,7 @@ void attend_head(const uint16_t* q, const uint16_t* k, const uint16_t* v,
 }
 
 using HeadFn = void (*)(const uint16_t*, const uint16_t*, const uint16_t*, const int64_t*, int,
-                        uint16_t*, int, int, int, float);
+                        uint16_t*, int, int, int, int, float);
 
 HeadFn head_fn(int dim) {
   switch (dim) {
@@ -240,13 +241,17 @@ bool decode_fast(const uint16_t* q, const uint16_t* k, const uint16_t* v, const 
   const HeadFn fn = head_fn(dim);
   if (fn == nullptr || group > kMaxGroup) return false;
   const int row_elems = hkv * dim;
+  // A task per request, its KV heads in turn: the first fetches whole rows into cache for
+  // the rest. With too few requests to share out, a task per (request, KV head) instead.
+  const int heads = batch >= 2 * threads ? hkv : 1;
+  const int per_request = hkv / heads;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
-  for (int b = 0; b < batch; ++b) {
-    // One thread takes every KV head of a request: the rows' other heads are then in cache.
-    for (int h = 0; h < hkv; ++h) {
+  for (int task = 0; task < batch * per_request; ++task) {
+    const int b = task / per_request, h0 = task % per_request * heads;
+    for (int h = h0; h < h0 + heads; ++h) {
       const int64_t first = (static_cast<int64_t>(b) * hq + h * group) * dim;
       fn(q + first, k, v, index + static_cast<int64_t>(b) * width, static_cast<int>(lens[b]),
-         out + first, group, row_elems, h * dim, scale);
+         out + first, group, row_elems, h * dim, heads > 1 && h == 0 ? row_elems : dim, scale);
     }
   }
   return true;

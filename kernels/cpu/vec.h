@@ -10,10 +10,10 @@
 namespace radixmesh {
 
 // e^x for 16 floats: 2^n * e^r with n = round(x / ln 2), |r| <= ln(2) / 2 and a degree-6
-// Taylor polynomial (relative error ~1e-7). NaN stays NaN; e^-inf is 0.
+// Taylor polynomial (relative error ~1e-7). NaN stays NaN; e^-inf is 0, e^inf is inf.
 inline __m512 exp16(__m512 x) {
   x = _mm512_max_ps(_mm512_set1_ps(-104.0f), x);  // max/min return x when it is NaN
-  x = _mm512_min_ps(_mm512_set1_ps(88.72f), x);
+  x = _mm512_min_ps(_mm512_set1_ps(200.0f), x);  // beyond 88.7: +inf from scalef
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);  // ln 2 in two parts

@@ -13,7 +13,7 @@ from radixmesh.services.worker.kv_pool import KVPool
 from radixmesh.services.worker.linear import Linear
 from radixmesh.services.worker.model_config import ModelConfig
 from radixmesh.services.worker.parallel import TensorParallel, row_parallel
-from radixmesh.services.worker.rope import RotaryEmbedding, apply_rotary
+from radixmesh.services.worker.rope import RotaryEmbedding, RotaryStep
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -22,6 +22,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if native.rms_norm_supported(x, weight):
         return native.rms_norm(x, weight, eps)
     return F.rms_norm(x, weight.shape, weight, eps)
+
+
+def silu_mul(x: torch.Tensor) -> torch.Tensor:
+    """[gate | up] [T, 2I] -> silu(gate) * up [T, I]: one native pass for bf16 where it is
+    built, else torch's two ops."""
+    if native.silu_mul_supported(x):
+        return native.silu_mul(x)
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate).mul_(up)
 
 
 class _Cast(Mapping[str, torch.Tensor]):
@@ -76,7 +85,7 @@ class DecoderLayer:
         self,
         layer: int,
         hidden: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
+        rope: RotaryStep,
         attn: AttentionBackend,
         pool: KVPool,
     ) -> torch.Tensor:
@@ -96,12 +105,11 @@ class DecoderLayer:
                 dim=1,
             )
         # q and k heads rotate together: one set of elementwise ops instead of two.
-        q, k = apply_rotary(qk, *rope).split([cfg.num_heads, cfg.num_kv_heads], dim=1)
+        q, k = rope(qk).split([cfg.num_heads, cfg.num_kv_heads], dim=1)
         out = attn.forward(layer, q, k, v, pool)
         hidden = hidden + self.o(out.reshape(-1, self.q_size))
         x = rms_norm(hidden, self.post_norm, cfg.rms_norm_eps)
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return hidden + self.down(F.silu(gate).mul_(up))
+        return hidden + self.down(silu_mul(self.gate_up(x)))
 
 
 class CausalLM:
@@ -140,7 +148,7 @@ class CausalLM:
     ) -> torch.Tensor:
         """Token ids [T] at positions [T] -> final hidden states [T, hidden]."""
         hidden = self.embed[input_ids]
-        rope = self.rope.tables(positions)
+        rope = RotaryStep(self.rope, positions)
         for i, layer in enumerate(self.layers):
             hidden = layer(i, hidden, rope, attn, pool)
         return rms_norm(hidden, self.norm, self.cfg.rms_norm_eps)

@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from radixmesh.kernels import native
+
 
 def inverse_frequencies(
     head_dim: int, theta: float, scaling: dict[str, Any] | None
@@ -56,6 +58,23 @@ class RotaryEmbedding:
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin [T, 1, D] for the step's token positions [T]."""
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+
+class RotaryStep:
+    """One step's rotation at its token positions, shared by every layer: the native kernel
+    in place where it is built, else torch over tables looked up once per step."""
+
+    def __init__(self, rope: RotaryEmbedding, positions: torch.Tensor) -> None:
+        self.rope, self.positions = rope, positions
+        self._tables: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, H, D] rotated; x itself (rotated in place) on the native path."""
+        if native.rotary_supported(x, self.rope.cos):
+            return native.rotary_(x, self.positions, self.rope.cos, self.rope.sin)
+        if self._tables is None:
+            self._tables = self.rope.tables(self.positions)
+        return apply_rotary(x, *self._tables)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
