@@ -9,7 +9,7 @@
 // each block's weights stay in cache while every row tile passes over them.
 #include <cstdint>
 
-#include "bf16.h"
+#include "vec.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -19,8 +19,7 @@
 namespace {
 
 #ifdef RM_AVX512_BF16
-using radixmesh::load;
-using radixmesh::to_bf16;
+using radixmesh::widen16;
 
 constexpr int kRows = 8;       // rows of x per tile
 constexpr int kFeatures = 32;  // output features per packed block
@@ -65,13 +64,20 @@ void tile(const uint16_t* x, const uint16_t* wp, const uint16_t* bias, uint16_t*
     lo[r] = _mm512_add_ps(lo[r], lo2[r]);
     hi[r] = _mm512_add_ps(hi[r], hi2[r]);
   }
-  alignas(64) float row[kFeatures];
+  // Bias and rounding to bf16 sixteen features at a time; masks cut the last block at N.
   const int width = n - n0 < kFeatures ? n - n0 : kFeatures;
+  const __mmask16 mlo = static_cast<__mmask16>(width >= 16 ? 0xffff : (1u << width) - 1);
+  const int high = width - 16;
+  const __mmask16 mhi = static_cast<__mmask16>(high >= 16 ? 0xffff : high <= 0 ? 0 : (1u << high) - 1);
+  __m512 blo = _mm512_setzero_ps(), bhi = _mm512_setzero_ps();
+  if (bias != nullptr) {
+    blo = widen16(_mm256_maskz_loadu_epi16(mlo, bias + n0));
+    bhi = widen16(_mm256_maskz_loadu_epi16(mhi, bias + n0 + 16));
+  }
   for (int r = 0; r < R; ++r) {
-    _mm512_store_ps(row, lo[r]);
-    _mm512_store_ps(row + 16, hi[r]);
     uint16_t* o = out + static_cast<int64_t>(m0 + r) * n + n0;
-    for (int j = 0; j < width; ++j) o[j] = to_bf16(row[j] + (bias ? load(bias[n0 + j]) : 0.0f));
+    _mm256_mask_storeu_epi16(o, mlo, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(lo[r], blo)));
+    _mm256_mask_storeu_epi16(o + 16, mhi, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(hi[r], bhi)));
   }
 }
 

@@ -48,9 +48,12 @@ inline __m512 sum16x16(__m512* v) {
 }
 
 // 16 bf16 values -> 16 floats (exact).
+inline __m512 widen16(__m256i bf16) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16), 16));
+}
+
 inline __m512 load16(const uint16_t* p) {
-  const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+  return widen16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
 // 16 floats -> 16 bf16 values, rounded to nearest-even.
