@@ -128,19 +128,43 @@ def decode_attention(
 ) -> torch.Tensor:
     """q [B, Hq, D] over pool rows [S, Hkv, D] at index [B, W] (first lens[b] live) ->
     [B, Hq, D]; the same result as TorchAttention's torch decode path."""
+    assert index.shape[0] == q.shape[0]
+    return _attend(q, k_pool, v_pool, index, index.shape[1], lens, scale)
+
+
+def extend_attention(
+    q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """A request's last n tokens q [n, Hq, D] over its keys at pool rows `slots` [L], causally:
+    token i sees slots[: L - n + i + 1]. Each token runs as a decode over one shared index."""
+    n, total = q.shape[0], slots.numel()
+    lens = torch.arange(total - n + 1, total + 1)
+    return _attend(q, k_pool, v_pool, slots.view(1, total), 0, lens, scale)
+
+
+def _attend(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    index: torch.Tensor,
+    width: int,
+    lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Query b reads index row b (rows `width` apart; 0: all share row 0)."""
     lib = library()
     assert lib is not None and decode_supported(q, k_pool)
     b, hq, d = q.shape
     hkv = k_pool.shape[1]
     assert hq % hkv == 0 and k_pool.shape[2] == d and v_pool.shape == k_pool.shape
-    assert index.dtype == lens.dtype == torch.int64 and index.shape[0] == lens.shape[0] == b
+    assert index.dtype == lens.dtype == torch.int64 and lens.shape[0] == b
     q, index, lens = q.contiguous(), index.contiguous(), lens.contiguous()
     assert k_pool.is_contiguous() and v_pool.is_contiguous()
     out = torch.empty_like(q)
     fn = lib.decode_attention_bf16 if q.dtype == torch.bfloat16 else lib.decode_attention_f32
     fn(
         q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), index.data_ptr(), lens.data_ptr(),
-        out.data_ptr(), b, index.shape[1], hq, hkv, d, scale, torch.get_num_threads(),
+        out.data_ptr(), b, width, hq, hkv, d, scale, torch.get_num_threads(),
     )
     return out
 

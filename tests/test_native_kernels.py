@@ -101,6 +101,31 @@ def test_backend_decode_same_with_and_without_native(dtype):
     torch.testing.assert_close(outs[0].double(), want, atol=TOLERANCE[dtype], rtol=0)
 
 
+@pytest.mark.parametrize(("new", "prefix"), [(2, 0), (17, 0), (40, 100), (300, 5)])
+def test_extend_matches_reference_and_flash(new, prefix):
+    """Token i of n new ones sees the prefix and new tokens 0..i, read in place from the pool
+    (scattered slots); torch's flash attention path agrees."""
+    _, k_pool, v_pool, (slots,) = random_case(torch.bfloat16, 9, 3, 64, [prefix + new], 11)
+    q = torch.randn(new, 9, 64, generator=torch.Generator().manual_seed(new)).bfloat16()
+    out = native.extend_attention(q, k_pool, v_pool, slots, 0.125)
+    want = torch.cat([
+        reference(q[i : i + 1], k_pool, v_pool, [slots[: prefix + i + 1]], 0.125)
+        for i in range(new)
+    ])
+    torch.testing.assert_close(out.double(), want, atol=TOLERANCE[torch.bfloat16], rtol=0)
+    meta = AttentionMetadata(slots[prefix:], (SeqSpan(0, new, slots),))
+    outs = []
+    for use_native in (True, False):
+        pool = KVPool(1, k_pool.shape[0], 3, 64, torch.bfloat16)
+        pool.k[0].copy_(k_pool)
+        pool.v[0].copy_(v_pool)
+        backend = TorchAttention(0.125, native=use_native)
+        backend.prepare(meta)
+        outs.append(backend.forward(0, q, k_pool[slots[prefix:]], v_pool[slots[prefix:]], pool))
+    torch.testing.assert_close(outs[0], out, atol=0, rtol=0)
+    torch.testing.assert_close(outs[1].double(), want, atol=TOLERANCE[torch.bfloat16], rtol=0)
+
+
 @pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 33])  # row tiles of 8, and their tails
 @pytest.mark.parametrize(("features", "depth"), [(97, 576), (32, 70)])  # padded N; K % 32 != 0
 @pytest.mark.parametrize("with_bias", [False, True])
