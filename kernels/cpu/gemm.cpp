@@ -6,7 +6,9 @@
 // so one 64-byte load feeds VDPBF16PS for 16 features at once. A tile of up to 8 rows of x
 // by 32 features keeps its 16 accumulators in registers for the whole K loop; x's pairs are
 // broadcast from memory. No horizontal sums are needed. Threads split the feature blocks;
-// each block's weights stay in cache while every row tile passes over them.
+// each block's weights stay in cache while every row tile passes over them, and the row
+// tiles share out prefetching the thread's next block into L2, so that the weights stream
+// from memory evenly rather than in a burst at each block's first tile.
 #include <cstdint>
 
 #include "vec.h"
@@ -26,7 +28,7 @@ constexpr int kFeatures = 32;  // output features per packed block
 
 template <int R>
 void tile(const uint16_t* x, const uint16_t* wp, const uint16_t* bias, uint16_t* out, int m0,
-          int n0, int n, int k) {
+          int n0, int n, int k, const uint16_t* next, int part, int parts) {
   __m512 lo[R], hi[R];
   for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm512_setzero_ps();
   const int pairs = k / 2;
@@ -38,6 +40,12 @@ void tile(const uint16_t* x, const uint16_t* wp, const uint16_t* bias, uint16_t*
   for (int r = 0; r < R; ++r) lo2[r] = hi2[r] = _mm512_setzero_ps();
   int p = 0;
   for (; p + kSets <= pairs; p += kSets) {
+    for (int set = 0; set < kSets; ++set) {
+      if (next != nullptr && (p + set) % parts == part) {
+        __builtin_prefetch(next + (p + set) * 64, 0, 2);
+        __builtin_prefetch(next + (p + set) * 64 + 32, 0, 2);
+      }
+    }
     for (int set = 0; set < kSets; ++set) {
       const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wp + (p + set) * 64);
       const __m512bh w1 = (__m512bh)_mm512_loadu_si512(wp + (p + set) * 64 + 32);
@@ -82,17 +90,20 @@ void tile(const uint16_t* x, const uint16_t* wp, const uint16_t* bias, uint16_t*
 }
 
 void block(const uint16_t* x, const uint16_t* wp, const uint16_t* bias, uint16_t* out, int m,
-           int n0, int n, int k) {
+           int n0, int n, int k, const uint16_t* next) {
+  const int parts = (m + kRows - 1) / kRows;
   int m0 = 0;
-  for (; m0 + kRows <= m; m0 += kRows) tile<kRows>(x, wp, bias, out, m0, n0, n, k);
+  for (; m0 + kRows <= m; m0 += kRows) {
+    tile<kRows>(x, wp, bias, out, m0, n0, n, k, next, m0 / kRows, parts);
+  }
   switch (m - m0) {
-    case 1: tile<1>(x, wp, bias, out, m0, n0, n, k); break;
-    case 2: tile<2>(x, wp, bias, out, m0, n0, n, k); break;
-    case 3: tile<3>(x, wp, bias, out, m0, n0, n, k); break;
-    case 4: tile<4>(x, wp, bias, out, m0, n0, n, k); break;
-    case 5: tile<5>(x, wp, bias, out, m0, n0, n, k); break;
-    case 6: tile<6>(x, wp, bias, out, m0, n0, n, k); break;
-    case 7: tile<7>(x, wp, bias, out, m0, n0, n, k); break;
+    case 1: tile<1>(x, wp, bias, out, m0, n0, n, k, next, parts - 1, parts); break;
+    case 2: tile<2>(x, wp, bias, out, m0, n0, n, k, next, parts - 1, parts); break;
+    case 3: tile<3>(x, wp, bias, out, m0, n0, n, k, next, parts - 1, parts); break;
+    case 4: tile<4>(x, wp, bias, out, m0, n0, n, k, next, parts - 1, parts); break;
+    case 5: tile<5>(x, wp, bias, out, m0, n0, n, k, next, parts - 1, parts); break;
+    case 6: tile<6>(x, wp, bias, out, m0, n0, n, k, next, parts - 1, parts); break;
+    case 7: tile<7>(x, wp, bias, out, m0, n0, n, k, next, parts - 1, parts); break;
     default: break;
   }
 }
@@ -119,7 +130,8 @@ void gemm_bf16(const uint16_t* x, const uint16_t* wp, const uint16_t* bias, uint
   const int64_t block_elems = static_cast<int64_t>(kFeatures) * k;
 #pragma omp parallel for schedule(static) num_threads(threads)
   for (int b = 0; b < blocks; ++b) {
-    block(x, wp + b * block_elems, bias, out, m, b * kFeatures, n, k);
+    block(x, wp + b * block_elems, bias, out, m, b * kFeatures, n, k,
+          b + 1 < blocks ? wp + (b + 1) * block_elems : nullptr);
   }
 #else
   (void)x, (void)wp, (void)bias, (void)out, (void)m, (void)n, (void)k, (void)threads;
