@@ -100,6 +100,8 @@ def library() -> ctypes.CDLL | None:
         getattr(lib, name).restype = None
     lib.silu_mul_bf16_rows.argtypes = [_PTR] * 2 + [_INT] * 3
     lib.silu_mul_bf16_rows.restype = None
+    lib.argmax_rows_f32.argtypes = [_PTR] * 2 + [_INT] * 3
+    lib.argmax_rows_f32.restype = None
     return lib
 
 
@@ -229,6 +231,23 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(x.shape[0], width, dtype=x.dtype)
     lib.silu_mul_bf16_rows(x.data_ptr(), out.data_ptr(), x.shape[0], width,
                            torch.get_num_threads())
+    return out
+
+
+def argmax_supported(x: torch.Tensor) -> bool:
+    """Whether `argmax` takes x [B, V] here (float32 on the CPU)."""
+    return x.dtype == torch.float32 and x.dim() == 2 and _takes(x)
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """x [B, V] float32 -> int64 [B]: torch.argmax(x, dim=-1), first index of the largest
+    value (or of the first NaN), ~10x faster."""
+    lib = library()
+    assert lib is not None and argmax_supported(x)
+    x = x.contiguous()
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    lib.argmax_rows_f32(x.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1],
+                        torch.get_num_threads())
     return out
 
 

@@ -201,3 +201,16 @@ def test_silu_mul_matches_torch(shape):
     torch.testing.assert_close(out.float(), want.float(), rtol=2**-7, atol=1e-30, equal_nan=True)
     same = (out == want) | (out.isnan() & want.isnan())
     assert same.float().mean() > 0.999
+
+
+@pytest.mark.parametrize("cols", [1, 15, 16, 49152, 1000])
+def test_argmax_equals_torch(cols):
+    """First index of the largest value, ties and NaN included, as torch answers."""
+    gen = torch.Generator().manual_seed(cols)
+    x = torch.randn(6, cols, generator=gen)
+    x[1] = float("-inf")  # all equal: index 0
+    x[2] = torch.randint(0, 3, (cols,), generator=gen).float()  # many ties of the maximum
+    x[3, cols // 2] = float("nan")
+    x[4, -1] = float("inf")
+    x[5, : cols // 3] = 7.0
+    assert torch.equal(native.argmax(x), x.argmax(dim=-1))

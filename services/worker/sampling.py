@@ -7,6 +7,7 @@ from typing import NamedTuple
 
 import torch
 
+from radixmesh.kernels import native
 from radixmesh.services.worker.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
@@ -148,7 +149,7 @@ def sample(
         raise ValueError("top_logprobs_nums must have one entry per row")
     x = _adjusted_logits(logits, reqs, vocab_mask)
     if not with_logprobs and all(r.params.is_greedy for r in reqs):
-        return SampleOutput(x.argmax(dim=-1).tolist(), [], [[] for _ in reqs])
+        return SampleOutput(_argmax(x).tolist(), [], [[] for _ in reqs])
     lse = torch.logsumexp(x, dim=-1)
     bad = (~torch.isfinite(lse)).nonzero().flatten().tolist()
     if bad:
@@ -199,11 +200,16 @@ def _floats(values: Sequence[float], like: torch.Tensor) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.float32, device=like.device)
 
 
+def _argmax(x: torch.Tensor) -> torch.Tensor:
+    """Row-wise argmax (first index of the largest value): native where built, else torch."""
+    return native.argmax(x) if native.argmax_supported(x) else x.argmax(dim=-1)
+
+
 def _choose(x: torch.Tensor, reqs: Sequence[RequestSampler]) -> torch.Tensor:
     """Argmax for greedy rows, a seeded draw for the rest."""
     greedy = [r.params.is_greedy for r in reqs]
     if all(greedy):
-        return x.argmax(dim=-1)
+        return _argmax(x)
     if not any(greedy):
         return _draw(x, reqs)
     g_rows = [i for i, g in enumerate(greedy) if g]
@@ -211,7 +217,7 @@ def _choose(x: torch.Tensor, reqs: Sequence[RequestSampler]) -> torch.Tensor:
     g_idx = torch.tensor(g_rows, device=x.device)
     s_idx = torch.tensor(s_rows, device=x.device)
     tokens = torch.empty(len(reqs), dtype=torch.long, device=x.device)
-    tokens[g_idx] = x.index_select(0, g_idx).argmax(dim=-1)
+    tokens[g_idx] = _argmax(x.index_select(0, g_idx))
     tokens[s_idx] = _draw(x.index_select(0, s_idx), [reqs[i] for i in s_rows])
     return tokens
 
