@@ -88,7 +88,7 @@ def library() -> ctypes.CDLL | None:
     for name in ("decode_attention_f32", "decode_attention_bf16"):
         getattr(lib, name).argtypes = _DECODE_ARGS
         getattr(lib, name).restype = None
-    lib.gemm_bf16.argtypes = [_PTR] * 4 + [_INT] * 4
+    lib.gemm_bf16.argtypes = [_PTR] * 5 + [_INT] * 4
     lib.gemm_bf16.restype = None
     lib.gemm_bf16_supported.argtypes = [_INT]
     lib.gemm_bf16_supported.restype = _INT
@@ -275,15 +275,26 @@ def pack_gemm_weight(weight: torch.Tensor) -> torch.Tensor:
     return w.permute(0, 2, 1, 3).contiguous()
 
 
-def gemm(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [M, K] @ weight [N, K]^T (+ bias [N]) in bf16, from `pack_gemm_weight(weight)`."""
+def gemm(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    n: int,
+    bias: torch.Tensor | None,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x [M, K] @ weight [N, K]^T (+ bias [N]) in bf16, from `pack_gemm_weight(weight)`; plus
+    `residual` [M, N] if given, added after rounding as `residual + out` would."""
     lib = library()
     assert lib is not None and x.dtype == torch.bfloat16 and x.shape[1] == packed.shape[1] * 2
     assert bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous())
     x = x.contiguous()
+    if residual is not None:
+        assert residual.dtype == torch.bfloat16 and residual.shape == (x.shape[0], n)
+        residual = residual.contiguous()
     out = torch.empty(x.shape[0], n, dtype=torch.bfloat16)
     lib.gemm_bf16(
         x.data_ptr(), packed.data_ptr(), None if bias is None else bias.data_ptr(),
-        out.data_ptr(), x.shape[0], n, x.shape[1], torch.get_num_threads(),
+        None if residual is None else residual.data_ptr(), out.data_ptr(), x.shape[0], n,
+        x.shape[1], torch.get_num_threads(),
     )
     return out

@@ -142,6 +142,21 @@ def test_gemm_matches_float64(rows, features, depth, with_bias):
     torch.testing.assert_close(out.double(), want, rtol=2**-8, atol=1e-3)
 
 
+@pytest.mark.parametrize(("rows", "features"), [(1, 576), (9, 97), (33, 1536)])
+def test_gemm_adds_residual_after_rounding(rows, features):
+    """out = residual + (x @ W^T + b), each rounded to bf16 as torch's two ops round."""
+    gen = torch.Generator().manual_seed(rows * features)
+    weight = torch.randn(features, 64, generator=gen).bfloat16()
+    bias = torch.randn(features, generator=gen).bfloat16()
+    x = torch.randn(rows, 64, generator=gen).bfloat16()
+    residual = torch.randn(rows, features, generator=gen).bfloat16()
+    packed = native.pack_gemm_weight(weight)
+    plain = native.gemm(x, packed, features, bias)
+    assert torch.equal(native.gemm(x, packed, features, bias, residual), residual + plain)
+    layer = Linear(weight, bias)
+    assert torch.equal(layer(x, residual=residual), residual + plain)
+
+
 def test_layer_picks_native_for_bf16_and_onednn_for_float32():
     gen = torch.Generator().manual_seed(3)
     weight = torch.randn(192, 64, generator=gen)

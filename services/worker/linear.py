@@ -14,7 +14,7 @@ from radixmesh.kernels import native
 
 
 class Linear:
-    """y = x @ W.T + b for 2-D x."""
+    """y = x @ W.T + b (+ a residual) for 2-D x."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self.out_features = weight.shape[0]
@@ -30,11 +30,14 @@ class Linear:
             self.kind = "torch"
             self.weight = weight
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ W.T + b, plus `residual` (same shape as the output) if given."""
         if self.kind == "native":
-            return native.gemm(x, self.weight, self.out_features, self.bias)
+            return native.gemm(x, self.weight, self.out_features, self.bias, residual)
         if self.kind == "onednn":
-            return torch.ops.mkldnn._linear_pointwise(
+            out = torch.ops.mkldnn._linear_pointwise(
                 x.contiguous(), self.weight, self.bias, "none", [], ""
             )
-        return F.linear(x, self.weight, self.bias)
+        else:
+            out = F.linear(x, self.weight, self.bias)
+        return out if residual is None else residual + out

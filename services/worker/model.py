@@ -107,9 +107,9 @@ class DecoderLayer:
         # q and k heads rotate together: one set of elementwise ops instead of two.
         q, k = rope(qk).split([cfg.num_heads, cfg.num_kv_heads], dim=1)
         out = attn.forward(layer, q, k, v, pool)
-        hidden = hidden + self.o(out.reshape(-1, self.q_size))
+        hidden = self.o(out.reshape(-1, self.q_size), residual=hidden)
         x = rms_norm(hidden, self.post_norm, cfg.rms_norm_eps)
-        return hidden + self.down(silu_mul(self.gate_up(x)))
+        return self.down(silu_mul(self.gate_up(x)), residual=hidden)
 
 
 class CausalLM:

@@ -55,8 +55,9 @@ class RowParallelLinear(Linear):
         super().__init__(weight)
         self.tp = tp
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(super().__call__(x))
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        out = self.tp.all_reduce(super().__call__(x))
+        return out if residual is None else residual + out
 
 
 def row_parallel(weight: torch.Tensor, tp: TensorParallel | None) -> Linear:
