@@ -27,6 +27,16 @@ class AttentionMetadata:
     seqs: tuple[SeqSpan, ...]
 
 
+@dataclass(frozen=True)
+class DecodePlan:
+    """A decode-only step as the native decoder layer takes it: token b is request b."""
+
+    out_slots: torch.Tensor  # [B] where each token's K/V go
+    index: torch.Tensor  # [B, W] each request's slots, the new token's included
+    lens: torch.Tensor  # [B] live entries of each index row
+    scale: float
+
+
 class AttentionBackend(ABC):
     """Stores new K/V into the pool and computes attention for a step's tokens."""
 
@@ -39,3 +49,8 @@ class AttentionBackend(ABC):
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: KVPool
     ) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] of the new tokens -> attention output [T, Hq, D]."""
+
+    def decode_plan(self) -> DecodePlan | None:
+        """The prepared step as a DecodePlan, where this backend lets the model run whole
+        layers natively (cpu/layer.cpp) and the step is decode-only; else None."""
+        return None

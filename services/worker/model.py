@@ -130,6 +130,7 @@ class CausalLM:
         self.lm_head = Linear(self.embed if cfg.tie_word_embeddings else w["lm_head.weight"])
         self.norm = w["model.norm.weight"]
         self.layers = [DecoderLayer(cfg, w, f"model.layers.{i}", tp) for i in range(cfg.num_layers)]
+        self.native_layers = self._native_layers(tp)
         self.rope = RotaryEmbedding(
             cfg.head_dim,
             cfg.max_position_embeddings,
@@ -148,10 +149,38 @@ class CausalLM:
     ) -> torch.Tensor:
         """Token ids [T] at positions [T] -> final hidden states [T, hidden]."""
         hidden = self.embed[input_ids]
-        rope = RotaryStep(self.rope, positions)
-        for i, layer in enumerate(self.layers):
-            hidden = layer(i, hidden, rope, attn, pool)
+        plan = attn.decode_plan() if self.native_layers is not None else None
+        if self.native_layers is not None and plan is not None:
+            self.native_layers.decode(
+                hidden, pool.k, pool.v, positions, self.rope.cos, self.rope.sin,
+                plan.out_slots, plan.index, plan.lens, plan.scale,
+            )
+        else:
+            rope = RotaryStep(self.rope, positions)
+            for i, layer in enumerate(self.layers):
+                hidden = layer(i, hidden, rope, attn, pool)
         return rms_norm(hidden, self.norm, self.cfg.rms_norm_eps)
+
+    def _native_layers(self, tp: TensorParallel | None) -> native.LayerStack | None:
+        """Every layer as one native call for decode-only steps, where each of its parts
+        runs natively here (bf16 on an AVX512-BF16 CPU, no q/k norm, one rank)."""
+        cfg, first = self.cfg, self.layers[0]
+        parts = [first.qkv, first.o, first.gate_up, first.down]
+        # A "native" Linear means bf16 on the CPU with the library built.
+        if tp is not None or cfg.qk_norm or any(p.kind != "native" for p in parts):
+            return None
+        return native.LayerStack(
+            [
+                {
+                    "input_norm": layer.input_norm, "post_norm": layer.post_norm,
+                    "qkv": layer.qkv.weight, "qkv_bias": layer.qkv.bias, "o": layer.o.weight,
+                    "gate_up": layer.gate_up.weight, "down": layer.down.weight,
+                }
+                for layer in self.layers
+            ],
+            cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+            cfg.intermediate_size, cfg.rms_norm_eps,
+        )
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final hidden states [N, hidden] -> float32 logits [N, vocab]."""

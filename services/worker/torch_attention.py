@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from radixmesh.kernels import native
-from radixmesh.services.worker.attention import AttentionBackend, AttentionMetadata
+from radixmesh.services.worker.attention import AttentionBackend, AttentionMetadata, DecodePlan
 from radixmesh.services.worker.kv_pool import KVPool
 
 # Gathered K elements up to which decode attention computes in float32 (see _decode).
@@ -50,6 +50,11 @@ class TorchAttention(AttentionBackend):
             padding = torch.arange(width) >= torch.tensor(lens).unsqueeze(1)
             bias = torch.zeros(len(decodes), width).masked_fill_(padding, float("-inf"))
             self._decode_bias = bias[:, None, None, :]
+
+    def decode_plan(self) -> DecodePlan | None:
+        if not self.native or self._extends or self._meta is None or not self._decode_rows.numel():
+            return None
+        return DecodePlan(self._meta.out_slots, self._decode_kv, self._decode_lens, self.scale)
 
     def forward(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: KVPool

@@ -1,0 +1,97 @@
+// One decoder layer of a Llama-family model (pre-norm attention + gated MLP) for a step of
+// decode tokens, in bf16, as one call: the same kernels in the same order as the worker's
+// Python layer (services/worker/model.py), so the result is bit for bit the same, without
+// the per-op Python work and fresh output tensors (measured ~6 ms of a 42 ms batch-32 step).
+// Intermediates live in one caller-owned scratch buffer, reused by every layer.
+#include <cstdint>
+#include <cstring>
+
+extern "C" {
+void rms_norm_bf16(const uint16_t* x, const uint16_t* w, uint16_t* out, int rows, int dim,
+                   float eps, int threads);
+void gemm_bf16(const uint16_t* x, const uint16_t* wp, const uint16_t* bias,
+               const uint16_t* residual, uint16_t* out, int m, int n, int k, int threads);
+void rotary_bf16(uint16_t* x, const int64_t* positions, const uint16_t* cos,
+                 const uint16_t* sin, int tokens, int heads, int64_t stride, int dim,
+                 int threads);
+void decode_attention_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* v,
+                           const int64_t* index, const int64_t* lens, uint16_t* out,
+                           int batch, int width, int hq, int hkv, int dim, float scale,
+                           int threads);
+void silu_mul_bf16_rows(const uint16_t* x, uint16_t* out, int rows, int width, int threads);
+}
+
+namespace {
+
+struct LayerWeights {  // GEMM weights packed as native.pack_gemm_weight packs them
+  const uint16_t* input_norm;
+  const uint16_t* post_norm;
+  const uint16_t* qkv;
+  const uint16_t* qkv_bias;  // or null
+  const uint16_t* o;
+  const uint16_t* gate_up;
+  const uint16_t* down;
+};
+
+struct LayerShape {
+  int hidden, heads, kv_heads, head_dim, intermediate;
+  float eps, scale;
+};
+
+struct DecodeStep {  // one token per request; token t is request t
+  int tokens;
+  const int64_t* positions;  // [T]
+  const uint16_t* cos;       // [positions, D]
+  const uint16_t* sin;
+  const int64_t* out_slots;  // [T] where each token's K/V go
+  const int64_t* index;      // [T, width] each request's slots, new token included
+  const int64_t* lens;       // [T]
+  int width;
+  uint16_t* scratch;  // decoder_layer_scratch(shape, tokens) elements
+  int threads;
+};
+
+}  // namespace
+
+extern "C" {
+
+int64_t decoder_layer_scratch(const LayerShape* s, int tokens) {
+  const int64_t q = static_cast<int64_t>(s->heads) * s->head_dim;
+  const int64_t qkv = q + 2 * static_cast<int64_t>(s->kv_heads) * s->head_dim;
+  return tokens * (s->hidden + qkv + 2 * q + 3 * static_cast<int64_t>(s->intermediate));
+}
+
+// hidden [T, hidden] is updated in place; k_pool/v_pool are this layer's [slots, Hkv, D].
+void decoder_layer_bf16(uint16_t* hidden, uint16_t* k_pool, uint16_t* v_pool,
+                        const LayerWeights* w, const LayerShape* s, const DecodeStep* step) {
+  const int t = step->tokens, h = s->hidden, d = s->head_dim, th = step->threads;
+  const int q_size = s->heads * d, kv_size = s->kv_heads * d;
+  const int qkv_size = q_size + 2 * kv_size;
+  uint16_t* x = step->scratch;                   // [T, hidden]
+  uint16_t* qkv = x + static_cast<int64_t>(t) * h;  // [T, q | k | v]
+  uint16_t* q = qkv + static_cast<int64_t>(t) * qkv_size;  // [T, Hq, D]
+  uint16_t* att = q + static_cast<int64_t>(t) * q_size;    // [T, Hq, D]
+  uint16_t* gate_up = att + static_cast<int64_t>(t) * q_size;  // [T, 2I]
+  uint16_t* act = gate_up + static_cast<int64_t>(t) * 2 * s->intermediate;  // [T, I]
+
+  rms_norm_bf16(hidden, w->input_norm, x, t, h, s->eps, th);
+  gemm_bf16(x, w->qkv, w->qkv_bias, nullptr, qkv, t, qkv_size, h, th);
+  rotary_bf16(qkv, step->positions, step->cos, step->sin, t, s->heads + s->kv_heads, qkv_size,
+              d, th);
+  for (int i = 0; i < t; ++i) {
+    const uint16_t* row = qkv + static_cast<int64_t>(i) * qkv_size;
+    const int64_t slot = step->out_slots[i] * kv_size;
+    std::memcpy(q + static_cast<int64_t>(i) * q_size, row, q_size * sizeof(uint16_t));
+    std::memcpy(k_pool + slot, row + q_size, kv_size * sizeof(uint16_t));
+    std::memcpy(v_pool + slot, row + q_size + kv_size, kv_size * sizeof(uint16_t));
+  }
+  decode_attention_bf16(q, k_pool, v_pool, step->index, step->lens, att, t, step->width,
+                        s->heads, s->kv_heads, d, s->scale, th);
+  gemm_bf16(att, w->o, nullptr, hidden, hidden, t, h, q_size, th);  // + residual, in place
+  rms_norm_bf16(hidden, w->post_norm, x, t, h, s->eps, th);
+  gemm_bf16(x, w->gate_up, nullptr, nullptr, gate_up, t, 2 * s->intermediate, h, th);
+  silu_mul_bf16_rows(gate_up, act, t, s->intermediate, th);
+  gemm_bf16(act, w->down, nullptr, hidden, hidden, t, h, s->intermediate, th);
+}
+
+}  // extern "C"
