@@ -31,31 +31,6 @@ _PTR, _INT, _FLOAT = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 _DECODE_ARGS = [_PTR] * 6 + [_INT] * 5 + [_FLOAT, _INT]
 
 
-class _LayerWeights(ctypes.Structure):
-    _fields_ = [
-        (name, _PTR)
-        for name in ("input_norm", "post_norm", "qkv", "qkv_bias", "o", "gate_up", "down")
-    ]
-
-
-class _LayerShape(ctypes.Structure):
-    _fields_ = [
-        *((name, _INT) for name in ("hidden", "heads", "kv_heads", "head_dim", "intermediate")),
-        ("eps", _FLOAT),
-        ("scale", _FLOAT),
-    ]
-
-
-class _DecodeStep(ctypes.Structure):
-    _fields_ = [
-        ("tokens", _INT),
-        *((name, _PTR) for name in ("positions", "cos", "sin", "out_slots", "index", "lens")),
-        ("width", _INT),
-        ("scratch", _PTR),
-        ("threads", _INT),
-    ]
-
-
 def _cpu_flags() -> str:
     try:
         text = Path("/proc/cpuinfo").read_text()
@@ -127,12 +102,6 @@ def library() -> ctypes.CDLL | None:
     lib.silu_mul_bf16_rows.restype = None
     lib.argmax_rows_f32.argtypes = [_PTR] * 2 + [_INT] * 3
     lib.argmax_rows_f32.restype = None
-    lib.decoder_layer_scratch.argtypes = [ctypes.POINTER(_LayerShape), _INT]
-    lib.decoder_layer_scratch.restype = ctypes.c_int64
-    lib.decoder_layer_bf16.argtypes = [_PTR] * 3 + [
-        ctypes.POINTER(_LayerWeights), ctypes.POINTER(_LayerShape), ctypes.POINTER(_DecodeStep)
-    ]
-    lib.decoder_layer_bf16.restype = None
     return lib
 
 
@@ -144,6 +113,13 @@ def _takes(*tensors: torch.Tensor) -> bool:
         and all(t.device.type == "cpu" and t.dtype == dtype for t in tensors)
         and library() is not None
     )
+
+
+def check_rows(what: str, values: torch.Tensor, rows: int) -> None:
+    """Raise IndexError unless every value indexes one of `rows` rows: the kernels read raw
+    memory at them."""
+    if values.numel() and not 0 <= int(values.min()) <= int(values.max()) < rows:
+        raise IndexError(f"{what} out of range [0, {rows})")
 
 
 def decode_supported(q: torch.Tensor, k_pool: torch.Tensor) -> bool:
@@ -193,6 +169,7 @@ def _attend(
     assert index.dtype == lens.dtype == torch.int64 and lens.shape[0] == b
     q, index, lens = q.contiguous(), index.contiguous(), lens.contiguous()
     assert k_pool.is_contiguous() and v_pool.is_contiguous()
+    check_rows("slot", index, k_pool.shape[0])
     out = torch.empty_like(q)
     fn = lib.decode_attention_bf16 if q.dtype == torch.bfloat16 else lib.decode_attention_f32
     fn(
@@ -242,6 +219,7 @@ def rotary_(
     assert lib is not None and rotary_supported(x, cos) and sin.is_contiguous()
     assert positions.dtype == torch.int64 and positions.shape == (x.shape[0],)
     positions = positions.contiguous()
+    check_rows("position", positions, cos.shape[0])
     fn = lib.rotary_bf16 if x.dtype == torch.bfloat16 else lib.rotary_f32
     fn(x.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), x.shape[0],
        x.shape[1], x.stride(0), x.shape[2], torch.get_num_threads())
@@ -330,58 +308,3 @@ def gemm(
     )
     return out
 
-
-class LayerStack:
-    """The decoder layers of a bf16 model run natively for decode-only steps, a call per
-    layer (cpu/layer.cpp): the Python layer's kernels in its order, so the same bits.
-
-    Each entry of `layers` names a layer's tensors: input_norm, post_norm, qkv, qkv_bias
-    (or None), o, gate_up, down, the GEMM weights packed by `pack_gemm_weight`."""
-
-    def __init__(
-        self,
-        layers: list[dict[str, torch.Tensor | None]],
-        hidden: int,
-        heads: int,
-        kv_heads: int,
-        head_dim: int,
-        intermediate: int,
-        eps: float,
-    ) -> None:
-        self._tensors = layers  # keeps every pointer below alive
-        self._weights = [
-            _LayerWeights(*(None if (t := w[f[0]]) is None else t.data_ptr()
-                            for f in _LayerWeights._fields_))
-            for w in layers
-        ]
-        self._shape = (hidden, heads, kv_heads, head_dim, intermediate, eps)
-
-    def decode(
-        self,
-        hidden: torch.Tensor,
-        k_pools: list[torch.Tensor],
-        v_pools: list[torch.Tensor],
-        positions: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        out_slots: torch.Tensor,
-        index: torch.Tensor,
-        lens: torch.Tensor,
-        scale: float,
-    ) -> None:
-        """Run every layer over hidden [B, hidden] (updated in place) for B decode tokens,
-        token b writing its K/V at out_slots[b] and attending to index[b, :lens[b]]."""
-        lib = library()
-        assert lib is not None and hidden.is_contiguous() and hidden.dtype == torch.bfloat16
-        shape = _LayerShape(*self._shape, scale)
-        tokens = hidden.shape[0]
-        keep = [t.contiguous() for t in (positions, out_slots, index, lens)]
-        scratch = torch.empty(lib.decoder_layer_scratch(ctypes.byref(shape), tokens),
-                              dtype=torch.bfloat16)
-        step = _DecodeStep(
-            tokens, *(t.data_ptr() for t in (keep[0], cos, sin, keep[1], keep[2], keep[3])),
-            index.shape[1], scratch.data_ptr(), torch.get_num_threads(),
-        )
-        for weights, k, v in zip(self._weights, k_pools, v_pools, strict=True):
-            lib.decoder_layer_bf16(hidden.data_ptr(), k.data_ptr(), v.data_ptr(),
-                                   ctypes.byref(weights), ctypes.byref(shape), ctypes.byref(step))

@@ -229,3 +229,13 @@ def test_argmax_equals_torch(cols):
     x[4, -1] = float("inf")
     x[5, : cols // 3] = 7.0
     assert torch.equal(native.argmax(x), x.argmax(dim=-1))
+
+
+def test_out_of_range_rows_raise_instead_of_reading_past_the_pool():
+    q, k_pool, v_pool, _ = random_case(torch.bfloat16, 9, 3, 64, [4], seed=1)
+    index = torch.tensor([[0, 1, 2, k_pool.shape[0]]])
+    with pytest.raises(IndexError, match="slot out of range"):
+        native.decode_attention(q, k_pool, v_pool, index, torch.tensor([4]), 0.125)
+    rope = RotaryEmbedding(64, 16, 10000.0, torch.bfloat16)
+    with pytest.raises(IndexError, match="position out of range"):
+        native.rotary_(torch.zeros(1, 2, 64).bfloat16(), torch.tensor([16]), rope.cos, rope.sin)

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from radixmesh.kernels import native
+from radixmesh.kernels.native_layer import LayerStack
 from radixmesh.services.worker.attention import AttentionBackend
 from radixmesh.services.worker.kv_pool import KVPool
 from radixmesh.services.worker.linear import Linear
@@ -161,7 +162,7 @@ class CausalLM:
                 hidden = layer(i, hidden, rope, attn, pool)
         return rms_norm(hidden, self.norm, self.cfg.rms_norm_eps)
 
-    def _native_layers(self, tp: TensorParallel | None) -> native.LayerStack | None:
+    def _native_layers(self, tp: TensorParallel | None) -> LayerStack | None:
         """Every layer as one native call for decode-only steps, where each of its parts
         runs natively here (bf16 on an AVX512-BF16 CPU, no q/k norm, one rank)."""
         cfg, first = self.cfg, self.layers[0]
@@ -169,7 +170,7 @@ class CausalLM:
         # A "native" Linear means bf16 on the CPU with the library built.
         if tp is not None or cfg.qk_norm or any(p.kind != "native" for p in parts):
             return None
-        return native.LayerStack(
+        return LayerStack(
             [
                 {
                     "input_norm": layer.input_norm, "post_norm": layer.post_norm,
