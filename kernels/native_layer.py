@@ -1,10 +1,11 @@
-"""The native decoder layer (cpu/layer.cpp): a model's layers run for decode-only bf16 steps
-as one call each, over the kernels of native.py in the Python layer's order."""
+"""The native decoder layer (cpu/layer.cpp): a bf16 model's layers run as one call each,
+over the kernels of native.py in the Python layer's order."""
 
 from __future__ import annotations
 
 import ctypes
 import functools
+from collections.abc import Sequence
 
 import torch
 
@@ -28,19 +29,25 @@ class _LayerShape(ctypes.Structure):
     ]
 
 
-class _DecodeStep(ctypes.Structure):
+class _AttentionRun(ctypes.Structure):
+    _fields_ = [
+        ("first", _INT), ("count", _INT), ("index", _PTR), ("width", _INT), ("lens", _PTR)
+    ]
+
+
+class _Step(ctypes.Structure):
     _fields_ = [
         ("tokens", _INT),
-        *((name, _PTR) for name in ("positions", "cos", "sin", "out_slots", "index", "lens")),
-        ("width", _INT),
+        *((name, _PTR) for name in ("positions", "cos", "sin", "out_slots", "runs")),
+        ("num_runs", _INT),
         ("scratch", _PTR),
         ("threads", _INT),
     ]
 
 
 class LayerStack:
-    """The decoder layers of a bf16 model run natively for decode-only steps, a call per
-    layer (cpu/layer.cpp): the Python layer's kernels in its order, so the same bits.
+    """The decoder layers of a bf16 model run natively, a call per layer (cpu/layer.cpp):
+    the Python layer's kernels in its order, so the same bits.
 
     Each entry of `layers` names a layer's tensors: input_norm, post_norm, qkv, qkv_bias
     (or None), o, gate_up, down, the GEMM weights packed by `pack_gemm_weight`."""
@@ -63,7 +70,7 @@ class LayerStack:
         ]
         self._shape = (hidden, heads, kv_heads, head_dim, intermediate, eps)
 
-    def decode(
+    def forward(
         self,
         hidden: torch.Tensor,
         k_pools: list[torch.Tensor],
@@ -72,26 +79,33 @@ class LayerStack:
         cos: torch.Tensor,
         sin: torch.Tensor,
         out_slots: torch.Tensor,
-        index: torch.Tensor,
-        lens: torch.Tensor,
+        runs: Sequence[tuple[int, int, torch.Tensor, int, torch.Tensor]],
         scale: float,
     ) -> None:
-        """Run every layer over hidden [B, hidden] (updated in place) for B decode tokens,
-        token b writing its K/V at out_slots[b] and attending to index[b, :lens[b]]."""
+        """Run every layer over hidden [T, hidden] (updated in place): token t writes its K/V
+        at out_slots[t]; runs (first, count, index, width, lens) cover every token once, token
+        first+i attending to index[i * width, :lens[i]] (see cpu/layer.cpp)."""
         lib = _layer_library()
         assert hidden.is_contiguous() and hidden.dtype == torch.bfloat16
-        shape = _LayerShape(*self._shape, scale)
         tokens = hidden.shape[0]
-        keep = [t.contiguous() for t in (positions, out_slots, index, lens)]
+        assert sum(run[1] for run in runs) == tokens
+        positions, out_slots = positions.contiguous(), out_slots.contiguous()
         # The kernels index raw memory: check every position and slot once per step.
-        check_rows("position", keep[0], cos.shape[0])
-        for name, rows in (("slot", keep[1]), ("index slot", keep[2])):
-            check_rows(name, rows, k_pools[0].shape[0])
+        check_rows("position", positions, cos.shape[0])
+        check_rows("slot", out_slots, k_pools[0].shape[0])
+        keep = []  # the runs' tensors, alive until the last layer
+        table = (_AttentionRun * len(runs))()
+        for i, (first, count, index, width, lens) in enumerate(runs):
+            index, lens = index.contiguous(), lens.contiguous()
+            check_rows("index slot", index, k_pools[0].shape[0])
+            keep += [index, lens]
+            table[i] = _AttentionRun(first, count, index.data_ptr(), width, lens.data_ptr())
+        shape = _LayerShape(*self._shape, scale)
         scratch = torch.empty(lib.decoder_layer_scratch(ctypes.byref(shape), tokens),
                               dtype=torch.bfloat16)
-        step = _DecodeStep(
-            tokens, *(t.data_ptr() for t in (keep[0], cos, sin, keep[1], keep[2], keep[3])),
-            index.shape[1], scratch.data_ptr(), torch.get_num_threads(),
+        step = _Step(
+            tokens, positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), out_slots.data_ptr(),
+            ctypes.addressof(table), len(runs), scratch.data_ptr(), torch.get_num_threads(),
         )
         for weights, k, v in zip(self._weights, k_pools, v_pools, strict=True):
             lib.decoder_layer_bf16(hidden.data_ptr(), k.data_ptr(), v.data_ptr(),
@@ -105,7 +119,7 @@ def _layer_library() -> ctypes.CDLL:
     lib.decoder_layer_scratch.argtypes = [ctypes.POINTER(_LayerShape), _INT]
     lib.decoder_layer_scratch.restype = ctypes.c_int64
     lib.decoder_layer_bf16.argtypes = [_PTR] * 3 + [
-        ctypes.POINTER(_LayerWeights), ctypes.POINTER(_LayerShape), ctypes.POINTER(_DecodeStep)
+        ctypes.POINTER(_LayerWeights), ctypes.POINTER(_LayerShape), ctypes.POINTER(_Step)
     ]
     lib.decoder_layer_bf16.restype = None
     return lib

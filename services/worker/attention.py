@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -27,13 +28,23 @@ class AttentionMetadata:
     seqs: tuple[SeqSpan, ...]
 
 
-@dataclass(frozen=True)
-class DecodePlan:
-    """A decode-only step as the native decoder layer takes it: token b is request b."""
+class AttentionRun(NamedTuple):
+    """Attention of `count` consecutive tokens from row `first` on: token i reads row i of
+    `index` (rows `width` apart; 0: every token shares row 0) up to lens[i] slots."""
 
-    out_slots: torch.Tensor  # [B] where each token's K/V go
-    index: torch.Tensor  # [B, W] each request's slots, the new token's included
-    lens: torch.Tensor  # [B] live entries of each index row
+    first: int
+    count: int
+    index: torch.Tensor
+    width: int
+    lens: torch.Tensor
+
+
+@dataclass(frozen=True)
+class NativePlan:
+    """A step as the native decoder layer takes it (kernels/native_layer.py)."""
+
+    out_slots: torch.Tensor  # [T] where each token's K/V go
+    runs: tuple[AttentionRun, ...]  # covering every token once
     scale: float
 
 
@@ -50,7 +61,7 @@ class AttentionBackend(ABC):
     ) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] of the new tokens -> attention output [T, Hq, D]."""
 
-    def decode_plan(self) -> DecodePlan | None:
-        """The prepared step as a DecodePlan, where this backend lets the model run whole
-        layers natively (cpu/layer.cpp) and the step is decode-only; else None."""
+    def native_plan(self) -> NativePlan | None:
+        """The prepared step as a NativePlan where this backend lets the model run whole
+        layers natively (kernels/cpu/layer.cpp); else None."""
         return None

@@ -150,11 +150,11 @@ class CausalLM:
     ) -> torch.Tensor:
         """Token ids [T] at positions [T] -> final hidden states [T, hidden]."""
         hidden = self.embed[input_ids]
-        plan = attn.decode_plan() if self.native_layers is not None else None
+        plan = attn.native_plan() if self.native_layers is not None else None
         if self.native_layers is not None and plan is not None:
-            self.native_layers.decode(
+            self.native_layers.forward(
                 hidden, pool.k, pool.v, positions, self.rope.cos, self.rope.sin,
-                plan.out_slots, plan.index, plan.lens, plan.scale,
+                plan.out_slots, plan.runs, plan.scale,
             )
         else:
             rope = RotaryStep(self.rope, positions)
@@ -163,8 +163,8 @@ class CausalLM:
         return rms_norm(hidden, self.norm, self.cfg.rms_norm_eps)
 
     def _native_layers(self, tp: TensorParallel | None) -> LayerStack | None:
-        """Every layer as one native call for decode-only steps, where each of its parts
-        runs natively here (bf16 on an AVX512-BF16 CPU, no q/k norm, one rank)."""
+        """Every layer as one native call, where each of its parts runs natively here (bf16
+        on an AVX512-BF16 CPU, no q/k norm, one rank) and the attention backend plans it."""
         cfg, first = self.cfg, self.layers[0]
         parts = [first.qkv, first.o, first.gate_up, first.down]
         # A "native" Linear means bf16 on the CPU with the library built.

@@ -5,7 +5,12 @@ from __future__ import annotations
 import torch
 
 from radixmesh.kernels import native
-from radixmesh.services.worker.attention import AttentionBackend, AttentionMetadata, DecodePlan
+from radixmesh.services.worker.attention import (
+    AttentionBackend,
+    AttentionMetadata,
+    AttentionRun,
+    NativePlan,
+)
 from radixmesh.services.worker.kv_pool import KVPool
 
 # Gathered K elements up to which decode attention computes in float32 (see _decode).
@@ -51,10 +56,22 @@ class TorchAttention(AttentionBackend):
             bias = torch.zeros(len(decodes), width).masked_fill_(padding, float("-inf"))
             self._decode_bias = bias[:, None, None, :]
 
-    def decode_plan(self) -> DecodePlan | None:
-        if not self.native or self._extends or self._meta is None or not self._decode_rows.numel():
+    def native_plan(self) -> NativePlan | None:
+        rows = self._decode_rows
+        if not self.native or self._meta is None:
             return None
-        return DecodePlan(self._meta.out_slots, self._decode_kv, self._decode_lens, self.scale)
+        runs = []
+        if rows.numel():
+            first = int(rows[0])
+            if int(rows[-1]) - first + 1 != rows.numel():
+                return None  # decodes interleaved with prompts: not one run
+            kv = self._decode_kv
+            runs.append(AttentionRun(first, rows.numel(), kv, kv.shape[1], self._decode_lens))
+        for start, n, slots in self._extends:
+            total = slots.numel()
+            lens = torch.arange(total - n + 1, total + 1)
+            runs.append(AttentionRun(start, n, slots.view(1, total), 0, lens))
+        return NativePlan(self._meta.out_slots, tuple(runs), self.scale)
 
     def forward(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: KVPool
