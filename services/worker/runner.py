@@ -46,7 +46,10 @@ class _Request:
             grown = torch.empty(max(need, 2 * self.slots.numel()), dtype=torch.long)
             grown[: len(self.ids)] = self.slots[: len(self.ids)]
             self.slots = grown
-        self.slots[len(self.ids) : need] = torch.tensor(slots, dtype=torch.long)
+        if len(slots) == 1:  # a decode step: no tensor to build
+            self.slots[len(self.ids)] = slots[0]
+        else:
+            self.slots[len(self.ids) : need] = torch.tensor(slots, dtype=torch.long)
         self.ids.extend(ids)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from radixmesh.kernels import native
 from radixmesh.services.worker.attention import (
@@ -42,19 +43,9 @@ class TorchAttention(AttentionBackend):
             self._decode_rows = torch.empty(0, dtype=torch.long)
             return
         self._decode_rows = torch.tensor([s.q_start for s in decodes], dtype=torch.long)
-        lens = [s.kv_slots.numel() for s in decodes]
-        width = max(lens)
-        index = torch.zeros(len(decodes), width, dtype=torch.long)
-        for i, s in enumerate(decodes):
-            index[i, : lens[i]] = s.kv_slots
-        self._decode_kv = index
-        self._decode_lens = torch.tensor(lens)
-        if min(lens) == width:
-            self._decode_bias = None
-        else:
-            padding = torch.arange(width) >= torch.tensor(lens).unsqueeze(1)
-            bias = torch.zeros(len(decodes), width).masked_fill_(padding, float("-inf"))
-            self._decode_bias = bias[:, None, None, :]
+        self._decode_kv = pad_sequence([s.kv_slots for s in decodes], batch_first=True)
+        self._decode_lens = torch.tensor([s.kv_slots.numel() for s in decodes])
+        self._decode_bias = None  # made by the torch decode path when it first needs it
 
     def native_plan(self) -> NativePlan | None:
         rows = self._decode_rows
@@ -108,10 +99,20 @@ class TorchAttention(AttentionBackend):
             out_dtype = q.dtype
         q = q.view(b, keys.shape[1], hq // keys.shape[1], d)  # [B, Hkv, group, D]
         scores = torch.matmul(q * self.scale, keys.transpose(-1, -2))
-        if self._decode_bias is not None:
-            scores = scores + self._decode_bias
+        bias = self._padding_bias()
+        if bias is not None:
+            scores = scores + bias
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
         return torch.matmul(probs, values).view(b, hq, d).to(out_dtype)
+
+    def _padding_bias(self) -> torch.Tensor | None:
+        """-inf past each request's length in the padded decode index (None: no padding)."""
+        lens, width = self._decode_lens, self._decode_kv.shape[1]
+        if self._decode_bias is None and int(lens.min()) < width:
+            padding = torch.arange(width) >= lens.unsqueeze(1)
+            bias = torch.zeros(lens.numel(), width).masked_fill_(padding, float("-inf"))
+            self._decode_bias = bias[:, None, None, :]
+        return self._decode_bias
 
     def _extend(
         self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor
