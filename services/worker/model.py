@@ -150,8 +150,7 @@ class CausalLM:
     ) -> torch.Tensor:
         """Token ids [T] at positions [T] -> final hidden states [T, hidden]."""
         hidden = self.embed[input_ids]
-        plan = attn.native_plan() if self.native_layers is not None else None
-        if self.native_layers is not None and plan is not None:
+        if self.native_layers is not None and (plan := attn.native_plan()) is not None:
             self.native_layers.forward(
                 hidden, pool.k, pool.v, positions, self.rope.cos, self.rope.sin,
                 plan.out_slots, plan.runs, plan.scale,

@@ -51,7 +51,7 @@ class TorchAttention(AttentionBackend):
         rows = self._decode_rows
         if not self.native or self._meta is None:
             return None
-        runs = []
+        runs: list[AttentionRun] = []
         if rows.numel():
             first = int(rows[0])
             if int(rows[-1]) - first + 1 != rows.numel():
