@@ -1,9 +1,11 @@
-// Decode attention on the CPU: one query token per request over its K/V rows in the pool.
+// Decode attention on the CPU: one query token per row of q over its K/V rows in the pool.
 //
 // q [B, Hq, D] and out [B, Hq, D] are contiguous; each pool is [slots, Hkv, D], contiguous;
-// index [B, W] lists each request's slots (the first lens[b] are live). Query head j reads
-// KV head j / (Hq / Hkv). Softmax runs in float32; bf16 values are widened to float32
-// (exact) and rounded to nearest-even on store, as torch does.
+// query b reads index row b (rows `width` apart; width 0: every query shares row 0) up to
+// lens[b] slots. Query head j reads KV head j / (Hq / Hkv). Softmax runs in float32; bf16
+// values are widened to float32 (exact) and rounded to nearest-even on store, as torch
+// does. A request's prompt tokens run here too: width 0 over its slots, lens prefix+1..
+// prefix+n (native.extend_attention).
 //
 // bf16 with D a multiple of 32 (up to 256) and up to 8 query heads per KV head takes the
 // AVX512-BF16 path: per (request, KV head), each K and V row of that head is read once for
