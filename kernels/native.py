@@ -146,9 +146,14 @@ def extend_attention(
 ) -> torch.Tensor:
     """A request's last n tokens q [n, Hq, D] over its keys at pool rows `slots` [L], causally:
     token i sees slots[: L - n + i + 1]. Each token runs as a decode over one shared index."""
-    n, total = q.shape[0], slots.numel()
-    lens = torch.arange(total - n + 1, total + 1)
-    return _attend(q, k_pool, v_pool, slots.view(1, total), 0, lens, scale)
+    total = slots.numel()
+    return _attend(q, k_pool, v_pool, slots.view(1, total), 0, causal_lens(q.shape[0], total),
+                   scale)
+
+
+def causal_lens(new: int, total: int) -> torch.Tensor:
+    """How many of a request's `total` keys each of its last `new` tokens sees (causal)."""
+    return torch.arange(total - new + 1, total + 1)
 
 
 def _attend(

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "bf16.h"
+#include "entry.h"
 #include "vec.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)

@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "bf16.h"
+#include "entry.h"
 
 // a * b + c must round twice, as torch's separate ops do: no fused multiply-adds here.
 #pragma GCC optimize("fp-contract=off")
@@ -48,7 +49,22 @@ void rotary(T* x, const int64_t* positions, const T* cos, const T* sin, int toke
   }
 }
 
-void silu_mul_bf16(const uint16_t* x, uint16_t* out, int rows, int width, int threads) {
+}  // namespace
+
+extern "C" {
+
+void rotary_f32(float* x, const int64_t* positions, const float* cos, const float* sin,
+                int tokens, int heads, int64_t stride, int dim, int threads) {
+  rotary(x, positions, cos, sin, tokens, heads, stride, dim, threads);
+}
+
+void rotary_bf16(uint16_t* x, const int64_t* positions, const uint16_t* cos,
+                 const uint16_t* sin, int tokens, int heads, int64_t stride, int dim,
+                 int threads) {
+  rotary(x, positions, cos, sin, tokens, heads, stride, dim, threads);
+}
+
+void silu_mul_bf16_rows(const uint16_t* x, uint16_t* out, int rows, int width, int threads) {
   const int used = static_cast<int64_t>(rows) * width >= kParallelElems ? threads : 1;
 #pragma omp parallel for schedule(static) num_threads(used) if (used > 1)
   for (int r = 0; r < rows; ++r) {
@@ -73,25 +89,6 @@ void silu_mul_bf16(const uint16_t* x, uint16_t* out, int rows, int width, int th
       store(o + d, silu * load(up[d]));
     }
   }
-}
-
-}  // namespace
-
-extern "C" {
-
-void rotary_f32(float* x, const int64_t* positions, const float* cos, const float* sin,
-                int tokens, int heads, int64_t stride, int dim, int threads) {
-  rotary(x, positions, cos, sin, tokens, heads, stride, dim, threads);
-}
-
-void rotary_bf16(uint16_t* x, const int64_t* positions, const uint16_t* cos,
-                 const uint16_t* sin, int tokens, int heads, int64_t stride, int dim,
-                 int threads) {
-  rotary(x, positions, cos, sin, tokens, heads, stride, dim, threads);
-}
-
-void silu_mul_bf16_rows(const uint16_t* x, uint16_t* out, int rows, int width, int threads) {
-  silu_mul_bf16(x, out, rows, width, threads);
 }
 
 }  // extern "C"

@@ -12,6 +12,7 @@
 // from memory evenly rather than in a burst at each block's first tile.
 #include <cstdint>
 
+#include "entry.h"
 #include "vec.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)

@@ -7,20 +7,7 @@
 #include <cstdint>
 #include <cstring>
 
-extern "C" {
-void rms_norm_bf16(const uint16_t* x, const uint16_t* w, uint16_t* out, int rows, int dim,
-                   float eps, int threads);
-void gemm_bf16(const uint16_t* x, const uint16_t* wp, const uint16_t* bias,
-               const uint16_t* residual, uint16_t* out, int m, int n, int k, int threads);
-void rotary_bf16(uint16_t* x, const int64_t* positions, const uint16_t* cos,
-                 const uint16_t* sin, int tokens, int heads, int64_t stride, int dim,
-                 int threads);
-void decode_attention_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* v,
-                           const int64_t* index, const int64_t* lens, uint16_t* out,
-                           int batch, int width, int hq, int hkv, int dim, float scale,
-                           int threads);
-void silu_mul_bf16_rows(const uint16_t* x, uint16_t* out, int rows, int width, int threads);
-}
+#include "entry.h"
 
 namespace {
 

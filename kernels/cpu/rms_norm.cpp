@@ -5,6 +5,7 @@
 #include <cstdint>
 
 #include "bf16.h"
+#include "entry.h"
 
 namespace {
 

@@ -60,7 +60,7 @@ class TorchAttention(AttentionBackend):
             runs.append(AttentionRun(first, rows.numel(), kv, kv.shape[1], self._decode_lens))
         for start, n, slots in self._extends:
             total = slots.numel()
-            lens = torch.arange(total - n + 1, total + 1)
+            lens = native.causal_lens(n, total)
             runs.append(AttentionRun(start, n, slots.view(1, total), 0, lens))
         return NativePlan(self._meta.out_slots, tuple(runs), self.scale)
 
