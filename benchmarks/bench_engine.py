@@ -92,7 +92,7 @@ QUICK = Sizes(4, (16, 32), 16, 16, 16, 256, 4, 256, 16, 8)
 
 def word_tokens() -> list[int]:
     """Ids of ordinary word tokens in the default model's vocabulary."""
-    from radixmesh.services.tokenizer.tokenizer import Tokenizer
+    from radixmesh.core.tokenizer import Tokenizer
 
     tok = Tokenizer.from_path(None)
     ids = [i for i in range(tok.vocab_size) if WORD_TOKEN.match(tok.id_to_token(i) or "")]

@@ -33,8 +33,8 @@ SEED = 1234
 
 
 def prompts(n: int, length: int) -> list[list[int]]:
-    from radixmesh.services.tokenizer.tokenizer import Tokenizer
-    from radixmesh.services.worker.model_source import resolve_model_path
+    from radixmesh.core.model_files import resolve_model_path
+    from radixmesh.core.tokenizer import Tokenizer
 
     tok = Tokenizer.from_path(str(resolve_model_path(None)))
     words = [

@@ -49,12 +49,12 @@ def run_side(traced: bool, work: list[list[int]], new_tokens: int, dtype: str) -
 
 def hook_cost(n: int = 20000, chunks: int = 16) -> dict[str, float]:
     """Microseconds per request of the tokenizer's and scheduler's hooks, tracing off."""
+    from radixmesh.core.sampling_params import SamplingParams
     from radixmesh.proto import mesh_pb2 as mpb
     from radixmesh.services.scheduler.request_traces import RequestTraces
     from radixmesh.services.tokenizer.generation import GenerationChunk, GenerationRequest
     from radixmesh.services.tokenizer.request_trace import RequestTrace
     from radixmesh.services.tokenizer.router import Router
-    from radixmesh.services.worker.sampling_params import SamplingParams
 
     router = Router()
     router.update_engine("e0", 0)
@@ -99,12 +99,12 @@ def step_cost(traced: bool, requests: int = 8, new_tokens: int = 32, rounds: int
         SpanExportResult,
     )
 
+    from radixmesh.core.sampling_params import SamplingParams
     from radixmesh.proto import mesh_pb2 as mpb
     from radixmesh.services.scheduler.request import Req
     from radixmesh.services.scheduler.request_traces import RequestTraces
     from radixmesh.services.scheduler.scheduler import Scheduler, SchedulerConfig
     from radixmesh.services.scheduler.updates import UpdateBuilder
-    from radixmesh.services.worker.sampling_params import SamplingParams
     from radixmesh.tracing import install
 
     class Encoding(SpanExporter):

@@ -48,7 +48,7 @@ from radixmesh.bench.workloads import (
     shared_prefix_workload,
     word_pool,
 )
-from radixmesh.services.tokenizer.tokenizer import Tokenizer
+from radixmesh.core.tokenizer import Tokenizer
 
 TARGETS = ("radixmesh", "llama.cpp", "hf")
 SEED = 1234
@@ -128,7 +128,7 @@ def run_radixmesh(args: argparse.Namespace, tok: Tokenizer, pool: list[int]) -> 
 
 def llama_flags(args: argparse.Namespace, port: int) -> dict[str, str]:
     """llama-cpp-python's server flags: one model, one request at a time (it has no slots)."""
-    from radixmesh.services.worker.model_source import resolve_model_path
+    from radixmesh.core.model_files import resolve_model_path
 
     return {
         "model": str(resolve_model_path(None)), "host": "127.0.0.1", "port": str(port),

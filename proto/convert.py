@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from radixmesh.proto import forward_pb2 as pb
-from radixmesh.services.worker.sampling_params import SamplingParams
+from radixmesh.core.sampling_params import SamplingParams
+from radixmesh.proto import worker_pb2 as pb
 
 
 def sampling_to_proto(p: SamplingParams, seed: int) -> pb.SamplingParams:

@@ -22,56 +22,38 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
-from radixmesh.proto import forward_pb2 as radixmesh_dot_proto_dot_forward__pb2
+from radixmesh.proto import worker_pb2 as radixmesh_dot_proto_dot_worker__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aradixmesh/proto/mesh.proto\x12\x0eradixmesh.mesh\x1a\x1dradixmesh/proto/forward.proto\"\x13\n\x11WorkerInfoRequest\"\xb0\x01\n\nWorkerInfo\x12\x11\n\tnum_slots\x18\x01 \x01(\x05\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x1f\n\x17max_position_embeddings\x18\x03 \x01(\x05\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x12\n\nmodel_path\x18\x05 \x01(\t\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x0f\n\x07tp_rank\x18\x07 \x01(\x05\x12\x0f\n\x07tp_size\x18\x08 \x01(\x05\"y\n\tDetokSpec\x12\x0c\n\x04stop\x18\x01 \x03(\t\x12\x14\n\x0cno_stop_trim\x18\x02 \x01(\x08\x12\x1b\n\x13skip_special_tokens\x18\x03 \x01(\x08\x12\x16\n\x0emin_new_tokens\x18\x04 \x01(\x05\x12\x13\n\x0bprompt_tail\x18\x05 \x03(\x05\"\xc2\x02\n\rEngineRequest\x12\x0b\n\x03rid\x18\x01 \x01(\t\x12\x11\n\tinput_ids\x18\x02 \x03(\x05\x12\x33\n\x08sampling\x18\x03 \x01(\x0b\x32!.radixmesh.forward.SamplingParams\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\x05\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\x16\n\x0ereturn_logprob\x18\x07 \x01(\x08\x12\x18\n\x10top_logprobs_num\x18\x08 \x01(\x05\x12\x19\n\x11logprob_start_len\x18\t \x01(\x05\x12\x10\n\x08reply_to\x18\n \x01(\t\x12(\n\x05\x64\x65tok\x18\x0b \x01(\x0b\x32\x19.radixmesh.mesh.DetokSpec\x12\x15\n\rdetok_context\x18\x0c \x01(\x05\"V\n\x06\x46inish\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x12\n\x08token_id\x18\x02 \x01(\x05H\x00\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12\x0f\n\x07message\x18\x04 \x01(\tB\t\n\x07matched\"C\n\x0c\x41\x62ortRequest\x12\x0b\n\x03rid\x18\x01 \x01(\t\x12&\n\x06\x66inish\x18\x02 \x01(\x0b\x32\x16.radixmesh.mesh.Finish\"\xe0\x03\n\x0bTokenUpdate\x12\x0b\n\x03rid\x18\x01 \x01(\t\x12\x10\n\x08reply_to\x18\x02 \x01(\t\x12\x0b\n\x03seq\x18\x03 \x01(\x05\x12\x0e\n\x06offset\x18\x04 \x01(\x05\x12\x13\n\x0b\x63ontext_ids\x18\x05 \x03(\x05\x12\x0f\n\x07new_ids\x18\x06 \x03(\x05\x12(\n\x05\x64\x65tok\x18\x07 \x01(\x0b\x32\x19.radixmesh.mesh.DetokSpec\x12&\n\x06\x66inish\x18\x08 \x01(\x0b\x32\x16.radixmesh.mesh.Finish\x12\x15\n\rprompt_tokens\x18\t \x01(\x05\x12\x15\n\rcached_tokens\x18\n \x01(\x05\x12\x17\n\x0foutput_logprobs\x18\x0b \x03(\x02\x12;\n\x13output_top_logprobs\x18\x0c \x03(\x0b\x32\x1e.radixmesh.forward.TopLogprobs\x12\x1d\n\x15input_logprobs_offset\x18\r \x01(\x05\x12\x16\n\x0einput_logprobs\x18\x0e \x03(\x02\x12:\n\x12input_top_logprobs\x18\x0f \x03(\x0b\x32\x1e.radixmesh.forward.TopLogprobs\x12\x11\n\tengine_id\x18\x10 \x01(\t\x12\x13\n\x0btraceparent\x18\x11 \x01(\t\"9\n\tTokenStep\x12,\n\x07updates\x18\x01 \x03(\x0b\x32\x1b.radixmesh.mesh.TokenUpdate\"\x81\x03\n\tTextChunk\x12\x0b\n\x03rid\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x12\n\noutput_ids\x18\x04 \x03(\x05\x12&\n\x06\x66inish\x18\x05 \x01(\x0b\x32\x16.radixmesh.mesh.Finish\x12\x15\n\rprompt_tokens\x18\x06 \x01(\x05\x12\x15\n\rcached_tokens\x18\x07 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x08 \x01(\x05\x12\x17\n\x0foutput_logprobs\x18\t \x03(\x02\x12;\n\x13output_top_logprobs\x18\n \x03(\x0b\x32\x1e.radixmesh.forward.TopLogprobs\x12\x1d\n\x15input_logprobs_offset\x18\x0b \x01(\x05\x12\x16\n\x0einput_logprobs\x18\x0c \x03(\x02\x12:\n\x12input_top_logprobs\x18\r \x03(\x0b\x32\x1e.radixmesh.forward.TopLogprobs\"7\n\nTextChunks\x12)\n\x06\x63hunks\x18\x01 \x03(\x0b\x32\x19.radixmesh.mesh.TextChunk\"\xd3\x01\n\x0c\x45ngineStatus\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x0f\n\x07running\x18\x02 \x01(\x05\x12\x0f\n\x07waiting\x18\x03 \x01(\x05\x12\x11\n\tnum_slots\x18\x04 \x01(\x05\x12\x12\n\nfree_slots\x18\x05 \x01(\x05\x12\x15\n\rcached_tokens\x18\x06 \x01(\x05\x12\x16\n\x0e\x63ontext_length\x18\x07 \x01(\x05\x12\x12\n\nvocab_size\x18\x08 \x01(\x05\x12\x12\n\nmodel_path\x18\t \x01(\t\x12\x10\n\x08uptime_s\x18\n \x01(\x01\"\x9a\x01\n\nCacheEvent\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x35\n\x08inserted\x18\x02 \x03(\x0b\x32#.radixmesh.mesh.CacheEvent.Sequence\x12\x0f\n\x07\x66lushed\x18\x03 \x01(\x08\x1a\x31\n\x08Sequence\x12\x12\n\ncache_salt\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\"\xc2\x04\n\x14\x43lientSamplingParams\x12\x1b\n\x0emax_new_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x08 \x01(\x02H\x07\x88\x01\x01\x12\x1b\n\x0emin_new_tokens\x18\t \x01(\x05H\x08\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x05\x12\x11\n\x04seed\x18\x0c \x01(\x04H\t\x88\x01\x01\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12 \n\x13skip_special_tokens\x18\x0e \x01(\x08H\n\x88\x01\x01\x12\x14\n\x0cno_stop_trim\x18\x0f \x01(\x08\x42\x11\n\x0f_max_new_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x14\n\x12_frequency_penaltyB\x13\n\x11_presence_penaltyB\x15\n\x13_repetition_penaltyB\x11\n\x0f_min_new_tokensB\x07\n\x05_seedB\x16\n\x14_skip_special_tokens\"\x99\x02\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12-\n\tinput_ids\x18\x02 \x01(\x0b\x32\x18.radixmesh.mesh.TokenIdsH\x00\x12=\n\x0fsampling_params\x18\x03 \x01(\x0b\x32$.radixmesh.mesh.ClientSamplingParams\x12\x16\n\x0ereturn_logprob\x18\x04 \x01(\x08\x12\x19\n\x11logprob_start_len\x18\x05 \x01(\x05\x12\x18\n\x10top_logprobs_num\x18\x06 \x01(\x05\x12\x0b\n\x03rid\x18\x07 \x01(\t\x12\x12\n\ncache_salt\x18\x08 \x01(\t\x12\x10\n\x08priority\x18\t \x01(\x05\x42\x08\n\x06prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"K\n\x11TokenLogprobEntry\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x10\n\x08token_id\x18\x02 \x01(\x05\x12\x13\n\x0bhas_logprob\x18\x03 \x01(\x08\"B\n\x0eTopLogprobList\x12\x30\n\x05items\x18\x01 \x03(\x0b\x32!.radixmesh.mesh.TokenLogprobEntry\"\xae\x03\n\x10GenerateResponse\x12\x0b\n\x03rid\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x12\n\noutput_ids\x18\x03 \x03(\x05\x12\x15\n\rprompt_tokens\x18\x04 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x05 \x01(\x05\x12\x15\n\rcached_tokens\x18\x06 \x01(\x05\x12&\n\x06\x66inish\x18\x07 \x01(\x0b\x32\x16.radixmesh.mesh.Finish\x12@\n\x15output_token_logprobs\x18\x08 \x03(\x0b\x32!.radixmesh.mesh.TokenLogprobEntry\x12;\n\x13output_top_logprobs\x18\t \x03(\x0b\x32\x1e.radixmesh.mesh.TopLogprobList\x12?\n\x14input_token_logprobs\x18\n \x03(\x0b\x32!.radixmesh.mesh.TokenLogprobEntry\x12:\n\x12input_top_logprobs\x18\x0b \x03(\x0b\x32\x1e.radixmesh.mesh.TopLogprobList2\xa0\x01\n\x06Worker\x12L\n\x07\x46orward\x12\x1f.radixmesh.forward.ForwardBatch\x1a .radixmesh.forward.ForwardResult\x12H\n\x07GetInfo\x12!.radixmesh.mesh.WorkerInfoRequest\x1a\x1a.radixmesh.mesh.WorkerInfo2[\n\x08Generate\x12O\n\x08Generate\x12\x1f.radixmesh.mesh.GenerateRequest\x1a .radixmesh.mesh.GenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aradixmesh/proto/mesh.proto\x12\x0eradixmesh.mesh\x1a\x1cradixmesh/proto/worker.proto\"y\n\tDetokSpec\x12\x0c\n\x04stop\x18\x01 \x03(\t\x12\x14\n\x0cno_stop_trim\x18\x02 \x01(\x08\x12\x1b\n\x13skip_special_tokens\x18\x03 \x01(\x08\x12\x16\n\x0emin_new_tokens\x18\x04 \x01(\x05\x12\x13\n\x0bprompt_tail\x18\x05 \x03(\x05\"\xc1\x02\n\rEngineRequest\x12\x0b\n\x03rid\x18\x01 \x01(\t\x12\x11\n\tinput_ids\x18\x02 \x03(\x05\x12\x32\n\x08sampling\x18\x03 \x01(\x0b\x32 .radixmesh.worker.SamplingParams\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\x05\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\x16\n\x0ereturn_logprob\x18\x07 \x01(\x08\x12\x18\n\x10top_logprobs_num\x18\x08 \x01(\x05\x12\x19\n\x11logprob_start_len\x18\t \x01(\x05\x12\x10\n\x08reply_to\x18\n \x01(\t\x12(\n\x05\x64\x65tok\x18\x0b \x01(\x0b\x32\x19.radixmesh.mesh.DetokSpec\x12\x15\n\rdetok_context\x18\x0c \x01(\x05\"V\n\x06\x46inish\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x12\n\x08token_id\x18\x02 \x01(\x05H\x00\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12\x0f\n\x07message\x18\x04 \x01(\tB\t\n\x07matched\"C\n\x0c\x41\x62ortRequest\x12\x0b\n\x03rid\x18\x01 \x01(\t\x12&\n\x06\x66inish\x18\x02 \x01(\x0b\x32\x16.radixmesh.mesh.Finish\"\xa4\x01\n\x08Logprobs\x12\x0e\n\x06output\x18\x01 \x03(\x02\x12\x31\n\noutput_top\x18\x02 \x03(\x0b\x32\x1d.radixmesh.worker.TopLogprobs\x12\x14\n\x0cinput_offset\x18\x03 \x01(\x05\x12\r\n\x05input\x18\x04 \x03(\x02\x12\x30\n\tinput_top\x18\x05 \x03(\x0b\x32\x1d.radixmesh.worker.TopLogprobs\"\xc3\x02\n\x0bTokenUpdate\x12\x0b\n\x03rid\x18\x01 \x01(\t\x12\x10\n\x08reply_to\x18\x02 \x01(\t\x12\x0b\n\x03seq\x18\x03 \x01(\x05\x12\x0e\n\x06offset\x18\x04 \x01(\x05\x12\x13\n\x0b\x63ontext_ids\x18\x05 \x03(\x05\x12\x0f\n\x07new_ids\x18\x06 \x03(\x05\x12(\n\x05\x64\x65tok\x18\x07 \x01(\x0b\x32\x19.radixmesh.mesh.DetokSpec\x12&\n\x06\x66inish\x18\x08 \x01(\x0b\x32\x16.radixmesh.mesh.Finish\x12\x15\n\rprompt_tokens\x18\t \x01(\x05\x12\x15\n\rcached_tokens\x18\n \x01(\x05\x12*\n\x08logprobs\x18\x0b \x01(\x0b\x32\x18.radixmesh.mesh.Logprobs\x12\x11\n\tengine_id\x18\x10 \x01(\t\x12\x13\n\x0btraceparent\x18\x11 \x01(\t\"9\n\tTokenStep\x12,\n\x07updates\x18\x01 \x03(\x0b\x32\x1b.radixmesh.mesh.TokenUpdate\"\xe4\x01\n\tTextChunk\x12\x0b\n\x03rid\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x12\n\noutput_ids\x18\x04 \x03(\x05\x12&\n\x06\x66inish\x18\x05 \x01(\x0b\x32\x16.radixmesh.mesh.Finish\x12\x15\n\rprompt_tokens\x18\x06 \x01(\x05\x12\x15\n\rcached_tokens\x18\x07 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x08 \x01(\x05\x12*\n\x08logprobs\x18\t \x01(\x0b\x32\x18.radixmesh.mesh.Logprobs\"7\n\nTextChunks\x12)\n\x06\x63hunks\x18\x01 \x03(\x0b\x32\x19.radixmesh.mesh.TextChunk\"\xd3\x01\n\x0c\x45ngineStatus\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x0f\n\x07running\x18\x02 \x01(\x05\x12\x0f\n\x07waiting\x18\x03 \x01(\x05\x12\x11\n\tnum_slots\x18\x04 \x01(\x05\x12\x12\n\nfree_slots\x18\x05 \x01(\x05\x12\x15\n\rcached_tokens\x18\x06 \x01(\x05\x12\x16\n\x0e\x63ontext_length\x18\x07 \x01(\x05\x12\x12\n\nvocab_size\x18\x08 \x01(\x05\x12\x12\n\nmodel_path\x18\t \x01(\t\x12\x10\n\x08uptime_s\x18\n \x01(\x01\"\x9a\x01\n\nCacheEvent\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x35\n\x08inserted\x18\x02 \x03(\x0b\x32#.radixmesh.mesh.CacheEvent.Sequence\x12\x0f\n\x07\x66lushed\x18\x03 \x01(\x08\x1a\x31\n\x08Sequence\x12\x12\n\ncache_salt\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'radixmesh.proto.mesh_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_WORKERINFOREQUEST']._serialized_start=77
-  _globals['_WORKERINFOREQUEST']._serialized_end=96
-  _globals['_WORKERINFO']._serialized_start=99
-  _globals['_WORKERINFO']._serialized_end=275
-  _globals['_DETOKSPEC']._serialized_start=277
-  _globals['_DETOKSPEC']._serialized_end=398
-  _globals['_ENGINEREQUEST']._serialized_start=401
-  _globals['_ENGINEREQUEST']._serialized_end=723
-  _globals['_FINISH']._serialized_start=725
-  _globals['_FINISH']._serialized_end=811
-  _globals['_ABORTREQUEST']._serialized_start=813
-  _globals['_ABORTREQUEST']._serialized_end=880
-  _globals['_TOKENUPDATE']._serialized_start=883
-  _globals['_TOKENUPDATE']._serialized_end=1363
-  _globals['_TOKENSTEP']._serialized_start=1365
-  _globals['_TOKENSTEP']._serialized_end=1422
-  _globals['_TEXTCHUNK']._serialized_start=1425
-  _globals['_TEXTCHUNK']._serialized_end=1810
-  _globals['_TEXTCHUNKS']._serialized_start=1812
-  _globals['_TEXTCHUNKS']._serialized_end=1867
-  _globals['_ENGINESTATUS']._serialized_start=1870
-  _globals['_ENGINESTATUS']._serialized_end=2081
-  _globals['_CACHEEVENT']._serialized_start=2084
-  _globals['_CACHEEVENT']._serialized_end=2238
-  _globals['_CACHEEVENT_SEQUENCE']._serialized_start=2189
-  _globals['_CACHEEVENT_SEQUENCE']._serialized_end=2238
-  _globals['_CLIENTSAMPLINGPARAMS']._serialized_start=2241
-  _globals['_CLIENTSAMPLINGPARAMS']._serialized_end=2819
-  _globals['_GENERATEREQUEST']._serialized_start=2822
-  _globals['_GENERATEREQUEST']._serialized_end=3103
-  _globals['_TOKENIDS']._serialized_start=3105
-  _globals['_TOKENIDS']._serialized_end=3128
-  _globals['_TOKENLOGPROBENTRY']._serialized_start=3130
-  _globals['_TOKENLOGPROBENTRY']._serialized_end=3205
-  _globals['_TOPLOGPROBLIST']._serialized_start=3207
-  _globals['_TOPLOGPROBLIST']._serialized_end=3273
-  _globals['_GENERATERESPONSE']._serialized_start=3276
-  _globals['_GENERATERESPONSE']._serialized_end=3706
-  _globals['_WORKER']._serialized_start=3709
-  _globals['_WORKER']._serialized_end=3869
-  _globals['_GENERATE']._serialized_start=3871
-  _globals['_GENERATE']._serialized_end=3962
+  _globals['_DETOKSPEC']._serialized_start=76
+  _globals['_DETOKSPEC']._serialized_end=197
+  _globals['_ENGINEREQUEST']._serialized_start=200
+  _globals['_ENGINEREQUEST']._serialized_end=521
+  _globals['_FINISH']._serialized_start=523
+  _globals['_FINISH']._serialized_end=609
+  _globals['_ABORTREQUEST']._serialized_start=611
+  _globals['_ABORTREQUEST']._serialized_end=678
+  _globals['_LOGPROBS']._serialized_start=681
+  _globals['_LOGPROBS']._serialized_end=845
+  _globals['_TOKENUPDATE']._serialized_start=848
+  _globals['_TOKENUPDATE']._serialized_end=1171
+  _globals['_TOKENSTEP']._serialized_start=1173
+  _globals['_TOKENSTEP']._serialized_end=1230
+  _globals['_TEXTCHUNK']._serialized_start=1233
+  _globals['_TEXTCHUNK']._serialized_end=1461
+  _globals['_TEXTCHUNKS']._serialized_start=1463
+  _globals['_TEXTCHUNKS']._serialized_end=1518
+  _globals['_ENGINESTATUS']._serialized_start=1521
+  _globals['_ENGINESTATUS']._serialized_end=1732
+  _globals['_CACHEEVENT']._serialized_start=1735
+  _globals['_CACHEEVENT']._serialized_end=1889
+  _globals['_CACHEEVENT_SEQUENCE']._serialized_start=1840
+  _globals['_CACHEEVENT_SEQUENCE']._serialized_end=1889
 # @@protoc_insertion_point(module_scope)

@@ -17,17 +17,19 @@ from typing import Any
 
 import torch
 
+from radixmesh.core.model_files import resolve_model_path
+from radixmesh.core.request import FinishKind, FinishReason, LogprobRequest
+from radixmesh.core.sampling_params import SamplingParams
+from radixmesh.core.tokenizer import Tokenizer
 from radixmesh.engine_args import EngineArgs
-from radixmesh.proto import forward_pb2 as pb
+from radixmesh.proto import worker_pb2 as pb
 from radixmesh.request_output import RequestStream
-from radixmesh.services.scheduler.request import FinishKind, FinishReason, LogprobRequest, Req
+from radixmesh.services.scheduler.request import Req
 from radixmesh.services.scheduler.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
-from radixmesh.services.tokenizer.tokenizer import Tokenizer
 from radixmesh.services.worker.device import resolve_device
 from radixmesh.services.worker.memory import release_free_memory
-from radixmesh.services.worker.model_source import load_model, resolve_model_path
+from radixmesh.services.worker.model_source import load_model
 from radixmesh.services.worker.runner import ModelRunner
-from radixmesh.services.worker.sampling_params import SamplingParams
 
 log = logging.getLogger("radixmesh.engine")
 

@@ -32,7 +32,7 @@ def nats_url() -> Iterator[str]:
 @pytest.fixture(scope="module")
 def tokenizer():
     """The default model's tokenizer."""
-    from radixmesh.services.tokenizer.tokenizer import Tokenizer
+    from radixmesh.core.tokenizer import Tokenizer
 
     return Tokenizer.from_path(None)
 

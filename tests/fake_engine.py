@@ -13,8 +13,8 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from radixmesh.mesh import subjects
-from radixmesh.proto import forward_pb2 as fpb
 from radixmesh.proto import mesh_pb2 as mpb
+from radixmesh.proto import worker_pb2 as wpb
 
 
 def token_text(token_id: int) -> str:
@@ -36,9 +36,9 @@ def input_logprob(position: int) -> float:
     return math.nan if position == 0 else -position / 100
 
 
-def _top(token_id: int, n: int) -> fpb.TopLogprobs:
-    return fpb.TopLogprobs(
-        items=[fpb.TokenLogprob(token_id=token_id + k, logprob=-(k + 1.0)) for k in range(n)]
+def _top(token_id: int, n: int) -> wpb.TopLogprobs:
+    return wpb.TopLogprobs(
+        items=[wpb.TokenLogprob(token_id=token_id + k, logprob=-(k + 1.0)) for k in range(n)]
     )
 
 
@@ -190,9 +190,9 @@ class FakeEngine:
         ] or [mpb.TextChunk(seq=0, **common)]
         if request.return_logprob:
             for i, (chunk, t) in enumerate(zip(chunks, out, strict=False)):
-                chunk.output_logprobs.append(output_logprob(i))
+                chunk.logprobs.output.append(output_logprob(i))
                 if request.top_logprobs_num:
-                    chunk.output_top_logprobs.append(_top(t, request.top_logprobs_num))
+                    chunk.logprobs.output_top.append(_top(t, request.top_logprobs_num))
             self._add_input_logprobs(request, chunks)
         limit = request.max_new_tokens
         chunks[-1].finish.CopyFrom(mpb.Finish(kind="length", token_id=limit))
@@ -213,10 +213,10 @@ class FakeEngine:
             half = len(positions) // 2
             parts = [(chunks[0], positions[:half], 0), (chunks[1], positions[half:], half)]
         for chunk, part, offset in parts:
-            chunk.input_logprobs_offset = offset
-            chunk.input_logprobs.extend(input_logprob(p) for p in part)
+            chunk.logprobs.input_offset = offset
+            chunk.logprobs.input.extend(input_logprob(p) for p in part)
             if request.top_logprobs_num:
-                chunk.input_top_logprobs.extend(
-                    _top(request.input_ids[p], request.top_logprobs_num) if p else fpb.TopLogprobs()
+                chunk.logprobs.input_top.extend(
+                    _top(request.input_ids[p], request.top_logprobs_num) if p else wpb.TopLogprobs()
                     for p in part
                 )

@@ -7,13 +7,13 @@ import asyncio
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from radixmesh.core.tokenizer import Tokenizer
 from radixmesh.services.tokenizer.generation import (
     GenerationChunk,
     GenerationError,
     GenerationRequest,
     TokenLogprob,
 )
-from radixmesh.services.tokenizer.tokenizer import Tokenizer
 
 REPLY = " The answer is 42. Have a nice day!"
 EOS_ID = 2

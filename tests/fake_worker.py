@@ -7,7 +7,7 @@ whole sequence, as a real model's would be."""
 
 from __future__ import annotations
 
-from radixmesh.proto import forward_pb2 as pb
+from radixmesh.proto import worker_pb2 as pb
 
 VOCAB = 50
 

@@ -72,7 +72,7 @@ def test_lengths_must_be_positive(bad):
 
 
 def test_word_pool_prompts_round_trip_through_text():
-    from radixmesh.services.tokenizer.tokenizer import Tokenizer
+    from radixmesh.core.tokenizer import Tokenizer
 
     tok = Tokenizer.from_path(None)
     pool = word_pool(tok)

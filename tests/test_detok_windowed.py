@@ -8,6 +8,9 @@ from collections.abc import Sequence
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from radixmesh.core.request import FinishKind, FinishReason
+from radixmesh.core.sampling_params import SamplingParams
+from radixmesh.core.tokenizer import Tokenizer, _bytes_to_unicode
 from radixmesh.request_output import RequestStream
 from radixmesh.services.detokenizer.windowed import (
     TextRules,
@@ -16,9 +19,7 @@ from radixmesh.services.detokenizer.windowed import (
     detok_context_size,
     window_text,
 )
-from radixmesh.services.scheduler.request import FinishKind, FinishReason, Req
-from radixmesh.services.tokenizer.tokenizer import Tokenizer, _bytes_to_unicode
-from radixmesh.services.worker.sampling_params import SamplingParams
+from radixmesh.services.scheduler.request import Req
 
 EOS = 2  # <|im_end|>, the stop token
 SPECIALS = range(17)

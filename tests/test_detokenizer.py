@@ -60,7 +60,7 @@ def metaspace_bpe() -> Tokenizer:
 @functools.cache
 def project_tokenizer() -> object | None:
     """The project's default tokenizer, or None while that module does not exist yet."""
-    name = "radixmesh.services.tokenizer.tokenizer"
+    name = "radixmesh.core.tokenizer"
     try:
         module = importlib.import_module(name)
     except ModuleNotFoundError as exc:
@@ -259,7 +259,7 @@ def test_window_stays_small_for_invalid_bytes_and_skipped_tokens() -> None:
 def test_project_default_tokenizer(text: str, sizes: list[int]) -> None:
     tok = project_tokenizer()
     if tok is None:
-        pytest.skip("radixmesh.services.tokenizer.tokenizer is not written yet")
+        pytest.skip("radixmesh.core.tokenizer is not written yet")
     check_stream(tok.decode, list(tok.encode(text)), sizes)
 
 

@@ -15,12 +15,12 @@ import threading
 import aiohttp
 import nats
 
+from radixmesh.core.tokenizer import Tokenizer
 from radixmesh.mesh import subjects
-from radixmesh.proto import forward_pb2 as fpb
 from radixmesh.proto import mesh_pb2 as mpb
+from radixmesh.proto import worker_pb2 as wpb
 from radixmesh.services.detokenizer.config import DetokenizerConfig
 from radixmesh.services.detokenizer.server import DetokenizerService, step_replies
-from radixmesh.services.tokenizer.tokenizer import Tokenizer
 
 OWNER_A = subjects.tokenizer_out("a")
 OWNER_B = subjects.tokenizer_out("b")
@@ -47,10 +47,12 @@ def two_requests() -> tuple[mpb.TokenStep, mpb.TextChunks, mpb.TextChunks, mpb.A
         detok=mpb.DetokSpec(skip_special_tokens=True, prompt_tail=prompt),
         prompt_tokens=1,
         cached_tokens=1,
-        output_logprobs=[-0.5, -1.0, -1.5, -2.0],
-        output_top_logprobs=[
-            fpb.TopLogprobs(items=[fpb.TokenLogprob(token_id=i, logprob=-0.1)]) for i in hello
-        ],
+        logprobs=mpb.Logprobs(
+            output=[-0.5, -1.0, -1.5, -2.0],
+            output_top=[
+                wpb.TopLogprobs(items=[wpb.TokenLogprob(token_id=i, logprob=-0.1)]) for i in hello
+            ],
+        ),
         engine_id=ENGINE,
     )
     one, end, two = tok.encode(" one END two")
@@ -76,8 +78,7 @@ def two_requests() -> tuple[mpb.TokenStep, mpb.TextChunks, mpb.TextChunks, mpb.A
                 prompt_tokens=1,
                 cached_tokens=1,
                 completion_tokens=4,
-                output_logprobs=plain.output_logprobs,
-                output_top_logprobs=plain.output_top_logprobs,
+                logprobs=plain.logprobs,
             )
         ]
     )

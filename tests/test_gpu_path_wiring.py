@@ -19,18 +19,18 @@ from tiny_model import VOCAB, save_tiny_model, tokens
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from radixmesh import cli
+from radixmesh.core.sampling_params import SamplingParams
 from radixmesh.engine import Engine
 from radixmesh.engine_args import EngineArgs
 from radixmesh.launcher import Mesh, MeshArgs
 from radixmesh.mesh.config import build_config
-from radixmesh.proto import forward_pb2 as pb
+from radixmesh.proto import worker_pb2 as pb
 from radixmesh.proto.convert import sampling_to_proto
 from radixmesh.services.worker.attention_choice import check_runs_on
 from radixmesh.services.worker.config import WorkerConfig
 from radixmesh.services.worker.device import resolve_device
 from radixmesh.services.worker.model_source import load_model
 from radixmesh.services.worker.runner import ModelRunner
-from radixmesh.services.worker.sampling_params import SamplingParams
 from radixmesh.services.worker.server import WorkerService
 from radixmesh.services.worker.torch_attention import TorchAttention
 from radixmesh.services.worker.triton_attention import TritonAttention

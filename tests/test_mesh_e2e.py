@@ -14,8 +14,8 @@ import openai
 import pytest
 
 from radixmesh.launcher import Mesh, MeshArgs
-from radixmesh.proto import mesh_pb2 as mpb
-from radixmesh.proto import mesh_pb2_grpc as mgrpc
+from radixmesh.proto import generate_pb2 as gpb
+from radixmesh.proto import generate_pb2_grpc as ggrpc
 
 GREEDY = {"temperature": 0, "max_new_tokens": 16}
 
@@ -133,12 +133,12 @@ def test_openai_chat_and_completions(mesh, client):
 
 
 def test_grpc_generate_streams(mesh):
-    async def run() -> list[mpb.GenerateResponse]:
+    async def run() -> list[gpb.GenerateResponse]:
         async with grpc.aio.insecure_channel(mesh.grpc_addrs[0]) as channel:
-            stub = mgrpc.GenerateStub(channel)
-            request = mpb.GenerateRequest(
+            stub = ggrpc.GenerateStub(channel)
+            request = gpb.GenerateRequest(
                 text="Count: one, two,",
-                sampling_params=mpb.ClientSamplingParams(max_new_tokens=10, temperature=0),
+                sampling_params=gpb.ClientSamplingParams(max_new_tokens=10, temperature=0),
             )
             return [r async for r in stub.Generate(request)]
 
@@ -152,9 +152,9 @@ def test_grpc_generate_streams(mesh):
 def test_grpc_cancel_frees_slots(mesh, client):
     async def run() -> int:
         async with grpc.aio.insecure_channel(mesh.grpc_addrs[0]) as channel:
-            stub = mgrpc.GenerateStub(channel)
-            params = mpb.ClientSamplingParams(max_new_tokens=2000, ignore_eos=True)
-            call = stub.Generate(mpb.GenerateRequest(text="Go on and on", sampling_params=params))
+            stub = ggrpc.GenerateStub(channel)
+            params = gpb.ClientSamplingParams(max_new_tokens=2000, ignore_eos=True)
+            call = stub.Generate(gpb.GenerateRequest(text="Go on and on", sampling_params=params))
             seen = 0
             async for response in call:
                 seen += len(response.output_ids)

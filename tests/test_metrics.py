@@ -8,8 +8,9 @@ import pytest
 from fake_worker import FakeWorker
 from prometheus_client import REGISTRY
 
-from radixmesh.proto import forward_pb2 as fpb
+from radixmesh.core.sampling_params import SamplingParams
 from radixmesh.proto import mesh_pb2 as mpb
+from radixmesh.proto import worker_pb2 as wpb
 from radixmesh.services.detokenizer import metrics as detok_metrics
 from radixmesh.services.scheduler.metrics import SchedulerMetrics, ThroughputMeter
 from radixmesh.services.scheduler.request import Req
@@ -17,7 +18,6 @@ from radixmesh.services.scheduler.scheduler import Scheduler, SchedulerConfig
 from radixmesh.services.tokenizer.generation import GenerationChunk
 from radixmesh.services.tokenizer.metrics import TokenizerMetrics
 from radixmesh.services.worker.metrics import WorkerMetrics, batch_tokens
-from radixmesh.services.worker.sampling_params import SamplingParams
 
 _names = itertools.count()
 
@@ -214,12 +214,12 @@ def test_worker_counts_every_step_and_sizes_the_ones_that_compute() -> None:
     labels = {"model_name": "m", "tp_rank": str(rank)}
     metrics = WorkerMetrics(rank)
     metrics.loaded("m", 496)
-    batch = fpb.ForwardBatch(step=1)
+    batch = wpb.ForwardBatch(step=1)
     batch.entries.add(rid="a", input_ids=[1, 2, 3, 4, 5], slots=[0, 1, 2, 3, 4], sample=True)
     batch.entries.add(rid="b", slots=[9], sample=True)  # a decode: one token, no ids
     assert batch_tokens(batch) == 6
     metrics.forward(batch, forward_ms=20)
-    metrics.forward(fpb.ForwardBatch(step=2, release=["a"]), forward_ms=1)
+    metrics.forward(wpb.ForwardBatch(step=2, release=["a"]), forward_ms=1)
     assert value("radixmesh:worker_kv_pool_tokens", **labels) == 496
     assert value("radixmesh:worker_forward_seconds_count", **labels) == 2
     assert value("radixmesh:worker_forward_seconds_sum", **labels) == pytest.approx(0.021)

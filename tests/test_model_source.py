@@ -11,8 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from radixmesh.services.worker.model_source import LoadedModel, load_model, resolve_model_path
-from radixmesh.services.worker.weights_gguf import read_gguf, unpermute_rows
+from radixmesh.core.gguf import read_gguf
+from radixmesh.core.model_files import resolve_model_path
+from radixmesh.services.worker.model_source import LoadedModel, load_model
+from radixmesh.services.worker.weights_gguf import unpermute_rows
 
 transformers = pytest.importorskip("transformers")
 

@@ -5,12 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from radixmesh.proto import forward_pb2 as pb
+from radixmesh.core.model_files import default_model_path
+from radixmesh.core.sampling_params import SamplingParams
+from radixmesh.proto import worker_pb2 as pb
 from radixmesh.proto.convert import sampling_to_proto
 from radixmesh.services.worker.model_config import ModelConfig
-from radixmesh.services.worker.model_source import default_model_path, load_model
+from radixmesh.services.worker.model_source import load_model
 from radixmesh.services.worker.runner import ModelRunner
-from radixmesh.services.worker.sampling_params import SamplingParams
 
 transformers = pytest.importorskip("transformers")
 
@@ -59,7 +60,7 @@ def hf_smollm2():
 
 
 def test_smollm2_greedy_matches_hf(smollm2, hf_smollm2) -> None:
-    from radixmesh.services.tokenizer.tokenizer import Tokenizer
+    from radixmesh.core.tokenizer import Tokenizer
 
     tok = Tokenizer.from_path(None)
     runner = ModelRunner(smollm2.config, smollm2.weights, torch.float32, num_slots=512)

@@ -16,9 +16,9 @@ from aiohttp import web
 from fake_generation import EOS_ID, PROMPT_LOGPROB, REPLY, FakeGenerationClient, output_logprob
 from openai import AsyncOpenAI
 
+from radixmesh.core.tokenizer import Tokenizer
 from radixmesh.services.tokenizer.generation import GenerationError
 from radixmesh.services.tokenizer.openai_api import add_openai_routes
-from radixmesh.services.tokenizer.tokenizer import Tokenizer
 
 MODEL = "fake/SmolLM2"
 USER = [{"role": "user", "content": "What is the answer?"}]

@@ -9,6 +9,7 @@ import math
 import pytest
 from fake_generation import FakeGenerationClient
 
+from radixmesh.core.tokenizer import Tokenizer
 from radixmesh.services.tokenizer.generation import GenerationChunk, GenerationError
 from radixmesh.services.tokenizer.openai_choice import Choice, finish_reason, usage
 from radixmesh.services.tokenizer.openai_errors import OpenAIError, error_body
@@ -21,7 +22,6 @@ from radixmesh.services.tokenizer.openai_protocol import (
     parse_completion,
 )
 from radixmesh.services.tokenizer.openai_response import ChatResponse, CompletionResponse
-from radixmesh.services.tokenizer.tokenizer import Tokenizer
 
 MODEL = ServedModel("m", 64, 49152)
 UNKNOWN_CONTEXT = ServedModel("m", 0, 49152)

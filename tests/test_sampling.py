@@ -8,8 +8,8 @@ from collections.abc import Sequence
 import pytest
 import torch
 
+from radixmesh.core.sampling_params import SamplingParams
 from radixmesh.services.worker.sampling import RequestSampler, sample
-from radixmesh.services.worker.sampling_params import SamplingParams
 
 # ---------------------------------------------------------------- SamplingParams
 

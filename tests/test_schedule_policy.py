@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+from radixmesh.core.sampling_params import SamplingParams
 from radixmesh.services.scheduler.kv_allocator import KVAllocator
 from radixmesh.services.scheduler.radix_cache import RadixCache
 from radixmesh.services.scheduler.request import Req
 from radixmesh.services.scheduler.schedule_policy import CACHE_AWARE_QUEUE_LIMIT, SchedulePolicy
-from radixmesh.services.worker.sampling_params import SamplingParams
 
 
 def req(rid: str, tokens: list[int]) -> Req:

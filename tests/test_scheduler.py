@@ -7,9 +7,10 @@ import random
 import pytest
 from fake_worker import FakeWorker, reference_output
 
-from radixmesh.services.scheduler.request import FinishKind, Req
+from radixmesh.core.request import FinishKind
+from radixmesh.core.sampling_params import SamplingParams
+from radixmesh.services.scheduler.request import Req
 from radixmesh.services.scheduler.scheduler import Scheduler, SchedulerConfig
-from radixmesh.services.worker.sampling_params import SamplingParams
 
 
 def make_req(rid: str, prompt: list[int], max_new: int = 8, **kw: object) -> Req:

@@ -13,9 +13,9 @@ import pytest
 from fake_worker import FakeWorker, reference_output
 
 from radixmesh.mesh import subjects
-from radixmesh.proto import forward_pb2 as fpb
 from radixmesh.proto import mesh_pb2 as mpb
-from radixmesh.proto import mesh_pb2_grpc as mgrpc
+from radixmesh.proto import worker_pb2 as wpb
+from radixmesh.proto import worker_pb2_grpc as wgrpc
 from radixmesh.services.scheduler.config import SchedulerServiceConfig
 from radixmesh.services.scheduler.server import SchedulerService
 
@@ -23,13 +23,13 @@ NUM_SLOTS = 256
 REPLY = "rm.tokenizer.test.out"
 
 
-class FakeWorkerServicer(mgrpc.WorkerServicer):
+class FakeWorkerServicer(wgrpc.WorkerServicer):
     def __init__(self) -> None:
         self.worker = FakeWorker(NUM_SLOTS)
         self._order = asyncio.Condition()
         self._last_step = 0
 
-    async def Forward(self, request: fpb.ForwardBatch, context: object) -> fpb.ForwardResult:
+    async def Forward(self, request: wpb.ForwardBatch, context: object) -> wpb.ForwardResult:
         # With overlap, step N+1 is sent before N returns and gRPC may hand it over
         # first; like the real worker, run steps in their numbered order.
         async with self._order:
@@ -41,8 +41,8 @@ class FakeWorkerServicer(mgrpc.WorkerServicer):
             self._order.notify_all()
         return result
 
-    async def GetInfo(self, request: mpb.WorkerInfoRequest, context: object) -> mpb.WorkerInfo:
-        return mpb.WorkerInfo(
+    async def GetInfo(self, request: wpb.WorkerInfoRequest, context: object) -> wpb.WorkerInfo:
+        return wpb.WorkerInfo(
             num_slots=NUM_SLOTS, vocab_size=50, max_position_embeddings=200, tp_size=1,
             model_path="fake", dtype="float32",
         )
@@ -52,7 +52,7 @@ class FakeWorkerServicer(mgrpc.WorkerServicer):
 async def mesh(nats_url: str, overlap: bool = True) -> AsyncIterator[tuple[SchedulerService,
                                                                            nats.NATS]]:
     server = grpc.aio.server()
-    mgrpc.add_WorkerServicer_to_server(FakeWorkerServicer(), server)
+    wgrpc.add_WorkerServicer_to_server(FakeWorkerServicer(), server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     service = SchedulerService(

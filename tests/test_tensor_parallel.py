@@ -10,7 +10,7 @@ import torch
 from tiny_model import HEADS, INTERMEDIATE, KV_HEADS, forward_script, save_tiny_model, tokens
 
 from radixmesh.mesh.nats_server import free_port
-from radixmesh.proto import forward_pb2 as pb
+from radixmesh.proto import worker_pb2 as pb
 from radixmesh.services.worker.attention import AttentionMetadata, SeqSpan
 from radixmesh.services.worker.linear import Linear
 from radixmesh.services.worker.model_source import load_model

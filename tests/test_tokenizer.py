@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from radixmesh.services.tokenizer.tokenizer import Tokenizer
-from radixmesh.services.worker.model_source import resolve_model_path
+from radixmesh.core.model_files import resolve_model_path
+from radixmesh.core.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")
 

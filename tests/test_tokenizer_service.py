@@ -19,10 +19,11 @@ import nats
 import pytest
 from fake_engine import FakeEngine, echo_ids, input_logprob, output_logprob, token_text
 
-from radixmesh.proto import mesh_pb2 as mpb
-from radixmesh.proto import mesh_pb2_grpc
+from radixmesh.core.request import LogprobRequest
+from radixmesh.core.sampling_params import SamplingParams
+from radixmesh.proto import generate_pb2 as gpb
+from radixmesh.proto import generate_pb2_grpc as ggrpc
 from radixmesh.services.detokenizer.windowed import detok_context_size
-from radixmesh.services.scheduler.request import LogprobRequest
 from radixmesh.services.tokenizer.config import TokenizerServiceConfig
 from radixmesh.services.tokenizer.generation import (
     GenerationChunk,
@@ -31,7 +32,6 @@ from radixmesh.services.tokenizer.generation import (
 )
 from radixmesh.services.tokenizer.mesh_client import MeshClient
 from radixmesh.services.tokenizer.server import TokenizerServer, public_args
-from radixmesh.services.worker.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.anyio
 
@@ -264,7 +264,7 @@ async def grpc_stack(nats_url, nc, tokenizer):
     server = TokenizerServer(config, tokenizer=tokenizer)
     await server.start()
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.grpc_port}")
-    stub = mesh_pb2_grpc.GenerateStub(channel)
+    stub = ggrpc.GenerateStub(channel)
     engines: list[FakeEngine] = []
 
     async def add_engine(**options) -> FakeEngine:
@@ -283,9 +283,9 @@ async def grpc_stack(nats_url, nc, tokenizer):
 async def test_grpc_generate_streams_deltas_and_finishes(grpc_stack):
     stub, add_engine = grpc_stack
     await add_engine()
-    request = mpb.GenerateRequest(
-        input_ids=mpb.TokenIds(ids=[21, 22, 23]),
-        sampling_params=mpb.ClientSamplingParams(max_new_tokens=2, temperature=0.0),
+    request = gpb.GenerateRequest(
+        input_ids=gpb.TokenIds(ids=[21, 22, 23]),
+        sampling_params=gpb.ClientSamplingParams(max_new_tokens=2, temperature=0.0),
         return_logprob=True, top_logprobs_num=1, rid="g1",
     )
     replies = [r async for r in stub.Generate(request)]
@@ -305,8 +305,8 @@ async def test_grpc_generate_streams_deltas_and_finishes(grpc_stack):
 async def test_grpc_text_prompt_is_tokenized(grpc_stack, tokenizer):
     stub, add_engine = grpc_stack
     engine = await add_engine()
-    request = mpb.GenerateRequest(text="Hello there",
-                                  sampling_params=mpb.ClientSamplingParams(max_new_tokens=1))
+    request = gpb.GenerateRequest(text="Hello there",
+                                  sampling_params=gpb.ClientSamplingParams(max_new_tokens=1))
     _ = [r async for r in stub.Generate(request)]
     assert list(engine.requests[0].input_ids) == tokenizer.encode("Hello there")
     assert engine.requests[0].logprob_start_len == -1
@@ -316,17 +316,17 @@ async def test_grpc_text_prompt_is_tokenized(grpc_stack, tokenizer):
     ("request_fields", "needle"),
     [
         ({}, "text or input_ids"),
-        ({"input_ids": mpb.TokenIds(ids=[])}, "empty"),
-        ({"input_ids": mpb.TokenIds(ids=[1]),
-          "sampling_params": mpb.ClientSamplingParams(temperature=-1)}, "temperature"),
-        ({"input_ids": mpb.TokenIds(ids=[1] * 5000)}, "context length"),
+        ({"input_ids": gpb.TokenIds(ids=[])}, "empty"),
+        ({"input_ids": gpb.TokenIds(ids=[1]),
+          "sampling_params": gpb.ClientSamplingParams(temperature=-1)}, "temperature"),
+        ({"input_ids": gpb.TokenIds(ids=[1] * 5000)}, "context length"),
     ],
 )
 async def test_grpc_bad_requests_are_invalid_argument(grpc_stack, request_fields, needle):
     stub, add_engine = grpc_stack
     await add_engine()
     with pytest.raises(grpc.aio.AioRpcError) as info:
-        _ = [r async for r in stub.Generate(mpb.GenerateRequest(**request_fields))]
+        _ = [r async for r in stub.Generate(gpb.GenerateRequest(**request_fields))]
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert needle in info.value.details()
 
@@ -334,14 +334,14 @@ async def test_grpc_bad_requests_are_invalid_argument(grpc_stack, request_fields
 async def test_grpc_without_engines_is_unavailable(grpc_stack):
     stub, _ = grpc_stack
     with pytest.raises(grpc.aio.AioRpcError) as info:
-        _ = [r async for r in stub.Generate(mpb.GenerateRequest(text="hi"))]
+        _ = [r async for r in stub.Generate(gpb.GenerateRequest(text="hi"))]
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
 async def test_grpc_cancelled_call_aborts_the_request(grpc_stack):
     stub, add_engine = grpc_stack
     engine = await add_engine(hold=True)
-    call = stub.Generate(mpb.GenerateRequest(input_ids=mpb.TokenIds(ids=[1, 2]), rid="gc"))
+    call = stub.Generate(gpb.GenerateRequest(input_ids=gpb.TokenIds(ids=[1, 2]), rid="gc"))
     first = await call.read()
     assert list(first.output_ids) == [1]
     call.cancel()

@@ -13,8 +13,8 @@ import pytest
 
 from radixmesh.cli import main as cli_main
 from radixmesh.launcher import Mesh, MeshArgs
-from radixmesh.proto import mesh_pb2 as mpb
-from radixmesh.proto import mesh_pb2_grpc as mgrpc
+from radixmesh.proto import generate_pb2 as gpb
+from radixmesh.proto import generate_pb2_grpc as ggrpc
 from radixmesh.tracing import attributes as attr
 from radixmesh.tracing.records import SpanRecord
 from radixmesh.tracing.waterfall import load_spans, rids_of
@@ -155,9 +155,9 @@ def test_grpc_call_and_client_hang_up(mesh):
     async def run() -> None:
         metadata = (("traceparent", f"00-{'5' * 32}-{'6' * 16}-01"),)
         async with grpc.aio.insecure_channel(mesh.grpc_addrs[0]) as channel:
-            stub = mgrpc.GenerateStub(channel)
-            params = mpb.ClientSamplingParams(max_new_tokens=2000, ignore_eos=True)
-            call = stub.Generate(mpb.GenerateRequest(text="Go on", rid="hang-up",
+            stub = ggrpc.GenerateStub(channel)
+            params = gpb.ClientSamplingParams(max_new_tokens=2000, ignore_eos=True)
+            call = stub.Generate(gpb.GenerateRequest(text="Go on", rid="hang-up",
                                                      sampling_params=params), metadata=metadata)
             async for _ in call:
                 call.cancel()
@@ -169,7 +169,7 @@ def test_grpc_call_and_client_hang_up(mesh):
         s.name == "abort" for s in got) == 2 and "engine request" in names(got)), timeout=30)
     spans = [s for s in spans if s.trace_id == "5" * 32]
     by_id = {s.span_id: s for s in spans}
-    call = next(s for s in spans if s.name == "radixmesh.mesh.Generate/Generate")
+    call = next(s for s in spans if s.name == "radixmesh.v1.Generate/Generate")
     assert call.parent_span_id == "6" * 16
     tokenizer_abort, engine_abort = sorted(
         (s for s in spans if s.name == "abort"), key=lambda s: s.start_ns)

@@ -8,6 +8,7 @@ from fake_worker import FakeWorker
 from opentelemetry.trace import SpanKind, StatusCode
 from tracing_helpers import by_name, one, traced
 
+from radixmesh.core.sampling_params import SamplingParams
 from radixmesh.proto import mesh_pb2 as mpb
 from radixmesh.services.detokenizer.server import StepReplies
 from radixmesh.services.detokenizer.step_trace import StepTrace
@@ -18,7 +19,6 @@ from radixmesh.services.scheduler.updates import UpdateBuilder
 from radixmesh.services.tokenizer.generation import GenerationChunk, GenerationRequest
 from radixmesh.services.tokenizer.request_trace import RequestTrace, encode_traced
 from radixmesh.services.tokenizer.router import Router
-from radixmesh.services.worker.sampling_params import SamplingParams
 from radixmesh.tracing import attributes as attr
 from radixmesh.tracing.propagation import (
     context_from_headers,

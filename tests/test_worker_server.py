@@ -19,9 +19,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tiny_model import EOS, forward_script, save_tiny_model, tokens
 
 from radixmesh.mesh.nats_server import free_port
-from radixmesh.proto import forward_pb2 as fpb
-from radixmesh.proto import mesh_pb2 as mpb
-from radixmesh.proto import mesh_pb2_grpc as mgrpc
+from radixmesh.proto import worker_pb2 as wpb
+from radixmesh.proto import worker_pb2_grpc as wgrpc
 from radixmesh.services.worker.model_source import load_model
 from radixmesh.services.worker.runner import ModelRunner
 from radixmesh.services.worker.server import SERVICE_NAME
@@ -47,7 +46,7 @@ class WorkerProcess:
         self.addr = f"{match[1]}:{match[2]}"
         self.metrics_url = f"http://{match[3]}:{match[4]}/metrics"
         self.channel = grpc.insecure_channel(self.addr)
-        self.stub = mgrpc.WorkerStub(self.channel)
+        self.stub = wgrpc.WorkerStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
 
     def _read(self) -> None:
@@ -84,13 +83,13 @@ def model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def reference(model_dir) -> list[fpb.ForwardResult]:
+def reference(model_dir) -> list[wpb.ForwardResult]:
     loaded = load_model(str(model_dir), progress=False)
     runner = ModelRunner(loaded.config, loaded.weights, torch.float32, num_slots=496)
     return [runner.forward(b) for b in forward_script()]
 
 
-def assert_same_results(got: list[fpb.ForwardResult], ref: list[fpb.ForwardResult]) -> None:
+def assert_same_results(got: list[wpb.ForwardResult], ref: list[wpb.ForwardResult]) -> None:
     assert tokens(got) == tokens(ref)
     for ours, theirs in zip(got, ref, strict=True):
         assert ours.step == theirs.step
@@ -107,8 +106,8 @@ def test_worker_serves_forward(model_dir, reference) -> None:
         worker.wait_serving()
         check = worker.health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME))
         assert check.status == health_pb2.HealthCheckResponse.SERVING
-        info = worker.stub.GetInfo(mpb.WorkerInfoRequest())
-        assert info == mpb.WorkerInfo(
+        info = worker.stub.GetInfo(wpb.WorkerInfoRequest())
+        assert info == wpb.WorkerInfo(
             num_slots=496,
             vocab_size=256,
             max_position_embeddings=256,
@@ -121,7 +120,7 @@ def test_worker_serves_forward(model_dir, reference) -> None:
         got = [worker.stub.Forward(b) for b in forward_script()]
         assert_same_results(got, reference)
         assert all(r.forward_ms > 0 for r in got)
-        unknown = fpb.ForwardBatch(step=len(got) + 1)
+        unknown = wpb.ForwardBatch(step=len(got) + 1)
         unknown.entries.add(rid="nobody", slots=[0], sample=True)
         with pytest.raises(grpc.RpcError) as err:
             worker.stub.Forward(unknown)
@@ -150,9 +149,9 @@ def test_two_ranks_behind_grpc(model_dir, reference) -> None:
             )
         for worker in ranks:
             worker.wait_serving()
-        infos = [w.stub.GetInfo(mpb.WorkerInfoRequest()) for w in ranks]
+        infos = [w.stub.GetInfo(wpb.WorkerInfoRequest()) for w in ranks]
         assert [(i.tp_rank, i.tp_size, i.num_slots) for i in infos] == [(0, 2, 496), (1, 2, 496)]
-        results: list[list[fpb.ForwardResult]] = [[], []]
+        results: list[list[wpb.ForwardResult]] = [[], []]
         for batch in forward_script():
             # Every rank gets the same batch at once: they meet in collectives.
             calls = [w.stub.Forward.future(batch) for w in ranks]

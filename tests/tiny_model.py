@@ -8,9 +8,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from radixmesh.proto import forward_pb2 as pb
+from radixmesh.core.sampling_params import SamplingParams
+from radixmesh.proto import worker_pb2 as pb
 from radixmesh.proto.convert import sampling_to_proto
-from radixmesh.services.worker.sampling_params import SamplingParams
 
 VOCAB, HIDDEN, INTERMEDIATE, LAYERS, HEADS, KV_HEADS, HEAD_DIM = 256, 64, 128, 2, 4, 2, 16
 EOS = 255

@@ -13,7 +13,7 @@ from typing import Any, Literal
 import aiohttp
 
 from radixmesh.bench.streams import NativeStream, OpenAIStream, StreamError, TokenClock, sse_payload
-from radixmesh.services.tokenizer.tokenizer import Tokenizer
+from radixmesh.core.tokenizer import Tokenizer
 
 PromptFormat = Literal["ids", "text"]
 _TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=900)

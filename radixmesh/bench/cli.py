@@ -120,7 +120,7 @@ async def _run(args: argparse.Namespace, base_url: str) -> dict[str, Any]:
     from radixmesh.bench.backends import Backend, OpenAIBackend, RadixmeshBackend
     from radixmesh.bench.runner import Load, run_loads
     from radixmesh.bench.workloads import word_pool
-    from radixmesh.services.tokenizer.tokenizer import Tokenizer
+    from radixmesh.core.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_path(args.model_path)
     pool = word_pool(tokenizer)

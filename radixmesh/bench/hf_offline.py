@@ -39,7 +39,7 @@ class HFGenerator:
         import torch
         import transformers
 
-        from radixmesh.services.worker.model_source import is_gguf, resolve_model_path
+        from radixmesh.core.model_files import is_gguf, resolve_model_path
 
         if threads:
             torch.set_num_threads(threads)

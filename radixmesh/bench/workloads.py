@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from radixmesh.services.tokenizer.tokenizer import Tokenizer
+from radixmesh.core.tokenizer import Tokenizer
 
 _WORD = re.compile(r" [a-z]{3,12}")
 MIN_POOL = 500

@@ -13,6 +13,8 @@ from google.protobuf.message import DecodeError
 from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 
+from radixmesh.core.model_files import resolve_model_path
+from radixmesh.core.tokenizer import Tokenizer
 from radixmesh.mesh import subjects
 from radixmesh.mesh.service import StatusServer
 from radixmesh.proto import mesh_pb2 as mpb
@@ -21,8 +23,6 @@ from radixmesh.services.detokenizer.config import DetokenizerConfig
 from radixmesh.services.detokenizer.incremental import DecodeFn
 from radixmesh.services.detokenizer.step_trace import StepTrace
 from radixmesh.services.detokenizer.windowed import TextRules, Update, window_text
-from radixmesh.services.tokenizer.tokenizer import Tokenizer
-from radixmesh.services.worker.model_source import resolve_model_path
 
 log = logging.getLogger("radixmesh.detokenizer")
 
@@ -88,14 +88,19 @@ def text_chunk(update: mpb.TokenUpdate, decode: DecodeFn) -> UpdateReply:
         prompt_tokens=update.prompt_tokens,
         cached_tokens=update.cached_tokens,
         completion_tokens=completion,
-        output_logprobs=update.output_logprobs[:kept],
-        output_top_logprobs=update.output_top_logprobs[:kept],
-        input_logprobs_offset=update.input_logprobs_offset,
-        input_logprobs=update.input_logprobs,
-        input_top_logprobs=update.input_top_logprobs,
+        logprobs=_kept_logprobs(update.logprobs, kept) if update.HasField("logprobs") else None,
     )
     matched_here = window.stop_at is not None and window.stop_at > update.offset
     return UpdateReply(chunk, matched_here, stopped and not update.HasField("finish"))
+
+
+def _kept_logprobs(logprobs: mpb.Logprobs, kept: int) -> mpb.Logprobs:
+    """The logprobs of an update whose output ends after its first `kept` new ids."""
+    out = mpb.Logprobs()
+    out.CopyFrom(logprobs)
+    del out.output[kept:]
+    del out.output_top[kept:]
+    return out
 
 
 def _failed(update: mpb.TokenUpdate, error: Exception) -> UpdateReply:

@@ -4,49 +4,12 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from enum import StrEnum
 
+from radixmesh.core.request import FinishReason, LogprobRequest
+from radixmesh.core.sampling_params import SamplingParams
 from radixmesh.services.scheduler.radix_cache import TreeNode
-from radixmesh.services.worker.sampling_params import SamplingParams
 
 _arrivals = itertools.count()
-
-
-class FinishKind(StrEnum):
-    """Why a request stopped, named as the APIs report it."""
-
-    STOP = "stop"
-    LENGTH = "length"
-    ABORT = "abort"
-
-
-@dataclass(frozen=True)
-class FinishReason:
-    """The kind of finish and what matched (a stop token id or stop string), if anything."""
-
-    kind: FinishKind
-    matched: int | str | None = None
-    message: str | None = None
-
-    def to_dict(self) -> dict[str, object]:
-        """The finish_reason object of SGLang's meta_info."""
-        out: dict[str, object] = {"type": self.kind.value}
-        if self.kind is FinishKind.LENGTH:
-            out["length"] = self.matched
-        else:
-            out["matched"] = self.matched
-        if self.message:
-            out["message"] = self.message
-        return out
-
-
-@dataclass(frozen=True)
-class LogprobRequest:
-    """Which logprobs a request wants back."""
-
-    return_logprob: bool = False
-    top_logprobs_num: int = 0
-    logprob_start_len: int = -1  # first prompt position whose token logprob is wanted; -1: none
 
 
 @dataclass(eq=False)

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from radixmesh.proto import forward_pb2 as pb
+from radixmesh.core.request import FinishKind, FinishReason
+from radixmesh.proto import worker_pb2 as pb
 from radixmesh.proto.convert import sampling_to_proto
 from radixmesh.services.scheduler.kv_allocator import KVAllocator
 from radixmesh.services.scheduler.radix_cache import RadixCache
-from radixmesh.services.scheduler.request import FinishKind, FinishReason, Req
+from radixmesh.services.scheduler.request import Req
 from radixmesh.services.scheduler.schedule_policy import SchedulePolicy, match_key
 
 

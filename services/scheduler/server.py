@@ -13,20 +13,21 @@ from typing import Any
 import nats
 from nats.aio.msg import Msg
 
+from radixmesh.core.model_files import resolve_model_path, served_name
+from radixmesh.core.request import FinishKind, FinishReason, LogprobRequest
+from radixmesh.core.tokenizer import Tokenizer
 from radixmesh.mesh import subjects
 from radixmesh.mesh.service import StatusServer
-from radixmesh.proto import forward_pb2 as fpb
 from radixmesh.proto import mesh_pb2 as mpb
+from radixmesh.proto import worker_pb2 as wpb
 from radixmesh.proto.convert import engine_params_from_proto
 from radixmesh.services.scheduler.config import SchedulerServiceConfig
 from radixmesh.services.scheduler.metrics import SchedulerMetrics
-from radixmesh.services.scheduler.request import FinishKind, FinishReason, LogprobRequest, Req
+from radixmesh.services.scheduler.request import Req
 from radixmesh.services.scheduler.request_traces import RequestTraces
 from radixmesh.services.scheduler.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from radixmesh.services.scheduler.updates import UpdateBuilder
 from radixmesh.services.scheduler.worker_client import WorkerClient
-from radixmesh.services.tokenizer.tokenizer import Tokenizer
-from radixmesh.services.worker.model_source import resolve_model_path, served_name
 
 log = logging.getLogger("radixmesh.scheduler")
 
@@ -44,7 +45,7 @@ class SchedulerService:
         self.metrics = SchedulerMetrics(config.engine_id)
         self.traces = RequestTraces(config.engine_id)
         self.scheduler: Scheduler | None = None
-        self.info: mpb.WorkerInfo | None = None
+        self.info: wpb.WorkerInfo | None = None
         self._inbox: deque[tuple[str, Any]] = deque()
         self._refused: list[tuple[str, str]] = []  # (rid, why) to report next publish
         self._wake = asyncio.Event()
@@ -148,7 +149,7 @@ class SchedulerService:
     async def _loop(self) -> None:
         sched = self.scheduler
         assert sched is not None
-        in_flight: tuple[ScheduledBatch, asyncio.Task[fpb.ForwardResult]] | None = None
+        in_flight: tuple[ScheduledBatch, asyncio.Task[wpb.ForwardResult]] | None = None
         while not self._stopping or in_flight is not None:
             if in_flight is None and not sched.has_work() and not self._inbox:
                 self._wake.clear()
@@ -169,7 +170,7 @@ class SchedulerService:
                 sched.process_result(batch, await self._forward(batch))
             await self._publish_updates()
 
-    async def _forward(self, batch: ScheduledBatch) -> fpb.ForwardResult:
+    async def _forward(self, batch: ScheduledBatch) -> wpb.ForwardResult:
         with self.metrics.forward_timer(), self.traces.forward(batch) as metadata:
             return await self.workers.forward(batch.proto, metadata)
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from radixmesh.proto import forward_pb2 as fpb
+from radixmesh.core.request import FinishReason
 from radixmesh.proto import mesh_pb2 as mpb
-from radixmesh.services.scheduler.request import FinishReason, Req
+from radixmesh.proto import worker_pb2 as wpb
+from radixmesh.services.scheduler.request import Req
 
 
 def finish_to_proto(reason: FinishReason) -> mpb.Finish:
@@ -20,8 +21,8 @@ def finish_to_proto(reason: FinishReason) -> mpb.Finish:
     return out
 
 
-def _top(items: list[tuple[int, float]]) -> fpb.TopLogprobs:
-    return fpb.TopLogprobs(items=[fpb.TokenLogprob(token_id=t, logprob=lp) for t, lp in items])
+def _top(items: list[tuple[int, float]]) -> wpb.TopLogprobs:
+    return wpb.TopLogprobs(items=[wpb.TokenLogprob(token_id=t, logprob=lp) for t, lp in items])
 
 
 @dataclass
@@ -65,12 +66,16 @@ class UpdateBuilder:
             engine_id=self.engine_id,
         )
         if req.logprobs.return_logprob:
-            update.output_logprobs.extend(req.output_logprobs[offset:end])
-            update.output_top_logprobs.extend(_top(t) for t in req.output_top_logprobs[offset:end])
             start = route.sent_input_logprobs
-            update.input_logprobs_offset = start
-            update.input_logprobs.extend(req.input_logprobs[start:])
-            update.input_top_logprobs.extend(_top(t) for t in req.input_top_logprobs[start:])
+            update.logprobs.CopyFrom(
+                mpb.Logprobs(
+                    output=req.output_logprobs[offset:end],
+                    output_top=[_top(t) for t in req.output_top_logprobs[offset:end]],
+                    input_offset=start,
+                    input=req.input_logprobs[start:],
+                    input_top=[_top(t) for t in req.input_top_logprobs[start:]],
+                )
+            )
             route.sent_input_logprobs = len(req.input_logprobs)
         if req.finish is not None:
             update.finish.CopyFrom(finish_to_proto(req.finish))

@@ -8,9 +8,8 @@ import time
 
 import grpc
 
-from radixmesh.proto import forward_pb2 as fpb
-from radixmesh.proto import mesh_pb2 as mpb
-from radixmesh.proto import mesh_pb2_grpc as mgrpc
+from radixmesh.proto import worker_pb2 as wpb
+from radixmesh.proto import worker_pb2_grpc as wgrpc
 
 MAX_MESSAGE_BYTES = 64 << 20
 _OPTIONS = [
@@ -26,10 +25,10 @@ class WorkerClient:
         if not addrs:
             raise ValueError("at least one worker address is needed")
         self._channels = [grpc.aio.insecure_channel(a, options=_OPTIONS) for a in addrs]
-        self._stubs = [mgrpc.WorkerStub(c) for c in self._channels]
+        self._stubs = [wgrpc.WorkerStub(c) for c in self._channels]
         self.addrs = addrs
 
-    async def connect(self, timeout: float) -> mpb.WorkerInfo:
+    async def connect(self, timeout: float) -> wpb.WorkerInfo:
         """Wait for every rank to answer; rank 0's info (ranks are reordered by tp_rank)."""
         deadline = time.monotonic() + timeout
         infos = await asyncio.gather(*(self._info(s, deadline) for s in self._stubs))
@@ -45,18 +44,18 @@ class WorkerClient:
         return infos[0]
 
     @staticmethod
-    async def _info(stub: mgrpc.WorkerStub, deadline: float) -> mpb.WorkerInfo:
+    async def _info(stub: wgrpc.WorkerStub, deadline: float) -> wpb.WorkerInfo:
         while True:
             try:
-                return await stub.GetInfo(mpb.WorkerInfoRequest(), timeout=5, wait_for_ready=True)
+                return await stub.GetInfo(wpb.WorkerInfoRequest(), timeout=5, wait_for_ready=True)
             except grpc.aio.AioRpcError:
                 if time.monotonic() > deadline:
                     raise
                 await asyncio.sleep(0.2)
 
     async def forward(
-        self, batch: fpb.ForwardBatch, metadata: tuple[tuple[str, str], ...] | None = None
-    ) -> fpb.ForwardResult:
+        self, batch: wpb.ForwardBatch, metadata: tuple[tuple[str, str], ...] | None = None
+    ) -> wpb.ForwardResult:
         """Run one step on every rank; they stay in lockstep, rank 0 answers. `metadata`
         goes with each call (the step's trace context)."""
         if len(self._stubs) == 1:

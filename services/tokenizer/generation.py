@@ -7,9 +7,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from radixmesh.services.scheduler.request import LogprobRequest
-from radixmesh.services.tokenizer.tokenizer import Tokenizer
-from radixmesh.services.worker.sampling_params import SamplingParams
+from radixmesh.core.request import LogprobRequest
+from radixmesh.core.sampling_params import SamplingParams
+from radixmesh.core.tokenizer import Tokenizer
 
 # A token's logprob as SGLang reports it: (logprob or None, token id, token text or None).
 TokenLogprob = tuple[float | None, int, str | None]

@@ -10,8 +10,8 @@ from typing import Any
 
 import grpc
 
-from radixmesh.proto import mesh_pb2 as mpb
-from radixmesh.proto import mesh_pb2_grpc
+from radixmesh.proto import generate_pb2 as gpb
+from radixmesh.proto import generate_pb2_grpc as ggrpc
 from radixmesh.services.tokenizer import metrics
 from radixmesh.services.tokenizer.generation import (
     GenerationChunk,
@@ -23,14 +23,14 @@ from radixmesh.services.tokenizer.generation import (
 from radixmesh.services.tokenizer.request_checks import build_request
 from radixmesh.services.tokenizer.request_trace import encode_traced
 
-_ENDPOINT = "grpc:/radixmesh.mesh.Generate/Generate"
+_ENDPOINT = "grpc:/radixmesh.v1.Generate/Generate"
 _OPTIONAL_SAMPLING = (
     "max_new_tokens", "temperature", "top_p", "top_k", "min_p", "frequency_penalty",
     "presence_penalty", "repetition_penalty", "min_new_tokens", "seed", "skip_special_tokens",
 )
 
 
-def sampling_dict(p: mpb.ClientSamplingParams) -> dict[str, Any]:
+def sampling_dict(p: gpb.ClientSamplingParams) -> dict[str, Any]:
     """The set fields of ClientSamplingParams as the dict /generate takes."""
     out: dict[str, Any] = {name: getattr(p, name) for name in _OPTIONAL_SAMPLING
                            if p.HasField(name)}
@@ -43,9 +43,9 @@ def sampling_dict(p: mpb.ClientSamplingParams) -> dict[str, Any]:
     return out
 
 
-def finish_to_proto(finish: dict[str, Any]) -> mpb.Finish:
+def finish_to_proto(finish: dict[str, Any]) -> gpb.Finish:
     """SGLang's finish_reason object as the Finish message."""
-    out = mpb.Finish(kind=finish["type"], message=finish.get("message") or "")
+    out = gpb.Finish(kind=finish["type"], message=finish.get("message") or "")
     matched = finish.get("length", finish.get("matched"))
     if isinstance(matched, str):
         out.text = matched
@@ -54,16 +54,16 @@ def finish_to_proto(finish: dict[str, Any]) -> mpb.Finish:
     return out
 
 
-def _entries(logprobs: list[TokenLogprob]) -> list[mpb.TokenLogprobEntry]:
+def _entries(logprobs: list[TokenLogprob]) -> list[gpb.TokenLogprobEntry]:
     return [
-        mpb.TokenLogprobEntry(logprob=lp or 0.0, token_id=tid, has_logprob=lp is not None)
+        gpb.TokenLogprobEntry(logprob=lp or 0.0, token_id=tid, has_logprob=lp is not None)
         for lp, tid, _ in logprobs
     ]
 
 
-def response_from_chunk(chunk: GenerationChunk) -> mpb.GenerateResponse:
+def response_from_chunk(chunk: GenerationChunk) -> gpb.GenerateResponse:
     """One GenerationChunk as one streamed GenerateResponse."""
-    out = mpb.GenerateResponse(
+    out = gpb.GenerateResponse(
         rid=chunk.rid,
         text=chunk.text,
         output_ids=chunk.output_ids,
@@ -71,10 +71,10 @@ def response_from_chunk(chunk: GenerationChunk) -> mpb.GenerateResponse:
         completion_tokens=chunk.completion_tokens,
         cached_tokens=chunk.cached_tokens,
         output_token_logprobs=_entries(chunk.output_token_logprobs),
-        output_top_logprobs=[mpb.TopLogprobList(items=_entries(top))
+        output_top_logprobs=[gpb.TopLogprobList(items=_entries(top))
                              for top in chunk.output_top_logprobs],
         input_token_logprobs=_entries(chunk.input_token_logprobs),
-        input_top_logprobs=[mpb.TopLogprobList(items=_entries(top or []))
+        input_top_logprobs=[gpb.TopLogprobList(items=_entries(top or []))
                             for top in chunk.input_top_logprobs],
     )
     if chunk.finish is not None:
@@ -82,15 +82,15 @@ def response_from_chunk(chunk: GenerationChunk) -> mpb.GenerateResponse:
     return out
 
 
-class GenerateService(mesh_pb2_grpc.GenerateServicer):
+class GenerateService(ggrpc.GenerateServicer):
     """Serves Generate from a GenerationClient; a cancelled call aborts its request."""
 
     def __init__(self, client: GenerationClient) -> None:
         self.client = client
 
     async def Generate(  # noqa: N802 - the RPC's name
-        self, request: mpb.GenerateRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[mpb.GenerateResponse]:
+        self, request: gpb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[gpb.GenerateResponse]:
         """Validate, run on an engine, stream each chunk back."""
         code = grpc.StatusCode.OK
         try:
@@ -118,7 +118,7 @@ class GenerateService(mesh_pb2_grpc.GenerateServicer):
         finally:
             metrics.REQUESTS.labels(_ENDPOINT, code.name).inc()
 
-    def _prepare(self, request: mpb.GenerateRequest) -> GenerationRequest:
+    def _prepare(self, request: gpb.GenerateRequest) -> GenerationRequest:
         rid = request.rid or uuid.uuid4().hex
         which = request.WhichOneof("prompt")
         if which == "text":

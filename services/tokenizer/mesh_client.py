@@ -18,6 +18,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.errors import Error as NatsError
 
+from radixmesh.core.tokenizer import Tokenizer
 from radixmesh.mesh import subjects
 from radixmesh.proto import mesh_pb2 as mpb
 from radixmesh.proto.convert import sampling_to_proto
@@ -32,7 +33,6 @@ from radixmesh.services.tokenizer.generation import (
 from radixmesh.services.tokenizer.reassembly import ChunkAssembler
 from radixmesh.services.tokenizer.request_trace import RequestTrace
 from radixmesh.services.tokenizer.router import Route, Router
-from radixmesh.services.tokenizer.tokenizer import Tokenizer
 
 log = logging.getLogger("radixmesh.tokenizer.mesh")
 

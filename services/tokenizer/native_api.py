@@ -13,6 +13,7 @@ from typing import Any
 
 from aiohttp import web
 
+from radixmesh.core.sampling_params import SamplingParams
 from radixmesh.mesh.service import health_handler, metrics_response
 from radixmesh.services.tokenizer.generation import (
     GenerationChunk,
@@ -31,7 +32,6 @@ from radixmesh.services.tokenizer.native_request import NativeItem, NativeReques
 from radixmesh.services.tokenizer.native_response import NativeOutput, TokenText
 from radixmesh.services.tokenizer.request_checks import build_request
 from radixmesh.services.tokenizer.request_trace import encode_traced
-from radixmesh.services.worker.sampling_params import SamplingParams
 
 _Event = tuple[int, GenerationChunk | GenerationError]
 

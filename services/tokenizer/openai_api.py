@@ -12,6 +12,7 @@ from typing import Any
 
 from aiohttp import web
 
+from radixmesh.core.tokenizer import Tokenizer
 from radixmesh.services.tokenizer.generation import GenerationClient, GenerationError
 from radixmesh.services.tokenizer.openai_errors import OpenAIError, error_body
 from radixmesh.services.tokenizer.openai_fanout import ClientGone, GenerationFanout
@@ -28,7 +29,6 @@ from radixmesh.services.tokenizer.openai_response import (
     ResponseBuilder,
 )
 from radixmesh.services.tokenizer.request_trace import tokenize_span
-from radixmesh.services.tokenizer.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 

@@ -6,8 +6,8 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+from radixmesh.core.tokenizer import Tokenizer
 from radixmesh.services.tokenizer.generation import TokenLogprob
-from radixmesh.services.tokenizer.tokenizer import Tokenizer
 
 # OpenAI's stand-in for a logprob JSON cannot carry (-inf).
 _FLOOR = -9999.0

@@ -10,7 +10,9 @@ from typing import Any, NamedTuple
 
 from jinja2 import TemplateError
 
-from radixmesh.services.scheduler.request import LogprobRequest
+from radixmesh.core.request import LogprobRequest
+from radixmesh.core.sampling_params import SamplingParams
+from radixmesh.core.tokenizer import Tokenizer
 from radixmesh.services.tokenizer.generation import GenerationRequest, check_length
 from radixmesh.services.tokenizer.openai_chat import chat_messages
 from radixmesh.services.tokenizer.openai_errors import OpenAIError
@@ -22,8 +24,6 @@ from radixmesh.services.tokenizer.openai_fields import (
     is_int,
 )
 from radixmesh.services.tokenizer.openai_sampling import sampling_params
-from radixmesh.services.tokenizer.tokenizer import Tokenizer
-from radixmesh.services.worker.sampling_params import SamplingParams
 
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_N = 128

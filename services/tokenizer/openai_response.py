@@ -6,6 +6,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
+from radixmesh.core.tokenizer import Tokenizer
 from radixmesh.services.tokenizer.generation import GenerationChunk, TokenLogprob
 from radixmesh.services.tokenizer.openai_choice import Choice, usage
 from radixmesh.services.tokenizer.openai_logprobs import (
@@ -14,7 +15,6 @@ from radixmesh.services.tokenizer.openai_logprobs import (
     join_completion_logprobs,
 )
 from radixmesh.services.tokenizer.openai_protocol import OpenAIRequest
-from radixmesh.services.tokenizer.tokenizer import Tokenizer
 
 Json = dict[str, Any]
 

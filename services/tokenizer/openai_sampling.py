@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from radixmesh.core.sampling_params import SamplingParams
 from radixmesh.services.tokenizer.openai_errors import OpenAIError
 from radixmesh.services.tokenizer.openai_fields import get_int, get_number
-from radixmesh.services.worker.sampling_params import SamplingParams
 
 # SGLang's sampling fields, accepted as they are (SamplingParams checks them).
 _PASSTHROUGH = (

@@ -8,9 +8,9 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
-from radixmesh.proto import forward_pb2 as fpb
+from radixmesh.core.request import FinishKind, FinishReason
 from radixmesh.proto import mesh_pb2 as mpb
-from radixmesh.services.scheduler.request import FinishKind, FinishReason
+from radixmesh.proto import worker_pb2 as wpb
 from radixmesh.services.tokenizer.generation import (
     GenerationChunk,
     GenerationRequest,
@@ -34,7 +34,7 @@ def _logprob(value: float) -> float | None:
     return value if math.isfinite(value) else None
 
 
-def _top(items: Iterable[fpb.TokenLogprob]) -> list[TokenLogprob]:
+def _top(items: Iterable[wpb.TokenLogprob]) -> list[TokenLogprob]:
     return [(_logprob(t.logprob), t.token_id, None) for t in items]
 
 
@@ -93,9 +93,9 @@ class ChunkAssembler:
             cached_tokens=self.cached_tokens,
             output_token_logprobs=[
                 (_logprob(lp), tid, None)
-                for lp, tid in zip(chunk.output_logprobs, ids, strict=False)
+                for lp, tid in zip(chunk.logprobs.output, ids, strict=False)
             ],
-            output_top_logprobs=[_top(t.items) for t in chunk.output_top_logprobs],
+            output_top_logprobs=[_top(t.items) for t in chunk.logprobs.output_top],
         )
         self._gather_input_logprobs(chunk)
         if chunk.HasField("finish"):
@@ -105,12 +105,13 @@ class ChunkAssembler:
         return out
 
     def _gather_input_logprobs(self, chunk: mpb.TextChunk) -> None:
-        start = chunk.input_logprobs_offset
-        end = start + len(chunk.input_logprobs)
+        logprobs = chunk.logprobs
+        start = logprobs.input_offset
+        end = start + len(logprobs.input)
         if end > len(self._input_logprobs):
             self._input_logprobs.extend([math.nan] * (end - len(self._input_logprobs)))
-        self._input_logprobs[start:end] = chunk.input_logprobs
-        tops = [_top(t.items) or None for t in chunk.input_top_logprobs]
+        self._input_logprobs[start:end] = logprobs.input
+        tops = [_top(t.items) or None for t in logprobs.input_top]
         if tops:
             top_end = start + len(tops)
             if top_end > len(self._input_top):

@@ -7,13 +7,13 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from radixmesh.services.scheduler.request import LogprobRequest
+from radixmesh.core.request import LogprobRequest
+from radixmesh.core.sampling_params import SamplingParams
 from radixmesh.services.tokenizer.generation import (
     GenerationClient,
     GenerationRequest,
     check_length,
 )
-from radixmesh.services.worker.sampling_params import SamplingParams
 
 DEFAULT_MAX_NEW_TOKENS = SamplingParams.max_new_tokens
 # Alternatives per position a client may ask for; each costs a sort over the vocabulary.

@@ -8,9 +8,9 @@ from collections.abc import Callable, Iterator, Sequence
 
 from opentelemetry.trace import Span, SpanKind, get_current_span
 
+from radixmesh.core.tokenizer import Tokenizer
 from radixmesh.services.tokenizer.generation import GenerationChunk, GenerationRequest
 from radixmesh.services.tokenizer.router import Route, Router
-from radixmesh.services.tokenizer.tokenizer import Tokenizer
 from radixmesh.tracing import attributes as attr
 from radixmesh.tracing.propagation import headers
 from radixmesh.tracing.spans import current_span, end_span, start_span

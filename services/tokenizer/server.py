@@ -14,7 +14,9 @@ import nats
 from aiohttp import web
 from nats.aio.client import Client as NATS
 
-from radixmesh.proto import mesh_pb2_grpc
+from radixmesh.core.model_files import resolve_model_path, served_name
+from radixmesh.core.tokenizer import Tokenizer
+from radixmesh.proto import generate_pb2_grpc as ggrpc
 from radixmesh.services.tokenizer.config import TokenizerServiceConfig
 from radixmesh.services.tokenizer.grpc_api import GenerateService
 from radixmesh.services.tokenizer.http_util import metrics_middleware
@@ -22,14 +24,12 @@ from radixmesh.services.tokenizer.mesh_client import MeshClient
 from radixmesh.services.tokenizer.native_api import NativeApi
 from radixmesh.services.tokenizer.openai_api import add_openai_routes
 from radixmesh.services.tokenizer.router import Router
-from radixmesh.services.tokenizer.tokenizer import Tokenizer
-from radixmesh.services.worker.model_source import resolve_model_path, served_name
 from radixmesh.tracing.grpc_server import tracing_interceptors
 from radixmesh.tracing.http_server import tracing_middleware
 
 log = logging.getLogger("radixmesh.tokenizer")
 
-_TRACED_RPCS = {"/radixmesh.mesh.Generate/Generate": "radixmesh.mesh.Generate/Generate"}
+_TRACED_RPCS = {"/radixmesh.v1.Generate/Generate": "radixmesh.v1.Generate/Generate"}
 
 
 def public_args(config: TokenizerServiceConfig) -> dict[str, Any]:
@@ -84,7 +84,7 @@ class TokenizerServer:
 
         if cfg.grpc_port >= 0:
             self._grpc = grpc.aio.server(interceptors=tracing_interceptors(_TRACED_RPCS))
-            mesh_pb2_grpc.add_GenerateServicer_to_server(GenerateService(client), self._grpc)
+            ggrpc.add_GenerateServicer_to_server(GenerateService(client), self._grpc)
             self.grpc_port = self._grpc.add_insecure_port(f"{cfg.host}:{cfg.grpc_port}")
             await self._grpc.start()
         log.info(

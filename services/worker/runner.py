@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from radixmesh.proto import forward_pb2 as pb
+from radixmesh.proto import worker_pb2 as pb
 from radixmesh.proto.convert import sampling_from_proto
 from radixmesh.services.worker.attention import AttentionBackend, AttentionMetadata, SeqSpan
 from radixmesh.services.worker.attention_choice import check_runs_on, make_attention

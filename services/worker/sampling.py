@@ -7,8 +7,8 @@ from typing import NamedTuple
 
 import torch
 
+from radixmesh.core.sampling_params import SamplingParams
 from radixmesh.kernels import native
-from radixmesh.services.worker.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
 # top_k/top_p thresholds are read from this many top weights; a row that needs more

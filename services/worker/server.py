@@ -13,17 +13,17 @@ import grpc
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from radixmesh.core.model_files import resolve_model_path, served_name
 from radixmesh.kernels import native
 from radixmesh.mesh.service import StatusServer
-from radixmesh.proto import forward_pb2 as fpb
-from radixmesh.proto import mesh_pb2 as mpb
-from radixmesh.proto import mesh_pb2_grpc as mgrpc
+from radixmesh.proto import worker_pb2 as wpb
+from radixmesh.proto import worker_pb2_grpc as wgrpc
 from radixmesh.services.worker.config import WorkerConfig
 from radixmesh.services.worker.device import resolve_device
 from radixmesh.services.worker.forward_trace import TRACED_RPCS, note_forward
 from radixmesh.services.worker.memory import release_free_memory
 from radixmesh.services.worker.metrics import WorkerMetrics
-from radixmesh.services.worker.model_source import load_model, resolve_model_path, served_name
+from radixmesh.services.worker.model_source import load_model
 from radixmesh.services.worker.parallel import (
     TensorParallel,
     check_divisible,
@@ -36,7 +36,7 @@ from radixmesh.tracing.grpc_server import tracing_interceptors
 
 log = logging.getLogger("radixmesh.worker")
 
-SERVICE_NAME = mpb.DESCRIPTOR.services_by_name["Worker"].full_name
+SERVICE_NAME = wpb.DESCRIPTOR.services_by_name["Worker"].full_name
 MAX_MESSAGE_BYTES = 64 << 20
 STOP_GRACE_S = 2.0
 # How long a stop waits for the torch thread (a step or a model load) to finish.
@@ -51,13 +51,13 @@ def _set_threads(num_threads: int) -> None:
         torch.set_num_threads(num_threads)
 
 
-class WorkerService(mgrpc.WorkerServicer):
+class WorkerService(wgrpc.WorkerServicer):
     """One rank: every torch call runs on one dedicated thread, in the order batches came."""
 
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
         self.runner: ModelRunner | None = None
-        self.info: mpb.WorkerInfo | None = None
+        self.info: wpb.WorkerInfo | None = None
         self.port = 0
         # A second thread running torch ops would start a second OpenMP team, and the two
         # slow each other down by ~1.5x.
@@ -72,7 +72,7 @@ class WorkerService(mgrpc.WorkerServicer):
         self._server = grpc.aio.server(
             options=opts, interceptors=tracing_interceptors(TRACED_RPCS)
         )
-        mgrpc.add_WorkerServicer_to_server(self, self._server)
+        wgrpc.add_WorkerServicer_to_server(self, self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         self._status = StatusServer(config.host, config.metrics_port, self._check)
         self.metrics = WorkerMetrics(config.tp_rank)
@@ -97,7 +97,7 @@ class WorkerService(mgrpc.WorkerServicer):
         log.info("worker rank %d/%d: %s", c.tp_rank, c.tp_size, where)
         loop = asyncio.get_running_loop()
         self.runner = await loop.run_in_executor(self._torch, self._load)
-        self.info = mpb.WorkerInfo(
+        self.info = wpb.WorkerInfo(
             num_slots=self.runner.pool.num_slots,
             vocab_size=self.runner.config.vocab_size,
             max_position_embeddings=self.runner.config.max_position_embeddings,
@@ -176,8 +176,8 @@ class WorkerService(mgrpc.WorkerServicer):
     # ---- RPCs -----------------------------------------------------------------------------
 
     async def Forward(
-        self, request: fpb.ForwardBatch, context: grpc.aio.ServicerContext
-    ) -> fpb.ForwardResult:
+        self, request: wpb.ForwardBatch, context: grpc.aio.ServicerContext
+    ) -> wpb.ForwardResult:
         """Run one step on the torch thread."""
         runner = self.runner
         if runner is None:
@@ -204,8 +204,8 @@ class WorkerService(mgrpc.WorkerServicer):
         return result
 
     async def GetInfo(
-        self, request: mpb.WorkerInfoRequest, context: grpc.aio.ServicerContext
-    ) -> mpb.WorkerInfo:
+        self, request: wpb.WorkerInfoRequest, context: grpc.aio.ServicerContext
+    ) -> wpb.WorkerInfo:
         """The loaded model and KV pool."""
         if self.info is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading")

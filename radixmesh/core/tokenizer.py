@@ -18,13 +18,13 @@ from typing import Any
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 
-from radixmesh.services.worker.model_source import resolve_model_path
-from radixmesh.services.worker.weights_gguf import (
+from radixmesh.core.gguf import (
     TOKEN_TYPE_CONTROL,
     TOKEN_TYPE_USER_DEFINED,
     gguf_eos_token_ids,
     read_gguf,
 )
+from radixmesh.core.model_files import resolve_model_path
 
 log = logging.getLogger(__name__)
 
