@@ -8,10 +8,10 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+from radixmesh.core.detokenize import StopResult, StopStringMatcher
 from radixmesh.core.request import FinishKind
 from radixmesh.core.tokenizer import Tokenizer
 from radixmesh.services.detokenizer.incremental import IncrementalDetokenizer
-from radixmesh.services.detokenizer.stop_strings import StopResult, StopStringMatcher
 from radixmesh.services.scheduler.request import Req
 
 # Prompt tokens given to the detokenizer as left context for the first output token.

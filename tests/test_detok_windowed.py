@@ -8,17 +8,17 @@ from collections.abc import Sequence
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from radixmesh.core.request import FinishKind, FinishReason
-from radixmesh.core.sampling_params import SamplingParams
-from radixmesh.core.tokenizer import Tokenizer, _bytes_to_unicode
-from radixmesh.request_output import RequestStream
-from radixmesh.services.detokenizer.windowed import (
+from radixmesh.core.detokenize import (
     TextRules,
     Update,
     WindowText,
     detok_context_size,
     window_text,
 )
+from radixmesh.core.request import FinishKind, FinishReason
+from radixmesh.core.sampling_params import SamplingParams
+from radixmesh.core.tokenizer import Tokenizer, _bytes_to_unicode
+from radixmesh.request_output import RequestStream
 from radixmesh.services.scheduler.request import Req
 
 EOS = 2  # <|im_end|>, the stop token

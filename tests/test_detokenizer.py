@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from radixmesh.core.detokenize import StopResult, StopStringMatcher
 from radixmesh.services.detokenizer.incremental import DecodeFn, IncrementalDetokenizer
-from radixmesh.services.detokenizer.stop_strings import StopResult, StopStringMatcher
 
 EOS = "<|eos|>"
 CORPUS = [

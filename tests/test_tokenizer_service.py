@@ -19,11 +19,11 @@ import nats
 import pytest
 from fake_engine import FakeEngine, echo_ids, input_logprob, output_logprob, token_text
 
+from radixmesh.core.detokenize import detok_context_size
 from radixmesh.core.request import LogprobRequest
 from radixmesh.core.sampling_params import SamplingParams
 from radixmesh.proto import generate_pb2 as gpb
 from radixmesh.proto import generate_pb2_grpc as ggrpc
-from radixmesh.services.detokenizer.windowed import detok_context_size
 from radixmesh.services.tokenizer.config import TokenizerServiceConfig
 from radixmesh.services.tokenizer.generation import (
     GenerationChunk,

@@ -1,20 +1,11 @@
 """Incremental detokenization: output token ids in, text deltas out."""
 
 from collections.abc import Sequence
-from typing import Protocol
 
-REPLACEMENT_CHAR = "\ufffd"
+from radixmesh.core.detokenize import MAX_PENDING_TOKENS, REPLACEMENT_CHAR, DecodeFn
+
 # A UTF-8 character is at most 4 bytes, so an incomplete tail is at most 3 bytes long.
 _MAX_CHAR_BYTES = 4
-# Valid text never keeps more than 4 tokens pending (one per byte of a character); a longer
-# run of incomplete tails means invalid bytes, which are released once they are settled.
-MAX_PENDING_TOKENS = 8
-
-
-class DecodeFn(Protocol):
-    """Decodes token ids to text, e.g. `tokenizers.Tokenizer.decode`."""
-
-    def __call__(self, ids: Sequence[int], skip_special_tokens: bool) -> str: ...
 
 
 class IncrementalDetokenizer:

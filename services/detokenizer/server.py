@@ -13,6 +13,7 @@ from google.protobuf.message import DecodeError
 from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 
+from radixmesh.core.detokenize import DecodeFn, TextRules, Update, window_text
 from radixmesh.core.model_files import resolve_model_path
 from radixmesh.core.tokenizer import Tokenizer
 from radixmesh.mesh import subjects
@@ -20,9 +21,7 @@ from radixmesh.mesh.service import StatusServer
 from radixmesh.proto import mesh_pb2 as mpb
 from radixmesh.services.detokenizer import metrics
 from radixmesh.services.detokenizer.config import DetokenizerConfig
-from radixmesh.services.detokenizer.incremental import DecodeFn
 from radixmesh.services.detokenizer.step_trace import StepTrace
-from radixmesh.services.detokenizer.windowed import TextRules, Update, window_text
 
 log = logging.getLogger("radixmesh.detokenizer")
 

@@ -18,11 +18,11 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.errors import Error as NatsError
 
+from radixmesh.core.detokenize import detok_context_size
 from radixmesh.core.tokenizer import Tokenizer
 from radixmesh.mesh import subjects
 from radixmesh.proto import mesh_pb2 as mpb
 from radixmesh.proto.convert import sampling_to_proto
-from radixmesh.services.detokenizer.windowed import detok_context_size
 from radixmesh.services.tokenizer import metrics
 from radixmesh.services.tokenizer.engine_registry import EngineRegistry
 from radixmesh.services.tokenizer.generation import (
