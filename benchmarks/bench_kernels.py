@@ -46,6 +46,7 @@ import torch
 import triton
 
 from radixmesh.core.sampling_params import SamplingParams
+from radixmesh.core.step import NewRequest, StepBatch, StepEntry
 from radixmesh.kernels.activation import silu_and_mul, silu_and_mul_reference
 from radixmesh.kernels.decode_attention import decode_attention, decode_attention_reference
 from radixmesh.kernels.extend_attention import extend_attention, extend_attention_reference
@@ -54,8 +55,6 @@ from radixmesh.kernels.paging import page_table
 from radixmesh.kernels.rms_norm import fused_add_rms_norm, fused_add_rms_norm_reference
 from radixmesh.kernels.rotary import rotary_embedding, rotary_embedding_reference
 from radixmesh.kernels.token_bitmask import apply_token_bitmask_, apply_token_bitmask_reference_
-from radixmesh.proto import worker_pb2 as pb
-from radixmesh.proto.convert import sampling_to_proto
 from radixmesh.services.worker.model_config import ModelConfig
 from radixmesh.services.worker.runner import ModelRunner
 
@@ -338,21 +337,15 @@ def decode_steps(
     torch.manual_seed(0)
     for t in (*runner.pool.k, *runner.pool.v):  # the same random cached prefix every run
         t.normal_()
-    greedy = sampling_to_proto(SamplingParams(temperature=0), seed=0)
+    greedy = SamplingParams(temperature=0)
     rids = [f"r{i}" for i in range(batch)]
-    first = pb.ForwardBatch(step=1)
+    first = StepBatch(1)
     for i, rid in enumerate(rids):
-        first.new_requests.add(
-            rid=rid,
-            prompt_len=prefix + 1,
-            sampling=greedy,
-            prefix_ids=[1] * prefix,
-            prefix_slots=range(i * context, i * context + prefix),
-            logprob_start_len=-1,
+        prefix_slots = list(range(i * context, i * context + prefix))
+        first.new_requests.append(
+            NewRequest(rid, [1] * prefix, prefix_slots, prefix + 1, greedy, 0)
         )
-        first.entries.add(
-            rid=rid, input_ids=[7 * i % 1000], slots=[i * context + prefix], sample=True
-        )
+        first.entries.append(StepEntry(rid, [7 * i % 1000], [i * context + prefix], True))
     produced: list[list[int]] = []
     began = 0.0
     for step in range(warmup + steps):
@@ -362,13 +355,14 @@ def decode_steps(
         if step == 0:
             forward = first
         else:
-            forward = pb.ForwardBatch(step=step + 1)
-            for i, rid in enumerate(rids):
-                forward.entries.add(rid=rid, slots=[i * context + prefix + step], sample=True)
+            forward = StepBatch(step + 1, entries=[
+                StepEntry(rid, [], [i * context + prefix + step], True)
+                for i, rid in enumerate(rids)
+            ])
         produced.append([r.token_id for r in runner.forward(forward).results])
     torch.cuda.synchronize(runner.device)
     elapsed = time.perf_counter() - began
-    runner.forward(pb.ForwardBatch(step=warmup + steps + 1, release=rids))
+    runner.forward(StepBatch(warmup + steps + 1, release=rids))
     return steps / elapsed, produced
 
 

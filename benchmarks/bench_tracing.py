@@ -50,19 +50,21 @@ def run_side(traced: bool, work: list[list[int]], new_tokens: int, dtype: str) -
 def hook_cost(n: int = 20000, chunks: int = 16) -> dict[str, float]:
     """Microseconds per request of the tokenizer's and scheduler's hooks, tracing off."""
     from radixmesh.core.sampling_params import SamplingParams
-    from radixmesh.proto import mesh_pb2 as mpb
+    from radixmesh.services.scheduler.request import Req
     from radixmesh.services.scheduler.request_traces import RequestTraces
-    from radixmesh.services.tokenizer.generation import GenerationChunk, GenerationRequest
-    from radixmesh.services.tokenizer.request_trace import RequestTrace
+    from radixmesh.services.tokenizer.client import (
+        GenerationChunk,
+        GenerationRequest,
+        RequestTrace,
+    )
     from radixmesh.services.tokenizer.router import Router
 
     router = Router()
     router.update_engine("e0", 0)
     request = GenerationRequest("r", list(range(64)), SamplingParams(max_new_tokens=chunks))
     chunk = GenerationChunk("r", "x", [1], 64, 1, 0)
-    engine_request = mpb.EngineRequest(rid="r", input_ids=request.input_ids)
+    engine_request = Req(rid="r", input_ids=request.input_ids, params=request.params, seed=0)
     traces = RequestTraces("e0")
-    updates = [mpb.TokenUpdate(rid="r")]
 
     def with_hooks() -> None:
         trace = RequestTrace(request)
@@ -71,7 +73,7 @@ def hook_cost(n: int = 20000, chunks: int = 16) -> dict[str, float]:
         traces.received(engine_request, None)
         for _ in range(chunks):
             trace.chunk(chunk)
-            traces.sent(updates)
+            traces.sent("r", 1, None, 0)
         trace.end()
 
     def without() -> None:
@@ -101,10 +103,10 @@ def step_cost(traced: bool, requests: int = 8, new_tokens: int = 32, rounds: int
 
     from radixmesh.core.sampling_params import SamplingParams
     from radixmesh.proto import mesh_pb2 as mpb
+    from radixmesh.services.scheduler.mesh_io import UpdateBuilder
     from radixmesh.services.scheduler.request import Req
     from radixmesh.services.scheduler.request_traces import RequestTraces
     from radixmesh.services.scheduler.scheduler import Scheduler, SchedulerConfig
-    from radixmesh.services.scheduler.updates import UpdateBuilder
     from radixmesh.tracing import install
 
     class Encoding(SpanExporter):
@@ -121,19 +123,22 @@ def step_cost(traced: bool, requests: int = 8, new_tokens: int = 32, rounds: int
         sched, worker = Scheduler(SchedulerConfig(num_slots=4096)), FakeWorker(4096)
         builder, traces = UpdateBuilder("e0"), RequestTraces("e0")
         for i in range(requests):
-            prompt = list(range(i, i + 128))
-            traces.received(mpb.EngineRequest(rid=f"r{i}", input_ids=prompt), None)
-            builder.register(f"r{i}", "reply", mpb.DetokSpec(), 1)
-            sched.add_request(Req(rid=f"r{i}", input_ids=prompt, seed=0,
-                                  params=SamplingParams(max_new_tokens=new_tokens)))
+            req = Req(rid=f"r{i}", input_ids=list(range(i, i + 128)), seed=0,
+                      params=SamplingParams(max_new_tokens=new_tokens))
+            traces.received(req, None)
+            builder.register(req, mpb.EngineRequest(reply_to="reply", detok_context=1))
+            sched.add_request(req)
         started = time.process_time()
         while sched.has_work():
-            batch = traces.schedule(sched)
+            began = time.time_ns()
+            batch = sched.schedule()
             if batch is not None:
+                traces.scheduled(batch, began, time.time_ns())
                 with traces.forward(batch):
-                    result = worker.forward(batch.proto)
+                    result = worker.forward(batch.batch)
                 sched.process_result(batch, result)
-            traces.sent([u for r in sched.drain_updates() if (u := builder.build(r))])
+            for r in sched.drain_updates():
+                builder.build(r, traces.sent(r.rid, len(r.output_ids), r.finish, r.cached_tokens))
             steps += 1
         cpu += time.process_time() - started
     if provider is not None:

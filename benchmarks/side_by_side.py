@@ -122,7 +122,7 @@ def run_radixmesh(args: argparse.Namespace, tok: Tokenizer, pool: list[int]) -> 
     result["flags"] = {"dtype": args.dtype, "schedule_policy": mesh_args.schedule_policy,
                        "chunked_prefill_size": mesh_args.chunked_prefill_size,
                        "max_total_tokens": mesh_args.max_total_tokens,
-                       "enable_overlap": mesh_args.enable_overlap}
+                       "disable_overlap_schedule": mesh_args.disable_overlap_schedule}
     return result
 
 

@@ -1,14 +1,26 @@
-"""Conversions between the proto messages and the domain objects on either side."""
+"""The shared core types as protobuf and back: the one place each conversion is written.
+
+Transport modules call these once per message; the scheduler and the model runner never
+see protobuf."""
 
 from __future__ import annotations
 
+from radixmesh.core.request import LogprobRequest
 from radixmesh.core.sampling_params import SamplingParams
-from radixmesh.proto import worker_pb2 as pb
+from radixmesh.core.step import (
+    EntryResult,
+    NewRequest,
+    StepBatch,
+    StepEntry,
+    StepResult,
+    TopLogprobs,
+)
+from radixmesh.proto import worker_pb2 as wpb
 
 
-def sampling_to_proto(p: SamplingParams, seed: int) -> pb.SamplingParams:
-    """What the worker needs of a request's sampling parameters (stop strings stay behind)."""
-    return pb.SamplingParams(
+def sampling_to_proto(p: SamplingParams, seed: int) -> wpb.SamplingParams:
+    """What the engine needs of a request's sampling parameters (stop strings stay behind)."""
+    return wpb.SamplingParams(
         temperature=p.temperature,
         top_p=p.top_p,
         top_k=p.top_k,
@@ -23,13 +35,8 @@ def sampling_to_proto(p: SamplingParams, seed: int) -> pb.SamplingParams:
     )
 
 
-def sampling_from_proto(p: pb.SamplingParams) -> SamplingParams:
-    """The worker's side of sampling_to_proto."""
-    return engine_params_from_proto(p, max(p.min_new_tokens, 1))
-
-
-def engine_params_from_proto(p: pb.SamplingParams, max_new_tokens: int) -> SamplingParams:
-    """The scheduler's view of a request's sampling parameters from the mesh message."""
+def sampling_from_proto(p: wpb.SamplingParams, max_new_tokens: int) -> SamplingParams:
+    """The other side of sampling_to_proto; the seed is `p.seed`."""
     return SamplingParams(
         max_new_tokens=max_new_tokens,
         min_new_tokens=p.min_new_tokens,
@@ -43,4 +50,99 @@ def engine_params_from_proto(p: pb.SamplingParams, max_new_tokens: int) -> Sampl
         stop_token_ids=list(p.stop_token_ids),
         ignore_eos=p.ignore_eos,
         seed=p.seed,
+    )
+
+
+def _top_to_proto(top: TopLogprobs) -> wpb.TopLogprobs:
+    return wpb.TopLogprobs(items=[wpb.TokenLogprob(token_id=t, logprob=lp) for t, lp in top])
+
+
+def _top_from_proto(top: wpb.TopLogprobs) -> TopLogprobs:
+    return [(t.token_id, t.logprob) for t in top.items]
+
+
+def batch_to_proto(batch: StepBatch) -> wpb.ForwardBatch:
+    """A step as the scheduler sends it to every worker rank."""
+    return wpb.ForwardBatch(
+        step=batch.step,
+        new_requests=[
+            wpb.NewRequest(
+                rid=n.rid,
+                prefix_ids=n.prefix_ids,
+                prefix_slots=n.prefix_slots,
+                prompt_len=n.prompt_len,
+                sampling=sampling_to_proto(n.params, n.seed),
+                return_logprob=n.logprobs.return_logprob,
+                top_logprobs_num=n.logprobs.top_logprobs_num,
+                logprob_start_len=n.logprobs.logprob_start_len,
+            )
+            for n in batch.new_requests
+        ],
+        entries=[
+            wpb.ForwardEntry(rid=e.rid, input_ids=e.input_ids, slots=e.slots, sample=e.sample)
+            for e in batch.entries
+        ],
+        release=batch.release,
+    )
+
+
+def batch_from_proto(msg: wpb.ForwardBatch) -> StepBatch:
+    """The worker's side of batch_to_proto. The runner needs no max_new_tokens (the
+    scheduler ends requests); at least min_new_tokens keeps the params valid."""
+    return StepBatch(
+        msg.step,
+        [
+            NewRequest(
+                n.rid,
+                list(n.prefix_ids),
+                list(n.prefix_slots),
+                n.prompt_len,
+                sampling_from_proto(n.sampling, max(n.sampling.min_new_tokens, 1)),
+                n.sampling.seed,
+                LogprobRequest(n.return_logprob, n.top_logprobs_num, n.logprob_start_len),
+            )
+            for n in msg.new_requests
+        ],
+        [StepEntry(e.rid, list(e.input_ids), list(e.slots), e.sample) for e in msg.entries],
+        list(msg.release),
+    )
+
+
+def result_to_proto(result: StepResult) -> wpb.ForwardResult:
+    """A step's result as a worker rank answers it."""
+    return wpb.ForwardResult(
+        step=result.step,
+        results=[
+            wpb.EntryResult(
+                rid=r.rid,
+                token_id=r.token_id,
+                logprob=r.logprob,
+                top_logprobs=_top_to_proto(r.top_logprobs),
+                input_logprobs_start=r.input_logprobs_start,
+                input_logprobs=r.input_logprobs,
+                input_top_logprobs=[_top_to_proto(t) for t in r.input_top_logprobs],
+            )
+            for r in result.results
+        ],
+        forward_ms=result.forward_ms,
+    )
+
+
+def result_from_proto(msg: wpb.ForwardResult) -> StepResult:
+    """The scheduler's side of result_to_proto."""
+    return StepResult(
+        msg.step,
+        [
+            EntryResult(
+                r.rid,
+                r.token_id,
+                r.logprob,
+                _top_from_proto(r.top_logprobs),
+                r.input_logprobs_start,
+                list(r.input_logprobs),
+                [_top_from_proto(t) for t in r.input_top_logprobs],
+            )
+            for r in msg.results
+        ],
+        msg.forward_ms,
     )

@@ -5,36 +5,22 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
-from dataclasses import fields
+from dataclasses import asdict
 
 from radixmesh.bench import cli as bench_cli
-from radixmesh.engine_args import EngineArgs
+from radixmesh.core.settings import EngineArgs, add_arguments, from_args
 from radixmesh.launcher import MeshArgs, serve
 from radixmesh.tracing.cli import add_trace_command
 
 
-def _flags(parser: argparse.ArgumentParser, config: type, skip: tuple[str, ...] = ()) -> None:
-    """One flag per field of a config dataclass, typed after its annotation."""
-    for f in fields(config):
-        if f.name in skip:
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        if f.type in ("bool", bool):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
-        else:
-            kind = int if "int" in str(f.type) else str
-            parser.add_argument(flag, type=kind, default=f.default)
-
-
 def _generate(args: argparse.Namespace) -> int:
-    from radixmesh.engine import Engine  # torch loads only for this command
+    engine_args = from_args(EngineArgs, args)  # bad values fail here, before torch loads
+    from radixmesh.engine import Engine
 
-    engine_kwargs = {f.name: getattr(args, f.name) for f in fields(EngineArgs)}
     sampling = json.loads(args.sampling_params)
     sampling.setdefault("max_new_tokens", args.max_new_tokens)
-    with Engine(**engine_kwargs) as engine:
+    with Engine(**asdict(engine_args)) as engine:
         prompt = args.prompt
         if args.chat:
             prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
@@ -48,30 +34,37 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _up(args: argparse.Namespace) -> int:
-    values = {f.name: getattr(args, f.name) for f in fields(MeshArgs) if f.name != "extra_env"}
-    values["nats_url"] = values["nats_url"] or os.environ.get("NATS_URL")
-    return serve(MeshArgs(**values))
+    return serve(from_args(MeshArgs, args))
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of the `radixmesh` console script."""
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of every `radixmesh` command."""
     parser = argparse.ArgumentParser(prog="radixmesh", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="generate from one prompt with the in-process engine")
-    gen.add_argument("prompt")
+    gen = sub.add_parser("generate", help="generate from one prompt with the in-process engine",
+                         description="Generate from one prompt with the in-process engine.")
+    gen.add_argument("prompt", help="the prompt text")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
-    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--max-new-tokens", type=int, default=64,
+                     help="most tokens to generate, unless --sampling-params sets "
+                     "max_new_tokens (default %(default)s)")
     gen.add_argument("--sampling-params", default="{}", help="JSON object of sampling params")
-    _flags(gen, EngineArgs)
+    add_arguments(gen, EngineArgs)
     gen.set_defaults(func=_generate)
-    up = sub.add_parser("up", help="run the whole mesh on loopback with an embedded NATS")
-    _flags(up, MeshArgs, skip=("extra_env",))
+    up = sub.add_parser("up", help="run the whole mesh on loopback with an embedded NATS",
+                        description=MeshArgs.__doc__)
+    add_arguments(up, MeshArgs)
     up.set_defaults(func=_up)
     bench = sub.add_parser("bench", help="benchmark a serving endpoint (or --launch the mesh)")
     bench_cli.add_arguments(bench)
     bench.set_defaults(func=bench_cli.run)
     add_trace_command(sub)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `radixmesh` console script."""
+    args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     try:
         return args.func(args)

@@ -1,101 +1,134 @@
 """The offline engine: tokenizer, scheduler, worker and detokenizer in one process.
 
-It runs the same scheduler and model runner as the mesh; ForwardBatch / ForwardResult
-pass by direct call instead of gRPC."""
+It runs the mesh's engine loop, scheduler and model runner: steps go to the runner by
+direct call on a dedicated torch thread, and progress to in-process request streams."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
-import queue
 import random
 import threading
 import uuid
-from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Awaitable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from typing import Any
-
-import torch
 
 from radixmesh.core.model_files import resolve_model_path
 from radixmesh.core.request import FinishKind, FinishReason, LogprobRequest
 from radixmesh.core.sampling_params import SamplingParams
+from radixmesh.core.settings import EngineArgs
+from radixmesh.core.step import StepResult
 from radixmesh.core.tokenizer import Tokenizer
-from radixmesh.engine_args import EngineArgs
-from radixmesh.proto import worker_pb2 as pb
 from radixmesh.request_output import RequestStream
+from radixmesh.services.scheduler.engine_loop import EngineLoop
 from radixmesh.services.scheduler.request import Req
 from radixmesh.services.scheduler.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
-from radixmesh.services.worker.device import resolve_device
-from radixmesh.services.worker.memory import release_free_memory
-from radixmesh.services.worker.model_source import load_model
-from radixmesh.services.worker.runner import ModelRunner
+from radixmesh.services.worker.runner import ModelRunner, load_runner
 
 log = logging.getLogger("radixmesh.engine")
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+class _DirectExecutor:
+    """Runs each step on the one torch thread, in the order submitted."""
+
+    def __init__(self, runner: ModelRunner, torch_thread: ThreadPoolExecutor) -> None:
+        self._runner = runner
+        self._thread = torch_thread
+
+    def submit(self, batch: ScheduledBatch) -> Awaitable[StepResult]:
+        return asyncio.wrap_future(self._thread.submit(self._runner.forward, batch.batch))
+
+
+class _Streams:
+    """The in-process sink: detokenizes each request's new tokens into its stream and
+    applies stop strings (a match finishes the request at once)."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self._scheduler = scheduler
+        # Keyed by the request object, so a refused duplicate id never takes another's stream.
+        self._streams: dict[Req, RequestStream] = {}
+
+    def watch(self, req: Req, stream: RequestStream) -> None:
+        self._streams[req] = stream
+
+    def refuse(self, req: Req, error: Exception) -> None:
+        stream = self._streams.pop(req, None)
+        if stream is not None:
+            stream.fail(error)
+
+    async def publish(self, updated: list[Req]) -> None:
+        for req in updated:
+            stream = self._streams.get(req)
+            if stream is None:
+                continue
+            matched = stream.update()
+            if matched is not None and req.finish is None:
+                self._scheduler.abort(req.rid, FinishReason(FinishKind.STOP, matched))
+                stream.update()
+            if req.finish is not None:
+                del self._streams[req]
+
+    def fail_all(self, error: Exception) -> None:
+        for stream in list(self._streams.values()):
+            stream.fail(error)
+        self._streams.clear()
 
 
 class Engine:
     """Generate from prompts in-process: `Engine().generate("Hello", {"max_new_tokens": 8})`."""
 
     def __init__(self, model_path: str | None = None, **kwargs: Any) -> None:
-        self.args = EngineArgs(model_path=model_path, **kwargs)
-        if self.args.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.args.dtype!r}")
+        self.args = a = EngineArgs(model_path=model_path, **kwargs)
         path = resolve_model_path(model_path)
         self.tokenizer = Tokenizer.from_path(str(path))
         # Every torch call runs on this one thread: a second thread running parallel torch
         # ops starts a second OpenMP team, and the two slow each other down by ~1.5x.
-        self._worker = ThreadPoolExecutor(1, thread_name_prefix="radixmesh-worker")
-        self.runner = self._worker.submit(self._build_runner, str(path)).result()
-        loaded_config = self.runner.config
-        self.model_config = loaded_config
+        self._torch = ThreadPoolExecutor(1, thread_name_prefix="radixmesh-worker")
+        self.runner = self._torch.submit(
+            load_runner,
+            str(path),
+            a.dtype,
+            a.num_slots,
+            device=a.device,
+            attention=a.attention_backend,
+            page_size=a.page_size,
+            cuda_graph_max_bs=a.cuda_graph_max_bs,
+            progress=a.show_progress,
+        ).result()
+        self.model_config = loaded = self.runner.config
         self.context_length = min(
-            self.args.context_length or loaded_config.max_position_embeddings,
-            loaded_config.max_position_embeddings,
+            a.context_length or loaded.max_position_embeddings, loaded.max_position_embeddings
         )
-        eos = tuple(dict.fromkeys(loaded_config.eos_token_ids + self.tokenizer.eos_token_ids))
         self.scheduler = Scheduler(
             SchedulerConfig(
                 num_slots=self.runner.pool.num_slots,
-                page_size=self.args.page_size,
-                max_running_requests=self.args.max_running_requests,
-                chunked_prefill_size=self.args.chunked_prefill_size,
-                schedule_policy=self.args.schedule_policy,
-                eviction_policy=self.args.eviction_policy,
+                page_size=a.page_size,
+                max_running_requests=a.max_running_requests,
+                chunked_prefill_size=a.chunked_prefill_size,
+                schedule_policy=a.schedule_policy,
+                eviction_policy=a.radix_eviction_policy,
                 context_length=self.context_length,
-                eos_token_ids=eos,
+                eos_token_ids=tuple(
+                    dict.fromkeys(loaded.eos_token_ids + self.tokenizer.eos_token_ids)
+                ),
             )
         )
-        self._rng = random.Random(self.args.random_seed)
-        self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
-        self._streams: dict[str, RequestStream] = {}
-        self._stop = threading.Event()
-        # Guards _closed: once set, nothing new enters the inbox (see shutdown / _fail_all).
+        self._rng = random.Random(a.random_seed)
+        self._streams = _Streams(self.scheduler)
+        self.loop = EngineLoop(
+            self.scheduler, _DirectExecutor(self.runner, self._torch), self._streams,
+            overlap=not a.disable_overlap_schedule,
+        )
+        # Guards _closed: once set, nothing new enters the loop (see shutdown / _run).
         self._lock = threading.Lock()
         self._closed = False
+        self._events = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run, name="radixmesh-scheduler", daemon=True)
         self._thread.start()
-        log.info("engine started: %s", asdict(self.args))
-
-    def _build_runner(self, path: str) -> ModelRunner:
-        a = self.args
-        loaded = load_model(path, progress=a.show_progress)
-        num_slots = a.max_total_tokens - a.max_total_tokens % a.page_size
-        runner = ModelRunner(
-            loaded.config,
-            loaded.weights,
-            _DTYPES[a.dtype],
-            num_slots,
-            attention=a.attention_backend,
-            device=resolve_device(a.device),
-            page_size=a.page_size,
-            cuda_graph_max_bs=a.cuda_graph_max_bs,
-        )
-        del loaded
-        release_free_memory()
-        return runner
+        log.info("engine started: %s", asdict(a))
 
     # ---- public API ----------------------------------------------------------------------
 
@@ -140,29 +173,28 @@ class Engine:
 
     def abort(self, rid: str) -> None:
         """Stop a request wherever it is; its slots return to the pool."""
-        self._post("abort", rid)
+        with self._open():
+            self.loop.abort(rid)
 
     def flush_cache(self) -> bool:
         """Drop every cached prefix (only while idle)."""
-        done: Future[bool] = Future()
-        self._post("flush", done)
+        with self._open():
+            done = self.loop.flush()
         return done.result()
 
     def server_info(self) -> dict[str, Any]:
-        """Pool and cache occupancy, read consistently from the scheduler thread."""
-        done: Future[dict[str, Any]] = Future()
-        self._post("info", done)
-        return done.result()
+        """Pool and cache occupancy, read consistently between steps."""
+        with self._open():
+            done = self.loop.info()
+        return dict(done.result())
 
     def shutdown(self) -> None:
         """Stop the scheduler thread and the worker; unfinished requests raise RuntimeError."""
         with self._lock:
             self._closed = True
-        self._stop.set()
-        self._inbox.put(("wake", None))
+        self.loop.stop()
         self._thread.join()
-        self._worker.shutdown()
-        self._fail_all(RuntimeError("the engine was shut down"))
+        self._torch.shutdown()
 
     def __enter__(self) -> Engine:
         return self
@@ -213,102 +245,34 @@ class Engine:
 
     def _submit(self, req: Req, streaming: bool) -> RequestStream:
         stream = RequestStream(req, self.tokenizer, streaming)
-        self._post("add", (req, stream))
+        with self._open():
+            self._streams.watch(req, stream)
+            self.loop.add(req)
         return stream
 
-    def _post(self, kind: str, payload: Any) -> None:
+    @contextlib.contextmanager
+    def _open(self) -> Iterator[None]:
+        """Hold the lock while handing something to the loop, so that once the loop has
+        stopped nothing new arrives and what arrived before is failed (see _run)."""
         with self._lock:
             if self._closed:
                 raise RuntimeError("the engine is not running")
-            self._inbox.put((kind, payload))
+            yield
 
-    def _fail_all(self, error: Exception) -> None:
-        """Fail every request and call still waiting on the (stopped) scheduler thread."""
-        with self._lock:
-            self._closed = True
-        for stream in self._streams.values():
-            stream.fail(error)
-        self._streams.clear()
-        while True:
-            try:
-                kind, payload = self._inbox.get_nowait()
-            except queue.Empty:
-                return
-            if kind == "add":
-                payload[1].fail(error)
-            elif kind in ("flush", "info"):
-                payload.set_exception(error)
-
-    # ---- the scheduler thread ----------------------------------------------------------------
+    # ---- the scheduler thread --------------------------------------------------------------
 
     def _run(self) -> None:
+        error = RuntimeError("the engine was shut down")
         try:
-            self._loop()
+            self._events.run_until_complete(self.loop.run())
         except Exception as exc:
             log.exception("the scheduler thread failed")
-            self._fail_all(RuntimeError(f"the engine failed: {exc!r}"))
-
-    def _loop(self) -> None:
-        in_flight: tuple[ScheduledBatch, Future[pb.ForwardResult]] | None = None
-        while not self._stop.is_set():
-            self._drain_inbox(block=in_flight is None and not self.scheduler.has_work())
-            batch = self.scheduler.schedule()
-            if self.args.enable_overlap:
-                submitted = (
-                    (batch, self._worker.submit(self.runner.forward, batch.proto))
-                    if batch
-                    else None
-                )
-                if in_flight is not None:
-                    self.scheduler.process_result(in_flight[0], in_flight[1].result())
-                in_flight = submitted
-            elif batch is not None:
-                result = self._worker.submit(self.runner.forward, batch.proto).result()
-                self.scheduler.process_result(batch, result)
-            self._publish()
-        if in_flight is not None:
-            in_flight[1].result()
-
-    def _drain_inbox(self, block: bool) -> None:
-        try:
-            item = self._inbox.get(block=block)
-        except queue.Empty:
-            return
-        while True:
-            self._handle(*item)
-            try:
-                item = self._inbox.get_nowait()
-            except queue.Empty:
-                return
-
-    def _handle(self, kind: str, payload: Any) -> None:
-        if kind == "add":
-            req, stream = payload
-            try:
-                self.scheduler.add_request(req)
-            except ValueError as exc:
-                stream.fail(exc)
-                return
-            self._streams[req.rid] = stream
-        elif kind == "abort":
-            self.scheduler.abort(payload)
-        elif kind == "flush":
-            payload.set_result(self.scheduler.flush_cache())
-        elif kind == "info":
-            payload.set_result(self.scheduler.stats())
-
-    def _publish(self) -> None:
-        """Detokenize new tokens, apply stop strings and wake the callers."""
-        for req in self.scheduler.drain_updates():
-            stream = self._streams.get(req.rid)
-            if stream is None:
-                continue
-            matched = stream.update()
-            if matched is not None and req.finish is None:
-                self.scheduler.abort(req.rid, FinishReason(FinishKind.STOP, matched))
-                stream.update()
-            if req.finish is not None:
-                del self._streams[req.rid]
+            error = RuntimeError(f"the engine failed: {exc!r}")
+        with self._lock:
+            self._closed = True
+        self.loop.fail_pending(error)
+        self._streams.fail_all(error)
+        self._events.close()
 
 
 def _as_list(

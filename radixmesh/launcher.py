@@ -13,50 +13,45 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
-from radixmesh.engine_args import DEFAULT_CUDA_GRAPH_MAX_BS, check_gpu_options
+from radixmesh.core.settings import (
+    DeviceSettings,
+    KVSettings,
+    MeshSettings,
+    ModelSettings,
+    NatsSettings,
+    ScheduleSettings,
+    ServiceSettings,
+    Settings,
+    StatusSettings,
+    shared_values,
+    to_flags,
+)
 from radixmesh.mesh.nats_server import EmbeddedNats, free_port
+from radixmesh.services.detokenizer.config import DetokenizerConfig
+from radixmesh.services.scheduler.config import SchedulerServiceConfig
+from radixmesh.services.tokenizer.config import TokenizerServiceConfig
+from radixmesh.services.worker.config import WorkerConfig
 from radixmesh.tracing.config import exporter_env, instance_env
 from radixmesh.tracing.receiver import JsonlSink, SpanReceiver
 
+# Each service's config: the settings it takes as flags.
+SERVICE_CONFIGS: dict[str, type[Settings]] = {
+    "worker": WorkerConfig,
+    "scheduler": SchedulerServiceConfig,
+    "detokenizer": DetokenizerConfig,
+    "tokenizer": TokenizerServiceConfig,
+}
 
-@dataclass(frozen=True)
-class MeshArgs:
-    """What `radixmesh up` starts and how (service flags keep their own names)."""
 
-    model_path: str | None = None
-    dtype: str = "bfloat16"
-    tp: int = 1
-    engines: int = 1
-    tokenizers: int = 1
-    detokenizers: int = 1
-    host: str = "127.0.0.1"
-    port: int = 30000  # first tokenizer's HTTP port; the next ones count up
-    grpc_port: int = 30001  # first tokenizer's gRPC port; 0 picks free ones
-    nats_url: str | None = None  # None: start an embedded NATS server
-    page_size: int = 1
-    max_total_tokens: int = 65536
-    max_running_requests: int = 64
-    chunked_prefill_size: int = 1024
-    schedule_policy: str = "lpm"
-    eviction_policy: str = "lru"
-    enable_overlap: bool = True
-    context_length: int = 0
-    device: str = "auto"  # every worker's; auto: cuda if torch sees a GPU; cuda: rank r on GPU r
-    attention_backend: str = "auto"  # auto: triton on CUDA, torch on the CPU
-    cuda_graph_max_bs: int = DEFAULT_CUDA_GRAPH_MAX_BS  # 0: no CUDA graphs
-    log_level: str = "INFO"
-    log_dir: str | None = None  # None: children write to this process's stdout
-    # Every service's spans as JSON lines, via an OTLP receiver on loopback (tracing on).
-    trace_file: str | None = None
-    # Every service but the workers runs this much nicer: on a small CPU their per-step
-    # bursts would otherwise preempt a thread of the model's team and stall the whole step.
-    service_nice: int = 10
-    extra_env: dict[str, str] = field(default_factory=dict)
+@dataclass(frozen=True, kw_only=True)
+class MeshArgs(
+    ServiceSettings, ScheduleSettings, KVSettings, DeviceSettings, ModelSettings, MeshSettings
+):
+    """What `radixmesh up` starts and how; every service gets the settings it shares."""
 
-    def __post_init__(self) -> None:
-        check_gpu_options(self.device, self.attention_backend, self.cuda_graph_max_bs)
+    extra_env: dict[str, str] = field(default_factory=dict)  # more variables for every service
 
 
 @dataclass
@@ -92,10 +87,10 @@ class Mesh:
                 self.nats_url = self.nats.url
             if self.args.trace_file:
                 self.spans = SpanReceiver(JsonlSink(self.args.trace_file)).start()
-            for e in range(self.args.engines):
+            for e in range(self.args.dp_size):
                 self._start_engine(e)
             for d in range(self.args.detokenizers):
-                self._spawn(f"detokenizer-{d}", "detokenizer", [f"--replica-id=d{d}"])
+                self._spawn(f"detokenizer-{d}", "detokenizer", {"replica_id": f"d{d}"})
             for t in range(self.args.tokenizers):
                 self._start_tokenizer(t)
             self._wait_healthy(timeout)
@@ -106,25 +101,18 @@ class Mesh:
 
     def _start_engine(self, e: int) -> None:
         a = self.args
-        ports = [free_port(a.host) for _ in range(a.tp)]
+        ports = [free_port(a.host) for _ in range(a.tp_size)]
         dist = f"tcp://{a.host}:{free_port(a.host)}"
-        threads = max(1, (os.cpu_count() or 1) // (a.engines * a.tp))
+        processes = a.dp_size * a.tp_size
+        threads = max(1, (os.cpu_count() or 1) // processes)
         for rank, port in enumerate(ports):
-            self._spawn(f"worker-{e}.{rank}", "worker", [
-                f"--port={port}", f"--dtype={a.dtype}", f"--max-total-tokens={a.max_total_tokens}",
-                f"--page-size={a.page_size}", f"--tp-size={a.tp}", f"--tp-rank={rank}",
-                f"--dist-init-addr={dist}",
-                f"--num-threads={threads if a.engines * a.tp > 1 else 0}",
-                f"--device={a.device}", f"--attention-backend={a.attention_backend}",
-                f"--cuda-graph-max-bs={a.cuda_graph_max_bs}",
-            ])
-        self._spawn(f"scheduler-{e}", "scheduler", [
-            f"--engine-id=e{e}", f"--worker-addrs={','.join(f'{a.host}:{p}' for p in ports)}",
-            f"--page-size={a.page_size}", f"--max-running-requests={a.max_running_requests}",
-            f"--chunked-prefill-size={a.chunked_prefill_size}",
-            f"--schedule-policy={a.schedule_policy}", f"--eviction-policy={a.eviction_policy}",
-            f"--enable-overlap={a.enable_overlap}", f"--context-length={a.context_length}",
-        ])
+            self._spawn(f"worker-{e}.{rank}", "worker", {
+                "port": port, "tp_size": a.tp_size, "tp_rank": rank, "dist_init_addr": dist,
+                "num_threads": threads if processes > 1 else 0,
+            })
+        self._spawn(f"scheduler-{e}", "scheduler", {
+            "engine_id": f"e{e}", "worker_addrs": ",".join(f"{a.host}:{p}" for p in ports),
+        })
 
     def _start_tokenizer(self, t: int) -> None:
         a = self.args
@@ -132,26 +120,28 @@ class Mesh:
         grpc_port = a.grpc_port + t if a.grpc_port else free_port(a.host)
         self.http_urls.append(f"http://{a.host}:{port}")
         self.grpc_addrs.append(f"{a.host}:{grpc_port}")
-        self._spawn(f"tokenizer-{t}", "tokenizer", [
-            f"--port={port}", f"--grpc-port={grpc_port}", f"--replica-id=t{t}",
-        ], health_port=port)
+        self._spawn(f"tokenizer-{t}", "tokenizer",
+                    {"port": port, "grpc_port": grpc_port, "replica_id": f"t{t}"},
+                    health_port=port)
 
     def _spawn(
-        self, name: str, service: str, flags: list[str], health_port: int | None = None
+        self, name: str, service: str, own: dict[str, Any], health_port: int | None = None
     ) -> None:
+        """Start `service` with every setting it shares with the mesh as the mesh has it,
+        then its settings of its own (`own`), NATS and its /health port."""
         a = self.args
+        config = SERVICE_CONFIGS[service]
+        values = {**shared_values(a, config), **own}
+        if issubclass(config, NatsSettings):
+            values["nats_url"] = self.nats_url
         metrics_port = health_port or free_port(a.host)
-        args = [sys.executable, "-m", f"radixmesh.services.{service}", *flags,
-                f"--host={a.host}", f"--log-level={a.log_level}"]
+        if issubclass(config, StatusSettings):
+            values["metrics_port"] = metrics_port
+        args = [sys.executable, "-m", f"radixmesh.services.{service}",
+                *to_flags(config, values)]
         nice = shutil.which("nice")
         if service != "worker" and a.service_nice and nice:
             args = [nice, "-n", str(a.service_nice), *args]
-        if health_port is None:
-            args.append(f"--metrics-port={metrics_port}")
-        if service != "worker":
-            args.append(f"--nats-url={self.nats_url}")
-        if a.model_path:
-            args.append(f"--model-path={a.model_path}")
         log = None
         if a.log_dir:
             Path(a.log_dir).mkdir(parents=True, exist_ok=True)
@@ -241,7 +231,7 @@ def serve(args: MeshArgs) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     mesh = Mesh(args)
-    print(f"radixmesh: starting {args.engines} engine(s) x tp {args.tp}, "
+    print(f"radixmesh: starting {args.dp_size} engine(s) x tp {args.tp_size}, "
           f"{args.tokenizers} tokenizer(s), {args.detokenizers} detokenizer(s)", flush=True)
     try:
         mesh.start()

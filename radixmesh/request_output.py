@@ -8,14 +8,11 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from radixmesh.core.detokenize import StopResult, StopStringMatcher
+from radixmesh.core.detokenize import RequestText, TextRules
+from radixmesh.core.meta_info import LogprobLists, meta_info
 from radixmesh.core.request import FinishKind
 from radixmesh.core.tokenizer import Tokenizer
-from radixmesh.services.detokenizer.incremental import IncrementalDetokenizer
 from radixmesh.services.scheduler.request import Req
-
-# Prompt tokens given to the detokenizer as left context for the first output token.
-_PROMPT_CONTEXT = 4
 
 
 class RequestStream:
@@ -25,11 +22,18 @@ class RequestStream:
         self.req = req
         # Only a streaming caller reads chunks; others would pay for a meta dict per step.
         self._streaming = streaming
-        skip = req.params.skip_special_tokens
-        self._detok = IncrementalDetokenizer(
-            tokenizer.decode, req.input_ids[-_PROMPT_CONTEXT:], skip_special_tokens=skip
+        params = req.params
+        rules = TextRules(
+            tuple(params.stop),
+            params.no_stop_trim,
+            params.skip_special_tokens,
+            params.min_new_tokens,
         )
-        self._stops = StopStringMatcher(req.params.stop, req.params.no_stop_trim)
+        # The same text as the detokenizer service gives, from shorter windows: all the
+        # request's ids are at hand here.
+        self._detok = RequestText(tokenizer.decode, rules, req.input_ids, tokenizer.special_ids)
+        # A stop string ends the text: the update of the engine's abort adds none.
+        self._stopped = False
         self._seen = 0
         self.text = ""
         self._chunks: queue.Queue[dict[str, Any] | BaseException] = queue.Queue()
@@ -41,20 +45,14 @@ class RequestStream:
         req = self.req
         new_ids = req.output_ids[self._seen :]
         self._seen = len(req.output_ids)
-        # Like SGLang, the text leaves out a matched stop token (unless no_stop_trim); it
-        # is always the last output id and arrives together with the finish.
-        shown = new_ids[:-1] if new_ids and self._trims_stop_token() else new_ids
         delta, matched = "", None
-        if self._stops.matched is None:
-            text = self._detok.step(shown)
-            # Stop strings count only once min_new_tokens is reached, as stop tokens do.
-            armed = len(req.output_ids) > req.params.min_new_tokens
-            released = self._stops.feed(text) if armed else StopResult(text, None)
-            delta, matched = released.text, released.matched
-            if req.finish is not None and matched is None:
-                tail = self._stops.feed(self._detok.finish())
-                delta += tail.text + ("" if tail.matched else self._stops.flush())
-                matched = tail.matched
+        if not self._stopped:
+            # Like SGLang, the text leaves out a matched stop token (unless no_stop_trim); it
+            # is always the last output id and arrives together with the finish.
+            trim = bool(new_ids) and self._trims_stop_token()
+            window = self._detok.update(new_ids, req.finish is not None, trim)
+            delta, matched = window.text, window.matched
+            self._stopped = matched is not None
         self.text += delta
         if self._streaming and (req.finish is not None or delta or new_ids):
             self._chunks.put(self._chunk(delta, new_ids))
@@ -108,28 +106,32 @@ class RequestStream:
 
     def _meta(self) -> dict[str, Any]:
         req = self.req
-        meta: dict[str, Any] = {
-            "id": req.rid,
-            "prompt_tokens": len(req.input_ids),
-            "completion_tokens": len(req.output_ids),
-            "cached_tokens": req.cached_tokens,
-            "finish_reason": req.finish.to_dict() if req.finish else None,
-        }
+        logprobs: LogprobLists | None = None
         if req.logprobs.return_logprob:
             start = max(req.logprobs.logprob_start_len, 0)
-            meta["input_token_logprobs"] = [
-                (None if math.isnan(lp) else lp, tid, None)
-                for lp, tid in zip(req.input_logprobs, req.input_ids[start:], strict=False)
-            ]
-            meta["output_token_logprobs"] = [
-                (lp, tid, None)
-                for lp, tid in zip(req.output_logprobs, req.output_ids, strict=False)
-            ]
-            if req.logprobs.top_logprobs_num:
-                meta["input_top_logprobs"] = [
+            tops = bool(req.logprobs.top_logprobs_num)
+            # The scheduler keeps (token id, logprob) pairs, NaN for the first prompt token.
+            logprobs = LogprobLists(
+                input_token=[
+                    (None if math.isnan(lp) else lp, tid, None)
+                    for lp, tid in zip(req.input_logprobs, req.input_ids[start:], strict=False)
+                ],
+                output_token=[
+                    (lp, tid, None)
+                    for lp, tid in zip(req.output_logprobs, req.output_ids, strict=False)
+                ],
+                input_top=[
                     [(lp, tid, None) for tid, lp in top] or None for top in req.input_top_logprobs
-                ]
-                meta["output_top_logprobs"] = [
+                ] if tops else None,
+                output_top=[
                     [(lp, tid, None) for tid, lp in top] for top in req.output_top_logprobs
-                ]
-        return meta
+                ] if tops else None,
+            )
+        return meta_info(
+            req.rid,
+            req.finish.to_dict() if req.finish else None,
+            len(req.input_ids),
+            len(req.output_ids),
+            req.cached_tokens,
+            logprobs=logprobs,
+        )

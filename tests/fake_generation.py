@@ -7,12 +7,12 @@ import asyncio
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from radixmesh.core.meta_info import TokenLogprob
 from radixmesh.core.tokenizer import Tokenizer
-from radixmesh.services.tokenizer.generation import (
+from radixmesh.services.tokenizer.client import (
     GenerationChunk,
     GenerationError,
     GenerationRequest,
-    TokenLogprob,
 )
 
 REPLY = " The answer is 42. Have a nice day!"

@@ -1,4 +1,4 @@
-"""A model-free worker that speaks ForwardBatch/ForwardResult and checks KV bookkeeping.
+"""A model-free worker that runs StepBatches and checks KV bookkeeping.
 
 Its "KV pool" records which (token, position) each slot holds; every step it checks that
 each request's slots hold exactly that request's tokens, so a slot handed out twice, a
@@ -7,7 +7,7 @@ whole sequence, as a real model's would be."""
 
 from __future__ import annotations
 
-from radixmesh.proto import worker_pb2 as pb
+from radixmesh.core.step import EntryResult, StepBatch, StepResult
 
 VOCAB = 50
 
@@ -28,7 +28,7 @@ class FakeWorker:
         self.reqs: dict[str, tuple[list[int], list[int], list[int]]] = {}  # ids, slots, last
         self.steps = 0
 
-    def forward(self, batch: pb.ForwardBatch) -> pb.ForwardResult:
+    def forward(self, batch: StepBatch) -> StepResult:
         self.steps += 1
         for rid in batch.release:
             del self.reqs[rid]
@@ -37,11 +37,11 @@ class FakeWorker:
             # Prefix slots may be written by this very step (a prefix shared within the
             # batch), so they are checked with the rest after the step's writes.
             self.reqs[new.rid] = (list(new.prefix_ids), list(new.prefix_slots), [-1])
-        result = pb.ForwardResult(step=batch.step)
+        result = StepResult(batch.step)
         written: set[int] = set()
         for entry in batch.entries:
             ids, slots, last = self.reqs[entry.rid]
-            new_ids = list(entry.input_ids) or [last[0]]
+            new_ids = entry.input_ids or [last[0]]
             assert new_ids[0] >= 0, f"{entry.rid}: decode before any token was sampled"
             assert len(entry.slots) == len(new_ids)
             for tok, slot in zip(new_ids, entry.slots, strict=True):
@@ -56,7 +56,8 @@ class FakeWorker:
                 assert self.pool[slot] == (ids[pos], pos), (
                     f"{entry.rid}: slot {slot} holds {self.pool[slot]}, expected {(ids[pos], pos)}"
                 )
-            out = result.results.add(rid=entry.rid, token_id=-1)
+            out = EntryResult(entry.rid)
+            result.results.append(out)
             if entry.sample:
                 last[0] = out.token_id = next_token(ids)
         return result

@@ -1,14 +1,18 @@
-"""Stateless windowed detokenization against the stateful RequestStream, real tokenizer."""
+"""Windowed detokenization, as a replica that sees each update alone and in process,
+against the text of whole-request decodes, real tokenizer."""
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
 
-from hypothesis import given, settings
+import pytest
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from radixmesh.core.detokenize import (
+    MAX_PENDING_TOKENS,
+    RequestText,
     TextRules,
     Update,
     WindowText,
@@ -23,7 +27,7 @@ from radixmesh.services.scheduler.request import Req
 
 EOS = 2  # <|im_end|>, the stop token
 SPECIALS = range(17)
-PROMPTS = ["Hi", "Say something: ", "你好", "x😀", "Write a poem"]
+PROMPTS = ["Hi", "Say something: ", "你好", "x😀", "Write a poem", "<|im_start|>assistant\n"]
 PIECES = [
     "Hello", " world", ",", " the", "\n", "\n\n", "中文", "你好", "😀", "👍🏽", "🦊", "é",
     " naïve", "한국어", "END", "ab", "a", "b", " 😀", "lo w",
@@ -55,30 +59,65 @@ def as_bytes(text: str) -> list[int]:
     return [byte_tokens()[b] for b in text.encode()]
 
 
-def reference(prompt: list[int], out: list[int], rules: TextRules, stop_token: bool) -> Outcome:
-    """The in-process engine's stream fed one token at a time, stopped at a stop string."""
-    params = SamplingParams(
-        max_new_tokens=max(len(out), rules.min_new_tokens),
-        min_new_tokens=rules.min_new_tokens,
-        stop=list(rules.stop),
-        no_stop_trim=rules.no_stop_trim,
-        skip_special_tokens=rules.skip_special_tokens,
-    )
-    req = Req("r", list(prompt), params, seed=0)
-    stream = RequestStream(req, tokenizer(), streaming=False)
-    matched = None
-    for k, token in enumerate(out):
-        req.output_ids.append(token)
-        if k == len(out) - 1:
-            kind, limit = (FinishKind.STOP, token) if stop_token else (FinishKind.LENGTH, k + 1)
-            req.finish = FinishReason(kind, limit)
-        matched = stream.update()
-        if matched is not None:
-            if req.finish is None:
-                req.finish = FinishReason(FinishKind.STOP, matched)
-                stream.update()
-            break
-    return stream.result()["text"], matched, len(req.output_ids)
+class WholeText:
+    """A request's text as the detokenize module specifies it, from decodes of the whole
+    request up to each output token: no window, nothing carried from one token to the next.
+
+    `released[k]` is the text released once k output tokens exist, `released[n + 1]` at the
+    finish of n; a stop string cuts the list at the first boundary that completes one.
+    """
+
+    def __init__(
+        self, prompt: list[int], out: list[int], rules: TextRules, stop_token: bool
+    ) -> None:
+        tok = tokenizer()
+        skip = rules.skip_special_tokens
+        # Like SGLang, a matched stop token is counted but shown without text.
+        shown = out[:-1] if stop_token and not rules.no_stop_trim else out
+        decoded = [
+            tok.decode(prompt + shown[:k], skip_special_tokens=skip) for k in range(len(shown) + 1)
+        ]
+        prompt_chars = len(decoded[0])
+
+        def whole(k: int) -> str:
+            """Up to the last boundary, at most MAX_PENDING_TOKENS back, that ends whole."""
+            for j in range(k, max(k - MAX_PENDING_TOKENS, 0) - 1, -1):
+                if not decoded[j].endswith("\ufffd"):
+                    return decoded[j][prompt_chars:]
+            return decoded[k][prompt_chars:-1]
+
+        texts = [whole(k) for k in range(len(shown) + 1)] + [decoded[-1][prompt_chars:]]
+        stops = [s for s in rules.stop if s]
+        self.released: list[str] = []
+        self.matched: str | None = None
+        self.completion = len(out)
+        for k, text in enumerate(texts):
+            # Stop strings count only in text that tokens past min_new_tokens release.
+            armed = len(texts[min(k, rules.min_new_tokens, len(shown))])
+            counted = text[armed:]
+            hits = [(counted.find(s), -len(s), s) for s in stops if s in counted]
+            if hits:
+                start, _, self.matched = min(hits)
+                end = start + len(self.matched) if rules.no_stop_trim else start
+                self.released.append(text[: armed + end])
+                self.completion = min(k, len(out))
+                return
+            finish = k > len(shown)
+            held = 0 if finish else max(
+                (n for n in range(1, len(counted) + 1)
+                 if any(len(s) > n and s.startswith(counted[-n:]) for s in stops)),
+                default=0,
+            )  # fmt: skip
+            self.released.append(text[: len(text) - held])
+
+    @property
+    def outcome(self) -> Outcome:
+        return self.released[-1], self.matched, self.completion
+
+    def added(self, start: int, end: int, finished: bool) -> str:
+        """The text that output tokens start..end add, the finish too if `finished`."""
+        last = len(self.released) - 1 if finished else min(end, len(self.released) - 1)
+        return self.released[last][len(self.released[min(start, last)]) :]
 
 
 def updates(
@@ -110,16 +149,73 @@ def windowed(
     stop_token: bool,
     sizes: Sequence[int],
     context: int | None = None,
+    expected: WholeText | None = None,
 ) -> Outcome:
-    """What the request's owner sees: chunk texts up to the first stop."""
+    """What the request's owner sees from replicas that see each update alone: chunk texts
+    up to the first stop, each checked against `expected` if given."""
     size = detok_context_size(rules.stop) if context is None else context
     text = ""
     for update in updates(prompt, out, sizes, size, stop_token, rules.no_stop_trim):
         result = window_text(tokenizer().decode, rules, update)
+        if expected is not None:
+            end = update.offset + len(update.new)
+            assert result.text == expected.added(update.offset, end, update.finished)
         text += result.text
         if result.stop_at is not None:
             return text, result.matched, result.stop_at
     return text, None, len(out)
+
+
+def in_process(
+    prompt: list[int],
+    out: list[int],
+    rules: TextRules,
+    stop_token: bool,
+    sizes: Sequence[int] = (1,),
+    expected: WholeText | None = None,
+) -> Outcome:
+    """The in-process engine's stream, fed the given numbers of tokens (cycled) per step and
+    stopped as the engine stops it; each step's text checked against `expected` if given."""
+    params = SamplingParams(
+        max_new_tokens=max(len(out), rules.min_new_tokens),
+        min_new_tokens=rules.min_new_tokens,
+        stop=list(rules.stop),
+        no_stop_trim=rules.no_stop_trim,
+        skip_special_tokens=rules.skip_special_tokens,
+    )
+    req = Req("r", list(prompt), params, seed=0)
+    stream = RequestStream(req, tokenizer(), streaming=False)
+    matched, step = None, 0
+    while len(req.output_ids) < len(out):
+        start = len(req.output_ids)
+        req.output_ids += out[start : start + sizes[step % len(sizes)]]
+        step += 1
+        end = len(req.output_ids)
+        if end == len(out):
+            kind, limit = (FinishKind.STOP, out[-1]) if stop_token else (FinishKind.LENGTH, end)
+            req.finish = FinishReason(kind, limit)
+        before = stream.text
+        matched = stream.update()
+        if expected is not None:
+            added = expected.added(start, end, req.finish is not None)
+            assert stream.text[len(before) :] == added
+        if matched is not None:
+            if req.finish is None:
+                req.finish = FinishReason(FinishKind.STOP, matched)
+                stream.update()
+            break
+    return stream.result()["text"], matched, len(req.output_ids)
+
+
+def step_end(tokens: int, sizes: Sequence[int], total: int) -> int:
+    """Output tokens at the end of the step, of the given sizes (cycled) in an output of
+    `total`, that holds the `tokens`-th: the engine counts all of a step's tokens, the
+    stop string's too."""
+    end, step = 0, 0
+    while end < tokens:
+        end += sizes[step % len(sizes)]
+        step += 1
+    return min(end, total)
 
 
 @st.composite
@@ -144,7 +240,7 @@ rules_st = st.builds(
     stop=st.lists(st.sampled_from(STOPS), max_size=3).map(tuple),
     no_stop_trim=st.booleans(),
     skip_special_tokens=st.booleans(),
-    min_new_tokens=st.sampled_from([0, 0, 1, 3, 8]),
+    min_new_tokens=st.sampled_from([0, 0, 1, 3, 8, 12]),
 )
 sizes_st = st.lists(st.integers(1, 6), min_size=1, max_size=4)
 
@@ -157,13 +253,17 @@ sizes_st = st.lists(st.integers(1, 6), min_size=1, max_size=4)
     stop_token=st.booleans(),
     sizes=sizes_st,
 )
-def test_windowed_equals_request_stream(
+def test_replicas_and_the_engine_give_the_whole_text(
     prompt: str, out: list[int], rules: TextRules, stop_token: bool, sizes: list[int]
 ) -> None:
-    prompt_ids = tokenizer().encode(prompt)
+    ids = tokenizer().encode(prompt)
     out = out + [EOS] if stop_token else out or [EOS]
-    expected = reference(prompt_ids, out, rules, stop_token)
-    assert windowed(prompt_ids, out, rules, stop_token, sizes) == expected
+    expected = WholeText(ids, out, rules, stop_token)
+    assert windowed(ids, out, rules, stop_token, sizes, expected=expected) == expected.outcome
+    assert in_process(ids, out, rules, stop_token, expected=expected) == expected.outcome
+    text, matched, completion = in_process(ids, out, rules, stop_token, sizes, expected=expected)
+    assert (text, matched) == expected.outcome[:2]
+    assert completion == step_end(expected.completion, sizes, len(out))
 
 
 @settings(max_examples=150, deadline=None)
@@ -172,13 +272,21 @@ def test_windowed_equals_request_stream(
     rules=rules_st,
     sizes=sizes_st,
 )
+# A replacement character pending when min_new_tokens is reached after a run of skipped
+# special tokens: the engine's window must reach back past them all.
+@example(out=[0, 0, 0, 0, 0, 0, 111, 0, 0], rules=TextRules(min_new_tokens=3), sizes=[1])
 def test_any_ids_give_the_same_text_however_split(
     out: list[int], rules: TextRules, sizes: list[int]
 ) -> None:
     tok = tokenizer()
     prompt = tok.encode("Once upon a time")
+    expected = WholeText(prompt, out, rules, False)
     one_by_one = windowed(prompt, out, rules, False, [1], context=len(prompt) + len(out))
-    assert windowed(prompt, out, rules, False, sizes) == one_by_one
+    assert one_by_one == expected.outcome
+    assert windowed(prompt, out, rules, False, sizes, expected=expected) == expected.outcome
+    text, matched, completion = in_process(prompt, out, rules, False, sizes, expected=expected)
+    assert (text, matched) == expected.outcome[:2]
+    assert completion == step_end(expected.completion, sizes, len(out))
     if not rules.stop:
         skip = rules.skip_special_tokens
         full = tok.decode(prompt + out, skip_special_tokens=skip)
@@ -200,7 +308,9 @@ def test_context_size_covers_stops_of_single_byte_tokens(
     prompt = tokenizer().encode("Go")
     rules = TextRules((stop,))
     out = as_bytes(text)
-    assert windowed(prompt, out, rules, False, sizes) == reference(prompt, out, rules, False)
+    expected = WholeText(prompt, out, rules, False)
+    assert windowed(prompt, out, rules, False, sizes, expected=expected) == expected.outcome
+    assert in_process(prompt, out, rules, False, expected=expected) == expected.outcome
 
 
 def test_a_shorter_context_misses_a_stop_string() -> None:
@@ -208,9 +318,43 @@ def test_a_shorter_context_misses_a_stop_string() -> None:
     rules = TextRules(("😀😀",))
     out = as_bytes("a😀😀b")
     expected = ("a", "😀😀", 9)
-    assert reference(prompt, out, rules, False) == expected
+    assert WholeText(prompt, out, rules, False).outcome == expected
     assert windowed(prompt, out, rules, False, [1]) == expected
+    assert in_process(prompt, out, rules, False) == expected
     assert windowed(prompt, out, rules, False, [1], context=4) != expected
+
+
+@pytest.mark.parametrize("stop", ["ab", "ba", "bab"])
+@pytest.mark.parametrize("min_new_tokens", range(0, 26, 3))
+def test_stop_strings_armed_anywhere_in_a_long_output(stop: str, min_new_tokens: int) -> None:
+    # Stop strings before min_new_tokens do not count, whichever window the engine has
+    # when that boundary passes.
+    prompt = tokenizer().encode("Go")
+    out = as_bytes("ab" * 14)
+    rules = TextRules((stop,), min_new_tokens=min_new_tokens)
+    expected = WholeText(prompt, out, rules, False)
+    assert expected.matched == stop
+    assert windowed(prompt, out, rules, False, [1], expected=expected) == expected.outcome
+    assert in_process(prompt, out, rules, False, expected=expected) == expected.outcome
+
+
+def test_in_process_windows_stay_short() -> None:
+    # The engine decodes about once per token, and a few ids, not detok_context_size of
+    # them: the ids pending, 4 before them to resynchronize UTF-8, and what the window has
+    # grown by since it began.
+    tok = tokenizer()
+    lengths: list[int] = []
+
+    def decode(ids: Sequence[int], skip_special_tokens: bool) -> str:
+        lengths.append(len(ids))
+        return tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    out = tok.encode("Plain text, some 中文 and 😀 in it, and more plain text. " * 20)
+    text = RequestText(decode, TextRules(), tok.encode("Hi"), tok.special_ids)
+    streamed = "".join(text.update([token], finished=False).text for token in out)
+    assert streamed == tok.decode(out)
+    assert max(lengths) <= 16 < detok_context_size([])
+    assert len(lengths) < 1.2 * len(out)
 
 
 def test_context_size_grows_with_the_longest_stop_in_bytes() -> None:

@@ -1,16 +1,27 @@
-"""Incremental detokenizer and stop-string matcher, checked against real BPE tokenizers."""
+"""Detokenization and stop strings, checked against real BPE tokenizers: in process
+(RequestText, which keeps each request's window) and as a replica that sees each update
+alone (window_text with detok_context_size ids of context), which must agree."""
 
 import functools
-import importlib
-from collections.abc import Sequence
+from collections.abc import Sequence, Set
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from radixmesh.core.detokenize import StopResult, StopStringMatcher
-from radixmesh.services.detokenizer.incremental import DecodeFn, IncrementalDetokenizer
+from radixmesh.core.detokenize import (
+    DecodeFn,
+    RequestText,
+    StopResult,
+    StopStringMatcher,
+    TextRules,
+    Update,
+    WindowText,
+    detok_context_size,
+    window_text,
+)
+from radixmesh.core.tokenizer import Tokenizer as ProjectTokenizer
 
 EOS = "<|eos|>"
 CORPUS = [
@@ -57,17 +68,14 @@ def metaspace_bpe() -> Tokenizer:
     return tokenizer
 
 
+def specials_of(tokenizer: Tokenizer) -> frozenset[int]:
+    """The ids of a tokenizer's special tokens, which skip_special_tokens leaves out."""
+    return frozenset(i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special)
+
+
 @functools.cache
-def project_tokenizer() -> object | None:
-    """The project's default tokenizer, or None while that module does not exist yet."""
-    name = "radixmesh.core.tokenizer"
-    try:
-        module = importlib.import_module(name)
-    except ModuleNotFoundError as exc:
-        if exc.name != name:
-            raise
-        return None
-    return module.Tokenizer.from_path(None)
+def project_tokenizer() -> ProjectTokenizer:
+    return ProjectTokenizer.from_path(None)
 
 
 class CountingDecode:
@@ -93,30 +101,48 @@ def chunked(ids: list[int], sizes: list[int]) -> list[list[int]]:
     return chunks
 
 
-def run_detok(
+def run_updates(
     decode: DecodeFn,
-    chunks: list[list[int]],
-    prompt_tail: Sequence[int] = (),
-    skip_special_tokens: bool = True,
+    chunks: Sequence[Sequence[int]],
+    specials: Set[int],
+    prompt: Sequence[int] = (),
+    rules: TextRules | None = None,
 ) -> tuple[list[str], str]:
-    detok = IncrementalDetokenizer(decode, prompt_tail, skip_special_tokens)
-    deltas = [detok.step(chunk) for chunk in chunks]
-    tail = detok.finish()
-    assert detok.text == "".join(deltas) + tail
-    return deltas, tail
+    """Each chunk's text as an update, then the text of an update that only finishes, in
+    process (told which ids are skipped special tokens, which carry no bytes); a replica
+    that sees each update alone must give each the same."""
+    rules = rules or TextRules()
+    in_process = RequestText(decode, rules, prompt, specials)
+    size = detok_context_size(rules.stop)
+    ids = list(prompt)
+    texts = []
+    for k, chunk in enumerate([*chunks, []]):
+        update = Update(
+            ids[-size:], chunk, len(ids) - len(prompt), k == len(chunks), prompt_tail=prompt[-4:]
+        )
+        got = in_process.update(chunk, update.finished)
+        assert got == window_text(decode, rules, update)
+        texts.append(got.text)
+        ids += chunk
+    return texts[:-1], texts[-1]
 
 
 def check_stream(
-    decode: DecodeFn, ids: list[int], sizes: list[int], skip_special_tokens: bool = True
+    decode: DecodeFn,
+    ids: list[int],
+    sizes: list[int],
+    specials: Set[int],
+    skip_special_tokens: bool = True,
 ) -> None:
-    deltas, tail = run_detok(decode, chunked(ids, sizes), (), skip_special_tokens)
+    rules = TextRules(skip_special_tokens=skip_special_tokens)
+    deltas, tail = run_updates(decode, chunked(ids, sizes), specials, rules=rules)
     full = decode(ids, skip_special_tokens=skip_special_tokens)
     assert "".join(deltas) + tail == full
     if "\ufffd" not in full:
         assert all("\ufffd" not in delta for delta in deltas + [tail])
 
 
-# --- incremental detokenizer -------------------------------------------------------------
+# --- text of token ids ----------------------------------------------------------------
 
 
 def test_byte_level_tokenizer_splits_characters() -> None:
@@ -130,9 +156,8 @@ def test_byte_level_tokenizer_splits_characters() -> None:
 def test_emoji_split_over_tokens_is_held_until_complete() -> None:
     tok = byte_level_bpe()
     ids = tok.encode("a😀b").ids
-    detok = IncrementalDetokenizer(tok.decode)
-    deltas = [detok.step([i]) for i in ids]
-    assert "".join(deltas) == "a😀b"
+    deltas, tail = run_updates(tok.decode, chunked(ids, [1]), specials_of(tok))
+    assert "".join(deltas) == "a😀b" and tail == ""
     assert all("\ufffd" not in d for d in deltas)
     assert "😀" in deltas
 
@@ -140,32 +165,35 @@ def test_emoji_split_over_tokens_is_held_until_complete() -> None:
 def test_truncated_character_is_flushed_as_replacement_at_finish() -> None:
     tok = byte_level_bpe()
     ids = tok.encode("x😀").ids
-    detok = IncrementalDetokenizer(tok.decode)
-    assert "".join(detok.step([i]) for i in ids[:-1]) == "x"
-    assert detok.finish() == tok.decode(ids[:-1])[1:]
-    assert detok.finish() == ""
-    assert detok.text.startswith("x") and detok.text.endswith("\ufffd")
+    deltas, tail = run_updates(tok.decode, chunked(ids[:-1], [1]), specials_of(tok))
+    assert "".join(deltas) == "x"
+    assert tail == tok.decode(ids[:-1])[1:]
+    assert tail.endswith("\ufffd")
 
 
-def test_step_after_finish_is_an_error() -> None:
-    detok = IncrementalDetokenizer(byte_level_bpe().decode)
-    detok.finish()
+def test_update_after_finish_is_an_error() -> None:
+    tok = byte_level_bpe()
+    text = RequestText(tok.decode, TextRules(), tok.encode("Hi").ids, frozenset())
+    text.update(tok.encode(" there").ids, finished=True)
     with pytest.raises(RuntimeError):
-        detok.step([1])
+        text.update([1], finished=False)
 
 
 @settings(max_examples=150, deadline=None)
 @given(text=texts)
+# A skipped special token right after a 4-byte character: the in-process window must reach
+# back past it to the character's first byte.
+@example(text="aaa𐀀<|eos|>")
 def test_one_token_at_a_time_matches_full_decode(text: str) -> None:
     tok = byte_level_bpe()
-    check_stream(tok.decode, tok.encode(text).ids, [1])
+    check_stream(tok.decode, tok.encode(text).ids, [1], specials_of(tok))
 
 
 @settings(max_examples=150, deadline=None)
 @given(text=texts, sizes=st.lists(st.integers(1, 5), min_size=1, max_size=8))
 def test_random_chunks_match_full_decode(text: str, sizes: list[int]) -> None:
     tok = byte_level_bpe()
-    check_stream(tok.decode, tok.encode(text).ids, sizes)
+    check_stream(tok.decode, tok.encode(text).ids, sizes, specials_of(tok))
 
 
 @settings(max_examples=100, deadline=None)
@@ -174,7 +202,7 @@ def test_special_tokens_skipped_or_kept(text: str, skip: bool) -> None:
     tok = byte_level_bpe()
     eos = tok.token_to_id(EOS)
     ids = [i for piece in text.split("b") for i in [*tok.encode(piece).ids, eos]]
-    check_stream(tok.decode, ids, [1], skip_special_tokens=skip)
+    check_stream(tok.decode, ids, [1], specials_of(tok), skip)
 
 
 @settings(max_examples=200, deadline=None)
@@ -185,7 +213,7 @@ def test_special_tokens_skipped_or_kept(text: str, skip: bool) -> None:
 def test_arbitrary_token_sequences_including_invalid_utf8(ids: list[int], sizes: list[int]) -> None:
     tok = byte_level_bpe()
     assert tok.get_vocab_size() == 320
-    check_stream(tok.decode, ids, sizes)
+    check_stream(tok.decode, ids, sizes, specials_of(tok))
 
 
 # Byte-level symbols of single bytes: UTF-8 lead bytes F0, E4, C3, continuation bytes
@@ -201,17 +229,19 @@ SINGLE_BYTES = ["ð", "ä", "Ã", "Ł", "ĺ", "Ģ", "¸", "Ń", "ÿ", "A"]
 )
 def test_runs_of_loose_utf8_bytes(picks: list[str], sizes: list[int], skip: bool) -> None:
     tok = byte_level_bpe()
-    check_stream(tok.decode, [tok.token_to_id(p) for p in picks], sizes, skip)
+    ids = [tok.token_to_id(p) for p in picks]
+    check_stream(tok.decode, ids, sizes, specials_of(tok), skip)
 
 
 @settings(max_examples=100, deadline=None)
 @given(prompt=texts, output=texts)
-def test_prompt_tail_gives_mid_text_decoding(prompt: str, output: str) -> None:
+def test_prompt_gives_mid_text_decoding(prompt: str, output: str) -> None:
     tok = byte_level_bpe()
     prompt_ids = tok.encode(prompt).ids
     out_ids = tok.encode(output).ids
-    deltas, tail = run_detok(tok.decode, chunked(out_ids, [1]), prompt_ids[-4:])
-    expected = tok.decode(prompt_ids[-4:] + out_ids)[len(tok.decode(prompt_ids[-4:])) :]
+    chunks = chunked(out_ids, [1])
+    deltas, tail = run_updates(tok.decode, chunks, specials_of(tok), prompt_ids)
+    expected = tok.decode(prompt_ids + out_ids)[len(tok.decode(prompt_ids)) :]
     assert "".join(deltas) + tail == expected
 
 
@@ -220,9 +250,9 @@ def test_metaspace_first_token_keeps_its_space_with_prompt_context() -> None:
     prompt_ids = tok.encode("The quick").ids
     out_ids = tok.encode(" brown fox jumps").ids
     assert tok.decode(out_ids).startswith("brown")
-    deltas, tail = run_detok(tok.decode, chunked(out_ids, [1]), prompt_ids[-3:])
+    deltas, tail = run_updates(tok.decode, chunked(out_ids, [1]), specials_of(tok), prompt_ids)
     assert "".join(deltas) + tail == " brown fox jumps"
-    deltas, tail = run_detok(tok.decode, chunked(out_ids, [1]))
+    deltas, tail = run_updates(tok.decode, chunked(out_ids, [1]), specials_of(tok))
     assert "".join(deltas) + tail == "brown fox jumps"
 
 
@@ -230,7 +260,16 @@ def test_metaspace_first_token_keeps_its_space_with_prompt_context() -> None:
 @given(text=st.text(alphabet=st.sampled_from(list("abc ,.!éà")), max_size=40))
 def test_metaspace_stream_matches_full_decode(text: str) -> None:
     tok = metaspace_bpe()
-    check_stream(tok.decode, tok.encode(text).ids, [1])
+    check_stream(tok.decode, tok.encode(text).ids, [1], specials_of(tok))
+
+
+def in_process_texts(
+    decode: DecodeFn, ids: list[int], specials: Set[int]
+) -> tuple[list[str], str]:
+    """The text of each id as an update, in process, then of the finish."""
+    text = RequestText(decode, TextRules(), [], specials)
+    deltas = [text.update([i], finished=False).text for i in ids]
+    return deltas, text.update([], finished=True).text
 
 
 def test_decode_window_stays_small_for_long_outputs() -> None:
@@ -238,9 +277,11 @@ def test_decode_window_stays_small_for_long_outputs() -> None:
     ids = tok.encode(" ".join(CORPUS) * 20).ids
     assert len(ids) > 3000
     counting = CountingDecode(tok.decode)
-    deltas, tail = run_detok(counting, chunked(ids, [1]))
+    deltas, tail = in_process_texts(counting, ids, specials_of(tok))
     assert "".join(deltas) + tail == tok.decode(ids)
-    assert counting.longest <= 8
+    # 4 ids to resynchronize UTF-8, up to 3 of a character's bytes pending, 8 more before
+    # a new window, the new id.
+    assert counting.longest <= 16
 
 
 def test_window_stays_small_for_invalid_bytes_and_skipped_tokens() -> None:
@@ -249,33 +290,65 @@ def test_window_stays_small_for_invalid_bytes_and_skipped_tokens() -> None:
     eos = tok.token_to_id(EOS)
     ids = [lead_byte, eos] * 500 + tok.encode("🦊 ok").ids
     counting = CountingDecode(tok.decode)
-    deltas, tail = run_detok(counting, chunked(ids, [1]))
+    deltas, tail = in_process_texts(counting, ids, specials_of(tok))
     assert "".join(deltas) + tail == tok.decode(ids)
-    assert counting.longest <= 16
+    # As above, with up to 8 ids pending and a skipped special token after each byte.
+    assert counting.longest <= 25
 
 
 @settings(max_examples=40, deadline=None)
 @given(text=texts, sizes=st.lists(st.integers(1, 4), min_size=1, max_size=4))
 def test_project_default_tokenizer(text: str, sizes: list[int]) -> None:
     tok = project_tokenizer()
-    if tok is None:
-        pytest.skip("radixmesh.core.tokenizer is not written yet")
-    check_stream(tok.decode, list(tok.encode(text)), sizes)
+    check_stream(tok.decode, tok.encode(text), sizes, tok.special_ids)
 
 
 # --- stop strings -------------------------------------------------------------------------
 
 
-def feed_all(matcher: StopStringMatcher, deltas: Sequence[str]) -> tuple[str, str | None]:
-    """Feeds deltas until a stop matches; returns all released text and the match."""
-    released = []
-    for delta in deltas:
-        result = matcher.feed(delta)
-        released.append(result.text)
-        if result.matched is not None:
-            return "".join(released), result.matched
-    released.append(matcher.flush())
-    return "".join(released), None
+class Pieces:
+    """Decodes ids that each stand for one whole piece of text, so that stop strings meet
+    the text cut exactly as the updates cut it."""
+
+    def __init__(self, pieces: Sequence[str]) -> None:
+        self.pieces = list(dict.fromkeys(pieces))
+        self.ids = [self.pieces.index(piece) for piece in pieces]
+        # An empty piece carries no byte, as a skipped special token.
+        self.specials = frozenset(i for i, piece in enumerate(self.pieces) if not piece)
+
+    def __call__(self, ids: Sequence[int], skip_special_tokens: bool) -> str:
+        return "".join(self.pieces[i] for i in ids)
+
+
+def stream_stops(
+    deltas: Sequence[str], stops: Sequence[str], no_stop_trim: bool = False
+) -> tuple[list[str], str | None]:
+    """Each delta's update until a stop string matches, then the finish's if none did: the
+    text of each and the stop."""
+    pieces = Pieces(deltas)
+    rules = TextRules(tuple(stops), no_stop_trim)
+    texts, tail = [], []
+    in_process = RequestText(pieces, rules, [], pieces.specials)
+    size = detok_context_size(stops)
+    for k, new in enumerate([*pieces.ids, None]):
+        finished = new is None
+        chunk = [] if new is None else [new]
+        update = Update(pieces.ids[:k][-size:], chunk, k, finished)
+        got = in_process.update(chunk, finished)
+        assert got == window_text(pieces, rules, update)
+        (tail if finished else texts).append(got.text)
+        if got.matched is not None:
+            assert got.stop_at == k + 1
+            return texts, got.matched
+    return texts + tail, None
+
+
+def released(
+    deltas: Sequence[str], stops: Sequence[str], no_stop_trim: bool = False
+) -> tuple[str, str | None]:
+    """All text the deltas release and the stop string that ended them, if any."""
+    texts, matched = stream_stops(deltas, stops, no_stop_trim)
+    return "".join(texts), matched
 
 
 def test_empty_stop_string_is_rejected() -> None:
@@ -284,49 +357,47 @@ def test_empty_stop_string_is_rejected() -> None:
 
 
 def test_no_stops_passes_text_through() -> None:
-    matcher = StopStringMatcher([])
-    assert matcher.feed("hello") == StopResult("hello", None)
-    assert matcher.flush() == ""
+    assert StopStringMatcher([]).release("hello") == StopResult("hello", None)
+    assert stream_stops(["hel", "lo"], []) == (["hel", "lo", ""], None)
 
 
 def test_stop_spanning_deltas() -> None:
-    matcher = StopStringMatcher(["</answer>"])
-    assert matcher.feed("42 </an") == StopResult("42 ", None)
-    assert matcher.feed("sw") == StopResult("", None)
-    assert matcher.feed("er> trailing") == StopResult("", "</answer>")
-    assert matcher.matched == "</answer>"
-    assert matcher.feed("more") == StopResult("", None)
-    assert matcher.flush() == ""
+    deltas = ["42 </an", "sw", "er> trailing", "more"]
+    assert stream_stops(deltas, ["</answer>"]) == (["42 ", "", ""], "</answer>")
+    # An update after the stop adds no text and tells the same stop again.
+    pieces = Pieces(deltas)
+    rules = TextRules(("</answer>",))
+    late = window_text(pieces, rules, Update(pieces.ids[:3], pieces.ids[3:], 3, False))
+    assert late == WindowText("", 3, "</answer>")
+    in_process = RequestText(pieces, rules, [], pieces.specials)
+    results = [in_process.update([i], finished=False) for i in pieces.ids]
+    assert results[2:] == [WindowText("", 3, "</answer>")] * 2
 
 
 def test_no_stop_trim_keeps_the_stop() -> None:
-    matcher = StopStringMatcher(["END"], no_stop_trim=True)
-    assert feed_all(matcher, ["abc E", "N", "Dxyz"]) == ("abc END", "END")
+    assert released(["abc E", "N", "Dxyz"], ["END"], no_stop_trim=True) == ("abc END", "END")
 
 
 def test_partial_prefix_released_when_it_does_not_continue() -> None:
-    matcher = StopStringMatcher(["STOP"])
-    assert matcher.feed("go ST") == StopResult("go ", None)
-    assert matcher.feed("ART") == StopResult("START", None)
-    assert matcher.feed("ST") == StopResult("", None)
-    assert matcher.flush() == "ST"
-    assert matcher.flush() == ""
+    texts, matched = stream_stops(["go ST", "ART", "ST"], ["STOP"])
+    assert (texts, matched) == (["go ", "START", "", "ST"], None)
 
 
 def test_earliest_match_wins_over_list_order() -> None:
-    matcher = StopStringMatcher(["zzz", "b"])
-    assert matcher.feed("a b zzz") == StopResult("a ", "b")
+    assert StopStringMatcher(["zzz", "b"]).release("a b zzz") == StopResult("a ", "b")
+    assert released(["a b zzz"], ["zzz", "b"]) == ("a ", "b")
 
 
 def test_longest_wins_at_same_position() -> None:
-    assert StopStringMatcher(["ab", "abc"]).feed("xabcd") == StopResult("x", "abc")
+    assert StopStringMatcher(["ab", "abc"]).release("xabcd") == StopResult("x", "abc")
     trimmed = StopStringMatcher(["ab", "abc"], no_stop_trim=True)
-    assert trimmed.feed("xabcd") == StopResult("xabc", "abc")
+    assert trimmed.release("xabcd") == StopResult("xabc", "abc")
+    assert released(["xabcd"], ["ab", "abc"]) == ("x", "abc")
+    assert released(["xabcd"], ["ab", "abc"], no_stop_trim=True) == ("xabc", "abc")
 
 
 def test_duplicate_and_overlapping_stops() -> None:
-    matcher = StopStringMatcher(["aab", "aab", "ab"])
-    assert feed_all(matcher, ["a", "a", "a", "b"]) == ("a", "aab")
+    assert released(["a", "a", "a", "b"], ["aab", "aab", "ab"]) == ("a", "aab")
 
 
 def reference_stop(
@@ -352,19 +423,19 @@ stop_alphabet = st.sampled_from(list("ab\n😀中"))
     stops=st.lists(st.text(stop_alphabet, min_size=1, max_size=4), max_size=3),
     no_stop_trim=st.booleans(),
 )
-def test_matcher_agrees_with_reference(
+def test_stop_strings_agree_with_reference(
     deltas: list[str], stops: list[str], no_stop_trim: bool
 ) -> None:
-    released, matched = feed_all(StopStringMatcher(stops, no_stop_trim), deltas)
-    assert (released, matched) == reference_stop(deltas, stops, no_stop_trim)
+    text, matched = released(deltas, stops, no_stop_trim)
+    assert (text, matched) == reference_stop(deltas, stops, no_stop_trim)
     if matched is None:
-        assert released == "".join(deltas)
-        assert not any(stop in released for stop in stops)
+        assert text == "".join(deltas)
+        assert not any(stop in text for stop in stops)
     elif no_stop_trim:
-        assert released.endswith(matched)
-        assert not any(stop in released[: -len(matched)] for stop in stops)
+        assert text.endswith(matched)
+        assert not any(stop in text[: -len(matched)] for stop in stops)
     else:
-        assert not any(stop in released for stop in stops)
+        assert not any(stop in text for stop in stops)
 
 
 @settings(max_examples=200, deadline=None)
@@ -375,16 +446,14 @@ def test_matcher_agrees_with_reference(
 def test_holds_back_exactly_what_could_still_become_a_stop(
     deltas: list[str], stops: list[str]
 ) -> None:
-    matcher = StopStringMatcher(stops)
-    text = released = ""
-    for delta in deltas:
+    texts, matched = stream_stops(deltas, stops)
+    # The last text, of the update a stop string ends or of the finish, holds nothing back.
+    text = released_text = ""
+    for delta, update_text in zip(deltas, texts[:-1], strict=False):
         text += delta
-        result = matcher.feed(delta)
-        if result.matched is not None:
-            break
-        released += result.text
-        held = text[len(released) :]
-        assert text.startswith(released)
+        released_text += update_text
+        held = text[len(released_text) :]
+        assert text.startswith(released_text)
         assert held == "" or any(stop.startswith(held) for stop in stops)
-        for start in range(len(released)):
+        for start in range(len(released_text)):
             assert not any(stop.startswith(text[start:]) for stop in stops)

@@ -19,13 +19,12 @@ from tiny_model import VOCAB, save_tiny_model, tokens
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from radixmesh import cli
+from radixmesh.core.request import LogprobRequest
 from radixmesh.core.sampling_params import SamplingParams
+from radixmesh.core.settings import EngineArgs, parse_config
+from radixmesh.core.step import NewRequest, StepBatch, StepEntry, StepResult
 from radixmesh.engine import Engine
-from radixmesh.engine_args import EngineArgs
 from radixmesh.launcher import Mesh, MeshArgs
-from radixmesh.mesh.config import build_config
-from radixmesh.proto import worker_pb2 as pb
-from radixmesh.proto.convert import sampling_to_proto
 from radixmesh.services.worker.attention_choice import check_runs_on
 from radixmesh.services.worker.config import WorkerConfig
 from radixmesh.services.worker.device import resolve_device
@@ -35,7 +34,7 @@ from radixmesh.services.worker.server import WorkerService
 from radixmesh.services.worker.torch_attention import TorchAttention
 from radixmesh.services.worker.triton_attention import TritonAttention
 
-GREEDY = sampling_to_proto(SamplingParams(temperature=0), seed=0)
+GREEDY = SamplingParams(temperature=0)
 REGION = 40  # pool slots reserved per request in the workload
 
 
@@ -122,7 +121,7 @@ def test_backend_must_run_on_its_device(monkeypatch) -> None:
 
 def test_worker_flags_and_environment(monkeypatch) -> None:
     flags = ["--device=cpu", "--attention-backend=triton", "--cuda-graph-max-bs=8"]
-    config = build_config(WorkerConfig, flags)
+    config = parse_config(WorkerConfig, flags)
     assert (config.device, config.attention_backend, config.cuda_graph_max_bs) == (
         "cpu",
         "triton",
@@ -130,22 +129,22 @@ def test_worker_flags_and_environment(monkeypatch) -> None:
     )
     monkeypatch.setenv("RADIXMESH_ATTENTION_BACKEND", "torch")
     monkeypatch.setenv("RADIXMESH_CUDA_GRAPH_MAX_BS", "0")
-    config = build_config(WorkerConfig, [])
+    config = parse_config(WorkerConfig, [])
     assert (config.attention_backend, config.cuda_graph_max_bs) == ("torch", 0)
 
 
 def test_launcher_passes_the_options_to_every_worker(monkeypatch) -> None:
-    spawned: list[tuple[str, list[str]]] = []
+    commands: list[list[str]] = []
     monkeypatch.setattr(
-        Mesh, "_spawn", lambda self, name, service, flags, **_: spawned.append((service, flags))
+        "radixmesh.launcher.subprocess.Popen", lambda args, **_: commands.append(args)
     )
-    args = MeshArgs(device="cpu", attention_backend="triton", cuda_graph_max_bs=4, tp=2)
+    args = MeshArgs(device="cpu", attention_backend="triton", cuda_graph_max_bs=4, tp_size=2)
     Mesh(args)._start_engine(0)
-    workers = [flags for service, flags in spawned if service == "worker"]
+    workers = [c[3:] for c in commands if c[1:3] == ["-m", "radixmesh.services.worker"]]
     assert len(workers) == 2
     for rank, flags in enumerate(workers):
         # What the launcher passes is what the worker's own flag parser reads.
-        config = build_config(WorkerConfig, flags)
+        config = parse_config(WorkerConfig, flags)
         assert (config.device, config.attention_backend, config.cuda_graph_max_bs) == (
             "cpu",
             "triton",
@@ -191,14 +190,14 @@ def loaded(model_dir):
 
 
 class Workload:
-    """ForwardBatches for several requests, each request's tokens in a pool region of its
+    """StepBatches for several requests, each request's tokens in a pool region of its
     own (a request sharing another's prefix points at that one's slots)."""
 
     def __init__(self) -> None:
-        self.batches: list[pb.ForwardBatch] = []
+        self.batches: list[StepBatch] = []
         self._slots: dict[str, list[int]] = {}
         self._prompt: dict[str, list[int]] = {}
-        self._batch = pb.ForwardBatch()
+        self._batch = StepBatch(0)
 
     def admit(
         self,
@@ -219,32 +218,31 @@ class Workload:
             prefix_slots = self._slots[prefix_of][:prefix_len]
         self._prompt[rid] = prompt
         self._slots[rid] = prefix_slots + list(range(region, region + prompt_len - prefix_len))
-        self._batch.new_requests.add(
-            rid=rid,
-            prompt_len=prompt_len,
-            sampling=GREEDY,
-            prefix_ids=prompt[:prefix_len],
-            prefix_slots=prefix_slots,
-            return_logprob=rid == "a",
-            top_logprobs_num=2 if rid == "a" else 0,
-            logprob_start_len=0 if rid == "a" else -1,
-        )
+        self._batch.new_requests.append(NewRequest(
+            rid,
+            prompt[:prefix_len],
+            prefix_slots,
+            prompt_len,
+            GREEDY,
+            0,
+            LogprobRequest(True, 2, 0) if rid == "a" else LogprobRequest(),
+        ))
         self.chunk(rid, prefix_len, prompt_len if chunk_end is None else chunk_end)
 
     def chunk(self, rid: str, start: int, end: int) -> None:
         """Prompt tokens [start, end) of a request in this step; it samples at the end."""
-        self._batch.entries.add(
-            rid=rid,
-            input_ids=self._prompt[rid][start:end],
-            slots=self._slots[rid][start:end],
-            sample=end == len(self._prompt[rid]),
-        )
+        self._batch.entries.append(StepEntry(
+            rid,
+            self._prompt[rid][start:end],
+            self._slots[rid][start:end],
+            end == len(self._prompt[rid]),
+        ))
 
     def decode(self, *rids: str) -> None:
         for rid in rids:
             slot = self._slots[rid][-1] + 1
             self._slots[rid].append(slot)
-            self._batch.entries.add(rid=rid, slots=[slot], sample=True)
+            self._batch.entries.append(StepEntry(rid, [], [slot], True))
 
     def release(self, *rids: str) -> None:
         self._batch.release.extend(rids)
@@ -252,7 +250,7 @@ class Workload:
     def end_step(self) -> None:
         self._batch.step = len(self.batches) + 1
         self.batches.append(self._batch)
-        self._batch = pb.ForwardBatch()
+        self._batch = StepBatch(0)
 
 
 def mixed_workload() -> tuple[Workload, int]:
@@ -298,7 +296,7 @@ def mixed_workload() -> tuple[Workload, int]:
     return w, 7
 
 
-def run(runner: ModelRunner, batches: list[pb.ForwardBatch]) -> list[pb.ForwardResult]:
+def run(runner: ModelRunner, batches: list[StepBatch]) -> list[StepResult]:
     return [runner.forward(b) for b in batches]
 
 
@@ -332,9 +330,7 @@ def test_decode_graph_path_matches_torch_backend(loaded) -> None:
     for want, have in zip(expected, got, strict=True):
         for a, b in zip(want.results, have.results, strict=True):
             assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
-            assert [t.token_id for t in a.top_logprobs.items] == [
-                t.token_id for t in b.top_logprobs.items
-            ]
+            assert [t for t, _ in a.top_logprobs] == [t for t, _ in b.top_logprobs]
             assert a.input_logprobs[1:] == pytest.approx(b.input_logprobs[1:], abs=1e-4)
 
 

@@ -75,9 +75,9 @@ def check_all_ways(engine: Engine, reference: list[int]) -> None:
 @pytest.mark.parametrize(
     "settings",
     [
-        {"enable_overlap": True},
-        {"enable_overlap": False, "chunked_prefill_size": 64},
-        {"enable_overlap": True, "chunked_prefill_size": 64, "page_size": 16},
+        {"disable_overlap_schedule": False},
+        {"disable_overlap_schedule": True, "chunked_prefill_size": 64},
+        {"disable_overlap_schedule": False, "chunked_prefill_size": 64, "page_size": 16},
     ],
     ids=["overlap", "no-overlap-chunk64", "overlap-chunk64-page16"],
 )

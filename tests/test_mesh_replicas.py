@@ -17,7 +17,7 @@ from radixmesh.launcher import Mesh, MeshArgs
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory) -> Iterator[Mesh]:
     args = MeshArgs(
-        engines=2, tokenizers=2, detokenizers=2, port=0, grpc_port=0, max_total_tokens=8192,
+        dp_size=2, tokenizers=2, detokenizers=2, port=0, grpc_port=0, max_total_tokens=8192,
         log_dir=str(tmp_path_factory.mktemp("mesh-logs")),
     )
     with Mesh(args).start(timeout=300) as m:

@@ -15,7 +15,7 @@ def test_tensor_parallel_mesh_matches_in_process_engine(tmp_path):
     params = {"temperature": 0, "max_new_tokens": 8}
     with Engine(dtype="float32", max_total_tokens=1024, show_progress=False) as engine:
         expected = engine.generate(prompt, params)["output_ids"]
-    args = MeshArgs(tp=3, dtype="float32", port=0, grpc_port=0, max_total_tokens=1024,
+    args = MeshArgs(tp_size=3, dtype="float32", port=0, grpc_port=0, max_total_tokens=1024,
                     log_dir=str(tmp_path))
     with Mesh(args).start(timeout=300) as mesh:
         got = httpx.post(mesh.url + "/generate", json={"text": prompt, "sampling_params": params},

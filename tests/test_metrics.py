@@ -15,7 +15,7 @@ from radixmesh.services.detokenizer import metrics as detok_metrics
 from radixmesh.services.scheduler.metrics import SchedulerMetrics, ThroughputMeter
 from radixmesh.services.scheduler.request import Req
 from radixmesh.services.scheduler.scheduler import Scheduler, SchedulerConfig
-from radixmesh.services.tokenizer.generation import GenerationChunk
+from radixmesh.services.tokenizer.client import GenerationChunk
 from radixmesh.services.tokenizer.metrics import TokenizerMetrics
 from radixmesh.services.worker.metrics import WorkerMetrics, batch_tokens
 
@@ -138,20 +138,19 @@ class Engine:
 
     def add(self, req: Req) -> None:
         self.sched.add_request(req)
-        self.metrics.admitted(len(req.input_ids))
 
     def step(self) -> None:
         batch = self.sched.schedule()
         assert batch is not None
-        entries = batch.proto.entries
+        entries = batch.batch.entries
         self.metrics.batch(sum(len(e.slots) for e in entries), len(entries))
-        self.sched.process_result(batch, self.worker.forward(batch.proto))
+        self.sched.process_result(batch, self.worker.forward(batch.batch))
         for req in self.sched.drain_updates():
             first = req.rid not in self.sent
             new = len(req.output_ids) - self.sent.get(req.rid, 0)
             self.sent[req.rid] = len(req.output_ids)
             finish = req.finish.kind.value if req.finish is not None else None
-            self.metrics.update(first, req.cached_tokens, new, finish)
+            self.metrics.update(first, len(req.input_ids), req.cached_tokens, new, finish)
         self.metrics.state(self.sched)
 
 

@@ -7,8 +7,7 @@ import torch
 
 from radixmesh.core.model_files import default_model_path
 from radixmesh.core.sampling_params import SamplingParams
-from radixmesh.proto import worker_pb2 as pb
-from radixmesh.proto.convert import sampling_to_proto
+from radixmesh.core.step import NewRequest, StepBatch, StepEntry
 from radixmesh.services.worker.model_config import ModelConfig
 from radixmesh.services.worker.model_source import load_model
 from radixmesh.services.worker.runner import ModelRunner
@@ -24,17 +23,16 @@ PROMPTS = [
 
 
 def greedy(runner: ModelRunner, prompt_ids: list[int], steps: int) -> list[int]:
-    """Greedy tokens through the runner's ForwardBatch interface."""
+    """Greedy tokens through the runner's StepBatch interface."""
     n = len(prompt_ids)
-    batch = pb.ForwardBatch(step=1)
-    batch.new_requests.add(
-        rid="r", prompt_len=n, sampling=sampling_to_proto(SamplingParams(temperature=0), seed=0)
+    batch = StepBatch(
+        1,
+        new_requests=[NewRequest("r", [], [], n, SamplingParams(temperature=0), 0)],
+        entries=[StepEntry("r", prompt_ids, list(range(n)), True)],
     )
-    batch.entries.add(rid="r", input_ids=prompt_ids, slots=list(range(n)), sample=True)
     out = [runner.forward(batch).results[0].token_id]
     for i in range(steps - 1):
-        step = pb.ForwardBatch(step=i + 2)
-        step.entries.add(rid="r", slots=[n + i], sample=True)
+        step = StepBatch(i + 2, entries=[StepEntry("r", [], [n + i], True)])
         out.append(runner.forward(step).results[0].token_id)
     return out
 

@@ -10,18 +10,25 @@ import pytest
 from fake_generation import FakeGenerationClient
 
 from radixmesh.core.tokenizer import Tokenizer
-from radixmesh.services.tokenizer.generation import GenerationChunk, GenerationError
-from radixmesh.services.tokenizer.openai_choice import Choice, finish_reason, usage
-from radixmesh.services.tokenizer.openai_errors import OpenAIError, error_body
-from radixmesh.services.tokenizer.openai_fanout import ClientGone, GenerationFanout
-from radixmesh.services.tokenizer.openai_logprobs import chat_logprobs, completion_logprobs
+from radixmesh.services.tokenizer.client import GenerationChunk, GenerationError
+from radixmesh.services.tokenizer.openai_api import ClientGone, GenerationFanout
 from radixmesh.services.tokenizer.openai_protocol import (
+    OpenAIError,
     ServedModel,
+    error_body,
     parse_body,
     parse_chat,
     parse_completion,
 )
-from radixmesh.services.tokenizer.openai_response import ChatResponse, CompletionResponse
+from radixmesh.services.tokenizer.openai_responses import (
+    ChatResponse,
+    Choice,
+    CompletionResponse,
+    chat_logprobs,
+    completion_logprobs,
+    finish_reason,
+    usage,
+)
 
 MODEL = ServedModel("m", 64, 49152)
 UNKNOWN_CONTEXT = ServedModel("m", 0, 49152)

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from radixmesh.services.tokenizer.prefix_tree import PrefixTree
-from radixmesh.services.tokenizer.router import Route, Router, RouterConfig
+from radixmesh.services.tokenizer.router import PrefixTree, Route, Router, RouterConfig
 
 
 def test_tree_matches_longest_stored_prefix_and_splits_edges():

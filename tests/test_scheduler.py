@@ -34,12 +34,12 @@ def run(
         assert steps < max_steps, "scheduler made no progress"
         batch = sched.schedule()
         if overlap:
-            done = (batch, worker.forward(batch.proto)) if batch else None
+            done = (batch, worker.forward(batch.batch)) if batch else None
             if in_flight is not None:
                 sched.process_result(*in_flight)
             in_flight = done
         elif batch is not None:
-            sched.process_result(batch, worker.forward(batch.proto))
+            sched.process_result(batch, worker.forward(batch.batch))
         sched.check_invariants()
         if on_step is not None:
             on_step(steps)  # type: ignore[operator]
@@ -94,9 +94,9 @@ def test_same_prefix_in_one_batch_is_computed_once() -> None:
         sched.add_request(r)
     batch = sched.schedule()
     assert batch is not None
-    fed = [len(e.input_ids) for e in batch.proto.entries]
+    fed = [len(e.input_ids) for e in batch.batch.entries]
     assert fed == [42, 2, 2, 2]
-    sched.process_result(batch, worker.forward(batch.proto))
+    sched.process_result(batch, worker.forward(batch.batch))
     run(sched, worker, overlap=False)
     assert [r.output_ids for r in reqs] == [reference_output(shared + [i, i], 2) for i in range(4)]
 
@@ -126,8 +126,8 @@ def test_chunked_prefill_respects_the_budget() -> None:
     while sched.has_work():
         batch = sched.schedule()
         assert batch is not None
-        sizes.append(sum(len(e.input_ids) for e in batch.proto.entries))
-        sched.process_result(batch, worker.forward(batch.proto))
+        sizes.append(sum(len(e.input_ids) for e in batch.batch.entries))
+        sched.process_result(batch, worker.forward(batch.batch))
     assert max(sizes) <= 16
     assert sizes[:7] == [16] * 6 + [4 + 3]
 

@@ -16,6 +16,7 @@ from radixmesh.mesh import subjects
 from radixmesh.proto import mesh_pb2 as mpb
 from radixmesh.proto import worker_pb2 as wpb
 from radixmesh.proto import worker_pb2_grpc as wgrpc
+from radixmesh.proto.convert import batch_from_proto, result_to_proto
 from radixmesh.services.scheduler.config import SchedulerServiceConfig
 from radixmesh.services.scheduler.server import SchedulerService
 
@@ -35,7 +36,7 @@ class FakeWorkerServicer(wgrpc.WorkerServicer):
         async with self._order:
             await self._order.wait_for(lambda: request.step == self._last_step + 1)
         await asyncio.sleep(0.002)  # a step takes time, so requests overlap
-        result = self.worker.forward(request)
+        result = result_to_proto(self.worker.forward(batch_from_proto(request)))
         async with self._order:
             self._last_step = request.step
             self._order.notify_all()
@@ -58,7 +59,7 @@ async def mesh(nats_url: str, overlap: bool = True) -> AsyncIterator[tuple[Sched
     service = SchedulerService(
         SchedulerServiceConfig(
             nats_url=nats_url, engine_id="e1", worker_addrs=f"127.0.0.1:{port}",
-            enable_overlap=overlap, max_running_requests=8, chunked_prefill_size=16,
+            disable_overlap_schedule=not overlap, max_running_requests=8, chunked_prefill_size=16,
         )
     )
     await service.start()

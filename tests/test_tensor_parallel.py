@@ -9,8 +9,10 @@ import pytest
 import torch
 from tiny_model import HEADS, INTERMEDIATE, KV_HEADS, forward_script, save_tiny_model, tokens
 
+from radixmesh.core.step import StepResult
 from radixmesh.mesh.nats_server import free_port
-from radixmesh.proto import worker_pb2 as pb
+from radixmesh.proto import worker_pb2 as wpb
+from radixmesh.proto.convert import result_from_proto, result_to_proto
 from radixmesh.services.worker.attention import AttentionMetadata, SeqSpan
 from radixmesh.services.worker.linear import Linear
 from radixmesh.services.worker.model_source import load_model
@@ -30,7 +32,7 @@ LOGIT_IDS = [(5 * i + 1) % 256 for i in range(10)]
 LOGIT_SLOTS = list(range(200, 210))
 
 
-def run_script(runner: ModelRunner) -> tuple[list[pb.ForwardResult], torch.Tensor]:
+def run_script(runner: ModelRunner) -> tuple[list[StepResult], torch.Tensor]:
     """The fixed batches, then every-position logits of one more prompt (in fresh slots)."""
     results = [runner.forward(batch) for batch in forward_script()]
     slots = torch.tensor(LOGIT_SLOTS)
@@ -54,7 +56,10 @@ def _rank_main(rank: int, size: int, addr: str, model_dirs: list[str], out_dir: 
             shard_weights(loaded.config, loaded.weights, rank, size)
             runner = ModelRunner(loaded.config, loaded.weights, torch.float32, 256, tp=tp)
             results, logits = run_script(runner)
-            saved = {"results": [r.SerializeToString() for r in results], "logits": logits}
+            saved = {
+                "results": [result_to_proto(r).SerializeToString() for r in results],
+                "logits": logits,
+            }
             torch.save(saved, Path(out_dir) / f"rank{rank}-model{i}.pt")
     finally:
         destroy_tensor_parallel()
@@ -130,7 +135,10 @@ def test_two_ranks_match_one_process(model_dirs, tmp_path) -> None:
             ModelRunner(loaded.config, loaded.weights, torch.float32, 256)
         )
         ranks = [torch.load(tmp_path / f"rank{r}-model{i}.pt") for r in range(2)]
-        got = [[pb.ForwardResult.FromString(b) for b in saved["results"]] for saved in ranks]
+        got = [
+            [result_from_proto(wpb.ForwardResult.FromString(b)) for b in saved["results"]]
+            for saved in ranks
+        ]
         kind = KINDS[i]
         assert tokens(got[0]) == tokens(ref_results), f"{kind}: rank 0 differs from tp=1"
         assert tokens(got[1]) == tokens(got[0]), f"{kind}: rank 1 diverged from rank 0"
@@ -142,6 +150,4 @@ def test_two_ranks_match_one_process(model_dirs, tmp_path) -> None:
                 assert list(a.input_logprobs)[1:] == pytest.approx(
                     list(b.input_logprobs)[1:], abs=1e-4
                 )
-                assert [t.token_id for t in a.top_logprobs.items] == [
-                    t.token_id for t in b.top_logprobs.items
-                ]
+                assert [t for t, _ in a.top_logprobs] == [t for t, _ in b.top_logprobs]

@@ -1,5 +1,5 @@
-"""The tokenizer's mesh client, routing and gRPC Generate against fake engines on a real
-NATS server; and the service's process lifecycle."""
+"""The tokenizer's mesh client, routing and public gRPC port (Generate, health, reflection)
+against fake engines on a real NATS server; and the service's process lifecycle."""
 
 from __future__ import annotations
 
@@ -8,29 +8,38 @@ import json
 import math
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
 from contextlib import aclosing
+from pathlib import Path
 
 import aiohttp
 import grpc
 import nats
 import pytest
 from fake_engine import FakeEngine, echo_ids, input_logprob, output_logprob, token_text
+from google.protobuf import descriptor_pb2
+from google.protobuf.descriptor_pool import DescriptorPool
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
+    ProtoReflectionDescriptorDatabase,
+)
+from grpc_tools import protoc
 
 from radixmesh.core.detokenize import detok_context_size
 from radixmesh.core.request import LogprobRequest
 from radixmesh.core.sampling_params import SamplingParams
 from radixmesh.proto import generate_pb2 as gpb
 from radixmesh.proto import generate_pb2_grpc as ggrpc
-from radixmesh.services.tokenizer.config import TokenizerServiceConfig
-from radixmesh.services.tokenizer.generation import (
+from radixmesh.services.tokenizer.client import (
     GenerationChunk,
     GenerationError,
     GenerationRequest,
+    MeshClient,
 )
-from radixmesh.services.tokenizer.mesh_client import MeshClient
+from radixmesh.services.tokenizer.config import TokenizerServiceConfig
 from radixmesh.services.tokenizer.server import TokenizerServer, public_args
 
 pytestmark = pytest.mark.anyio
@@ -258,11 +267,18 @@ async def test_flush_cache_and_engine_infos(mesh):
 
 
 @pytest.fixture
-async def grpc_stack(nats_url, nc, tokenizer):
+async def grpc_server(nats_url, tokenizer):
     config = TokenizerServiceConfig(nats_url=nats_url, port=0, grpc_port=0,
                                     replica_id=os.urandom(6).hex())
     server = TokenizerServer(config, tokenizer=tokenizer)
     await server.start()
+    yield server
+    await server.stop()
+
+
+@pytest.fixture
+async def grpc_stack(grpc_server, nc):
+    server = grpc_server
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.grpc_port}")
     stub = ggrpc.GenerateStub(channel)
     engines: list[FakeEngine] = []
@@ -277,7 +293,6 @@ async def grpc_stack(nats_url, nc, tokenizer):
     await channel.close()
     for engine in engines:
         await engine.stop()
-    await server.stop()
 
 
 async def test_grpc_generate_streams_deltas_and_finishes(grpc_stack):
@@ -347,6 +362,111 @@ async def test_grpc_cancelled_call_aborts_the_request(grpc_stack):
     call.cancel()
     await engine.wait_for("aborts")
     assert engine.aborts == ["gc"]
+
+
+# ---- the public gRPC port: reflection, health, a client built from generate.proto alone --
+
+PUBLIC_SERVICES = ["grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection",
+                   "radixmesh.v1.Generate"]
+GENERATE_PROTO = Path(__file__).resolve().parents[1] / "proto" / "generate.proto"
+
+
+def _reflect(port: int) -> tuple[list[str], descriptor_pb2.FileDescriptorProto, list[str]]:
+    """What a generic reflection client learns: the services, the file defining Generate,
+    and Generate's method as a pool built from reflection alone resolves it. Blocking: run
+    it off the server's event loop."""
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        db = ProtoReflectionDescriptorDatabase(channel)
+        services = sorted(db.get_services())
+        file = db.FindFileContainingSymbol("radixmesh.v1.Generate")
+        method = DescriptorPool(db).FindMethodByName("radixmesh.v1.Generate.Generate")
+        resolved = [method.input_type.full_name, method.output_type.full_name]
+        return services, file, resolved
+
+
+async def test_grpc_reflection_lists_the_services_and_serves_generates_descriptor(grpc_server):
+    services, file, resolved = await asyncio.to_thread(_reflect, grpc_server.grpc_port)
+    assert services == PUBLIC_SERVICES
+    assert file.package == "radixmesh.v1" and list(file.dependency) == []
+    [service] = file.service
+    assert service.name == "Generate"
+    [method] = service.method
+    assert (method.name, method.input_type, method.output_type, method.server_streaming) == (
+        "Generate", ".radixmesh.v1.GenerateRequest", ".radixmesh.v1.GenerateResponse", True)
+    assert resolved == ["radixmesh.v1.GenerateRequest", "radixmesh.v1.GenerateResponse"]
+
+
+async def test_grpc_health_is_serving_until_the_tokenizer_begins_to_stop(nats_url, tokenizer):
+    config = TokenizerServiceConfig(nats_url=nats_url, port=0, grpc_port=0,
+                                    replica_id=os.urandom(6).hex())
+    server = TokenizerServer(config, tokenizer=tokenizer)
+    await server.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.grpc_port}")
+    health = health_pb2_grpc.HealthStub(channel)
+    try:
+        for service in ("", "radixmesh.v1.Generate"):
+            reply = await health.Check(health_pb2.HealthCheckRequest(service=service))
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING, service
+        watch = health.Watch(health_pb2.HealthCheckRequest(service="radixmesh.v1.Generate"))
+        assert (await watch.read()).status == health_pb2.HealthCheckResponse.SERVING
+        stopping = asyncio.create_task(server.stop())
+        assert (await watch.read()).status == health_pb2.HealthCheckResponse.NOT_SERVING
+        watch.cancel()  # an open call would hold the stop for its grace period
+        await stopping
+    finally:
+        await channel.close()
+
+
+# Run by a separate interpreter: the modules compiled from generate.proto alone define the
+# same radixmesh.v1 symbols as radixmesh.proto.generate_pb2, and one process's descriptor
+# pool refuses a second definition.
+_STANDALONE_CLIENT = """
+import json, sys
+sys.path.insert(0, sys.argv[2])
+import grpc
+import generate_pb2, generate_pb2_grpc
+
+request = generate_pb2.GenerateRequest(
+    input_ids=generate_pb2.TokenIds(ids=[31, 32, 33]),
+    sampling_params=generate_pb2.ClientSamplingParams(max_new_tokens=4),
+    rid="standalone",
+)
+with grpc.insecure_channel(sys.argv[1]) as channel:
+    replies = list(generate_pb2_grpc.GenerateStub(channel).Generate(request))
+print(json.dumps({
+    "file": generate_pb2.DESCRIPTOR.name,
+    "radixmesh_loaded": any(name.startswith("radixmesh") for name in sys.modules),
+    "replies": [[r.rid, r.text, list(r.output_ids), r.completion_tokens] for r in replies],
+    "finish": [replies[-1].finish.kind, replies[-1].finish.token_id],
+}))
+"""
+
+
+async def test_a_client_compiled_from_generate_proto_alone_calls_generate(grpc_server,
+                                                                           grpc_stack, tmp_path):
+    _, add_engine = grpc_stack
+    await add_engine()
+    src, out = tmp_path / "src", tmp_path / "out"
+    src.mkdir()
+    out.mkdir()
+    shutil.copy(GENERATE_PROTO, src / "generate.proto")
+    args = ["grpc_tools.protoc", f"-I{src}", f"--python_out={out}", f"--grpc_python_out={out}",
+            "generate.proto"]
+    assert protoc.main(args) == 0
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-I", "-c", _STANDALONE_CLIENT, f"127.0.0.1:{grpc_server.grpc_port}",
+        str(out), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )
+    stdout, stderr = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 0, stderr.decode()
+    got = json.loads(stdout)
+    assert got["file"] == "generate.proto" and not got["radixmesh_loaded"]
+    ids = echo_ids([31, 32, 33], 4)
+    assert ids == [31, 32, 33, 31]
+    assert got["replies"] == [
+        ["standalone", token_text(t), [t], k + 1] for k, t in enumerate(ids)
+    ]
+    assert got["finish"] == ["length", 4]
 
 
 # ---- the process -------------------------------------------------------------------------

@@ -3,21 +3,28 @@ against a model-free worker), the tokenizer's per-request trace and the detokeni
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from fake_worker import FakeWorker
 from opentelemetry.trace import SpanKind, StatusCode
 from tracing_helpers import by_name, one, traced
 
+from radixmesh.core.request import FinishKind, FinishReason
 from radixmesh.core.sampling_params import SamplingParams
 from radixmesh.proto import mesh_pb2 as mpb
 from radixmesh.services.detokenizer.server import StepReplies
 from radixmesh.services.detokenizer.step_trace import StepTrace
+from radixmesh.services.scheduler.mesh_io import UpdateBuilder
 from radixmesh.services.scheduler.request import Req
 from radixmesh.services.scheduler.request_traces import RequestTraces
 from radixmesh.services.scheduler.scheduler import Scheduler, SchedulerConfig
-from radixmesh.services.scheduler.updates import UpdateBuilder
-from radixmesh.services.tokenizer.generation import GenerationChunk, GenerationRequest
-from radixmesh.services.tokenizer.request_trace import RequestTrace, encode_traced
+from radixmesh.services.tokenizer.client import (
+    GenerationChunk,
+    GenerationRequest,
+    RequestTrace,
+    encode_traced,
+)
 from radixmesh.services.tokenizer.router import Router
 from radixmesh.tracing import attributes as attr
 from radixmesh.tracing.propagation import (
@@ -42,23 +49,27 @@ class Engine:
         self.sent: list[mpb.TokenUpdate] = []
         self.metadata: list[tuple[tuple[str, str], ...] | None] = []
 
-    def add(self, rid: str, prompt: list[int], max_new: int, hdrs: dict[str, str] | None) -> None:
-        self.traces.received(
-            mpb.EngineRequest(rid=rid, input_ids=prompt, max_new_tokens=max_new), hdrs)
-        self.updates.register(rid, "reply", mpb.DetokSpec(), 1)
-        self.sched.add_request(Req(rid=rid, input_ids=prompt,
-                                   params=SamplingParams(max_new_tokens=max_new), seed=0))
+    def add(self, rid: str, prompt: list[int], max_new: int, hdrs: dict[str, str] | None) -> Req:
+        req = Req(rid=rid, input_ids=prompt, params=SamplingParams(max_new_tokens=max_new), seed=0)
+        self.traces.received(req, hdrs)
+        self.updates.register(req, mpb.EngineRequest(reply_to="reply", detok_context=1))
+        self.sched.add_request(req)
+        return req
 
     def step(self) -> None:
-        batch = self.traces.schedule(self.sched)
+        started = time.time_ns()
+        batch = self.sched.schedule()
         if batch is not None:
+            self.traces.scheduled(batch, started, time.time_ns())
             with self.traces.forward(batch) as metadata:
                 self.metadata.append(metadata)
-                result = self.worker.forward(batch.proto)
+                result = self.worker.forward(batch.batch)
             self.sched.process_result(batch, result)
-        out = [u for r in self.sched.drain_updates() if (u := self.updates.build(r)) is not None]
-        self.traces.sent(out)
-        self.sent.extend(out)
+        for req in self.sched.drain_updates():
+            trace = self.traces.sent(req.rid, len(req.output_ids), req.finish, req.cached_tokens)
+            update = self.updates.build(req, trace)
+            if update is not None:
+                self.sent.append(update)
 
     def run(self) -> None:
         while self.sched.has_work():
@@ -174,16 +185,15 @@ def test_abort_and_refusal_spans():
         engine.step()
         asked = start_span("abort")
         assert asked is not None
-        engine.traces.aborted(mpb.AbortRequest(rid="c"), headers(asked))
+        engine.traces.aborted("c", False, headers(asked))
         asked.end()
         engine.sched.abort("c")
         engine.run()
-        engine.traces.aborted(mpb.AbortRequest(rid="gone"), None)
-        engine.traces.received(mpb.EngineRequest(rid="d", input_ids=[1]), None)
-        engine.updates.register("d", "reply", mpb.DetokSpec(), 1)
-        refusal = engine.updates.refusal("d", "prompt too long")
-        assert refusal is not None
-        engine.traces.sent([refusal])
+        engine.traces.aborted("gone", False, None)
+        refused = Req(rid="d", input_ids=[1], params=SamplingParams(), seed=0)
+        engine.traces.received(refused, None)
+        reason = FinishReason(FinishKind.ABORT, message="prompt too long")
+        engine.traces.sent("d", 0, reason, 0)
         spans = exported.get_finished_spans()
     aborts = {s.attributes[attr.RID]: s for s in by_name(spans, "abort")
               if s.attributes.get(attr.ABORT_REASON) == "requested"}

@@ -18,9 +18,11 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tiny_model import EOS, forward_script, save_tiny_model, tokens
 
+from radixmesh.core.step import StepResult
 from radixmesh.mesh.nats_server import free_port
 from radixmesh.proto import worker_pb2 as wpb
 from radixmesh.proto import worker_pb2_grpc as wgrpc
+from radixmesh.proto.convert import batch_to_proto, result_from_proto
 from radixmesh.services.worker.model_source import load_model
 from radixmesh.services.worker.runner import ModelRunner
 from radixmesh.services.worker.server import SERVICE_NAME
@@ -83,13 +85,13 @@ def model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def reference(model_dir) -> list[wpb.ForwardResult]:
+def reference(model_dir) -> list[StepResult]:
     loaded = load_model(str(model_dir), progress=False)
     runner = ModelRunner(loaded.config, loaded.weights, torch.float32, num_slots=496)
     return [runner.forward(b) for b in forward_script()]
 
 
-def assert_same_results(got: list[wpb.ForwardResult], ref: list[wpb.ForwardResult]) -> None:
+def assert_same_results(got: list[StepResult], ref: list[StepResult]) -> None:
     assert tokens(got) == tokens(ref)
     for ours, theirs in zip(got, ref, strict=True):
         assert ours.step == theirs.step
@@ -117,7 +119,7 @@ def test_worker_serves_forward(model_dir, reference) -> None:
             tp_rank=0,
             tp_size=1,
         )
-        got = [worker.stub.Forward(b) for b in forward_script()]
+        got = [result_from_proto(worker.stub.Forward(batch_to_proto(b))) for b in forward_script()]
         assert_same_results(got, reference)
         assert all(r.forward_ms > 0 for r in got)
         unknown = wpb.ForwardBatch(step=len(got) + 1)
@@ -151,12 +153,12 @@ def test_two_ranks_behind_grpc(model_dir, reference) -> None:
             worker.wait_serving()
         infos = [w.stub.GetInfo(wpb.WorkerInfoRequest()) for w in ranks]
         assert [(i.tp_rank, i.tp_size, i.num_slots) for i in infos] == [(0, 2, 496), (1, 2, 496)]
-        results: list[list[wpb.ForwardResult]] = [[], []]
+        results: list[list[StepResult]] = [[], []]
         for batch in forward_script():
             # Every rank gets the same batch at once: they meet in collectives.
-            calls = [w.stub.Forward.future(batch) for w in ranks]
+            calls = [w.stub.Forward.future(batch_to_proto(batch)) for w in ranks]
             for out, call in zip(results, calls, strict=True):
-                out.append(call.result(timeout=60))
+                out.append(result_from_proto(call.result(timeout=60)))
         assert_same_results(results[0], reference)
         assert tokens(results[1]) == tokens(results[0])
         assert [w.terminate() for w in ranks] == [0, 0]

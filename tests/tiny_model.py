@@ -1,4 +1,4 @@
-"""A tiny random-weight Hugging Face model directory and a fixed run of ForwardBatches."""
+"""A tiny random-weight Hugging Face model directory and a fixed run of StepBatches."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from radixmesh.core.request import LogprobRequest
 from radixmesh.core.sampling_params import SamplingParams
-from radixmesh.proto import worker_pb2 as pb
-from radixmesh.proto.convert import sampling_to_proto
+from radixmesh.core.step import NewRequest, StepBatch, StepEntry, StepResult
 
 VOCAB, HIDDEN, INTERMEDIATE, LAYERS, HEADS, KV_HEADS, HEAD_DIM = 256, 64, 128, 2, 4, 2, 16
 EOS = 255
@@ -69,37 +69,35 @@ def save_tiny_model(path: Path, kind: str = "llama", seed: int = 0) -> Path:
     return path
 
 
-def forward_script(decode_steps: int = 6) -> list[pb.ForwardBatch]:
+def forward_script(decode_steps: int = 6) -> list[StepBatch]:
     """Two requests: "a" prefilled whole with prompt logprobs, "b" sampled with a seed and
     prefilled in two chunks, then both decode together."""
     a_ids = [(7 * i + 3) % VOCAB for i in range(12)]
     b_ids = [(11 * i + 5) % VOCAB for i in range(9)]
-    greedy = sampling_to_proto(SamplingParams(temperature=0), seed=0)
-    sampled = sampling_to_proto(SamplingParams(temperature=0.8, top_k=20), seed=1234)
-    first = pb.ForwardBatch(step=1)
-    first.new_requests.add(
-        rid="a",
-        prompt_len=len(a_ids),
-        sampling=greedy,
-        return_logprob=True,
-        top_logprobs_num=3,
-        logprob_start_len=0,
+    greedy = SamplingParams(temperature=0)
+    sampled = SamplingParams(temperature=0.8, top_k=20)
+    first = StepBatch(
+        1,
+        new_requests=[
+            NewRequest("a", [], [], len(a_ids), greedy, 0, LogprobRequest(True, 3, 0)),
+            NewRequest("b", [], [], len(b_ids), sampled, 1234),
+        ],
+        entries=[
+            StepEntry("a", a_ids, list(range(12)), True),
+            StepEntry("b", b_ids[:4], list(range(100, 104)), False),
+        ],
     )
-    first.new_requests.add(rid="b", prompt_len=len(b_ids), sampling=sampled, logprob_start_len=-1)
-    first.entries.add(rid="a", input_ids=a_ids, slots=list(range(12)), sample=True)
-    first.entries.add(rid="b", input_ids=b_ids[:4], slots=list(range(100, 104)), sample=False)
-    second = pb.ForwardBatch(step=2)
-    second.entries.add(rid="a", slots=[12], sample=True)
-    second.entries.add(rid="b", input_ids=b_ids[4:], slots=list(range(104, 109)), sample=True)
+    second = StepBatch(2, entries=[
+        StepEntry("a", [], [12], True), StepEntry("b", b_ids[4:], list(range(104, 109)), True)
+    ])
     batches = [first, second]
     for s in range(decode_steps):
-        step = pb.ForwardBatch(step=3 + s)
-        step.entries.add(rid="a", slots=[13 + s], sample=True)
-        step.entries.add(rid="b", slots=[109 + s], sample=True)
-        batches.append(step)
+        batches.append(StepBatch(3 + s, entries=[
+            StepEntry("a", [], [13 + s], True), StepEntry("b", [], [109 + s], True)
+        ]))
     return batches
 
 
-def tokens(results: list[pb.ForwardResult]) -> list[list[int]]:
+def tokens(results: list[StepResult]) -> list[list[int]]:
     """Each step's sampled token per entry."""
     return [[r.token_id for r in result.results] for result in results]

@@ -13,6 +13,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from radixmesh.core import settings
+
 if TYPE_CHECKING:
     from radixmesh.bench.workloads import Workload
 
@@ -34,9 +36,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         help="JSON object merged into every /v1/completions body")
     target.add_argument("--launch", action="store_true",
                         help="start the whole mesh on free ports, benchmark it, stop it")
-    target.add_argument("--model-path", help="model (and tokenizer) path; default: the "
-                        "bundled SmolLM2")
-    target.add_argument("--dtype", default="bfloat16", help="--launch: the mesh's dtype")
+
+    # The model's settings as the mesh declares them: the tokenizer for the prompts, and
+    # with --launch the mesh's model and precision.
+    settings.add_arguments(p, settings.ModelSettings)
+    settings.add_arguments(p, settings.DeviceSettings, only=("dtype",))
 
     data = p.add_argument_group("workload")
     data.add_argument("--dataset", choices=DATASETS, default="random")

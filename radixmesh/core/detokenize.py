@@ -1,24 +1,27 @@
-"""Stateless detokenization: the text of an update's new ids, computed from a bounded window
-of the ids before them, the same whichever replica computes it and however the request's
-tokens were split into updates.
+"""Detokenization: the text of an update's new ids, computed from a bounded window of the
+ids before them, the same whichever replica computes it and however the request's tokens
+were split into updates.
 
 Every update's text is a difference of one function of the request's tokens: the text
 released once output token k exists. Before stop strings, that is the decoded text up to
 the last token boundary (at most `MAX_PENDING_TOKENS` back) where the text ends in a whole
 character, so a token whose bytes end inside a character waits, with the rest of its text,
-for the bytes that complete it, as `IncrementalDetokenizer` does. From the first token past
-min_new_tokens on, a suffix that may begin a stop string is held back too, and the first
-stop string to complete ends the text. A finished request releases everything held back.
+for the bytes that complete it. From the first token past min_new_tokens on, a suffix that
+may begin a stop string is held back too, and the first stop string to complete ends the
+text. A finished request releases everything held back.
 
 UTF-8 resynchronizes within a character, so decoding from a few bytes too early gives the
 same text after that point as decoding the whole request: a window of
-`detok_context_size` ids is enough.
+`detok_context_size` ids is enough for any update (`window_text`, the detokenizer
+service); one that knows the request's earlier updates needs fewer (`RequestText`, the
+in-process engine).
 """
 
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
+import functools
+from collections.abc import Sequence, Set
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
@@ -42,7 +45,7 @@ class StopResult(NamedTuple):
 
 
 class StopStringMatcher:
-    """Releases streamed text while holding back anything that may begin a stop string."""
+    """Where stop strings end a text, and how much of its end may still begin one."""
 
     def __init__(self, stops: Sequence[str], no_stop_trim: bool = False) -> None:
         if any(not stop for stop in stops):
@@ -50,51 +53,48 @@ class StopStringMatcher:
         self._stops = tuple(dict.fromkeys(stops))
         self._no_stop_trim = no_stop_trim
         self._prefixes = {stop[:n] for stop in self._stops for n in range(1, len(stop))}
-        self._max_held = max((len(stop) - 1 for stop in self._stops), default=0)
-        self._held = ""
-        self.matched: str | None = None
+        # The lengths of those prefixes by their last character, longest first: a text's
+        # last character rules out most of them at once.
+        self._prefix_lens: dict[str, list[int]] = {}
+        for prefix in sorted(self._prefixes, key=len, reverse=True):
+            self._prefix_lens.setdefault(prefix[-1], []).append(len(prefix))
 
-    def feed(self, delta: str) -> StopResult:
-        """Consumes a delta; after a stop has matched, further text is dropped."""
-        if self.matched is not None:
-            return StopResult("", None)
-        # Released text never holds the start of a stop, so every match lies in this buffer.
-        buffer = self._held + delta
-        # Decide as soon as any stop is complete, so generation halts at once; a longer stop
-        # that began earlier but is still incomplete does not delay the decision.
-        match = self._first_match(buffer)
+    def release(self, text: str) -> StopResult:
+        """The part of `text` safe to release now, and the stop string that ends it, if any.
+
+        A stop ends the text before it (after it with no_stop_trim). Without one, a suffix
+        that may begin a stop is held back: more text may complete it.
+        """
+        match = self._first_match(text)
         if match is not None:
             start, stop = match
-            self.matched = stop
-            self._held = ""
-            end = start + len(stop) if self._no_stop_trim else start
-            return StopResult(buffer[:end], stop)
-        keep = self._partial_stop_len(buffer)
-        self._held = buffer[len(buffer) - keep :]
-        return StopResult(buffer[: len(buffer) - keep], None)
+            return StopResult(text[: start + len(stop) if self._no_stop_trim else start], stop)
+        return StopResult(text[: len(text) - self._partial_stop_len(text)], None)
 
-    def flush(self) -> str:
-        """Returns the held-back text at the end of the stream."""
-        held, self._held = self._held, ""
-        return held
-
-    def _first_match(self, buffer: str) -> tuple[int, str] | None:
+    def _first_match(self, text: str) -> tuple[int, str] | None:
         """Returns the earliest stop occurrence; the longest stop wins a tie."""
         best: tuple[int, str] | None = None
         for stop in self._stops:
-            start = buffer.find(stop)
+            start = text.find(stop)
             if start < 0:
                 continue
             if best is None or (start, -len(stop)) < (best[0], -len(best[1])):
                 best = (start, stop)
         return best
 
-    def _partial_stop_len(self, buffer: str) -> int:
-        """Length of the longest suffix of `buffer` that is a proper prefix of a stop."""
-        for n in range(min(len(buffer), self._max_held), 0, -1):
-            if buffer[-n:] in self._prefixes:
+    def _partial_stop_len(self, text: str) -> int:
+        """Length of the longest suffix of `text` that is a proper prefix of a stop."""
+        for n in self._prefix_lens.get(text[-1:], ()):
+            if n <= len(text) and text[-n:] in self._prefixes:
                 return n
         return 0
+
+
+@functools.lru_cache(maxsize=256)
+def _stop_matcher(stop: tuple[str, ...], no_stop_trim: bool) -> StopStringMatcher | None:
+    """The matcher of a request's stop strings, built once for all its updates."""
+    stops = [s for s in stop if s]
+    return StopStringMatcher(stops, no_stop_trim) if stops else None
 
 
 # A window may start inside a character: up to 3 of its continuation bytes decode as
@@ -149,59 +149,170 @@ class WindowText(NamedTuple):
 
 def window_text(decode: DecodeFn, rules: TextRules, update: Update) -> WindowText:
     """The text the update adds to the request's output, stop strings applied."""
-    return _Window(decode, rules, update).result()
+    window = _Window(decode, rules, update.context, update.offset, update.prompt_tail)
+    return window.update(update.new, update.finished, update.trim_last)
+
+
+# Ids a window of RequestText takes on beyond the context it started with before a new one
+# starts: each update decodes one window a few ids longer rather than two lists, and a new
+# window costs a second decode and the check of what the last one left unsettled.
+_SLACK = 8
+
+
+class RequestText:
+    """One request's text, update by update, where all its ids are at hand (the in-process
+    engine): for each update, what `window_text` gives for it.
+
+    A replica that sees one update alone takes detok_context_size ids, enough for any
+    update, and decodes them twice: up to the new ids and after them. Knowing the request,
+    a window can start later: before the ids still pending after the last update and the
+    bytes held back as the start of a stop string, it needs only _RESYNC_BYTES to be in
+    step with the whole text, counted in ids that carry bytes. And one window serves the
+    updates after it until it has grown by _SLACK ids, what it decoded for one update
+    serving the next: most updates decode one list of 5 to 16 ids, most of their cost.
+
+    A window that suffices for one update suffices for the later ones: the text before the
+    last boundary where it ended in a whole character never changes, and no stop string
+    can begin there unless its start is held back already.
+    """
+
+    def __init__(
+        self, decode: DecodeFn, rules: TextRules, prompt: Sequence[int], specials: Set[int]
+    ) -> None:
+        self._decode = decode
+        self._rules = rules
+        self._ids = list(prompt)
+        self._prompt_len = len(self._ids)
+        # Skipped special tokens decode to nothing, so they carry no byte of context.
+        self._skipped = specials if rules.skip_special_tokens else frozenset()
+        self._window: _Window | None = None
+        self._renew_at = 0
+        self._finished = False
+        self._stopped: WindowText | None = None
+
+    def update(self, new: Sequence[int], finished: bool, trim_last: bool = False) -> WindowText:
+        """The text `new` adds: `window_text` of the update with these fields."""
+        # The finish is a boundary past the window's last id: a window cannot go on after it.
+        if self._finished:
+            raise RuntimeError("an update after the request finished")
+        self._finished = finished
+        self._ids.extend(new)
+        if self._stopped is not None:  # a later window need not hold the stop string
+            return WindowText("", self._stopped.stop_at, self._stopped.matched)
+        window = self._window
+        if window is None or window.context_size >= self._renew_at:
+            window = self._window = self._new_window(window, len(self._ids) - len(new))
+        result = window.update(new, finished, trim_last)
+        if result.matched is not None:
+            self._stopped = result
+        return result
+
+    def _new_window(self, last: _Window | None, start: int) -> _Window:
+        """A window of the ids before `start` that the update from there needs, by what
+        `last` left unsettled."""
+        offset = start - self._prompt_len
+        # Nothing of the prompt is pending: released text starts where the output does.
+        pending, held = last.unsettled() if last else (0, 0)
+        # A stop string can only begin in text not released yet.
+        reach = held + _RESYNC_BYTES
+        size = self._context_size(start, pending, reach)
+        # Where stop strings start counting is found by walking back from that boundary
+        # too: a window that holds the boundary must hold that walk.
+        armed = self._rules.min_new_tokens
+        if offset - size < armed < offset:
+            size = self._context_size(start, offset - armed + MAX_PENDING_TOKENS, reach)
+        self._renew_at = size + _SLACK
+        return _Window(self._decode, self._rules, self._ids[start - size : start], offset)
+
+    def _context_size(self, start: int, pending: int, reach: int) -> int:
+        """Ids before `start`: the last `pending` and, before them, `reach` carrying bytes."""
+        ids, skipped = self._ids, self._skipped
+        first = max(start - pending, 0)
+        if skipped.isdisjoint(ids[max(first - reach, 0) : first]):
+            return min(pending + reach, start)
+        while first > 0 and reach > 0:
+            first -= 1
+            reach -= ids[first] not in skipped
+        return start - first
 
 
 class _Window:
-    """The token boundaries of one update's window and the text released at each."""
+    """A window of a request's ids and the text released at each of its token boundaries;
+    each update appends its new ids, and what was decoded for one update serves the next."""
 
-    # Boundary j follows the window's first j ids; end + 1 stands for the finish.
+    # Boundary j follows the window's first j ids; end + 1 stands for the finish, so a
+    # finished window takes no further update.
 
-    def __init__(self, decode: DecodeFn, rules: TextRules, update: Update) -> None:
+    def __init__(
+        self,
+        decode: DecodeFn,
+        rules: TextRules,
+        context: Sequence[int],
+        offset: int,
+        prompt_tail: Sequence[int] = (),
+    ) -> None:
         self._decode = decode
         self._skip_special_tokens = rules.skip_special_tokens
-        self._stops = tuple(stop for stop in rules.stop if stop)
-        self._no_stop_trim = rules.no_stop_trim
-        left = list(update.context)
+        self._stops = _stop_matcher(rules.stop, rules.no_stop_trim)
         # A context of exactly the output so far reaches the prompt, whose tail precedes it.
-        if len(left) == update.offset:
-            left = [*update.prompt_tail, *left]
-        shown = update.new[:-1] if update.trim_last and update.new else update.new
-        self._ids = [*left, *shown]
-        self._start = len(left)
+        if len(context) == offset:
+            context = [*prompt_tail, *context]
+        self._ids = list(context)
         self._end = len(self._ids)
-        self._last = self._end + 1 if update.finished else self._end
-        self._offset = update.offset
-        self._total = update.offset + len(update.new)
+        self._offset = offset  # output tokens before boundary `_end`
         # Where the output begins: released text never goes back into the prompt.
-        self._output_start = max(self._start - update.offset, 0)
-        self._decoded: dict[int, str] = {}
+        self._output_start = max(self._end - offset, 0)
         # Stop strings count only in text that tokens past min_new_tokens release.
-        armed = self._start - update.offset + rules.min_new_tokens
-        self._armed_boundary = min(max(armed, 0), self._end)
-        self._armed_chars = len(self._text(self._armed_boundary))
+        self._armed = self._end - offset + rules.min_new_tokens
+        self._armed_boundary = 0
+        self._armed_chars = 0
+        self._decoded: dict[int, str] = {}
+        self._released_at: dict[int, StopResult] = {}
 
-    def result(self) -> WindowText:
-        before = self._released(self._start).text
-        final = self._released(self._last)
+    @property
+    def context_size(self) -> int:
+        """Ids before the next update's new ids."""
+        return self._end
+
+    def update(self, new: Sequence[int], finished: bool, trim_last: bool) -> WindowText:
+        """Appends an update's new ids; the text they add, stop strings applied."""
+        start, offset = self._end, self._offset
+        self._ids.extend(new[:-1] if trim_last and new else new)
+        self._end = len(self._ids)
+        self._offset = offset + len(new)
+        last = self._end + 1 if finished else self._end
+        if self._stops is None:  # the text released is the text
+            return WindowText(self._text(last)[len(self._text(start)) :])
+        # The boundary where stop strings start counting stays at the window's end until
+        # min_new_tokens is reached.
+        if self._armed_boundary < self._armed:
+            self._armed_boundary = min(self._armed, self._end)
+            self._armed_chars = len(self._text(self._armed_boundary))
+        before = self._released(start).text
+        final = self._released(last)
         if final.matched is None:
             return WindowText(final.text[len(before) :])
         # Whether a stop has matched only grows with the text, so search for the first.
-        candidates = range(self._armed_boundary, self._last + 1)
+        candidates = range(self._armed_boundary, last + 1)
         index = bisect.bisect_left(
             candidates, True, key=lambda j: self._released(j).matched is not None
         )
         first = candidates[index]
         released = self._released(first)
-        stop_at = self._output_tokens(first)
-        if first <= self._start:
+        stop_at = self._offset if first > self._end else offset + first - start
+        if first <= start:
             return WindowText("", stop_at, released.matched)
         return WindowText(released.text[len(before) :], stop_at, released.matched)
 
-    def _output_tokens(self, boundary: int) -> int:
-        if boundary > self._end:
-            return self._total
-        return self._offset + boundary - self._start
+    def unsettled(self) -> tuple[int, int]:
+        """What later ids may still change: how many ids at the window's end have text
+        that may, and the bytes of text before them held back as a stop string's start."""
+        whole = self._whole(self._end)
+        pending = MAX_PENDING_TOKENS if whole is None else self._end - whole
+        if self._stops is None:
+            return pending, 0
+        held = self._text(self._end)[len(self._released(self._end).text) :]
+        return pending, len(held.encode())
 
     def _decoded_at(self, boundary: int) -> str:
         text = self._decoded.get(boundary)
@@ -211,25 +322,43 @@ class _Window:
             self._decoded[boundary] = text
         return text
 
+    def _whole(self, boundary: int) -> int | None:
+        """The last boundary, at most MAX_PENDING_TOKENS back, whose text ends in a whole
+        character."""
+        for j in range(boundary, max(boundary - MAX_PENDING_TOKENS, self._output_start) - 1, -1):
+            if not self._decoded_at(j).endswith(REPLACEMENT_CHAR):
+                return j
+        return None
+
     def _text(self, boundary: int) -> str:
         """Text released at a boundary before stop strings: up to a whole character."""
         if boundary > self._end:
             return self._decoded_at(self._end)
-        for j in range(boundary, max(boundary - MAX_PENDING_TOKENS, self._output_start) - 1, -1):
-            text = self._decoded_at(j)
-            if not text.endswith(REPLACEMENT_CHAR):
-                return text
-        # A final incomplete sequence decodes as one replacement character; holding back
-        # just that one keeps the released text a prefix of all later text.
-        return self._decoded_at(boundary)[:-1]
+        text = self._decoded_at(boundary)
+        if not text.endswith(REPLACEMENT_CHAR):
+            return text
+        whole = self._whole(boundary)
+        if whole is None:
+            # A final incomplete sequence decodes as one replacement character; holding back
+            # just that one keeps the released text a prefix of all later text.
+            return text[:-1]
+        return self._decoded_at(whole)
 
     def _released(self, boundary: int) -> StopResult:
         """Text released at a boundary and the stop string that ended it, if any."""
+        released = self._released_at.get(boundary)
+        if released is None:
+            released = self._released_at[boundary] = self._release(boundary)
+        return released
+
+    def _release(self, boundary: int) -> StopResult:
         text = self._text(boundary)
-        if not self._stops:
+        if self._stops is None:
             return StopResult(text, None)
+        # Text up to the armed boundary is released whole, so this holds whatever later
+        # updates move that boundary to.
         armed = self._armed_chars
-        found = StopStringMatcher(self._stops, self._no_stop_trim).feed(text[armed:])
+        found = self._stops.release(text[armed:])
         if found.matched is None and boundary > self._end:
             return StopResult(text, None)
-        return StopResult(text[:armed] + found.text, found.matched)
+        return StopResult(text[:armed] + found.text, found.matched) if armed else found

@@ -14,25 +14,24 @@ from typing import Any, TypeVar
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from radixmesh.mesh.config import build_config
+from radixmesh.core.settings import ServiceSettings, parse_config
 from radixmesh.tracing import init_tracing
 
-C = TypeVar("C")
+C = TypeVar("C", bound=ServiceSettings)
 
 HealthCheck = Callable[[], tuple[bool, dict[str, Any]]]
 
 
 def configure_service(config_cls: type[C], service: str, instance: Callable[[C], str]) -> C:
-    """What every service's main does first: its config from flags and RADIXMESH_* variables,
-    logging (one line per record, logger name first, as the launcher interleaves them), the
-    one start-up line with the whole config as JSON, and tracing as `service` with the
-    instance id `instance(config)`."""
-    config = build_config(config_cls, prog=f"radixmesh-{service}")
+    """What every service's main does first: its config from flags and RADIXMESH_* variables
+    (a bad value exits 2 with the reason), logging (one line per record, logger name first,
+    as the launcher interleaves them), the one start-up line with the whole config as JSON,
+    and tracing as `service` with the instance id `instance(config)`."""
+    config = parse_config(config_cls, prog=f"radixmesh-{service}")
     logging.basicConfig(
-        level=config.log_level.upper(),  # type: ignore[attr-defined]
-        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+        level=config.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )
-    fields = dataclasses.asdict(config)  # type: ignore[call-overload]
+    fields = dataclasses.asdict(config)
     logging.getLogger(f"radixmesh.{service}").info(
         "%s starting with config %s", service, json.dumps(fields, default=str)
     )

@@ -2,26 +2,19 @@
 
 from __future__ import annotations
 
-import os
-import socket
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+from radixmesh.core.settings import (
+    DetokenizerSettings,
+    ModelSettings,
+    NatsSettings,
+    ServiceSettings,
+    StatusSettings,
+)
 
 
-def _default_replica_id() -> str:
-    return f"{socket.gethostname()}-{os.getpid()}"
-
-
-@dataclass(frozen=True)
-class DetokenizerConfig:
+@dataclass(frozen=True, kw_only=True)
+class DetokenizerConfig(
+    StatusSettings, NatsSettings, ServiceSettings, DetokenizerSettings, ModelSettings
+):
     """A detokenizer replica: token ids in from the schedulers, text out to the tokenizers."""
-
-    nats_url: str = "nats://127.0.0.1:4222"
-    model_path: str | None = field(
-        default=None, metadata={"help": "GGUF file or Hugging Face directory; none: SmolLM2"}
-    )
-    host: str = "127.0.0.1"
-    metrics_port: int = field(default=0, metadata={"help": "/health and /metrics; 0: any"})
-    replica_id: str = field(
-        default_factory=_default_replica_id, metadata={"help": "this replica's name"}
-    )
-    log_level: str = "INFO"

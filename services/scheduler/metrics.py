@@ -121,21 +121,23 @@ class SchedulerMetrics:
         self._labels["model_name"] = model_name
         MAX_TOTAL_TOKENS.labels(**self._labels).set(num_slots)
 
-    def admitted(self, prompt_tokens: int) -> None:
-        """A request the scheduler took."""
-        self._prompt_tokens += prompt_tokens
-        PROMPT_TOKENS.labels(**self._labels).inc(prompt_tokens)
-        self._set_hit_rate()
-
     def refused(self) -> None:
         """A request the scheduler could not take."""
         REFUSED.labels(**self._labels).inc()
 
     def update(
-        self, first: bool, cached_tokens: int, new_tokens: int, finish_reason: str | None
+        self,
+        first: bool,
+        prompt_tokens: int,
+        cached_tokens: int,
+        new_tokens: int,
+        finish_reason: str | None,
     ) -> None:
-        """One TokenUpdate on its way to the detokenizers."""
+        """One update of an admitted request on its way to the detokenizers; its first
+        counts the prompt and its prefix hit."""
         if first:
+            self._prompt_tokens += prompt_tokens
+            PROMPT_TOKENS.labels(**self._labels).inc(prompt_tokens)
             self._cached_tokens += cached_tokens
             CACHED_TOKENS.labels(**self._labels, tier=DEVICE_TIER).inc(cached_tokens)
             self._set_hit_rate()

@@ -36,7 +36,6 @@ class Req:
     admitted: bool = False
     on_worker: bool = False  # the worker holds state for it
     pending: int = 0  # sampling steps scheduled whose result has not come back
-    decoding: bool = False  # its whole input has been scheduled; each step now adds one token
     finish: FinishReason | None = None
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)

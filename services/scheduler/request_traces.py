@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 from opentelemetry.trace import Link, Span, SpanKind, get_current_span
 
-from radixmesh.proto import mesh_pb2 as mpb
+from radixmesh.core.request import FinishKind, FinishReason
 from radixmesh.services.scheduler.request import Req
-from radixmesh.services.scheduler.scheduler import ScheduledBatch, Scheduler
+from radixmesh.services.scheduler.scheduler import ScheduledBatch
 from radixmesh.tracing import attributes as attr
 from radixmesh.tracing.propagation import context_from_headers, grpc_metadata, traceparent
 from radixmesh.tracing.provider import tracer
@@ -49,37 +49,31 @@ class RequestTraces:
     def __len__(self) -> int:
         return len(self._requests)
 
-    def received(self, request: mpb.EngineRequest, headers: Mapping[str, str] | None) -> None:
+    def received(self, req: Req, headers: Mapping[str, str] | None) -> None:
         """A request arrived: it starts waiting in the queue."""
         if tracer() is None:
             return
         parent = context_from_headers(headers)
         root = start_span("engine request", parent, {
-            attr.RID: request.rid,
+            attr.RID: req.rid,
             attr.ENGINE_ID: self.engine_id,
-            attr.PROMPT_TOKENS: len(request.input_ids),
-            attr.MAX_NEW_TOKENS: request.max_new_tokens,
+            attr.PROMPT_TOKENS: len(req.input_ids),
+            attr.MAX_NEW_TOKENS: req.params.max_new_tokens,
         }, kind=SpanKind.CONSUMER)
         assert root is not None
-        queue = start_span("queue wait", root, {attr.RID: request.rid})
+        queue = start_span("queue wait", root, {attr.RID: req.rid})
         # Detokenizer spans hang under the tokenizer's request, which outlives this one.
         upstream = traceparent(get_current_span(parent)) if parent is not None else ""
-        self._requests[request.rid] = _RequestSpans(root, queue, upstream or traceparent(root))
+        self._requests[req.rid] = _RequestSpans(root, queue, upstream or traceparent(root))
 
-    def schedule(self, sched: Scheduler) -> ScheduledBatch | None:
-        """`sched.schedule()`, noting what the step admitted and computes."""
+    def scheduled(self, batch: ScheduledBatch, started: int, ended: int) -> None:
+        """A step was scheduled between `started` and `ended` (time.time_ns): note what it
+        admitted and computes."""
         if not self._requests:
-            return sched.schedule()
-        started = time.time_ns()
-        batch = sched.schedule()
-        if batch is not None:
-            self._scheduled(batch, started, time.time_ns())
-        return batch
-
-    def _scheduled(self, batch: ScheduledBatch, started: int, ended: int) -> None:
-        matched = {n.rid: len(n.prefix_ids) for n in batch.proto.new_requests}
+            return
+        matched = {n.rid: len(n.prefix_ids) for n in batch.batch.new_requests}
         chunks = []
-        for entry, req in zip(batch.proto.entries, batch.reqs, strict=True):
+        for entry, req in zip(batch.batch.entries, batch.reqs, strict=True):
             spans = self._requests.get(req.rid)
             if spans is None:
                 continue
@@ -93,7 +87,7 @@ class RequestTraces:
                     attr.CHUNK_START: len(req.slots) - n,
                     attr.CHUNK_TOKENS: n,
                     attr.CHUNK_LAST: entry.sample,
-                    attr.STEP: batch.proto.step,
+                    attr.STEP: batch.batch.step,
                 }, start_time=ended)
                 spans.chunks += 1
                 if chunk is not None:
@@ -103,7 +97,7 @@ class RequestTraces:
                     spans.decode = start_span("decode", spans.root, {attr.RID: req.rid},
                                               start_time=ended)
                 spans.steps += 1
-        self._chunks[batch.proto.step] = chunks
+        self._chunks[batch.batch.step] = chunks
 
     def _admitted(
         self, spans: _RequestSpans, req: Req, matched: int, started: int, ended: int
@@ -131,7 +125,7 @@ class RequestTraces:
         if not self._requests:
             yield None
             return
-        chunks = self._chunks.pop(batch.proto.step, [])
+        chunks = self._chunks.pop(batch.batch.step, [])
         members = [(r.rid, self._requests[r.rid]) for r in batch.reqs if r.rid in self._requests]
         if not members:
             yield None
@@ -139,15 +133,15 @@ class RequestTraces:
         anchor_rid, anchor = chunks[0] if chunks else next(
             ((rid, s.decode) for rid, s in members if s.decode is not None),
             (members[0][0], members[0][1].root))
-        proto = batch.proto
+        step = batch.batch
         span = start_span("forward batch", anchor, {
             **attr.rid_attributes([anchor_rid, *(rid for rid, _ in members)]),
             attr.ENGINE_ID: self.engine_id,
-            attr.STEP: proto.step,
-            attr.BATCH_REQUESTS: len(proto.entries),
-            attr.BATCH_PREFILL_TOKENS: sum(len(e.input_ids) for e in proto.entries),
-            attr.BATCH_DECODES: sum(not e.input_ids for e in proto.entries),
-            attr.BATCH_NEW_REQUESTS: len(proto.new_requests),
+            attr.STEP: step.step,
+            attr.BATCH_REQUESTS: len(step.entries),
+            attr.BATCH_PREFILL_TOKENS: sum(len(e.input_ids) for e in step.entries),
+            attr.BATCH_DECODES: sum(not e.input_ids for e in step.entries),
+            attr.BATCH_NEW_REQUESTS: len(step.new_requests),
         }, kind=SpanKind.CLIENT, links=[Link(s.root.get_span_context()) for _, s in members])
         error = None
         try:
@@ -161,16 +155,16 @@ class RequestTraces:
             for _, chunk in chunks:
                 end_span(chunk, now, error)
 
-    def aborted(self, abort: mpb.AbortRequest, headers: Mapping[str, str] | None) -> None:
-        """An abort arrived; its span lasts until the request's last update is out."""
+    def aborted(self, rid: str, stop: bool, headers: Mapping[str, str] | None) -> None:
+        """An abort arrived (`stop`: a stop string matched); its span lasts until the
+        request's last update is out."""
         if tracer() is None:
             return
-        spans = self._requests.get(abort.rid)
-        stop = abort.HasField("finish") and abort.finish.kind == "stop"
+        spans = self._requests.get(rid)
         reason = "stop string" if stop else "requested"
         parent = context_from_headers(headers) or (spans.root if spans is not None else None)
         span = start_span("abort", parent, {
-            attr.RID: abort.rid, attr.ABORT_REASON: reason, attr.ABORT_FOUND: spans is not None,
+            attr.RID: rid, attr.ABORT_REASON: reason, attr.ABORT_FOUND: spans is not None,
         })
         if spans is None:
             end_span(span)
@@ -180,20 +174,18 @@ class RequestTraces:
         if spans.decode is not None:
             spans.decode.add_event("abort requested", {attr.ABORT_REASON: reason})
 
-    def sent(self, updates: Iterable[mpb.TokenUpdate]) -> None:
-        """Updates on their way to the detokenizers: each names its request's trace; a
-        finishing one ends the request's spans."""
-        if not self._requests:
-            return
-        for update in updates:
-            spans = self._requests.get(update.rid)
-            if spans is None:
-                continue
-            update.traceparent = spans.traceparent
-            self._progress(spans, update.offset + len(update.new_ids))
-            if update.HasField("finish"):
-                del self._requests[update.rid]
-                self._finished(spans, update)
+    def sent(self, rid: str, outputs: int, finish: FinishReason | None, cached: int) -> str:
+        """An update of `rid` is on its way to the detokenizers, with `outputs` output
+        tokens so far: the trace context it carries ("" when untraced). A finishing update
+        ends the request's spans."""
+        spans = self._requests.get(rid)
+        if spans is None:
+            return ""
+        self._progress(spans, outputs)
+        if finish is not None:
+            del self._requests[rid]
+            self._finished(spans, outputs, finish, cached)
+        return spans.traceparent
 
     @staticmethod
     def _progress(spans: _RequestSpans, outputs: int) -> None:
@@ -205,18 +197,16 @@ class RequestTraces:
         while spans.next_mark <= outputs:
             spans.next_mark *= 2
 
-    def _finished(self, spans: _RequestSpans, update: mpb.TokenUpdate) -> None:
-        finish = update.finish
-        refused = finish.kind == "abort" and not spans.admitted and not spans.aborts
-        outcome = {
-            attr.FINISH: finish.kind,
-            attr.COMPLETION_TOKENS: update.offset + len(update.new_ids),
-        }
+    def _finished(
+        self, spans: _RequestSpans, outputs: int, finish: FinishReason, cached: int
+    ) -> None:
+        refused = finish.kind is FinishKind.ABORT and not spans.admitted and not spans.aborts
+        outcome = {attr.FINISH: finish.kind.value, attr.COMPLETION_TOKENS: outputs}
         end_span(spans.queue)
         if spans.decode is not None:
             spans.decode.set_attributes({**outcome, attr.DECODE_STEPS: spans.steps})
             end_span(spans.decode)
-        spans.root.set_attributes({**outcome, attr.CACHED_TOKENS: update.cached_tokens})
+        spans.root.set_attributes({**outcome, attr.CACHED_TOKENS: cached})
         if finish.message:
             spans.root.set_attribute(attr.FINISH_MESSAGE, finish.message)
         end_span(spans.root, error=finish.message if refused else None)

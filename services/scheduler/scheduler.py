@@ -1,13 +1,13 @@
-"""Continuous batching over a radix prefix cache: builds each step's ForwardBatch and
-folds the worker's ForwardResult back into the requests."""
+"""Continuous batching over a radix prefix cache: builds each step's StepBatch and folds
+the model runner's StepResult back into the requests."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from radixmesh.core.request import FinishKind, FinishReason
-from radixmesh.proto import worker_pb2 as pb
-from radixmesh.proto.convert import sampling_to_proto
+from radixmesh.core.step import NewRequest, StepBatch, StepEntry, StepResult
 from radixmesh.services.scheduler.kv_allocator import KVAllocator
 from radixmesh.services.scheduler.radix_cache import RadixCache
 from radixmesh.services.scheduler.request import Req
@@ -33,9 +33,9 @@ class SchedulerConfig:
 
 @dataclass
 class ScheduledBatch:
-    """A batch on its way to the worker, with the requests behind its entries."""
+    """A batch on its way to the model runner, with the requests behind its entries."""
 
-    proto: pb.ForwardBatch
+    batch: StepBatch
     reqs: list[Req] = field(default_factory=list)
 
 
@@ -123,12 +123,11 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch | None:
         """The next step's batch: every decoding request, then prefill under the budget."""
-        batch = ScheduledBatch(pb.ForwardBatch(step=self._step + 1))
+        batch = ScheduledBatch(StepBatch(self._step + 1, release=self._release))
+        self._release = []
         self._schedule_decodes(batch)
         self._schedule_prefills(batch)
-        batch.proto.release.extend(self._release)
-        self._release.clear()
-        if not batch.reqs and not batch.proto.release:
+        if not batch.reqs and not batch.batch.release:
             return None
         self._step += 1  # steps count 1, 2, 3... so a worker can put them back in order
         return batch
@@ -153,7 +152,7 @@ class Scheduler:
                 if victim is req:
                     break
                 continue
-            batch.proto.entries.add(rid=req.rid, slots=slots, sample=True)
+            batch.batch.entries.append(StepEntry(req.rid, [], slots, True))
             batch.reqs.append(req)
             req.pending += 1
             i += 1
@@ -200,7 +199,7 @@ class Scheduler:
         if not req.admitted:
             req.admitted = True
             req.cached_tokens = len(match.slots)
-        batch.proto.new_requests.append(new_request)
+        batch.batch.new_requests.append(new_request)
         req.on_worker = True
         return used
 
@@ -212,31 +211,31 @@ class Scheduler:
         if slots is None:
             return 0
         done = start + chunk == req.num_tokens
-        batch.proto.entries.add(
-            rid=req.rid, input_ids=req.tokens[start : start + chunk], slots=slots, sample=done
+        batch.batch.entries.append(
+            StepEntry(req.rid, req.tokens[start : start + chunk], slots, done)
         )
         batch.reqs.append(req)
         self._cache_progress(req)
         if done:
             self.chunked = None
-            req.decoding = True
             req.pending += 1
             self.running.append(req)
         else:
             self.chunked = req
         return chunk
 
-    def _new_request(self, req: Req, prefix: int) -> pb.NewRequest:
-        return pb.NewRequest(
-            rid=req.rid,
-            prefix_ids=req.tokens[:prefix],
-            prefix_slots=req.slots[:prefix],
-            prompt_len=len(req.input_ids),
-            sampling=sampling_to_proto(req.params, req.seed),
-            return_logprob=req.logprobs.return_logprob,
-            top_logprobs_num=req.logprobs.top_logprobs_num,
-            # A readmitted request already has its prompt logprobs.
-            logprob_start_len=-1 if req.admitted else req.logprobs.logprob_start_len,
+    def _new_request(self, req: Req, prefix: int) -> NewRequest:
+        logprobs = req.logprobs
+        if req.admitted:  # readmitted: it already has its prompt logprobs
+            logprobs = dataclasses.replace(logprobs, logprob_start_len=-1)
+        return NewRequest(
+            req.rid,
+            req.tokens[:prefix],
+            req.slots[:prefix],
+            len(req.input_ids),
+            req.params,
+            req.seed,
+            logprobs,
         )
 
     # ---- KV slots --------------------------------------------------------------------
@@ -298,7 +297,6 @@ class Scheduler:
         self.running.remove(req)
         self._release_kv(req)
         self._forget_on_worker(req)
-        req.decoding = False
         self.waiting.append(req)
 
     def _forget_on_worker(self, req: Req) -> None:
@@ -327,14 +325,12 @@ class Scheduler:
 
     # ---- results ---------------------------------------------------------------------
 
-    def process_result(self, batch: ScheduledBatch, result: pb.ForwardResult) -> None:
+    def process_result(self, batch: ScheduledBatch, result: StepResult) -> None:
         """Append sampled tokens and logprobs; finish requests that hit a stop or a limit."""
         for req, out in zip(batch.reqs, result.results, strict=True):
             if out.input_logprobs:
                 req.input_logprobs.extend(out.input_logprobs)
-                req.input_top_logprobs.extend(
-                    [(t.token_id, t.logprob) for t in top.items] for top in out.input_top_logprobs
-                )
+                req.input_top_logprobs.extend(out.input_top_logprobs)
             if out.token_id < 0:
                 continue
             req.pending -= 1
@@ -347,9 +343,7 @@ class Scheduler:
             req.output_ids.append(out.token_id)
             if req.logprobs.return_logprob:
                 req.output_logprobs.append(out.logprob)
-                req.output_top_logprobs.append(
-                    [(t.token_id, t.logprob) for t in out.top_logprobs.items]
-                )
+                req.output_top_logprobs.append(out.top_logprobs)
             self._updated[req.rid] = req
             reason = self._check_finish(req, out.token_id)
             if reason is not None:

@@ -1,5 +1,5 @@
-"""The scheduler service: one engine replica's radix cache and batching loop, fed by
-NATS, driving its worker ranks over gRPC, sending token ids on to the detokenizers."""
+"""The scheduler service: one engine replica's engine loop, fed by NATS, driving its worker
+ranks over gRPC (the executor) and sending token ids on to the detokenizers (the sink)."""
 
 from __future__ import annotations
 
@@ -7,26 +7,27 @@ import asyncio
 import json
 import logging
 import time
-from collections import deque
+from collections.abc import Awaitable
 from typing import Any
 
 import nats
 from nats.aio.msg import Msg
 
 from radixmesh.core.model_files import resolve_model_path, served_name
-from radixmesh.core.request import FinishKind, FinishReason, LogprobRequest
+from radixmesh.core.request import FinishKind, FinishReason
+from radixmesh.core.step import StepResult
 from radixmesh.core.tokenizer import Tokenizer
 from radixmesh.mesh import subjects
 from radixmesh.mesh.service import StatusServer
 from radixmesh.proto import mesh_pb2 as mpb
 from radixmesh.proto import worker_pb2 as wpb
-from radixmesh.proto.convert import engine_params_from_proto
 from radixmesh.services.scheduler.config import SchedulerServiceConfig
+from radixmesh.services.scheduler.engine_loop import EngineLoop
+from radixmesh.services.scheduler.mesh_io import UpdateBuilder, abort_reason, request_from_proto
 from radixmesh.services.scheduler.metrics import SchedulerMetrics
 from radixmesh.services.scheduler.request import Req
 from radixmesh.services.scheduler.request_traces import RequestTraces
 from radixmesh.services.scheduler.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
-from radixmesh.services.scheduler.updates import UpdateBuilder
 from radixmesh.services.scheduler.worker_client import WorkerClient
 
 log = logging.getLogger("radixmesh.scheduler")
@@ -35,7 +36,8 @@ HEARTBEAT_S = 0.5
 
 
 class SchedulerService:
-    """Everything runs on one asyncio loop: NATS callbacks only queue work for the loop."""
+    """Everything runs on one asyncio loop. The service is the engine loop's executor
+    (gRPC to the workers) and its sink (TokenSteps on NATS)."""
 
     def __init__(self, config: SchedulerServiceConfig) -> None:
         self.config = config
@@ -45,11 +47,9 @@ class SchedulerService:
         self.metrics = SchedulerMetrics(config.engine_id)
         self.traces = RequestTraces(config.engine_id)
         self.scheduler: Scheduler | None = None
+        self.loop: EngineLoop | None = None
         self.info: wpb.WorkerInfo | None = None
-        self._inbox: deque[tuple[str, Any]] = deque()
-        self._refused: list[tuple[str, str]] = []  # (rid, why) to report next publish
-        self._wake = asyncio.Event()
-        self._stopping = False
+        self._refused: list[mpb.TokenUpdate] = []  # published with the next step
         self._started = time.monotonic()
         self._nc: nats.NATS | None = None
         self._status = StatusServer(config.host, config.metrics_port, self._health)
@@ -60,10 +60,9 @@ class SchedulerService:
         """Connect to the workers and NATS, then start taking requests."""
         await self._status.start()
         self.info = await self.workers.connect(self.config.worker_timeout)
-        eos = list(self.info.eos_token_ids)
         model_path = resolve_model_path(self.config.model_path)
         tokenizer = Tokenizer.from_path(str(model_path))
-        eos = tuple(dict.fromkeys(eos + list(tokenizer.eos_token_ids)))
+        eos = tuple(dict.fromkeys([*self.info.eos_token_ids, *tokenizer.eos_token_ids]))
         context = self.info.max_position_embeddings
         if self.config.context_length:
             context = min(context, self.config.context_length)
@@ -74,10 +73,13 @@ class SchedulerService:
                 max_running_requests=self.config.max_running_requests,
                 chunked_prefill_size=self.config.chunked_prefill_size,
                 schedule_policy=self.config.schedule_policy,
-                eviction_policy=self.config.eviction_policy,
+                eviction_policy=self.config.radix_eviction_policy,
                 context_length=context,
                 eos_token_ids=eos,
             )
+        )
+        self.loop = EngineLoop(
+            self.scheduler, self, self, not self.config.disable_overlap_schedule, self._scheduled
         )
         self.metrics.start(served_name(model_path), self.info.num_slots)
         self._nc = await nats.connect(self.config.nats_url, name=f"scheduler-{self.engine_id}")
@@ -97,23 +99,25 @@ class SchedulerService:
 
     async def run(self, stop: asyncio.Event) -> None:
         """Serve until `stop` is set, then finish cleanly."""
+        assert self.loop is not None
         heartbeat = asyncio.create_task(self._heartbeat_loop())
-        loop = asyncio.create_task(self._loop())
-        await asyncio.wait([loop, asyncio.create_task(stop.wait())],
+        running = asyncio.create_task(self.loop.run())
+        await asyncio.wait([running, asyncio.create_task(stop.wait())],
                            return_when=asyncio.FIRST_COMPLETED)
-        self._stopping = True
-        self._wake.set()
+        self.loop.stop()
         try:
-            await loop
+            await running
         finally:
             heartbeat.cancel()
             await self._shutdown()
 
     async def _shutdown(self) -> None:
-        if self._nc is not None and self.scheduler is not None:
+        if self._nc is not None and self.scheduler is not None and self.loop is not None:
+            stopped = FinishReason(FinishKind.ABORT, message="engine stopped")
+            self.loop.fail_pending(RuntimeError("engine stopped"))
             for rid in list(self.scheduler.requests):
-                self.scheduler.abort(rid, FinishReason(FinishKind.ABORT, message="engine stopped"))
-            await self._publish_updates()
+                self.scheduler.abort(rid, stopped)
+            await self.publish(self.scheduler.drain_updates())
             await self._nc.drain()
         await self.workers.close()
         await self._status.stop()
@@ -122,130 +126,94 @@ class SchedulerService:
         ok = self.scheduler is not None and self._nc is not None and self._nc.is_connected
         return ok, {"engine_id": self.engine_id}
 
-    # ---- NATS callbacks: queue work for the loop -----------------------------------------
+    # ---- NATS callbacks: hand work to the engine loop ------------------------------------
 
     async def _on_request(self, msg: Msg) -> None:
+        assert self.loop is not None
         request = mpb.EngineRequest.FromString(msg.data)
-        self.traces.received(request, msg.headers)
-        self._post("add", request)
+        try:
+            req = request_from_proto(request)
+        except ValueError as exc:
+            self.metrics.refused()
+            self._refused.append(self.updates.rejection(
+                request.rid, request.reply_to, request.detok, str(exc)))
+            self.loop.wake()
+            return
+        self.traces.received(req, msg.headers)
+        self.updates.register(req, request)
+        self.loop.add(req)
 
     async def _on_abort(self, msg: Msg) -> None:
+        assert self.loop is not None
         abort = mpb.AbortRequest.FromString(msg.data)
-        self.traces.aborted(abort, msg.headers)
-        self._post("abort", abort)
+        reason = abort_reason(abort)
+        self.traces.aborted(abort.rid, reason is not None, msg.headers)
+        self.loop.abort(abort.rid, reason)
 
     async def _on_control(self, msg: Msg) -> None:
         op = json.loads(msg.data or b"{}").get("op")
-        done: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
-        self._post(op, done)
-        await msg.respond(json.dumps(await done).encode())
+        if op == "flush":
+            reply = {"success": await self._flush()}
+        elif op == "info":
+            reply = await self._server_info()
+        else:
+            reply = {"error": f"unknown op {op!r}"}
+        await msg.respond(json.dumps(reply).encode())
 
-    def _post(self, kind: str, payload: Any) -> None:
-        self._inbox.append((kind, payload))
-        self._wake.set()
+    async def _flush(self) -> bool:
+        assert self.loop is not None and self._nc is not None
+        flushed = await asyncio.wrap_future(self.loop.flush())
+        if flushed:
+            event = mpb.CacheEvent(engine_id=self.engine_id, flushed=True)
+            await self._nc.publish(subjects.cache_events(self.engine_id),
+                                   event.SerializeToString())
+        return flushed
 
-    # ---- the loop ----------------------------------------------------------------------
+    # ---- the engine loop's executor and sink ----------------------------------------------
 
-    async def _loop(self) -> None:
-        sched = self.scheduler
-        assert sched is not None
-        in_flight: tuple[ScheduledBatch, asyncio.Task[wpb.ForwardResult]] | None = None
-        while not self._stopping or in_flight is not None:
-            if in_flight is None and not sched.has_work() and not self._inbox:
-                self._wake.clear()
-                await self._wake.wait()
-                if self._stopping:
-                    break
-            self._drain_inbox()
-            batch = self.traces.schedule(sched) if not self._stopping else None
-            if batch is not None:
-                entries = batch.proto.entries
-                self.metrics.batch(sum(len(e.slots) for e in entries), len(entries))
-            if self.config.enable_overlap:
-                task = asyncio.create_task(self._forward(batch)) if batch else None
-                if in_flight is not None:
-                    sched.process_result(in_flight[0], await in_flight[1])
-                in_flight = (batch, task) if batch is not None and task is not None else None
-            elif batch is not None:
-                sched.process_result(batch, await self._forward(batch))
-            await self._publish_updates()
+    def submit(self, batch: ScheduledBatch) -> Awaitable[StepResult]:
+        """Run one step on every worker rank, timed and traced."""
+        return asyncio.ensure_future(self._forward(batch))
 
-    async def _forward(self, batch: ScheduledBatch) -> wpb.ForwardResult:
+    async def _forward(self, batch: ScheduledBatch) -> StepResult:
         with self.metrics.forward_timer(), self.traces.forward(batch) as metadata:
-            return await self.workers.forward(batch.proto, metadata)
+            return await self.workers.forward(batch.batch, metadata)
 
-    def _drain_inbox(self) -> None:
-        sched = self.scheduler
-        assert sched is not None
-        while self._inbox:
-            kind, payload = self._inbox.popleft()
-            if kind == "add":
-                self._admit(payload)
-            elif kind == "abort":
-                reason = None
-                if payload.HasField("finish") and payload.finish.kind == "stop":
-                    reason = FinishReason(FinishKind.STOP, payload.finish.text or None)
-                sched.abort(payload.rid, reason)
-            elif kind == "flush":
-                flushed = sched.flush_cache()
-                if flushed and self._nc is not None:
-                    event = mpb.CacheEvent(engine_id=self.engine_id, flushed=True)
-                    asyncio.ensure_future(
-                        self._nc.publish(subjects.cache_events(self.engine_id),
-                                         event.SerializeToString())
-                    )
-                payload.set_result({"success": flushed})
-            elif kind == "info":
-                payload.set_result(self._server_info())
-            elif isinstance(payload, asyncio.Future):
-                payload.set_result({"error": f"unknown op {kind!r}"})
+    def _scheduled(self, batch: ScheduledBatch, started: int, ended: int) -> None:
+        self.traces.scheduled(batch, started, ended)
+        entries = batch.batch.entries
+        self.metrics.batch(sum(len(e.slots) for e in entries), len(entries))
 
-    def _admit(self, msg: mpb.EngineRequest) -> None:
-        sched = self.scheduler
-        assert sched is not None
-        self.updates.register(msg.rid, msg.reply_to, msg.detok, msg.detok_context)
-        try:
-            req = Req(
-                rid=msg.rid,
-                input_ids=list(msg.input_ids),
-                params=engine_params_from_proto(msg.sampling, msg.max_new_tokens),
-                seed=msg.sampling.seed,
-                namespace=msg.cache_salt or None,
-                priority=msg.priority,
-                logprobs=LogprobRequest(
-                    msg.return_logprob, msg.top_logprobs_num, msg.logprob_start_len
-                ),
-            )
-            sched.add_request(req)
-        except ValueError as exc:
-            self.metrics.refused()
-            self._refused.append((msg.rid, str(exc)))
-            return
-        self.metrics.admitted(len(req.input_ids))
+    def refuse(self, req: Req, error: Exception) -> None:
+        """A request the scheduler could not take (or that the loop never reached)."""
+        self.metrics.refused()
+        message = str(error)
+        trace = self.traces.sent(req.rid, 0, FinishReason(FinishKind.ABORT, message=message), 0)
+        update = self.updates.refusal(req, message, trace)
+        if update is not None:
+            self._refused.append(update)
 
-    async def _publish_updates(self) -> None:
-        """Send every request's news as one TokenStep; cached sequences to the routers."""
+    async def publish(self, updated: list[Req]) -> None:
+        """Every request's news as one TokenStep; finished sequences to the routers."""
         sched = self.scheduler
         assert sched is not None and self._nc is not None
-        step = mpb.TokenStep()
+        step = mpb.TokenStep(updates=self._refused)
+        self._refused = []
         cached = mpb.CacheEvent(engine_id=self.engine_id)
-        for rid, message in self._refused:
-            update = self.updates.refusal(rid, message)
-            if update is not None:
-                step.updates.append(update)
-        self._refused.clear()
-        for req in sched.drain_updates():
-            update = self.updates.build(req)
+        for req in updated:
+            trace = self.traces.sent(req.rid, len(req.output_ids), req.finish, req.cached_tokens)
+            update = self.updates.build(req, trace)
             if update is None:
                 continue
             finish = req.finish.kind.value if req.finish is not None else None
-            self.metrics.update(update.seq == 0, update.cached_tokens, len(update.new_ids), finish)
+            self.metrics.update(
+                update.seq == 0, len(req.input_ids), req.cached_tokens, len(update.new_ids), finish
+            )
             step.updates.append(update)
             if req.finish is not None:
                 cached.inserted.add(cache_salt=req.namespace or "", token_ids=req.tokens)
         # Before publishing: once a client has its answer, the gauges already show it.
         self.metrics.state(sched)
-        self.traces.sent(step.updates)
         if step.updates:
             await self._nc.publish(subjects.DETOK, step.SerializeToString())
         if cached.inserted:
@@ -255,12 +223,12 @@ class SchedulerService:
 
     # ---- status ------------------------------------------------------------------------
 
-    def _server_info(self) -> dict[str, Any]:
-        s = self.scheduler
-        assert s is not None and self.info is not None
+    async def _server_info(self) -> dict[str, Any]:
+        s, loop = self.scheduler, self.loop
+        assert s is not None and loop is not None and self.info is not None
         return {
             "engine_id": self.engine_id,
-            **s.stats(),
+            **await asyncio.wrap_future(loop.info()),
             "context_length": s.config.context_length,
             "page_size": s.config.page_size,
             "schedule_policy": s.config.schedule_policy,
@@ -278,16 +246,14 @@ class SchedulerService:
         s = self.scheduler
         if s is None or self._nc is None or self.info is None or not self._nc.is_connected:
             return
-        running = s.num_running()
-        free = s.allocator.available()
         self.metrics.state(s)
         self.metrics.throughput()
         status = mpb.EngineStatus(
             engine_id=self.engine_id,
-            running=running,
+            running=s.num_running(),
             waiting=len(s.waiting),
             num_slots=s.config.num_slots,
-            free_slots=free,
+            free_slots=s.allocator.available(),
             cached_tokens=s.cache.total_size(),
             context_length=s.config.context_length,
             vocab_size=self.info.vocab_size,

@@ -1,5 +1,5 @@
 """The scheduler's side of gRPC Forward: one channel per worker rank, the same batch to
-every rank, rank 0's result back."""
+every rank (converted to protobuf once), rank 0's result back."""
 
 from __future__ import annotations
 
@@ -8,8 +8,10 @@ import time
 
 import grpc
 
+from radixmesh.core.step import StepBatch, StepResult
 from radixmesh.proto import worker_pb2 as wpb
 from radixmesh.proto import worker_pb2_grpc as wgrpc
+from radixmesh.proto.convert import batch_to_proto, result_from_proto
 
 MAX_MESSAGE_BYTES = 64 << 20
 _OPTIONS = [
@@ -54,15 +56,16 @@ class WorkerClient:
                 await asyncio.sleep(0.2)
 
     async def forward(
-        self, batch: wpb.ForwardBatch, metadata: tuple[tuple[str, str], ...] | None = None
-    ) -> wpb.ForwardResult:
+        self, batch: StepBatch, metadata: tuple[tuple[str, str], ...] | None = None
+    ) -> StepResult:
         """Run one step on every rank; they stay in lockstep, rank 0 answers. `metadata`
         goes with each call (the step's trace context)."""
+        msg = batch_to_proto(batch)
         if len(self._stubs) == 1:
-            return await self._stubs[0].Forward(batch, metadata=metadata)
-        results = await asyncio.gather(*(s.Forward(batch, metadata=metadata)
+            return result_from_proto(await self._stubs[0].Forward(msg, metadata=metadata))
+        results = await asyncio.gather(*(s.Forward(msg, metadata=metadata)
                                          for s in self._stubs))
-        return results[0]
+        return result_from_proto(results[0])
 
     async def close(self) -> None:
         await asyncio.gather(*(c.close() for c in self._channels))

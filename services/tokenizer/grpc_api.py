@@ -1,4 +1,6 @@
-"""The gRPC Generate service: the fields of /generate, streamed back as deltas."""
+"""The public gRPC port: the Generate service (the fields of /generate, streamed back as
+deltas), the standard health service and server reflection, so that generic clients
+(grpcurl, grpc_health_probe, load balancers) need nothing but the port."""
 
 from __future__ import annotations
 
@@ -9,21 +11,26 @@ from contextlib import aclosing
 from typing import Any
 
 import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
 
+from radixmesh.core.meta_info import TokenLogprob
 from radixmesh.proto import generate_pb2 as gpb
 from radixmesh.proto import generate_pb2_grpc as ggrpc
 from radixmesh.services.tokenizer import metrics
-from radixmesh.services.tokenizer.generation import (
+from radixmesh.services.tokenizer.client import (
     GenerationChunk,
     GenerationClient,
     GenerationError,
     GenerationRequest,
-    TokenLogprob,
+    build_request,
+    encode_traced,
 )
-from radixmesh.services.tokenizer.request_checks import build_request
-from radixmesh.services.tokenizer.request_trace import encode_traced
 
-_ENDPOINT = "grpc:/radixmesh.v1.Generate/Generate"
+SERVICE_NAME = gpb.DESCRIPTOR.services_by_name["Generate"].full_name
+_METHOD = f"/{SERVICE_NAME}/Generate"
+TRACED_RPCS = {_METHOD: _METHOD[1:]}
+_ENDPOINT = f"grpc:{_METHOD}"
 _OPTIONAL_SAMPLING = (
     "max_new_tokens", "temperature", "top_p", "top_k", "min_p", "frequency_penalty",
     "presence_penalty", "repetition_penalty", "min_new_tokens", "seed", "skip_special_tokens",
@@ -139,3 +146,25 @@ class GenerateService(ggrpc.GenerateServicer):
             request.priority,
             field,
         )
+
+
+class PublicPort:
+    """Generate, health and reflection on one gRPC server. Health answers for the server
+    ("") and for Generate: SERVING from `serving()` on, NOT_SERVING from `stopping()` on."""
+
+    def __init__(self, server: grpc.aio.Server, client: GenerationClient) -> None:
+        self._health = health.aio.HealthServicer()
+        ggrpc.add_GenerateServicer_to_server(GenerateService(client), server)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+        )
+
+    async def serving(self) -> None:
+        """The tokenizer serves (call it before the server starts, so no check sees less)."""
+        for name in ("", SERVICE_NAME):
+            await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+    async def stopping(self) -> None:
+        """The tokenizer began to stop: NOT_SERVING for every service, and for good."""
+        await self._health.enter_graceful_shutdown()

@@ -1,4 +1,5 @@
-"""What every HTTP handler of the tokenizer shares: error bodies, request metrics, SSE."""
+"""What both HTTP APIs of the tokenizer (native and OpenAI) share: server-sent events, and
+the middleware that counts every answer."""
 
 from __future__ import annotations
 
@@ -11,37 +12,16 @@ from aiohttp import web
 
 from radixmesh.services.tokenizer import metrics
 
-_ERROR_TYPES = {
-    400: "BadRequestError",
-    404: "NotFoundError",
-    405: "MethodNotAllowedError",
-    503: "ServiceUnavailableError",
-}
-
 # The status nginx logs for a client that hung up before its answer was complete.
-_CLIENT_CLOSED = 499
+CLIENT_CLOSED = 499
+SSE_DONE = b"data: [DONE]\n\n"
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-def error_body(message: str, status: int = 400) -> dict[str, Any]:
-    """{"error": {"message", "type", "code"}} as the SGLang-native API answers."""
-    kind = _ERROR_TYPES.get(status, "InternalServerError" if status >= 500 else "BadRequestError")
-    return {"error": {"message": message, "type": kind, "code": status}}
-
-
-def error_response(message: str, status: int = 400) -> web.Response:
-    """An error answer with `error_body`."""
-    return web.json_response(error_body(message, status), status=status)
-
-
 def sse_event(payload: Any) -> bytes:
-    """One server-sent event carrying JSON."""
+    """One server-sent event carrying JSON: a `data:` line, never a comment or keep-alive."""
     return b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n"
-
-
-SSE_DONE = b"data: [DONE]\n\n"
-SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 
 
 def _endpoint(request: web.Request) -> str:
@@ -62,7 +42,7 @@ async def metrics_middleware(request: web.Request, handler: Handler) -> web.Stre
         status = exc.status
         raise
     except asyncio.CancelledError:
-        status = _CLIENT_CLOSED
+        status = CLIENT_CLOSED
         raise
     finally:
         metrics.REQUESTS.labels(_endpoint(request), str(status)).inc()

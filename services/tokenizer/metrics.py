@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from radixmesh.services.tokenizer.generation import GenerationChunk
+if TYPE_CHECKING:  # the client imports this module to count what it sends
+    from radixmesh.services.tokenizer.client import GenerationChunk
 
 Clock = Callable[[], float]
 

@@ -1,45 +1,55 @@
-"""The OpenAI-compatible HTTP routes: /v1/models, /v1/completions, /v1/chat/completions."""
+"""The OpenAI-compatible HTTP routes: /v1/models, /v1/completions, /v1/chat/completions.
+
+A request's n choices (times its prompts) run at once as separate generations, read as one
+stream in arrival order (GenerationFanout); a client that hangs up aborts all of them."""
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from contextlib import aclosing
+from types import TracebackType
 from typing import Any
 
 from aiohttp import web
 
 from radixmesh.core.tokenizer import Tokenizer
-from radixmesh.services.tokenizer.generation import GenerationClient, GenerationError
-from radixmesh.services.tokenizer.openai_errors import OpenAIError, error_body
-from radixmesh.services.tokenizer.openai_fanout import ClientGone, GenerationFanout
+from radixmesh.services.tokenizer.client import (
+    GenerationChunk,
+    GenerationClient,
+    GenerationError,
+    GenerationRequest,
+    tokenize_span,
+)
+from radixmesh.services.tokenizer.http_util import CLIENT_CLOSED, SSE_DONE, sse_event
 from radixmesh.services.tokenizer.openai_protocol import (
+    OpenAIError,
     OpenAIRequest,
     ServedModel,
+    error_body,
     parse_body,
     parse_chat,
     parse_completion,
 )
-from radixmesh.services.tokenizer.openai_response import (
+from radixmesh.services.tokenizer.openai_responses import (
     ChatResponse,
     CompletionResponse,
     ResponseBuilder,
 )
-from radixmesh.services.tokenizer.request_trace import tokenize_span
 
 log = logging.getLogger(__name__)
 
 Parser = Callable[[dict[str, Any], Tokenizer, ServedModel, str], OpenAIRequest]
 
 _SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
-_DONE = b"data: [DONE]\n\n"
 # How often a request checks that its client is still connected (see _watch_client).
 _CLIENT_POLL_S = 0.2
-# nginx's "client closed request": logged, never received.
-_CLIENT_CLOSED = 499
+# A queue item of the fanout: a request's index and its next chunk, its failure, or None once
+# it ends.
+_Item = tuple[int, GenerationChunk | BaseException | None]
 
 
 def add_openai_routes(app: web.Application, client: GenerationClient) -> None:
@@ -126,7 +136,7 @@ class OpenAIRoutes:
                 return error_response(str(exc), exc.status)
             except ClientGone:
                 log.info("client of %s went away; its requests were aborted", parsed.id)
-                return web.Response(status=_CLIENT_CLOSED)
+                return web.Response(status=CLIENT_CLOSED)
             except Exception:
                 log.exception("request %s failed", parsed.id)
                 return error_response("internal server error", 500)
@@ -152,7 +162,7 @@ async def _stream(
     try:
         await response.write(_events(head))
         tail = await _relay(response, fanout, builder)
-        await response.write(_events(tail) + _DONE)
+        await response.write(_events(tail) + SSE_DONE)
     except (ConnectionResetError, ClientGone):
         log.info("client of %s went away mid-stream; its requests were aborted", builder.request.id)
     return response
@@ -177,8 +187,7 @@ async def _relay(
 
 
 def _events(events: list[dict[str, Any]]) -> bytes:
-    """Server-sent events: one `data:` line each, never a comment or keep-alive."""
-    return "".join(f"data: {json.dumps(e, ensure_ascii=False)}\n\n" for e in events).encode()
+    return b"".join(sse_event(e) for e in events)
 
 
 async def _watch_client(request: web.Request, fanout: GenerationFanout) -> None:
@@ -189,3 +198,69 @@ async def _watch_client(request: web.Request, fanout: GenerationFanout) -> None:
     while request.transport is not None and not request.transport.is_closing():
         await asyncio.sleep(_CLIENT_POLL_S)
     fanout.client_gone()
+
+
+# ---- n>1 and batches: several generations read as one ----------------------------------------
+
+
+class ClientGone(Exception):
+    """The HTTP client went away before its answer was complete."""
+
+
+class GenerationFanout:
+    """Runs requests concurrently and yields (index, chunk) as chunks arrive."""
+
+    def __init__(self, client: GenerationClient, requests: Sequence[GenerationRequest]) -> None:
+        self._client = client
+        self._requests = list(requests)
+        self._queue: asyncio.Queue[_Item] = asyncio.Queue()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._running = 0
+
+    async def __aenter__(self) -> GenerationFanout:
+        self._tasks = [
+            asyncio.create_task(self._pump(index, request))
+            for index, request in enumerate(self._requests)
+        ]
+        self._running = len(self._tasks)
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        # A cancelled pump closes its stream, which aborts the request in the mesh.
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def client_gone(self) -> None:
+        """Make the reader raise ClientGone at its next read."""
+        self._queue.put_nowait((-1, ClientGone()))
+
+    def __aiter__(self) -> GenerationFanout:
+        return self
+
+    async def __anext__(self) -> tuple[int, GenerationChunk]:
+        while self._running:
+            index, item = await self._queue.get()
+            if item is None:
+                self._running -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                return index, item
+        raise StopAsyncIteration
+
+    async def _pump(self, index: int, request: GenerationRequest) -> None:
+        try:
+            # Closing a stream that stopped early aborts its request in the mesh.
+            async with aclosing(self._client.generate(request)) as stream:
+                async for chunk in stream:
+                    self._queue.put_nowait((index, chunk))
+        except Exception as exc:
+            # The reader raises it; a cancellation (BaseException) just ends the pump.
+            self._queue.put_nowait((index, exc))
+        self._queue.put_nowait((index, None))

@@ -1,10 +1,15 @@
-"""OpenAI /v1/completions and /v1/chat/completions requests, checked and turned into the
-GenerationRequests the mesh runs (one per prompt and sample, prompt-major)."""
+"""OpenAI /v1/completions and /v1/chat/completions requests: read, checked and turned into
+the GenerationRequests the mesh runs (one per prompt and sample, prompt-major), and the error
+format OpenAI clients expect when a request is refused.
+
+Optional fields set to null read as absent, as OpenAI treats them; a bad field raises
+OpenAIError naming it."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -13,17 +18,7 @@ from jinja2 import TemplateError
 from radixmesh.core.request import LogprobRequest
 from radixmesh.core.sampling_params import SamplingParams
 from radixmesh.core.tokenizer import Tokenizer
-from radixmesh.services.tokenizer.generation import GenerationRequest, check_length
-from radixmesh.services.tokenizer.openai_chat import chat_messages
-from radixmesh.services.tokenizer.openai_errors import OpenAIError
-from radixmesh.services.tokenizer.openai_fields import (
-    get_bool,
-    get_int,
-    get_object,
-    get_str,
-    is_int,
-)
-from radixmesh.services.tokenizer.openai_sampling import sampling_params
+from radixmesh.services.tokenizer.client import GenerationRequest, check_length, is_int
 
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_N = 128
@@ -33,6 +28,54 @@ _UNSUPPORTED = ("logit_bias", "regex", "json_schema", "ebnf")
 _COMPLETION_UNSUPPORTED = (*_UNSUPPORTED, "suffix")
 _CHAT_UNSUPPORTED = (*_UNSUPPORTED, "tools", "functions")
 _PROMPT_SHAPES = "a string, a list of strings, a list of token ids or a list of token id lists"
+# OpenAI's newer "developer" role is its name for the system prompt.
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+# SGLang's sampling fields, accepted as they are (SamplingParams checks them).
+_PASSTHROUGH = (
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "ignore_eos",
+    "skip_special_tokens",
+    "no_stop_trim",
+    "stop_token_ids",
+)
+# OpenAI's error `type` by HTTP status; any other 4xx is an invalid request, 5xx a server error.
+_ERROR_TYPES = {
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    429: "rate_limit_error",
+}
+
+
+# ---- errors ----------------------------------------------------------------------------------
+
+
+class OpenAIError(Exception):
+    """A request the API refuses; `param` names the offending field when there is one."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.status = status
+
+
+def _error_type(status: int) -> str:
+    """OpenAI's error type for an HTTP status."""
+    if status in _ERROR_TYPES:
+        return _ERROR_TYPES[status]
+    return "server_error" if status >= 500 else "invalid_request_error"
+
+
+def error_body(message: str, status: int = 400, param: str | None = None) -> dict[str, Any]:
+    """The JSON body of an error answer (also the payload of an error event in a stream)."""
+    kind = _error_type(status)
+    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
+
+
+# ---- requests --------------------------------------------------------------------------------
 
 
 class ServedModel(NamedTuple):
@@ -73,17 +116,17 @@ def parse_completion(
     """Check a /v1/completions request and build its GenerationRequests."""
     _check_common(body, model, _COMPLETION_UNSUPPORTED)
     stream, include_usage = _stream_options(body)
-    echo = get_bool(body, "echo")
-    top_logprobs = get_int(body, "logprobs", 0, MAX_TOP_LOGPROBS)
+    echo = _get_bool(body, "echo")
+    top_logprobs = _get_int(body, "logprobs", 0, MAX_TOP_LOGPROBS)
     if echo and stream and top_logprobs is not None:
         raise OpenAIError("echo with logprobs is not supported when streaming", "echo")
     n = _n(body)
-    best_of = get_int(body, "best_of", 1, MAX_N)
+    best_of = _get_int(body, "best_of", 1, MAX_N)
     if best_of is not None and best_of != n:
         raise OpenAIError("best_of other than n is not supported", "best_of")
-    max_tokens = get_int(body, "max_tokens", minimum=0)
+    max_tokens = _get_int(body, "max_tokens", minimum=0)
     max_tokens = COMPLETION_MAX_TOKENS if max_tokens is None else max_tokens
-    params = sampling_params(body, max_tokens, "max_tokens", model.vocab_size)
+    params = _sampling_params(body, max_tokens, "max_tokens", model.vocab_size)
     prompts = _completion_prompts(body.get("prompt"), tokenizer, model.vocab_size)
     for ids, _ in prompts:
         _check_length(len(ids), max_tokens, model, "prompt", "max_tokens")
@@ -108,12 +151,12 @@ def parse_chat(
     _check_common(body, model, _CHAT_UNSUPPORTED)
     _check_response_format(body)
     stream, include_usage = _stream_options(body)
-    want_logprobs = get_bool(body, "logprobs")
-    top_logprobs = get_int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+    want_logprobs = _get_bool(body, "logprobs")
+    top_logprobs = _get_int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
     if top_logprobs and not want_logprobs:
         raise OpenAIError("top_logprobs requires logprobs to be true", "top_logprobs")
     n = _n(body)
-    messages = chat_messages(body.get("messages"))
+    messages = _chat_messages(body.get("messages"))
     try:
         prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     except (ValueError, TemplateError) as exc:
@@ -123,11 +166,11 @@ def parse_chat(
     max_param = "max_tokens"
     if body.get("max_completion_tokens") is not None:
         max_param = "max_completion_tokens"
-    max_tokens = get_int(body, max_param, minimum=0)
+    max_tokens = _get_int(body, max_param, minimum=0)
     if max_tokens is None:
         max_tokens = _room_left(len(ids), model)
     _check_length(len(ids), max_tokens, model, "messages", max_param)
-    params = sampling_params(body, max_tokens, max_param, model.vocab_size)
+    params = _sampling_params(body, max_tokens, max_param, model.vocab_size)
     top = (top_logprobs or 0) if want_logprobs else None
     return OpenAIRequest(
         id=request_id,
@@ -140,19 +183,19 @@ def parse_chat(
 
 
 def _check_common(body: dict[str, Any], model: ServedModel, unsupported: tuple[str, ...]) -> None:
-    name = get_str(body, "model")
+    name = _get_str(body, "model")
     if name is not None and name != model.name:
         raise OpenAIError(
             f"the model {name!r} does not exist; this server serves {model.name!r}", "model"
         )
-    get_str(body, "user")
+    _get_str(body, "user")
     for field in unsupported:
         if body.get(field) not in (None, "", [], {}):
             raise OpenAIError(f"{field} is not supported by this server", field)
 
 
 def _check_response_format(body: dict[str, Any]) -> None:
-    kind = get_object(body, "response_format").get("type", "text")
+    kind = _get_object(body, "response_format").get("type", "text")
     if kind != "text":
         raise OpenAIError(
             f"response_format {kind!r} is not supported by this server", "response_format"
@@ -161,8 +204,8 @@ def _check_response_format(body: dict[str, Any]) -> None:
 
 def _stream_options(body: dict[str, Any]) -> tuple[bool, bool]:
     """Whether to stream, and whether to end the stream with a usage chunk."""
-    stream = get_bool(body, "stream")
-    options = get_object(body, "stream_options")
+    stream = _get_bool(body, "stream")
+    options = _get_object(body, "stream_options")
     include_usage = options.get("include_usage")
     if include_usage is not None and not isinstance(include_usage, bool):
         raise OpenAIError(
@@ -173,7 +216,7 @@ def _stream_options(body: dict[str, Any]) -> tuple[bool, bool]:
 
 
 def _n(body: dict[str, Any]) -> int:
-    n = get_int(body, "n", 1, MAX_N)
+    n = _get_int(body, "n", 1, MAX_N)
     return 1 if n is None else n
 
 
@@ -242,8 +285,8 @@ def _generation_requests(
     n: int,
     logprobs: LogprobRequest,
 ) -> list[GenerationRequest]:
-    cache_salt = get_str(body, "cache_salt")
-    priority = get_int(body, "priority") or 0
+    cache_salt = _get_str(body, "cache_salt")
+    priority = _get_int(body, "priority") or 0
     requests = []
     for ids, params in inputs:
         for sample in range(n):
@@ -262,3 +305,153 @@ def _generation_requests(
                 )
             )
     return requests
+
+
+# ---- chat messages, reduced to what a chat template renders ----------------------------------
+
+
+def _chat_messages(raw: Any) -> list[dict[str, str]]:
+    """Check `messages` and return them as plain {"role", "content"} dicts with text content."""
+    if not isinstance(raw, list):
+        raise OpenAIError(f"messages must be a list of messages, got {raw!r}", "messages")
+    if not raw:
+        raise OpenAIError("messages must not be empty", "messages")
+    return [_message(i, message) for i, message in enumerate(raw)]
+
+
+def _message(i: int, message: Any) -> dict[str, str]:
+    where = f"messages[{i}]"
+    if not isinstance(message, dict):
+        raise OpenAIError(f"{where} must be an object, got {message!r}", where)
+    role = message.get("role")
+    if not isinstance(role, str) or role not in _ROLES:
+        raise OpenAIError(
+            f"{where}.role must be one of {', '.join(_ROLES)}; got {role!r}", f"{where}.role"
+        )
+    return {"role": _ROLES[role], "content": _content(message.get("content"), role, where)}
+
+
+def _content(content: Any, role: str, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    # An assistant turn that only called tools has null content.
+    if content is None and role == "assistant":
+        return ""
+    if not isinstance(content, list):
+        raise OpenAIError(
+            f"{where}.content must be a string or a list of text parts, got {content!r}",
+            f"{where}.content",
+        )
+    texts = []
+    for part in content:
+        if not (
+            isinstance(part, dict)
+            and part.get("type") == "text"
+            and isinstance(part.get("text"), str)
+        ):
+            raise OpenAIError(
+                f"{where}.content: only text parts ({{'type': 'text', 'text': ...}}) are "
+                f"supported, got {part!r}",
+                f"{where}.content",
+            )
+        texts.append(part["text"])
+    # Parts are separate blocks to the client; a newline keeps their words apart.
+    return "\n".join(texts)
+
+
+# ---- sampling fields (OpenAI's and SGLang's extras) ------------------------------------------
+
+
+def _sampling_params(
+    body: dict[str, Any], max_tokens: int, max_param: str, vocab_size: int
+) -> SamplingParams:
+    """The sampling fields of a request (OpenAI's and SGLang's) as SamplingParams."""
+    fields: dict[str, Any] = {"max_new_tokens": max_tokens}
+    optional = {
+        "temperature": _get_number(body, "temperature", 0, 2),
+        "top_p": _get_number(body, "top_p", 0, 1),
+        "presence_penalty": _get_number(body, "presence_penalty", -2, 2),
+        "frequency_penalty": _get_number(body, "frequency_penalty", -2, 2),
+        "min_new_tokens": _get_int(body, "min_tokens", minimum=0),
+        "seed": _get_int(body, "seed"),
+        "stop": body.get("stop"),
+        **{name: body.get(name) for name in _PASSTHROUGH},
+    }
+    fields.update({name: value for name, value in optional.items() if value is not None})
+    try:
+        params = SamplingParams.from_dict(fields)
+        params.validate(vocab_size or None)
+    except ValueError as exc:
+        # SamplingParams names the field first; speak of it by the request's name for it.
+        renames = {"max_new_tokens": max_param, "min_new_tokens": "min_tokens"}
+        message = str(exc)
+        for ours, theirs in renames.items():
+            message = message.replace(ours, theirs)
+        raise OpenAIError(message, message.split(" ", 1)[0]) from None
+    return params
+
+
+# ---- typed reads of a request body's optional fields -----------------------------------------
+
+
+def _check_range(name: str, value: float, minimum: float | None, maximum: float | None) -> None:
+    if minimum is not None and maximum is not None and not minimum <= value <= maximum:
+        raise OpenAIError(f"{name} must be between {minimum} and {maximum}, got {value}", name)
+    if minimum is not None and value < minimum:
+        raise OpenAIError(f"{name} must be >= {minimum}, got {value}", name)
+    if maximum is not None and value > maximum:
+        raise OpenAIError(f"{name} must be <= {maximum}, got {value}", name)
+
+
+def _get_int(
+    body: dict[str, Any], name: str, minimum: int | None = None, maximum: int | None = None
+) -> int | None:
+    """An optional integer field within [minimum, maximum]."""
+    value = body.get(name)
+    if value is None:
+        return None
+    if not is_int(value):
+        raise OpenAIError(f"{name} must be an integer, got {value!r}", name)
+    _check_range(name, value, minimum, maximum)
+    return value
+
+
+def _get_number(
+    body: dict[str, Any], name: str, minimum: float | None = None, maximum: float | None = None
+) -> float | None:
+    """An optional finite number field within [minimum, maximum], as a float."""
+    value = body.get(name)
+    if value is None:
+        return None
+    if not (is_int(value) or isinstance(value, float)) or not math.isfinite(value):
+        raise OpenAIError(f"{name} must be a number, got {value!r}", name)
+    _check_range(name, value, minimum, maximum)
+    return float(value)
+
+
+def _get_bool(body: dict[str, Any], name: str, default: bool = False) -> bool:
+    """An optional boolean field."""
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise OpenAIError(f"{name} must be a boolean, got {value!r}", name)
+    return value
+
+
+def _get_str(body: dict[str, Any], name: str) -> str | None:
+    """An optional string field."""
+    value = body.get(name)
+    if value is not None and not isinstance(value, str):
+        raise OpenAIError(f"{name} must be a string, got {value!r}", name)
+    return value
+
+
+def _get_object(body: dict[str, Any], name: str) -> dict[str, Any]:
+    """An optional JSON object field; absent reads as {}."""
+    value = body.get(name)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise OpenAIError(f"{name} must be an object, got {value!r}", name)
+    return value

@@ -1,13 +1,27 @@
-"""Cache-aware routing: send a prompt where its prefix is probably cached, unless that
-would pile work on an engine much busier than the others."""
+"""Which engines this replica knows and where each request goes.
+
+The registry keeps each engine's last heartbeat and drops engines that fall silent. The
+router sends a prompt where its prefix is probably cached, unless that would pile work on an
+engine much busier than the others; what an engine caches it guesses with a bounded token
+radix tree per engine, fed by the requests it routed and the engines' cache events."""
 
 from __future__ import annotations
 
+import heapq
+import itertools
+import time
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from radixmesh.services.tokenizer.prefix_tree import PrefixTree
+from radixmesh.proto import mesh_pb2 as mpb
+
+# A full tree is cut to this share of its bound, so the cost of a full scan is spread over
+# many inserts.
+_LOW_WATER = 0.9
+
+# ---- the router ------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -122,3 +136,192 @@ class Router:
         # Among equally loaded engines the emptiest tree has the most room to cache.
         return min(self._engines, key=lambda eid: (self._engines[eid].load,
                                                    self._engines[eid].tree.size))
+
+
+# ---- the router's guess at one engine's prefix cache -----------------------------------------
+
+
+class _Node:
+    """An edge of token ids leading to children keyed by their first token."""
+
+    __slots__ = ("edge", "children", "parent", "last_used")
+
+    def __init__(self, edge: array, parent: _Node | None, last_used: int) -> None:
+        self.edge = edge
+        self.children: dict[int, _Node] = {}
+        self.parent = parent
+        self.last_used = last_used
+
+
+def _common_length(edge: array, tokens: Sequence[int], start: int) -> int:
+    """How many leading tokens of `edge` equal tokens[start:]."""
+    end = min(len(edge), len(tokens) - start)
+    if edge[:end] == array("i", tokens[start : start + end]):
+        return end
+    n = 0
+    while n < end and edge[n] == tokens[start + n]:
+        n += 1
+    return n
+
+
+class PrefixTree:
+    """Token sequences an engine probably holds, at most `max_tokens` of them in all: a token
+    radix tree per cache-salt namespace, least recently used leaves dropped first."""
+
+    def __init__(self, max_tokens: int) -> None:
+        self.max_tokens = max_tokens
+        self._clock = itertools.count(1)
+        self._roots: dict[str, _Node] = {}
+        self.size = 0  # tokens stored, over all namespaces
+
+    def match(self, tokens: Sequence[int], namespace: str = "") -> int:
+        """Length of the longest stored prefix of `tokens`; marks it recently used."""
+        root = self._roots.get(namespace)
+        if root is None:
+            return 0
+        now = next(self._clock)
+        node, pos = root, 0
+        while pos < len(tokens):
+            child = node.children.get(tokens[pos])
+            if child is None:
+                break
+            n = _common_length(child.edge, tokens, pos)
+            child.last_used = now
+            pos += n
+            if n < len(child.edge):
+                break
+            node = child
+        return pos
+
+    def insert(self, tokens: Sequence[int], namespace: str = "") -> None:
+        """Store `tokens` (and so every prefix of it), then shrink back under the bound."""
+        root = self._roots.get(namespace)
+        if root is None:
+            root = self._roots[namespace] = _Node(array("i"), None, 0)
+        now = next(self._clock)
+        node, pos = root, 0
+        while pos < len(tokens):
+            child = node.children.get(tokens[pos])
+            if child is None:
+                leaf = _Node(array("i", tokens[pos:]), node, now)
+                node.children[tokens[pos]] = leaf
+                self.size += len(leaf.edge)
+                break
+            n = _common_length(child.edge, tokens, pos)
+            if n < len(child.edge):
+                child = self._split(child, n)
+            child.last_used = now
+            node, pos = child, pos + n
+        self._evict()
+
+    def clear(self) -> None:
+        """Forget everything (the engine flushed its cache)."""
+        self._roots.clear()
+        self.size = 0
+
+    def _split(self, child: _Node, n: int) -> _Node:
+        """Cut child's edge after n tokens; returns the new upper node."""
+        parent = child.parent
+        assert parent is not None
+        upper = _Node(child.edge[:n], parent, child.last_used)
+        parent.children[child.edge[0]] = upper
+        child.edge = child.edge[n:]
+        child.parent = upper
+        upper.children[child.edge[0]] = child
+        return upper
+
+    def _evict(self) -> None:
+        if self.size <= self.max_tokens:
+            return
+        target = int(self.max_tokens * _LOW_WATER)
+        leaves = [
+            (leaf.last_used, id(leaf), leaf)
+            for root in self._roots.values()
+            for leaf in _leaves(root)
+        ]
+        heapq.heapify(leaves)
+        while self.size > target and leaves:
+            _, _, leaf = heapq.heappop(leaves)
+            parent = leaf.parent
+            assert parent is not None
+            del parent.children[leaf.edge[0]]
+            self.size -= len(leaf.edge)
+            if not parent.children and parent.parent is not None:
+                heapq.heappush(leaves, (parent.last_used, id(parent), parent))
+        for namespace in [ns for ns, root in self._roots.items() if not root.children]:
+            del self._roots[namespace]
+
+
+def _leaves(root: _Node) -> list[_Node]:
+    """Every node without children below `root` (the root itself excluded)."""
+    out, stack = [], list(root.children.values())
+    while stack:
+        node = stack.pop()
+        if node.children:
+            stack.extend(node.children.values())
+        else:
+            out.append(node)
+    return out
+
+
+# ---- the engines heard from ------------------------------------------------------------------
+
+
+@dataclass
+class EngineEntry:
+    """An engine's last heartbeat and when it arrived (monotonic seconds)."""
+
+    status: mpb.EngineStatus
+    last_seen: float
+
+
+class EngineRegistry:
+    """Engine id -> last heartbeat; an engine silent for `timeout_s` is gone."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self._engines: dict[str, EngineEntry] = {}
+
+    def __contains__(self, engine_id: str) -> bool:
+        return engine_id in self._engines
+
+    def __len__(self) -> int:
+        return len(self._engines)
+
+    @property
+    def ids(self) -> list[str]:
+        """Known engines, in the order they appeared."""
+        return list(self._engines)
+
+    def status(self, engine_id: str) -> mpb.EngineStatus:
+        """The engine's last heartbeat."""
+        return self._engines[engine_id].status
+
+    def heard(self, status: mpb.EngineStatus, now: float | None = None) -> bool:
+        """Record a heartbeat; True when the engine is new."""
+        new = status.engine_id not in self._engines
+        self._engines[status.engine_id] = EngineEntry(status, _now(now))
+        return new
+
+    def expire(self, now: float | None = None) -> list[str]:
+        """Forget and return the engines silent for longer than the timeout."""
+        cutoff = _now(now) - self.timeout_s
+        gone = [eid for eid, e in self._engines.items() if e.last_seen < cutoff]
+        for eid in gone:
+            del self._engines[eid]
+        return gone
+
+    @property
+    def context_length(self) -> int:
+        """The smallest context length any engine reports, so a request fits anywhere."""
+        lengths = [e.status.context_length for e in self._engines.values()]
+        return min((n for n in lengths if n > 0), default=0)
+
+    @property
+    def vocab_size(self) -> int:
+        """The vocabulary size engines report (0 when none does)."""
+        return next((e.status.vocab_size for e in self._engines.values() if e.status.vocab_size), 0)
+
+
+def _now(now: float | None) -> float:
+    return time.monotonic() if now is None else now

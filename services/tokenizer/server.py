@@ -1,5 +1,6 @@
-"""A tokenizer replica: the SGLang-native and OpenAI HTTP APIs and gRPC Generate, in front
-of a MeshClient that routes requests to the engines over NATS."""
+"""A tokenizer replica: the SGLang-native and OpenAI HTTP APIs and the public gRPC port
+(Generate, health, reflection), in front of a MeshClient that routes requests to the
+engines over NATS."""
 
 from __future__ import annotations
 
@@ -16,11 +17,10 @@ from nats.aio.client import Client as NATS
 
 from radixmesh.core.model_files import resolve_model_path, served_name
 from radixmesh.core.tokenizer import Tokenizer
-from radixmesh.proto import generate_pb2_grpc as ggrpc
+from radixmesh.services.tokenizer.client import MeshClient
 from radixmesh.services.tokenizer.config import TokenizerServiceConfig
-from radixmesh.services.tokenizer.grpc_api import GenerateService
+from radixmesh.services.tokenizer.grpc_api import TRACED_RPCS, PublicPort
 from radixmesh.services.tokenizer.http_util import metrics_middleware
-from radixmesh.services.tokenizer.mesh_client import MeshClient
 from radixmesh.services.tokenizer.native_api import NativeApi
 from radixmesh.services.tokenizer.openai_api import add_openai_routes
 from radixmesh.services.tokenizer.router import Router
@@ -28,8 +28,6 @@ from radixmesh.tracing.grpc_server import tracing_interceptors
 from radixmesh.tracing.http_server import tracing_middleware
 
 log = logging.getLogger("radixmesh.tokenizer")
-
-_TRACED_RPCS = {"/radixmesh.v1.Generate/Generate": "radixmesh.v1.Generate/Generate"}
 
 
 def public_args(config: TokenizerServiceConfig) -> dict[str, Any]:
@@ -51,6 +49,7 @@ class TokenizerServer:
         self._nc: NATS | None = None
         self._runner: web.AppRunner | None = None
         self._grpc: grpc.aio.Server | None = None
+        self._public: PublicPort | None = None
 
     async def start(self) -> None:
         """Load the tokenizer, join the mesh, then open the HTTP and gRPC ports."""
@@ -83,9 +82,10 @@ class TokenizerServer:
         self.port = self._runner.addresses[0][1]
 
         if cfg.grpc_port >= 0:
-            self._grpc = grpc.aio.server(interceptors=tracing_interceptors(_TRACED_RPCS))
-            ggrpc.add_GenerateServicer_to_server(GenerateService(client), self._grpc)
+            self._grpc = grpc.aio.server(interceptors=tracing_interceptors(TRACED_RPCS))
+            self._public = PublicPort(self._grpc, client)
             self.grpc_port = self._grpc.add_insecure_port(f"{cfg.host}:{cfg.grpc_port}")
+            await self._public.serving()
             await self._grpc.start()
         log.info(
             "tokenizer %s serving %s: HTTP on %s:%d, gRPC %s",
@@ -94,9 +94,11 @@ class TokenizerServer:
         )
 
     async def stop(self) -> None:
-        """Stop accepting, let in-flight requests finish within the grace period (then
-        abort them), and leave NATS."""
+        """Turn gRPC health NOT_SERVING, stop accepting, let in-flight requests finish
+        within the grace period (then abort them), and leave NATS."""
         grace = self.config.shutdown_grace
+        if self._public is not None:
+            await self._public.stopping()
         closing = []
         if self._grpc is not None:
             closing.append(self._grpc.stop(grace))

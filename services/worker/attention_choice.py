@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from radixmesh.engine_args import ATTENTION_BACKENDS
+from radixmesh.core.settings import ATTENTION_BACKENDS
 from radixmesh.services.worker.attention import AttentionBackend
 from radixmesh.services.worker.torch_attention import TorchAttention
 

@@ -6,7 +6,7 @@ from contextlib import AbstractContextManager, nullcontext
 
 import torch
 
-from radixmesh.engine_args import check_device
+from radixmesh.core.settings import check_device
 
 
 def resolve_device(name: str, rank: int = 0) -> torch.device:

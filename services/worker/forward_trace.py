@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from opentelemetry.trace import get_current_span
 
-from radixmesh.proto import worker_pb2 as wpb
+from radixmesh.core.step import StepBatch, StepResult
 from radixmesh.tracing import attributes as attr
 
 FORWARD_RPC = "/radixmesh.worker.Worker/Forward"
 TRACED_RPCS = {FORWARD_RPC: "forward"}
 
 
-def note_forward(batch: wpb.ForwardBatch, result: wpb.ForwardResult, tp_rank: int) -> None:
+def note_forward(batch: StepBatch, result: StepResult, tp_rank: int) -> None:
     """Describe the step on the current span, when it is recording."""
     span = get_current_span()
     if not span.is_recording():

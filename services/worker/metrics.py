@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from prometheus_client import Gauge, Histogram
 
-from radixmesh.proto import worker_pb2 as wpb
+from radixmesh.core.step import StepBatch
 
 _RANK = ("model_name", "tp_rank")
 _SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
@@ -28,7 +28,7 @@ KV_POOL_TOKENS = Gauge(
 )
 
 
-def batch_tokens(batch: wpb.ForwardBatch) -> int:
+def batch_tokens(batch: StepBatch) -> int:
     """Tokens a step computes: a decode entry carries no ids but computes one."""
     return sum(len(e.input_ids) or 1 for e in batch.entries)
 
@@ -44,7 +44,7 @@ class WorkerMetrics:
         self._labels["model_name"] = model_name
         KV_POOL_TOKENS.labels(**self._labels).set(num_slots)
 
-    def forward(self, batch: wpb.ForwardBatch, forward_ms: float) -> None:
+    def forward(self, batch: StepBatch, forward_ms: float) -> None:
         """One step run; steps that only release requests compute nothing and add no size."""
         FORWARD_SECONDS.labels(**self._labels).observe(forward_ms / 1e3)
         if batch.entries:

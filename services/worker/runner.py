@@ -1,4 +1,4 @@
-"""The model runner: executes one ForwardBatch against the model and the KV pool."""
+"""The model runner: executes one StepBatch against the model and the KV pool."""
 
 from __future__ import annotations
 
@@ -8,16 +8,22 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from radixmesh.proto import worker_pb2 as pb
-from radixmesh.proto.convert import sampling_from_proto
+from radixmesh.core.step import EntryResult, NewRequest, StepBatch, StepResult
 from radixmesh.services.worker.attention import AttentionBackend, AttentionMetadata, SeqSpan
 from radixmesh.services.worker.attention_choice import check_runs_on, make_attention
-from radixmesh.services.worker.device import current
+from radixmesh.services.worker.device import current, resolve_device
 from radixmesh.services.worker.kv_pool import KVPool
-from radixmesh.services.worker.memory import keep_freed_memory
+from radixmesh.services.worker.memory import keep_freed_memory, release_free_memory
 from radixmesh.services.worker.model import CausalLM
 from radixmesh.services.worker.model_config import ModelConfig
-from radixmesh.services.worker.parallel import TensorParallel, local_config
+from radixmesh.services.worker.model_source import load_model
+from radixmesh.services.worker.parallel import (
+    TensorParallel,
+    check_divisible,
+    init_tensor_parallel,
+    local_config,
+    shard_weights,
+)
 from radixmesh.services.worker.sampling import RequestSampler, sample
 from radixmesh.services.worker.torch_attention import TorchAttention
 
@@ -26,13 +32,14 @@ if TYPE_CHECKING:
 
 # Rows of prompt logits turned into logprobs at a time: bounds the float32 [rows, vocab] buffer.
 _LOGPROB_BLOCK = 256
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 @dataclass
 class _Request:
     """What the worker remembers of a request between steps."""
 
-    spec: pb.NewRequest
+    spec: NewRequest
     ids: list[int]  # every token whose KV is in the pool, in order
     slots: torch.Tensor  # grown by doubling; the first len(ids) entries are live
     sampler: RequestSampler | None = None  # made at the first sample, once the prompt is known
@@ -115,23 +122,23 @@ class ModelRunner:
             )
 
     @torch.inference_mode()
-    def forward(self, batch: pb.ForwardBatch) -> pb.ForwardResult:
+    def forward(self, batch: StepBatch) -> StepResult:
         """Run one step: forget released requests, admit new ones, compute, sample."""
         began = time.perf_counter()
         for rid in batch.release:
             self.requests.pop(rid, None)
         for spec in batch.new_requests:
             req = _Request(spec, [], torch.empty(0, dtype=torch.long))
-            req.append(list(spec.prefix_ids), list(spec.prefix_slots))
+            req.append(spec.prefix_ids, spec.prefix_slots)
             self.requests[spec.rid] = req
-        result = pb.ForwardResult(step=batch.step)
+        result = StepResult(batch.step)
         if batch.entries:
             with current(self.device):
                 self._run(batch, result)
         result.forward_ms = (time.perf_counter() - began) * 1e3
         return result
 
-    def _run(self, batch: pb.ForwardBatch, result: pb.ForwardResult) -> None:
+    def _run(self, batch: StepBatch, result: StepResult) -> None:
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -139,9 +146,9 @@ class ModelRunner:
         reqs: list[_Request] = []
         for entry in batch.entries:
             req = self.requests[entry.rid]
-            new_ids = list(entry.input_ids) or [req.last_token]
+            new_ids = entry.input_ids or [req.last_token]
             start = len(req.ids)
-            req.append(new_ids, list(entry.slots))
+            req.append(new_ids, entry.slots)
             spans.append(SeqSpan(len(ids), len(new_ids), req.slots[: len(req.ids)]))
             ids.extend(new_ids)
             positions.extend(range(start, start + len(new_ids)))
@@ -157,22 +164,22 @@ class ModelRunner:
         else:
             self.attention.prepare(meta)
             hidden = self.model.forward(input_ids, input_positions, self.attention, self.pool)
-        outs = [result.results.add(rid=e.rid, token_id=-1) for e in batch.entries]
+        outs = result.results = [EntryResult(e.rid) for e in batch.entries]
         if self.tp is not None and not self.tp.is_leader:
             self._follow(self.tp, batch, reqs, outs)
             return
         for req, span, out in zip(reqs, spans, outs, strict=True):
-            if req.spec.return_logprob and req.spec.logprob_start_len >= 0:
+            if req.spec.logprobs.return_logprob and req.spec.logprobs.logprob_start_len >= 0:
                 self._input_logprobs(req, span, hidden, out)
         self._sample(batch, reqs, spans, hidden, outs)
 
     def _sample(
         self,
-        batch: pb.ForwardBatch,
+        batch: StepBatch,
         reqs: list[_Request],
         spans: list[SeqSpan],
         hidden: torch.Tensor,
-        outs: list[pb.EntryResult],
+        outs: list[EntryResult],
     ) -> None:
         picked = [i for i, e in enumerate(batch.entries) if e.sample]
         if not picked:
@@ -180,10 +187,9 @@ class ModelRunner:
         rows = [spans[i].q_start + spans[i].q_len - 1 for i in picked]
         logits = self.model.logits(hidden[torch.tensor(rows, device=hidden.device)])
         samplers = [self._sampler(reqs[i]) for i in picked]
-        top_n = [
-            reqs[i].spec.top_logprobs_num if reqs[i].spec.return_logprob else 0 for i in picked
-        ]
-        with_logprobs = any(reqs[i].spec.return_logprob for i in picked)
+        wants = [reqs[i].spec.logprobs for i in picked]
+        top_n = [w.top_logprobs_num if w.return_logprob else 0 for w in wants]
+        with_logprobs = any(w.return_logprob for w in wants)
         if logits.device.type != "cpu" and (
             with_logprobs or not all(s.params.is_greedy for s in samplers)
         ):
@@ -200,17 +206,16 @@ class ModelRunner:
             samplers[j].record(token)
             out = outs[i]
             out.token_id = token
-            if reqs[i].spec.return_logprob:
+            if wants[j].return_logprob:
                 out.logprob = sampled.logprobs[j]
-                for tid, lp in sampled.top_logprobs[j]:
-                    out.top_logprobs.items.add(token_id=tid, logprob=lp)
+                out.top_logprobs = sampled.top_logprobs[j]
 
     @staticmethod
     def _follow(
         tp: TensorParallel,
-        batch: pb.ForwardBatch,
+        batch: StepBatch,
         reqs: list[_Request],
-        outs: list[pb.EntryResult],
+        outs: list[EntryResult],
     ) -> None:
         """A rank other than 0 takes rank 0's tokens instead of computing logits, so every
         rank feeds the same tokens next step (sampling state lives on rank 0 only)."""
@@ -226,10 +231,10 @@ class ModelRunner:
         if req.sampler is None:
             spec = req.spec
             req.sampler = RequestSampler(
-                sampling_from_proto(spec.sampling),
+                spec.params,
                 req.ids[: spec.prompt_len],
                 self.config.vocab_size,
-                seed=spec.sampling.seed,
+                seed=spec.seed,
                 eos_token_ids=self.config.eos_token_ids,
             )
             for token in req.ids[spec.prompt_len :]:
@@ -237,26 +242,27 @@ class ModelRunner:
         return req.sampler
 
     def _input_logprobs(
-        self, req: _Request, span: SeqSpan, hidden: torch.Tensor, out: pb.EntryResult
+        self, req: _Request, span: SeqSpan, hidden: torch.Tensor, out: EntryResult
     ) -> None:
         """Logprobs of the prompt tokens this chunk holds, from logprob_start_len on."""
         spec = req.spec
+        start_len = spec.logprobs.logprob_start_len
         first = len(req.ids) - span.q_len  # prompt position of the chunk's first token
         end = len(req.ids)
         carry, req.carry_logprobs = req.carry_logprobs, None
         last_row = hidden[span.q_start + span.q_len - 1 : span.q_start + span.q_len]
-        if spec.logprob_start_len <= end < spec.prompt_len:
+        if start_len <= end < spec.prompt_len:
             req.carry_logprobs = torch.log_softmax(self.model.logits(last_row), dim=-1)[0]
-        lo, hi = max(spec.logprob_start_len, first), min(spec.prompt_len, end)
+        lo, hi = max(start_len, first), min(spec.prompt_len, end)
         if lo >= hi:
             return
         out.input_logprobs_start = lo
-        top_n = spec.top_logprobs_num
+        top_n = spec.logprobs.top_logprobs_num
         if lo == first:
             # Predicted by the previous chunk's last position; nothing predicts position 0.
             if carry is None:
                 out.input_logprobs.append(float("nan"))
-                out.input_top_logprobs.add()
+                out.input_top_logprobs.append([])
             else:
                 _add_logprobs(out, carry.unsqueeze(0), [req.ids[lo]], top_n)
             lo += 1
@@ -268,7 +274,7 @@ class ModelRunner:
 
 
 def _add_logprobs(
-    out: pb.EntryResult, logprobs: torch.Tensor, targets: list[int], top_n: int
+    out: EntryResult, logprobs: torch.Tensor, targets: list[int], top_n: int
 ) -> None:
     """Append each target's logprob (and the top-n alternatives) to the entry result."""
     index = torch.tensor(targets, device=logprobs.device).unsqueeze(1)
@@ -276,10 +282,53 @@ def _add_logprobs(
     out.input_logprobs.extend(picked.tolist())
     if top_n:
         values, indices = logprobs.topk(top_n, dim=-1)
-        for vals, ids in zip(values.tolist(), indices.tolist(), strict=True):
-            top = out.input_top_logprobs.add()
-            for tid, lp in zip(ids, vals, strict=True):
-                top.items.add(token_id=tid, logprob=lp)
+        out.input_top_logprobs.extend(
+            list(zip(ids, vals, strict=True))
+            for vals, ids in zip(values.tolist(), indices.tolist(), strict=True)
+        )
     else:
-        for _ in targets:
-            out.input_top_logprobs.add()
+        out.input_top_logprobs.extend([] for _ in targets)
+
+
+def load_runner(
+    model_path: str | None,
+    dtype: str,
+    num_slots: int,
+    *,
+    device: str = "auto",
+    attention: str = "auto",
+    page_size: int = 1,
+    cuda_graph_max_bs: int = 0,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    dist_init_addr: str | None = None,
+    progress: bool = False,
+) -> ModelRunner:
+    """Load the model onto `device` (auto, cpu, cuda, cuda:N), joining the tensor-parallel
+    group and keeping this rank's shards when tp_size > 1. Call it on the thread that will
+    run every step: CUDA's current device and OpenMP's team are per thread."""
+    where = resolve_device(device, tp_rank)
+    if where.type == "cuda":
+        torch.cuda.set_device(where)
+    loaded = load_model(model_path, progress=progress)
+    tp: TensorParallel | None = None
+    if tp_size > 1:
+        if not dist_init_addr:
+            raise ValueError("tp_size > 1 needs dist_init_addr (e.g. tcp://127.0.0.1:29500)")
+        check_divisible(loaded.config, tp_size)
+        tp = init_tensor_parallel(dist_init_addr, tp_rank, tp_size, where)
+        shard_weights(loaded.config, loaded.weights, tp_rank, tp_size)
+    runner = ModelRunner(
+        loaded.config,
+        loaded.weights,
+        DTYPES[dtype],
+        num_slots,
+        attention=attention,
+        tp=tp,
+        device=where,
+        page_size=page_size,
+        cuda_graph_max_bs=cuda_graph_max_bs,
+    )
+    del loaded
+    release_free_memory()
+    return runner

@@ -18,20 +18,12 @@ from radixmesh.kernels import native
 from radixmesh.mesh.service import StatusServer
 from radixmesh.proto import worker_pb2 as wpb
 from radixmesh.proto import worker_pb2_grpc as wgrpc
+from radixmesh.proto.convert import batch_from_proto, result_to_proto
 from radixmesh.services.worker.config import WorkerConfig
-from radixmesh.services.worker.device import resolve_device
 from radixmesh.services.worker.forward_trace import TRACED_RPCS, note_forward
-from radixmesh.services.worker.memory import release_free_memory
 from radixmesh.services.worker.metrics import WorkerMetrics
-from radixmesh.services.worker.model_source import load_model
-from radixmesh.services.worker.parallel import (
-    TensorParallel,
-    check_divisible,
-    destroy_tensor_parallel,
-    init_tensor_parallel,
-    shard_weights,
-)
-from radixmesh.services.worker.runner import ModelRunner
+from radixmesh.services.worker.parallel import destroy_tensor_parallel
+from radixmesh.services.worker.runner import ModelRunner, load_runner
 from radixmesh.tracing.grpc_server import tracing_interceptors
 
 log = logging.getLogger("radixmesh.worker")
@@ -42,7 +34,6 @@ STOP_GRACE_S = 2.0
 # How long a stop waits for the torch thread (a step or a model load) to finish.
 SETTLE_TIMEOUT_S = 15.0
 ORDER_WAIT_S = 1.0
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def _set_threads(num_threads: int) -> None:
@@ -115,38 +106,26 @@ class WorkerService(wgrpc.WorkerServicer):
     def _load(self) -> ModelRunner:
         """Load (and, with tp_size > 1, join the group and shard) on the torch thread."""
         c = self.config
-        device = resolve_device(c.device, c.tp_rank)
-        if device.type == "cuda":
-            # This thread runs every step; NCCL and the kernels use its current device.
-            torch.cuda.set_device(device)
-        loaded = load_model(c.model_path, progress=False)
-        tp: TensorParallel | None = None
-        if c.tp_size > 1:
-            check_divisible(loaded.config, c.tp_size)
-            assert c.dist_init_addr is not None  # WorkerConfig checks it
-            tp = init_tensor_parallel(c.dist_init_addr, c.tp_rank, c.tp_size, device)
-            shard_weights(loaded.config, loaded.weights, c.tp_rank, c.tp_size)
-        runner = ModelRunner(
-            loaded.config,
-            loaded.weights,
-            _DTYPES[c.dtype],
+        runner = load_runner(
+            c.model_path,
+            c.dtype,
             c.num_slots,
+            device=c.device,
             attention=c.attention_backend,
-            tp=tp,
-            device=device,
             page_size=c.page_size,
             cuda_graph_max_bs=c.cuda_graph_max_bs,
+            tp_rank=c.tp_rank,
+            tp_size=c.tp_size,
+            dist_init_addr=c.dist_init_addr,
         )
-        del loaded
-        release_free_memory()
         log.info(
             "rank %d on %s: %s attention, CUDA graphs for decode batches up to %d, "
             "native CPU kernels %s",
             c.tp_rank,
-            device,
+            runner.device,
             type(runner.attention).__name__,
             runner.graphs.buckets[-1] if runner.graphs is not None else 0,
-            "on" if device.type == "cpu" and native.library() is not None else "off",
+            "on" if runner.device.type == "cpu" and native.library() is not None else "off",
         )
         return runner
 
@@ -191,7 +170,8 @@ class WorkerService(wgrpc.WorkerServicer):
                     self._order.wait_for(lambda: request.step <= self._submitted_step + 1),
                     ORDER_WAIT_S,
                 )
-            pending = loop.run_in_executor(self._torch, runner.forward, request)
+            batch = batch_from_proto(request)
+            pending = loop.run_in_executor(self._torch, runner.forward, batch)
             self._submitted_step = request.step
             self._order.notify_all()
         try:
@@ -199,9 +179,9 @@ class WorkerService(wgrpc.WorkerServicer):
         except Exception as exc:
             log.exception("step %d failed", request.step)
             await context.abort(grpc.StatusCode.INTERNAL, f"forward failed: {exc!r}")
-        self.metrics.forward(request, result.forward_ms)
-        note_forward(request, result, self.config.tp_rank)
-        return result
+        self.metrics.forward(batch, result.forward_ms)
+        note_forward(batch, result, self.config.tp_rank)
+        return result_to_proto(result)
 
     async def GetInfo(
         self, request: wpb.WorkerInfoRequest, context: grpc.aio.ServicerContext

@@ -1,22 +1,23 @@
-"""OpenAI response bodies and stream chunks, shaped from the mesh's GenerationChunks."""
+"""OpenAI response bodies and stream chunks, shaped from the mesh's GenerationChunks: each
+choice as its chunks arrive, the usage they add up to, and logprobs in OpenAI's two shapes
+(the legacy completion one and the chat one)."""
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from radixmesh.core.meta_info import TokenLogprob
 from radixmesh.core.tokenizer import Tokenizer
-from radixmesh.services.tokenizer.generation import GenerationChunk, TokenLogprob
-from radixmesh.services.tokenizer.openai_choice import Choice, usage
-from radixmesh.services.tokenizer.openai_logprobs import (
-    chat_logprobs,
-    completion_logprobs,
-    join_completion_logprobs,
-)
+from radixmesh.services.tokenizer.client import GenerationChunk, GenerationError
 from radixmesh.services.tokenizer.openai_protocol import OpenAIRequest
 
 Json = dict[str, Any]
+# OpenAI's stand-in for a logprob JSON cannot carry (-inf).
+_FLOOR = -9999.0
 
 
 class ResponseBuilder(ABC):
@@ -130,7 +131,7 @@ class CompletionResponse(ResponseBuilder):
                 prompt = completion_logprobs(
                     self.tokenizer, choice.prompt_logprobs, choice.prompt_top_logprobs, 0
                 )
-                logprobs = join_completion_logprobs(prompt, logprobs)
+                logprobs = _join_completion_logprobs(prompt, logprobs)
         return {
             "index": index,
             "text": self._echo(index) + choice.text,
@@ -192,3 +193,138 @@ class ChatResponse(ResponseBuilder):
 
     def _finish(self, index: int, reason: str) -> Json:
         return {"index": index, "delta": {}, "logprobs": None, "finish_reason": reason}
+
+
+# ---- one choice as its chunks arrive, and the usage they add up to ---------------------------
+
+
+def finish_reason(finish: dict[str, Any] | None) -> str | None:
+    """OpenAI's finish_reason; a request the mesh aborted is an error, not a finish."""
+    if finish is None:
+        return None
+    kind = finish.get("type")
+    if kind in ("stop", "length"):
+        return kind
+    raise GenerationError(str(finish.get("message") or "the request was aborted"), 503)
+
+
+@dataclass
+class Choice:
+    """What one choice has produced so far."""
+
+    text: str = ""
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    offset: int = 0  # text offset of the next token, for completion logprobs
+    token_logprobs: list[TokenLogprob] = field(default_factory=list)
+    top_logprobs: list[list[TokenLogprob]] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_top_logprobs: list[list[TokenLogprob] | None] = field(default_factory=list)
+
+    def add(self, chunk: GenerationChunk, keep: bool) -> None:
+        """Take the next chunk of this choice; `keep` its text and logprobs for the end."""
+        self.finish_reason = finish_reason(chunk.finish)
+        self.prompt_tokens = chunk.prompt_tokens
+        self.completion_tokens = chunk.completion_tokens
+        self.cached_tokens = chunk.cached_tokens
+        if not keep:
+            return
+        self.text += chunk.text
+        self.token_logprobs += chunk.output_token_logprobs
+        self.top_logprobs += chunk.output_top_logprobs
+        if chunk.input_token_logprobs:
+            # The mesh sends the prompt's logprobs whole, on the last chunk.
+            self.prompt_logprobs = list(chunk.input_token_logprobs)
+            self.prompt_top_logprobs = list(chunk.input_top_logprobs)
+
+
+def usage(choices: Sequence[Choice], n: int) -> dict[str, Any]:
+    """Token counts of a whole answer whose choices are `n` per prompt, prompt-major."""
+    # A prompt counts once however many samples it has, with the best cache hit among them:
+    # cached tokens then never exceed prompt tokens.
+    groups = [choices[start : start + n] for start in range(0, len(choices), n)]
+    prompt_tokens = sum(group[0].prompt_tokens for group in groups)
+    completion_tokens = sum(choice.completion_tokens for choice in choices)
+    cached_tokens = sum(max(choice.cached_tokens for choice in group) for group in groups)
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+# ---- logprobs --------------------------------------------------------------------------------
+
+
+def _finite(logprob: float | None) -> float:
+    return logprob if logprob is not None and math.isfinite(logprob) else _FLOOR
+
+
+def _token_text(tokenizer: Tokenizer, entry: TokenLogprob) -> str:
+    """The text of a logprob entry's token, special tokens included."""
+    _, token_id, text = entry
+    return text if text is not None else tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def completion_logprobs(
+    tokenizer: Tokenizer,
+    tokens: Sequence[TokenLogprob],
+    tops: Sequence[Sequence[TokenLogprob] | None],
+    offset: int,
+) -> dict[str, list[Any]]:
+    """The completion shape, with text offsets counted from `offset`."""
+    out: dict[str, list[Any]] = {
+        "tokens": [],
+        "token_logprobs": [],
+        "top_logprobs": [],
+        "text_offset": [],
+    }
+    for k, entry in enumerate(tokens):
+        text = _token_text(tokenizer, entry)
+        # A prompt's first token has no logprob, nor alternatives.
+        logprob = None if entry[0] is None else _finite(entry[0])
+        top: dict[str, float] | None = None
+        if logprob is not None:
+            alternatives = (tops[k] if k < len(tops) else None) or ()
+            top = {_token_text(tokenizer, alt): _finite(alt[0]) for alt in alternatives}
+            # OpenAI always lists the sampled token among the alternatives.
+            top.setdefault(text, logprob)
+        out["tokens"].append(text)
+        out["token_logprobs"].append(logprob)
+        out["top_logprobs"].append(top)
+        out["text_offset"].append(offset)
+        offset += len(text)
+    return out
+
+
+def _join_completion_logprobs(
+    first: dict[str, list[Any]], second: dict[str, list[Any]]
+) -> dict[str, list[Any]]:
+    """Two completion-shape logprobs one after the other (an echoed prompt, then the output)."""
+    return {key: first[key] + second[key] for key in first}
+
+
+def chat_logprobs(
+    tokenizer: Tokenizer,
+    tokens: Sequence[TokenLogprob],
+    tops: Sequence[Sequence[TokenLogprob]],
+) -> list[dict[str, Any]]:
+    """The chat shape: one entry per token with its bytes and its top alternatives."""
+    content = []
+    for k, entry in enumerate(tokens):
+        alternatives = tops[k] if k < len(tops) else ()
+        content.append(
+            {
+                **_chat_token(tokenizer, entry),
+                "top_logprobs": [_chat_token(tokenizer, alt) for alt in alternatives],
+            }
+        )
+    return content
+
+
+def _chat_token(tokenizer: Tokenizer, entry: TokenLogprob) -> dict[str, Any]:
+    text = _token_text(tokenizer, entry)
+    return {"token": text, "logprob": _finite(entry[0]), "bytes": list(text.encode("utf-8"))}

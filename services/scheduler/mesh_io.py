@@ -1,14 +1,38 @@
-"""Turns a request's progress into TokenUpdates for the detokenizers: what is new since
-the last update, plus the few tokens of context any detokenizer replica needs."""
+"""The scheduler's NATS messages, converted here and nowhere else: an EngineRequest
+becomes a Req, an AbortRequest's reason a FinishReason, and a request's progress becomes
+TokenUpdates for the detokenizers (what is new since the last update, plus the few tokens
+of context any detokenizer replica needs)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from radixmesh.core.request import FinishReason
+from radixmesh.core.request import FinishKind, FinishReason, LogprobRequest
+from radixmesh.core.step import TopLogprobs
 from radixmesh.proto import mesh_pb2 as mpb
 from radixmesh.proto import worker_pb2 as wpb
+from radixmesh.proto.convert import sampling_from_proto
 from radixmesh.services.scheduler.request import Req
+
+
+def request_from_proto(msg: mpb.EngineRequest) -> Req:
+    """The scheduler's request; ValueError when its sampling parameters are invalid."""
+    return Req(
+        rid=msg.rid,
+        input_ids=list(msg.input_ids),
+        params=sampling_from_proto(msg.sampling, msg.max_new_tokens),
+        seed=msg.sampling.seed,
+        namespace=msg.cache_salt or None,
+        priority=msg.priority,
+        logprobs=LogprobRequest(msg.return_logprob, msg.top_logprobs_num, msg.logprob_start_len),
+    )
+
+
+def abort_reason(msg: mpb.AbortRequest) -> FinishReason | None:
+    """A stop string the detokenizer matched; None for a client that went away."""
+    if msg.HasField("finish") and msg.finish.kind == FinishKind.STOP:
+        return FinishReason(FinishKind.STOP, msg.finish.text or None)
+    return None
 
 
 def finish_to_proto(reason: FinishReason) -> mpb.Finish:
@@ -21,7 +45,7 @@ def finish_to_proto(reason: FinishReason) -> mpb.Finish:
     return out
 
 
-def _top(items: list[tuple[int, float]]) -> wpb.TopLogprobs:
+def _top(items: TopLogprobs) -> wpb.TopLogprobs:
     return wpb.TopLogprobs(items=[wpb.TokenLogprob(token_id=t, logprob=lp) for t, lp in items])
 
 
@@ -38,18 +62,20 @@ class _Route:
 
 
 class UpdateBuilder:
-    """Per-request delivery state; the scheduler's requests stay free of transport."""
+    """Per-request delivery state, keyed by the request object (a refused duplicate id
+    never takes another request's route); the scheduler's requests stay free of transport."""
 
     def __init__(self, engine_id: str) -> None:
         self.engine_id = engine_id
-        self._routes: dict[str, _Route] = {}
+        self._routes: dict[Req, _Route] = {}
 
-    def register(self, rid: str, reply_to: str, detok: mpb.DetokSpec, context: int) -> None:
-        self._routes[rid] = _Route(reply_to, detok, max(context, 1))
+    def register(self, req: Req, msg: mpb.EngineRequest) -> None:
+        """Where `req`'s updates go, from the message it came in."""
+        self._routes[req] = _Route(msg.reply_to, msg.detok, max(msg.detok_context, 1))
 
-    def build(self, req: Req) -> mpb.TokenUpdate | None:
+    def build(self, req: Req, traceparent: str = "") -> mpb.TokenUpdate | None:
         """What is new for `req` since its last update; forgets it once finished."""
-        route = self._routes.get(req.rid)
+        route = self._routes.get(req)
         if route is None:
             return None
         offset, end = route.sent_outputs, len(req.output_ids)
@@ -64,6 +90,7 @@ class UpdateBuilder:
             prompt_tokens=len(req.input_ids),
             cached_tokens=req.cached_tokens,
             engine_id=self.engine_id,
+            traceparent=traceparent,
         )
         if req.logprobs.return_logprob:
             start = route.sent_input_logprobs
@@ -79,22 +106,29 @@ class UpdateBuilder:
             route.sent_input_logprobs = len(req.input_logprobs)
         if req.finish is not None:
             update.finish.CopyFrom(finish_to_proto(req.finish))
-            del self._routes[req.rid]
+            del self._routes[req]
         route.seq += 1
         route.sent_outputs = end
         return update
 
-    def refusal(self, rid: str, message: str) -> mpb.TokenUpdate | None:
+    def refusal(self, req: Req, message: str, traceparent: str = "") -> mpb.TokenUpdate | None:
         """The one update of a request the scheduler could not take."""
-        route = self._routes.pop(rid, None)
+        route = self._routes.pop(req, None)
         if route is None:
             return None
+        return self.rejection(req.rid, route.reply_to, route.detok, message, traceparent)
+
+    def rejection(
+        self, rid: str, reply_to: str, detok: mpb.DetokSpec, message: str, traceparent: str = ""
+    ) -> mpb.TokenUpdate:
+        """The one update of a request refused before it became a Req."""
         return mpb.TokenUpdate(
             rid=rid,
-            reply_to=route.reply_to,
-            detok=route.detok,
-            finish=mpb.Finish(kind="abort", message=message),
+            reply_to=reply_to,
+            detok=detok,
+            finish=mpb.Finish(kind=FinishKind.ABORT.value, message=message),
             engine_id=self.engine_id,
+            traceparent=traceparent,
         )
 
 

@@ -1,0 +1,67 @@
+"""SGLang's meta_info: the dict that comes with a request's text and output ids.
+
+The in-process engine and the tokenizer's native HTTP API both answer with it; building it
+in one place keeps their keys, order and logprob shapes from drifting apart."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+# A token's logprob as SGLang reports it: (logprob or None, token id, token text or None).
+TokenLogprob = tuple[float | None, int, str | None]
+# A token's text, for clients that asked to see it beside each logprob.
+TokenText = Callable[[int], str]
+
+
+@dataclass(frozen=True)
+class LogprobLists:
+    """The logprobs of a request that asked for them; the top lists stay None unless it
+    asked for alternatives too (an input position without any is None)."""
+
+    input_token: Sequence[TokenLogprob]
+    output_token: Sequence[TokenLogprob]
+    input_top: Sequence[Sequence[TokenLogprob] | None] | None = None
+    output_top: Sequence[Sequence[TokenLogprob]] | None = None
+
+
+def meta_info(
+    rid: str,
+    finish_reason: dict[str, object] | None,
+    prompt_tokens: int,
+    completion_tokens: int,
+    cached_tokens: int,
+    e2e_latency: float | None = None,
+    logprobs: LogprobLists | None = None,
+    token_text: TokenText | None = None,
+) -> dict[str, Any]:
+    """meta_info in SGLang's key order; `token_text` fills in each logprob's token text.
+
+    Every list is a fresh copy, so a caller may keep appending to what it passed in."""
+    meta: dict[str, Any] = {
+        "id": rid,
+        "finish_reason": finish_reason,
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "cached_tokens": cached_tokens,
+    }
+    if e2e_latency is not None:
+        meta["e2e_latency"] = e2e_latency
+    if logprobs is None:
+        return meta
+    meta["input_token_logprobs"] = _named(logprobs.input_token, token_text)
+    meta["output_token_logprobs"] = _named(logprobs.output_token, token_text)
+    if logprobs.input_top is not None:
+        meta["input_top_logprobs"] = [
+            None if top is None else _named(top, token_text) for top in logprobs.input_top
+        ]
+    if logprobs.output_top is not None:
+        meta["output_top_logprobs"] = [_named(top, token_text) for top in logprobs.output_top]
+    return meta
+
+
+def _named(entries: Sequence[TokenLogprob], token_text: TokenText | None) -> list[TokenLogprob]:
+    if token_text is None:
+        return list(entries)
+    return [(lp, tid, token_text(tid)) for lp, tid, _ in entries]

@@ -1,0 +1,77 @@
+"""One model step as the scheduler hands it to the model runner, and what comes back.
+
+The scheduler sends only what changed since the last step: requests the runner has not
+seen, the new tokens of each request in the step with their KV slots, and the requests to
+forget. In-process these objects pass by direct call; in the mesh they travel as
+worker.proto's ForwardBatch / ForwardResult, converted once at each end."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from radixmesh.core.request import LogprobRequest
+from radixmesh.core.sampling_params import SamplingParams
+
+# A token's top alternatives: (token id, logprob), most likely first.
+TopLogprobs = list[tuple[int, float]]
+
+
+@dataclass(slots=True)
+class NewRequest:
+    """A request the runner has not seen yet, or sees again after it was retracted."""
+
+    rid: str
+    # Tokens whose KV is already in the pool (a cached prefix) and their slots.
+    prefix_ids: list[int]
+    prefix_slots: list[int]
+    # How many of the request's tokens are prompt; the rest are its earlier output.
+    prompt_len: int
+    params: SamplingParams
+    seed: int
+    logprobs: LogprobRequest = field(default_factory=LogprobRequest)
+
+
+@dataclass(slots=True)
+class StepEntry:
+    """One request's part of a step."""
+
+    rid: str
+    # Tokens whose KV this step computes. Empty for a decode: the runner feeds the token
+    # it sampled last for this request (so the scheduler can run a step ahead).
+    input_ids: list[int]
+    slots: list[int]  # one KV slot per new token (one for a decode)
+    sample: bool  # sample the next token after this entry (false for a non-final chunk)
+
+
+@dataclass(slots=True)
+class StepBatch:
+    """Everything the runner needs for one step; steps count 1, 2, 3..."""
+
+    step: int
+    new_requests: list[NewRequest] = field(default_factory=list)
+    entries: list[StepEntry] = field(default_factory=list)
+    release: list[str] = field(default_factory=list)  # forget these before the step
+
+
+@dataclass(slots=True)
+class EntryResult:
+    """What one entry produced: a sampled token and, when asked, logprobs."""
+
+    rid: str
+    token_id: int = -1  # -1: the entry did not sample
+    logprob: float = 0.0
+    top_logprobs: TopLogprobs = field(default_factory=list)
+    # Logprobs of the prompt tokens this entry computed, from prompt position
+    # input_logprobs_start on (NaN for position 0, which nothing predicts).
+    input_logprobs_start: int = 0
+    input_logprobs: list[float] = field(default_factory=list)
+    input_top_logprobs: list[TopLogprobs] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class StepResult:
+    """One EntryResult per entry of the step, in the same order."""
+
+    step: int
+    results: list[EntryResult] = field(default_factory=list)
+    forward_ms: float = 0.0

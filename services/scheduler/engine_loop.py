@@ -1,0 +1,170 @@
+"""The engine loop, the one place a replica's steps are driven: take what arrived, schedule
+a step, run it on the model runner, fold the result back, publish what changed.
+
+It serves both the in-process Engine and the scheduler service; only the executor (a
+direct call on the torch thread, or gRPC to every worker rank) and the sink (in-process
+streams, or NATS) differ. With overlap on, step N+1 is scheduled and submitted while
+step N runs, and N's result is processed after; off, each step completes before the next
+is scheduled (simpler to debug, slower)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from concurrent.futures import Future
+from typing import Any, Protocol
+
+from radixmesh.core.request import FinishReason
+from radixmesh.core.step import StepResult
+from radixmesh.services.scheduler.request import Req
+from radixmesh.services.scheduler.scheduler import ScheduledBatch, Scheduler
+
+
+class Executor(Protocol):
+    """Runs steps on the model runner(s), one after another in the order submitted."""
+
+    def submit(self, batch: ScheduledBatch) -> Awaitable[StepResult]:
+        """Start the step now (behind any step still running); await its result."""
+        ...
+
+
+class Sink(Protocol):
+    """Where requests' progress goes."""
+
+    def refuse(self, req: Req, error: Exception) -> None:
+        """A request that will never run (refused, or the loop stopped first); report it
+        with the next publish."""
+
+    async def publish(self, updated: list[Req]) -> None:
+        """Requests that gained tokens or finished, and every refusal since the last call."""
+
+
+# Called with each scheduled batch and when schedule() started and ended (time.time_ns).
+ScheduleHook = Callable[[ScheduledBatch, int, int], None]
+
+
+class EngineLoop:
+    """`run()` drives it on an event loop; add, abort, flush and info may be called from
+    any thread and take effect between steps, in the order they were called."""
+
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        executor: Executor,
+        sink: Sink,
+        overlap: bool = True,
+        on_schedule: ScheduleHook | None = None,
+    ) -> None:
+        self.scheduler = scheduler
+        self.executor = executor
+        self.sink = sink
+        self.overlap = overlap
+        self._on_schedule = on_schedule
+        self._inbox: deque[tuple[str, Any]] = deque()
+        self._wake = asyncio.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopping = False
+
+    # ---- what arrives ---------------------------------------------------------------
+
+    def add(self, req: Req) -> None:
+        """Queue a request; a refusal goes to the sink."""
+        self._post("add", req)
+
+    def abort(self, rid: str, reason: FinishReason | None = None) -> None:
+        """Finish a request wherever it is; its slots return to the pool."""
+        self._post("abort", (rid, reason))
+
+    def flush(self) -> Future[bool]:
+        """Drop every cached prefix; False while requests hold any."""
+        return self._call("flush")
+
+    def info(self) -> Future[dict[str, int]]:
+        """Pool, cache and queue occupancy, read between steps."""
+        return self._call("info")
+
+    def wake(self) -> None:
+        """Run an iteration soon, e.g. to publish a refusal the sink holds."""
+        self._post("wake", None)
+
+    def stop(self) -> None:
+        """Finish the step in flight, then return from `run()`."""
+        self._stopping = True
+        self._post("wake", None)
+
+    def fail_pending(self, error: Exception) -> None:
+        """After `run()` has returned: refuse what is still queued, fail pending calls."""
+        while self._inbox:
+            kind, payload = self._inbox.popleft()
+            if kind == "add":
+                self.sink.refuse(payload, error)
+            elif kind in ("flush", "info"):
+                payload.set_exception(error)
+
+    def _call(self, kind: str) -> Future[Any]:
+        done: Future[Any] = Future()
+        self._post(kind, done)
+        return done
+
+    def _post(self, kind: str, payload: Any) -> None:
+        self._inbox.append((kind, payload))
+        loop = self._loop
+        if loop is None:
+            return  # run() has not started: it drains the inbox first
+        try:
+            here = asyncio.get_running_loop()
+        except RuntimeError:
+            here = None
+        if here is loop:
+            self._wake.set()
+        elif not loop.is_closed():
+            loop.call_soon_threadsafe(self._wake.set)
+
+    def _drain_inbox(self) -> None:
+        sched = self.scheduler
+        while self._inbox:
+            kind, payload = self._inbox.popleft()
+            if kind == "add":
+                try:
+                    sched.add_request(payload)
+                except ValueError as exc:
+                    self.sink.refuse(payload, exc)
+            elif kind == "abort":
+                sched.abort(*payload)
+            elif kind == "flush":
+                payload.set_result(sched.flush_cache())
+            elif kind == "info":
+                payload.set_result(sched.stats())
+
+    # ---- the loop -------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Drive steps until `stop()`; the step in flight completes first."""
+        self._loop = asyncio.get_running_loop()
+        sched = self.scheduler
+        in_flight: tuple[ScheduledBatch, Awaitable[StepResult]] | None = None
+        while not self._stopping or in_flight is not None:
+            if in_flight is None and not sched.has_work() and not self._inbox:
+                self._wake.clear()
+                await self._wake.wait()
+            self._drain_inbox()
+            batch = self._schedule() if not self._stopping else None
+            if self.overlap:
+                submitted = None if batch is None else (batch, self.executor.submit(batch))
+                if in_flight is not None:
+                    sched.process_result(in_flight[0], await in_flight[1])
+                in_flight = submitted
+            elif batch is not None:
+                sched.process_result(batch, await self.executor.submit(batch))
+            await self.sink.publish(sched.drain_updates())
+
+    def _schedule(self) -> ScheduledBatch | None:
+        if self._on_schedule is None:
+            return self.scheduler.schedule()
+        started = time.time_ns()
+        batch = self.scheduler.schedule()
+        if batch is not None:
+            self._on_schedule(batch, started, time.time_ns())
+        return batch

@@ -1,0 +1,676 @@
+"""The generation client: what the tokenizer's front doors (HTTP, gRPC) ask of the mesh, and
+the NATS client that does it.
+
+A front door checks and tokenizes a prompt into a GenerationRequest (`build_request`), then
+iterates `MeshClient.generate`: the request is routed to an engine, sent as an EngineRequest,
+and the TextChunks that come back on this replica's own subject are put in order and turned
+into GenerationChunks. Each step is traced as spans of the request."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import math
+import random
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
+
+from google.protobuf.json_format import MessageToDict
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from nats.errors import Error as NatsError
+from opentelemetry.trace import Span, SpanKind, get_current_span
+
+from radixmesh.core.detokenize import detok_context_size
+from radixmesh.core.meta_info import TokenLogprob
+from radixmesh.core.request import FinishKind, FinishReason, LogprobRequest
+from radixmesh.core.sampling_params import SamplingParams
+from radixmesh.core.tokenizer import Tokenizer
+from radixmesh.mesh import subjects
+from radixmesh.proto import mesh_pb2 as mpb
+from radixmesh.proto import worker_pb2 as wpb
+from radixmesh.proto.convert import sampling_to_proto
+from radixmesh.services.tokenizer import metrics
+from radixmesh.services.tokenizer.router import EngineRegistry, Route, Router
+from radixmesh.tracing import attributes as attr
+from radixmesh.tracing.propagation import headers
+from radixmesh.tracing.spans import current_span, end_span, start_span
+
+log = logging.getLogger("radixmesh.tokenizer.mesh")
+
+# Alternatives per position a client may ask for; each costs a sort over the vocabulary.
+_MAX_TOP_LOGPROBS = 1024
+_PROMPT_TAIL = 4  # prompt tokens the detokenizer gets as left context for the first output
+_KINDS = frozenset(kind.value for kind in FinishKind)
+
+
+# ---- what the front doors send and get back --------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One prompt, tokenized and validated, ready to route to an engine."""
+
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams
+    logprobs: LogprobRequest = field(default_factory=LogprobRequest)
+    cache_salt: str | None = None
+    priority: int = 0
+
+
+@dataclass
+class GenerationChunk:
+    """What one request produced since its previous chunk; the last one has `finish`."""
+
+    rid: str
+    text: str  # new text, stop strings applied
+    output_ids: list[int]  # new output token ids
+    prompt_tokens: int
+    completion_tokens: int  # output tokens so far, counting these
+    cached_tokens: int
+    # SGLang's finish_reason object ({"type": "stop", "matched": ...}), None while running.
+    finish: dict[str, Any] | None = None
+    # Logprobs of `output_ids` and their alternatives (when the request asked).
+    output_token_logprobs: list[TokenLogprob] = field(default_factory=list)
+    output_top_logprobs: list[list[TokenLogprob]] = field(default_factory=list)
+    # Prompt logprobs from logprob_start_len on, complete on the last chunk only.
+    input_token_logprobs: list[TokenLogprob] = field(default_factory=list)
+    input_top_logprobs: list[list[TokenLogprob] | None] = field(default_factory=list)
+
+
+class GenerationError(Exception):
+    """A request the mesh could not serve; `status` is the HTTP status to answer with."""
+
+    def __init__(self, message: str, status: int = 503) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class GenerationClient(Protocol):
+    """The mesh as the front doors see it (MeshClient, or a fake in tests)."""
+
+    tokenizer: Tokenizer
+    model_name: str  # what /v1/models lists and the `model` field must name
+
+    @property
+    def context_length(self) -> int:
+        """Longest prompt + output an engine accepts (0 until an engine is known)."""
+
+    @property
+    def vocab_size(self) -> int:
+        """Vocabulary size of the served model."""
+
+    def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+        """Run a request; closing the iterator (or cancelling its task) early aborts it
+        and its KV slots return to the pool. Raises GenerationError when no engine can
+        take it."""
+
+
+# ---- checks every front door applies ---------------------------------------------------------
+# Each raises ValueError with a message that names the offending field.
+
+
+def is_int(value: object) -> bool:
+    """True for JSON integers (bool is an int subclass in Python, not in JSON)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_length(prompt_tokens: int, max_new_tokens: int, context_length: int) -> None:
+    """Raise ValueError when a prompt, or prompt plus the requested output, cannot fit."""
+    if prompt_tokens >= context_length:
+        raise ValueError(
+            f"the prompt has {prompt_tokens} tokens; the model's context length is "
+            f"{context_length}"
+        )
+    if prompt_tokens + max_new_tokens > context_length:
+        raise ValueError(
+            f"prompt ({prompt_tokens} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
+            f"the model's context length of {context_length}"
+        )
+
+
+def _check_input_ids(input_ids: list[int], vocab_size: int, field: str = "input_ids") -> None:
+    """A non-empty list of token ids inside the vocabulary."""
+    if not input_ids:
+        raise ValueError(f"{field}: the prompt is empty")
+    for token_id in input_ids:
+        if not is_int(token_id):
+            raise ValueError(f"{field} must hold integers, got {token_id!r}")
+        if not 0 <= token_id < vocab_size:
+            raise ValueError(f"{field} entries must be in [0, {vocab_size}), got {token_id}")
+
+
+def _sampling_params(
+    raw: dict[str, Any], prompt_tokens: int, context_length: int, vocab_size: int
+) -> SamplingParams:
+    """SamplingParams from a client's dict; a missing max_new_tokens shrinks to what fits."""
+    params = SamplingParams.from_dict(raw)
+    if "max_new_tokens" not in raw and context_length:
+        room = max(context_length - prompt_tokens, 0)
+        params = replace(params, max_new_tokens=min(SamplingParams.max_new_tokens, room),
+                         min_new_tokens=min(params.min_new_tokens, room))
+    # What needs the model: stop token ids in the vocabulary, top_k, the length limit.
+    params.validate(vocab_size)
+    if params.top_k > vocab_size:
+        raise ValueError(f"top_k must be <= the vocabulary size {vocab_size}, got {params.top_k}")
+    if params.seed is not None and not 0 <= params.seed < 2**64:
+        raise ValueError(f"seed must be in [0, 2**64), got {params.seed}")
+    if context_length:
+        check_length(prompt_tokens, params.max_new_tokens, context_length)
+    return params
+
+
+def _logprob_request(
+    return_logprob: bool, logprob_start_len: int, top_logprobs_num: int, prompt_tokens: int
+) -> LogprobRequest:
+    """Which logprobs to send back; a start past the prompt's end is refused."""
+    if not 0 <= top_logprobs_num <= _MAX_TOP_LOGPROBS:
+        raise ValueError(
+            f"top_logprobs_num must be in [0, {_MAX_TOP_LOGPROBS}], got {top_logprobs_num}"
+        )
+    if logprob_start_len < -1:
+        raise ValueError(f"logprob_start_len must be >= -1, got {logprob_start_len}")
+    if logprob_start_len >= prompt_tokens:
+        raise ValueError(
+            f"logprob_start_len ({logprob_start_len}) must be less than the prompt length "
+            f"({prompt_tokens})"
+        )
+    if not return_logprob:
+        return LogprobRequest()
+    return LogprobRequest(True, top_logprobs_num, logprob_start_len)
+
+
+def build_request(
+    client: GenerationClient,
+    rid: str,
+    input_ids: list[int],
+    sampling: dict[str, Any],
+    logprobs: tuple[bool, int, int] = (False, -1, 0),
+    cache_salt: str | None = None,
+    priority: int = 0,
+    field: str = "input_ids",
+) -> GenerationRequest:
+    """A checked request from a prompt's ids, its sampling dict and (return_logprob,
+    logprob_start_len, top_logprobs_num); `field` names where the prompt came from."""
+    vocab, context = client.vocab_size, client.context_length
+    _check_input_ids(input_ids, vocab, field)
+    params = _sampling_params(sampling, len(input_ids), context, vocab)
+    return_logprob, start, top = logprobs
+    wanted = _logprob_request(return_logprob, start, top, len(input_ids))
+    return GenerationRequest(rid, input_ids, params, wanted, cache_salt, priority)
+
+
+# ---- tracing: tokenize (in the front doors), then generate with route, stream out, abort -----
+
+
+def encode_traced(tokenizer: Tokenizer, text: str, rid: str) -> list[int]:
+    """Token ids of a prompt, inside a "tokenize" span."""
+    with current_span("tokenize", attributes={attr.RID: rid}) as span:
+        ids = tokenizer.encode(text)
+        if span is not None:
+            span.set_attribute(attr.PROMPT_TOKENS, len(ids))
+        return ids
+
+
+@contextlib.contextmanager
+def tokenize_span() -> Iterator[Callable[[Sequence[GenerationRequest]], None]]:
+    """A "tokenize" span around parsing that yields the requests; call what it yields with
+    them to name them on the span."""
+    with current_span("tokenize") as span:
+
+        def tokenized(requests: Sequence[GenerationRequest]) -> None:
+            if span is not None:
+                span.set_attributes(attr.rid_attributes(r.rid for r in requests))
+                span.set_attribute(attr.PROMPT_TOKENS, [len(r.input_ids) for r in requests])
+
+        yield tokenized
+
+
+class RequestTrace:
+    """The spans of one request's life in the mesh; every method does nothing while tracing
+    is off."""
+
+    __slots__ = ("rid", "_span", "_stream", "_chunks", "_last")
+
+    def __init__(self, request: GenerationRequest) -> None:
+        self.rid = request.rid
+        self._stream: Span | None = None
+        self._chunks = 0
+        self._last: GenerationChunk | None = None
+        self._span = start_span("generate", attributes={
+            attr.RID: request.rid,
+            attr.PROMPT_TOKENS: len(request.input_ids),
+            attr.MAX_NEW_TOKENS: request.params.max_new_tokens,
+        }, kind=SpanKind.PRODUCER)
+        if self._span is not None:
+            attr.tag_rid(get_current_span(), request.rid)  # the HTTP or gRPC call's span
+
+    def route(self, router: Router, request: GenerationRequest) -> Route:
+        """Pick the request's engine inside a "route" span; LookupError when none is up."""
+        if self._span is None:
+            return router.route(request.input_ids, request.cache_salt or "")
+        span = start_span("route", self._span, {
+            attr.RID: self.rid, attr.ROUTE_ENGINES: len(router.engine_ids)})
+        try:
+            route = router.route(request.input_ids, request.cache_salt or "")
+        except LookupError:
+            end_span(span, error="no engine is available")
+            raise
+        self._span.set_attribute(attr.ENGINE_ID, route.engine_id)
+        if span is not None:
+            span.set_attributes({attr.ENGINE_ID: route.engine_id,
+                                 attr.ROUTE_MATCHED: route.matched_tokens})
+            span.end()
+        return route
+
+    def headers(self) -> dict[str, str] | None:
+        """NATS headers that make the engine's spans children of this request's."""
+        return headers(self._span)
+
+    def chunk(self, chunk: GenerationChunk) -> None:
+        """A chunk on its way to the client: the first one opens "stream out"."""
+        if self._span is None:
+            return
+        if self._stream is None:
+            self._stream = start_span("stream out", self._span, {attr.RID: self.rid})
+        self._chunks += 1
+        self._last = chunk
+
+    @contextlib.contextmanager
+    def aborting(self, reason: str) -> Iterator[dict[str, str] | None]:
+        """An "abort" span around telling the engine; yields the headers to send with it."""
+        span = start_span("abort", self._span, {attr.RID: self.rid, attr.ABORT_REASON: reason})
+        try:
+            yield headers(span)
+        finally:
+            end_span(span)
+
+    def end(self, error: str | None = None) -> None:
+        """The request is over (`error`: it never reached an engine)."""
+        if self._span is None:
+            return
+        last = self._last
+        if last is not None:
+            counts = {attr.CACHED_TOKENS: last.cached_tokens,
+                      attr.COMPLETION_TOKENS: last.completion_tokens}
+            self._span.set_attributes(counts)
+            if last.finish is not None:
+                self._span.set_attribute(attr.FINISH, str(last.finish.get("type")))
+            if self._stream is not None:
+                self._stream.set_attributes({**counts, attr.STREAM_CHUNKS: self._chunks})
+        end_span(self._stream)
+        end_span(self._span, error=error)
+
+
+# ---- reassembly: one request's TextChunks back in order, as GenerationChunks -----------------
+# Chunks of one request may come from different detokenizer replicas, so they can arrive out
+# of order; `seq` numbers them 0, 1, 2, ... and the first finish (in seq order) ends it.
+
+
+def _finish_from_proto(finish: mpb.Finish) -> dict[str, object]:
+    """SGLang's finish_reason object for a Finish message."""
+    which = finish.WhichOneof("matched")
+    matched = getattr(finish, which) if which else None
+    if finish.kind not in _KINDS:
+        return FinishReason(FinishKind.ABORT, message=f"unknown finish {finish.kind!r}").to_dict()
+    return FinishReason(FinishKind(finish.kind), matched, finish.message or None).to_dict()
+
+
+def _logprob(value: float) -> float | None:
+    # The first prompt token has no logprob (it travels as NaN); JSON has no infinities.
+    return value if math.isfinite(value) else None
+
+
+def _top(items: Iterable[wpb.TokenLogprob]) -> list[TokenLogprob]:
+    return [(_logprob(t.logprob), t.token_id, None) for t in items]
+
+
+class ChunkAssembler:
+    """In-order delivery of one request's output; prompt logprobs gathered until the end."""
+
+    def __init__(self, request: GenerationRequest) -> None:
+        self.request = request
+        self.finished = False
+        self.prompt_tokens = len(request.input_ids)
+        self.completion_tokens = 0
+        self.cached_tokens = 0
+        self._next_seq = 0
+        self._early: dict[int, mpb.TextChunk] = {}
+        self._input_logprobs: list[float] = []
+        self._input_top: list[list[TokenLogprob] | None] = []
+
+    def add(self, chunk: mpb.TextChunk) -> list[GenerationChunk]:
+        """Take one chunk; returns the chunks now deliverable, in order."""
+        if self.finished or chunk.seq < self._next_seq:
+            return []
+        self._early[chunk.seq] = chunk
+        ready = []
+        while not self.finished and self._next_seq in self._early:
+            ready.append(self._convert(self._early.pop(self._next_seq)))
+            self._next_seq += 1
+        if self.finished:
+            self._early.clear()
+        return ready
+
+    def abort(self, message: str) -> GenerationChunk:
+        """The last chunk of a request the mesh gave up on."""
+        self.finished = True
+        self._early.clear()
+        return GenerationChunk(
+            rid=self.request.rid,
+            text="",
+            output_ids=[],
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=self.completion_tokens,
+            cached_tokens=self.cached_tokens,
+            finish=FinishReason(FinishKind.ABORT, message=message).to_dict(),
+        )
+
+    def _convert(self, chunk: mpb.TextChunk) -> GenerationChunk:
+        self.prompt_tokens = chunk.prompt_tokens or self.prompt_tokens
+        self.cached_tokens = chunk.cached_tokens or self.cached_tokens
+        self.completion_tokens = max(self.completion_tokens, chunk.completion_tokens)
+        ids = list(chunk.output_ids)
+        out = GenerationChunk(
+            rid=self.request.rid,
+            text=chunk.text,
+            output_ids=ids,
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=self.completion_tokens,
+            cached_tokens=self.cached_tokens,
+            output_token_logprobs=[
+                (_logprob(lp), tid, None)
+                for lp, tid in zip(chunk.logprobs.output, ids, strict=False)
+            ],
+            output_top_logprobs=[_top(t.items) for t in chunk.logprobs.output_top],
+        )
+        self._gather_input_logprobs(chunk)
+        if chunk.HasField("finish"):
+            self.finished = True
+            out.finish = _finish_from_proto(chunk.finish)
+            out.input_token_logprobs, out.input_top_logprobs = self._input_logprob_lists()
+        return out
+
+    def _gather_input_logprobs(self, chunk: mpb.TextChunk) -> None:
+        logprobs = chunk.logprobs
+        start = logprobs.input_offset
+        end = start + len(logprobs.input)
+        if end > len(self._input_logprobs):
+            self._input_logprobs.extend([math.nan] * (end - len(self._input_logprobs)))
+        self._input_logprobs[start:end] = logprobs.input
+        tops = [_top(t.items) or None for t in logprobs.input_top]
+        if tops:
+            top_end = start + len(tops)
+            if top_end > len(self._input_top):
+                self._input_top.extend([None] * (top_end - len(self._input_top)))
+            self._input_top[start:top_end] = tops
+
+    def _input_logprob_lists(
+        self,
+    ) -> tuple[list[TokenLogprob], list[list[TokenLogprob] | None]]:
+        first = max(self.request.logprobs.logprob_start_len, 0)
+        prompt = self.request.input_ids[first:]
+        token_logprobs = [
+            (_logprob(lp), tid, None)
+            for lp, tid in zip(self._input_logprobs, prompt, strict=False)
+        ]
+        return token_logprobs, list(self._input_top)
+
+
+# ---- the client over NATS --------------------------------------------------------------------
+
+
+@dataclass
+class _InFlight:
+    """One request this replica sent and is waiting on."""
+
+    engine_id: str
+    assembler: ChunkAssembler
+    queue: asyncio.Queue[GenerationChunk]
+
+
+class MeshClient:
+    """GenerationClient over NATS with cache-aware routing among the live engines, found
+    by their heartbeats; output comes back on this replica's own subject."""
+
+    def __init__(
+        self,
+        nc: NATS,
+        tokenizer: Tokenizer,
+        model_name: str,
+        replica_id: str,
+        router: Router | None = None,
+        engine_timeout_s: float = 3.0,
+        control_timeout_s: float = 5.0,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.metrics = metrics.TokenizerMetrics(model_name)
+        self.replica_id = replica_id
+        self.router = router or Router()
+        self.engines = EngineRegistry(engine_timeout_s)
+        self._nc = nc
+        self._control_timeout_s = control_timeout_s
+        self._reply_to = subjects.tokenizer_out(replica_id)
+        self._in_flight: dict[str, _InFlight] = {}
+        self._subs: list[Subscription] = []
+        self._reaper: asyncio.Task[None] | None = None
+        self._changed = asyncio.Condition()
+
+    # ---- lifecycle -----------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Listen for engines, their cache events and this replica's output."""
+        nc = self._nc
+        self._subs = [
+            await nc.subscribe(subjects.ENGINES, cb=self._on_status),
+            await nc.subscribe(subjects.CACHE_EVENTS_ALL, cb=self._on_cache_event),
+            await nc.subscribe(self._reply_to, cb=self._on_output),
+        ]
+        self._reaper = asyncio.create_task(self._reap_loop())
+
+    async def close(self) -> None:
+        """Stop listening; requests still waiting end with an abort."""
+        if self._reaper is not None:
+            self._reaper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reaper
+        for sub in self._subs:
+            with contextlib.suppress(NatsError):
+                await sub.unsubscribe()
+        self._subs.clear()
+        for rid, flight in list(self._in_flight.items()):
+            if not flight.assembler.finished:
+                flight.queue.put_nowait(flight.assembler.abort("the tokenizer is shutting down"))
+                await self._abort(flight.engine_id, rid)
+
+    # ---- what the front doors read -------------------------------------------------------
+
+    @property
+    def context_length(self) -> int:
+        """Longest prompt + output every known engine accepts (0 until one is known)."""
+        return self.engines.context_length
+
+    @property
+    def vocab_size(self) -> int:
+        """The engines' vocabulary size, else the tokenizer's."""
+        return self.engines.vocab_size or self.tokenizer.vocab_size
+
+    @property
+    def in_flight(self) -> int:
+        """Requests sent to engines and not finished."""
+        return len(self._in_flight)
+
+    async def wait_for_engines(self, count: int = 1, timeout_s: float = 10.0) -> None:
+        """Block until at least `count` engines are known."""
+        async with self._changed:
+            await asyncio.wait_for(
+                self._changed.wait_for(lambda: len(self.engines) >= count), timeout_s
+            )
+
+    # ---- generation ----------------------------------------------------------------------
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+        """Run a request on an engine; closing the iterator early aborts it there."""
+        if request.rid in self._in_flight:
+            raise GenerationError(f"request id {request.rid!r} is already running", 400)
+        trace = RequestTrace(request)
+        try:
+            route = trace.route(self.router, request)
+        except LookupError:
+            trace.end("no engine is available")
+            raise GenerationError("no engine is available", 503) from None
+        try:
+            payload = self._engine_request(request, route)
+        except ValueError as exc:  # a value the message cannot carry, e.g. out of int32
+            trace.end(f"invalid request: {exc}")
+            raise GenerationError(f"invalid request: {exc}", 400) from exc
+        flight = _InFlight(route.engine_id, ChunkAssembler(request), asyncio.Queue())
+        self._in_flight[request.rid] = flight
+        observed = self.metrics.request(len(request.input_ids))
+        finished = False
+        try:
+            await self._nc.publish(
+                subjects.engine_generate(route.engine_id), payload, headers=trace.headers()
+            )
+            while not finished:
+                chunk = await flight.queue.get()
+                observed.on_chunk(chunk)
+                finished = chunk.finish is not None
+                trace.chunk(chunk)
+                yield chunk
+        finally:
+            del self._in_flight[request.rid]
+            observed.close()
+            if not finished and not flight.assembler.finished:
+                with trace.aborting("the caller stopped reading") as abort_headers:
+                    await self._abort(route.engine_id, request.rid, abort_headers)
+            trace.end()
+
+    def _engine_request(self, request: GenerationRequest, route: Route) -> bytes:
+        params = request.params
+        seed = params.seed if params.seed is not None else random.getrandbits(63)
+        lp = request.logprobs
+        message = mpb.EngineRequest(
+            rid=request.rid,
+            input_ids=request.input_ids,
+            sampling=sampling_to_proto(params, seed),
+            max_new_tokens=params.max_new_tokens,
+            cache_salt=request.cache_salt or "",
+            priority=request.priority,
+            return_logprob=lp.return_logprob,
+            top_logprobs_num=lp.top_logprobs_num,
+            logprob_start_len=lp.logprob_start_len,
+            reply_to=self._reply_to,
+            detok=mpb.DetokSpec(
+                stop=params.stop,
+                no_stop_trim=params.no_stop_trim,
+                skip_special_tokens=params.skip_special_tokens,
+                min_new_tokens=params.min_new_tokens,
+                prompt_tail=request.input_ids[-_PROMPT_TAIL:],
+            ),
+            detok_context=detok_context_size(params.stop),
+        )
+        log.debug("request %s -> engine %s (%d cached)", request.rid, route.engine_id,
+                  route.matched_tokens)
+        return message.SerializeToString()
+
+    async def _abort(
+        self, engine_id: str, rid: str, abort_headers: dict[str, str] | None = None
+    ) -> None:
+        try:
+            await self._nc.publish(
+                subjects.engine_abort(engine_id), mpb.AbortRequest(rid=rid).SerializeToString(),
+                headers=abort_headers,
+            )
+        except NatsError as exc:
+            log.warning("could not abort %s on engine %s: %s", rid, engine_id, exc)
+
+    # ---- control -------------------------------------------------------------------------
+
+    async def control(self, engine_id: str, op: str) -> dict[str, Any]:
+        """One JSON request/reply with an engine's scheduler."""
+        reply = await self._nc.request(
+            subjects.engine_control(engine_id),
+            json.dumps({"op": op}).encode(),
+            timeout=self._control_timeout_s,
+        )
+        return json.loads(reply.data)
+
+    async def flush_cache(self) -> bool:
+        """Ask every engine to drop its prefix cache; True when all did."""
+        ids = self.engines.ids
+        replies = await asyncio.gather(*(self.control(e, "flush") for e in ids),
+                                       return_exceptions=True)
+        ok = bool(ids)
+        for engine_id, reply in zip(ids, replies, strict=True):
+            if isinstance(reply, dict) and reply.get("success"):
+                self.router.flush(engine_id)
+            else:
+                log.warning("engine %s did not flush its cache: %s", engine_id, reply)
+                ok = False
+        return ok
+
+    async def engine_infos(self) -> list[dict[str, Any]]:
+        """Each engine's own server info, or its last heartbeat when it does not answer."""
+        ids = self.engines.ids
+        replies = await asyncio.gather(*(self.control(e, "info") for e in ids),
+                                       return_exceptions=True)
+        out = []
+        for engine_id, reply in zip(ids, replies, strict=True):
+            if isinstance(reply, dict):
+                out.append(reply)
+            elif engine_id in self.engines:
+                status = self.engines.status(engine_id)
+                out.append(MessageToDict(status, preserving_proto_field_name=True))
+        return out
+
+    # ---- NATS callbacks ------------------------------------------------------------------
+
+    async def _on_status(self, msg: Msg) -> None:
+        status = mpb.EngineStatus.FromString(msg.data)
+        if not status.engine_id:
+            return
+        self.router.update_engine(status.engine_id, status.running + status.waiting)
+        if self.engines.heard(status):
+            log.info("engine %s joined (context %d)", status.engine_id, status.context_length)
+            await self._membership_changed()
+
+    async def _on_cache_event(self, msg: Msg) -> None:
+        event = mpb.CacheEvent.FromString(msg.data)
+        if event.flushed:
+            self.router.flush(event.engine_id)
+        for seq in event.inserted:
+            self.router.record_cached(event.engine_id, seq.token_ids, seq.cache_salt)
+
+    async def _on_output(self, msg: Msg) -> None:
+        for chunk in mpb.TextChunks.FromString(msg.data).chunks:
+            flight = self._in_flight.get(chunk.rid)
+            if flight is None:
+                continue  # a late chunk of a request that already ended
+            for out in flight.assembler.add(chunk):
+                flight.queue.put_nowait(out)
+
+    async def _reap_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.engines.timeout_s / 4)
+            gone = self.engines.expire()
+            for engine_id in gone:
+                log.warning("engine %s fell silent; dropping it", engine_id)
+                self.router.remove_engine(engine_id)
+                for flight in self._in_flight.values():
+                    if flight.engine_id == engine_id and not flight.assembler.finished:
+                        message = f"engine {engine_id} went away"
+                        flight.queue.put_nowait(flight.assembler.abort(message))
+            if gone:
+                await self._membership_changed()
+
+    async def _membership_changed(self) -> None:
+        metrics.ENGINES.set(len(self.engines))
+        async with self._changed:
+            self._changed.notify_all()

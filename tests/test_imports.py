@@ -1,0 +1,131 @@
+"""The import rules that keep the services apart, read from every module's source.
+
+- A service imports the shared core, the shared infrastructure (mesh helpers, tracing,
+  protobuf, kernels) and its own folder: never another service, the in-process engine,
+  the launcher or the CLI.
+- The shared core imports only itself: no transport, no service.
+- Protobuf is imported by transport modules only: the ones listed here, each a gRPC or
+  NATS edge that converts messages to the core's types and back.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+# Where each installed package's sources live (pyproject.toml's package-dir).
+PACKAGE_DIRS = {
+    "radixmesh": ROOT / "radixmesh",
+    "radixmesh.proto": ROOT / "proto",
+    "radixmesh.kernels": ROOT / "kernels",
+    "radixmesh.services": ROOT / "services",
+}
+SHARED = ("radixmesh.core", "radixmesh.mesh", "radixmesh.tracing", "radixmesh.proto",
+          "radixmesh.kernels")
+TRANSPORT = ("grpc", "nats", "aiohttp", "google.protobuf", "radixmesh.proto", "radixmesh.mesh")
+# Every module that may import generated protobuf code: the transport edges.
+PROTOBUF_MODULES = {
+    "radixmesh.proto.convert",
+    "radixmesh.services.scheduler.mesh_io",
+    "radixmesh.services.scheduler.server",
+    "radixmesh.services.scheduler.worker_client",
+    "radixmesh.services.worker.server",
+    "radixmesh.services.detokenizer.server",
+    "radixmesh.services.detokenizer.metrics",
+    "radixmesh.services.detokenizer.step_trace",
+    "radixmesh.services.tokenizer.client",
+    "radixmesh.services.tokenizer.grpc_api",
+    "radixmesh.services.tokenizer.router",
+}
+
+
+def _modules() -> dict[str, Path]:
+    found: dict[str, Path] = {}
+    for package, folder in PACKAGE_DIRS.items():
+        for path in folder.rglob("*.py"):
+            if path.name.endswith(("_pb2.py", "_pb2_grpc.py")):
+                continue
+            parts = path.relative_to(folder).with_suffix("").parts
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            name = ".".join((package, *parts))
+            # radixmesh/ holds no proto, kernels or services folder of its own.
+            if name not in found:
+                found[name] = path
+    return found
+
+
+MODULES = _modules()
+
+
+def imports_of(path: Path) -> set[str]:
+    """Every module a file imports, at any depth of its code."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.add(node.module)
+            names.update(f"{node.module}.{a.name}" for a in node.names)
+    return names
+
+
+def _under(name: str, prefixes: tuple[str, ...]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+def test_the_walk_sees_every_service_and_the_core():
+    services = {n.split(".")[2] for n in MODULES if n.startswith("radixmesh.services.")}
+    assert {"tokenizer", "scheduler", "worker", "detokenizer", "cachectl"} <= services
+    assert "radixmesh.core.step" in MODULES
+    assert "radixmesh.services.scheduler.engine_loop" in MODULES
+
+
+@pytest.mark.parametrize(
+    "module", sorted(n for n in MODULES if n.startswith("radixmesh.services."))
+)
+def test_a_service_imports_only_the_shared_code_and_its_own_folder(module):
+    own = ".".join(module.split(".")[:3])
+    bad = sorted(
+        name for name in imports_of(MODULES[module])
+        if name.startswith("radixmesh") and not _under(name, (*SHARED, own))
+    )
+    assert not bad, f"{module} imports {bad}"
+
+
+@pytest.mark.parametrize("module", sorted(n for n in MODULES if n.startswith("radixmesh.core")))
+def test_the_core_imports_no_transport_and_no_service(module):
+    bad = sorted(
+        name for name in imports_of(MODULES[module])
+        if _under(name, TRANSPORT) or (name.startswith("radixmesh") and
+                                       not _under(name, ("radixmesh.core",)))
+    )
+    assert not bad, f"{module} imports {bad}"
+
+
+def test_only_transport_modules_import_protobuf():
+    importers = {
+        module for module, path in MODULES.items()
+        if any(name.endswith(("_pb2", "_pb2_grpc")) or "_pb2." in name
+               for name in imports_of(path) if name.startswith("radixmesh.proto"))
+    }
+    assert importers == PROTOBUF_MODULES
+
+
+@pytest.mark.parametrize("module", [
+    "radixmesh.services.scheduler.scheduler",
+    "radixmesh.services.scheduler.radix_cache",
+    "radixmesh.services.scheduler.kv_allocator",
+    "radixmesh.services.scheduler.eviction",
+    "radixmesh.services.scheduler.schedule_policy",
+    "radixmesh.services.scheduler.request",
+    "radixmesh.services.scheduler.engine_loop",
+    "radixmesh.services.worker.runner",
+    "radixmesh.services.worker.sampling",
+])
+def test_domain_logic_imports_no_transport(module):
+    bad = sorted(name for name in imports_of(MODULES[module]) if _under(name, TRANSPORT))
+    assert not bad, f"{module} imports {bad}"
