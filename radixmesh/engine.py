@@ -99,23 +99,16 @@ class Engine:
             progress=a.show_progress,
         ).result()
         self.model_config = loaded = self.runner.config
-        self.context_length = min(
-            a.context_length or loaded.max_position_embeddings, loaded.max_position_embeddings
-        )
         self.scheduler = Scheduler(
-            SchedulerConfig(
-                num_slots=self.runner.pool.num_slots,
-                page_size=a.page_size,
-                max_running_requests=a.max_running_requests,
-                chunked_prefill_size=a.chunked_prefill_size,
-                schedule_policy=a.schedule_policy,
-                eviction_policy=a.radix_eviction_policy,
-                context_length=self.context_length,
-                eos_token_ids=tuple(
-                    dict.fromkeys(loaded.eos_token_ids + self.tokenizer.eos_token_ids)
-                ),
+            SchedulerConfig.from_settings(
+                a,
+                a.page_size,
+                self.runner.pool.num_slots,
+                loaded.max_position_embeddings,
+                [*loaded.eos_token_ids, *self.tokenizer.eos_token_ids],
             )
         )
+        self.context_length = self.scheduler.config.context_length
         self._rng = random.Random(a.random_seed)
         self._streams = _Streams(self.scheduler)
         self.loop = EngineLoop(

@@ -4,9 +4,11 @@ the model runner's StepResult back into the requests."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from radixmesh.core.request import FinishKind, FinishReason
+from radixmesh.core.settings import ScheduleSettings
 from radixmesh.core.step import NewRequest, StepBatch, StepEntry, StepResult
 from radixmesh.services.scheduler.kv_allocator import KVAllocator
 from radixmesh.services.scheduler.radix_cache import RadixCache
@@ -29,6 +31,29 @@ class SchedulerConfig:
     # Fraction of the running requests' remaining output budget kept free when admitting
     # new prompts; retraction covers the rest when the guess is too low.
     decode_reserve_ratio: float = 0.25
+
+    @classmethod
+    def from_settings(
+        cls,
+        settings: ScheduleSettings,
+        page_size: int,
+        num_slots: int,
+        max_position_embeddings: int,
+        eos_token_ids: Iterable[int],
+    ) -> SchedulerConfig:
+        """An engine's scheduler: its settings on the model and KV pool it got."""
+        return cls(
+            num_slots=num_slots,
+            page_size=page_size,
+            max_running_requests=settings.max_running_requests,
+            chunked_prefill_size=settings.chunked_prefill_size,
+            schedule_policy=settings.schedule_policy,
+            eviction_policy=settings.radix_eviction_policy,
+            context_length=min(
+                settings.context_length or max_position_embeddings, max_position_embeddings
+            ),
+            eos_token_ids=tuple(dict.fromkeys(eos_token_ids)),
+        )
 
 
 @dataclass

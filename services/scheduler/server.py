@@ -62,20 +62,13 @@ class SchedulerService:
         self.info = await self.workers.connect(self.config.worker_timeout)
         model_path = resolve_model_path(self.config.model_path)
         tokenizer = Tokenizer.from_path(str(model_path))
-        eos = tuple(dict.fromkeys([*self.info.eos_token_ids, *tokenizer.eos_token_ids]))
-        context = self.info.max_position_embeddings
-        if self.config.context_length:
-            context = min(context, self.config.context_length)
         self.scheduler = Scheduler(
-            SchedulerConfig(
-                num_slots=self.info.num_slots,
-                page_size=self.config.page_size,
-                max_running_requests=self.config.max_running_requests,
-                chunked_prefill_size=self.config.chunked_prefill_size,
-                schedule_policy=self.config.schedule_policy,
-                eviction_policy=self.config.radix_eviction_policy,
-                context_length=context,
-                eos_token_ids=eos,
+            SchedulerConfig.from_settings(
+                self.config,
+                self.config.page_size,
+                self.info.num_slots,
+                self.info.max_position_embeddings,
+                [*self.info.eos_token_ids, *tokenizer.eos_token_ids],
             )
         )
         self.loop = EngineLoop(
@@ -93,7 +86,8 @@ class SchedulerService:
         await nc.subscribe(subjects.engine_control(self.engine_id), cb=self._on_control)
         log.info(
             "scheduler %s ready: %d KV slots, context %d, workers %s, /metrics on %s:%d",
-            self.engine_id, self.info.num_slots, context, self.workers.addrs,
+            self.engine_id, self.info.num_slots, self.scheduler.config.context_length,
+            self.workers.addrs,
             self.config.host, self._status.port,
         )
 

@@ -1,7 +1,7 @@
 """SGLang's native HTTP API: /generate, /get_model_info, /server_info, /health,
 /health_generate, /flush_cache and /metrics, answered the way SGLang's own clients read them.
 
-A /generate body is read into one NativeItem per prompt (fields SGLang knows but this server
+A /generate body is read into one GeneratePrompt per prompt (fields SGLang knows but this server
 does not implement are accepted only with a value that changes nothing); each item becomes a
 checked GenerationRequest, and its GenerationChunks build up its answer. Like SGLang, every
 answer (and every streamed event) carries the text and output ids so far, not just the new
@@ -93,7 +93,7 @@ class NativeApi:
             return await self._stream(request, parsed, jobs, outputs)
         return await self._answer(parsed, jobs, outputs)
 
-    def _prepare(self, item: NativeItem) -> GenerationRequest:
+    def _prepare(self, item: GeneratePrompt) -> GenerationRequest:
         if item.input_ids is not None:
             ids, field = item.input_ids, "input_ids"
         else:
@@ -112,7 +112,7 @@ class NativeApi:
         return text
 
     async def _answer(
-        self, parsed: NativeRequest, jobs: list[GenerationRequest], outputs: list[NativeOutput]
+        self, parsed: GenerateCall, jobs: list[GenerationRequest], outputs: list[NativeOutput]
     ) -> web.Response:
         tasks = [asyncio.create_task(self._collect(job, out)) for job, out in zip(jobs, outputs,
                                                                                 strict=True)]
@@ -133,7 +133,7 @@ class NativeApi:
     async def _stream(
         self,
         request: web.Request,
-        parsed: NativeRequest,
+        parsed: GenerateCall,
         jobs: list[GenerationRequest],
         outputs: list[NativeOutput],
     ) -> web.StreamResponse:
@@ -301,7 +301,7 @@ _FIELDS = {"text", "input_ids", "stream", "return_text_in_logprobs", *_PER_ITEM}
 
 
 @dataclass(frozen=True)
-class NativeItem:
+class GeneratePrompt:
     """One prompt of a /generate call, not yet tokenized or checked against the model."""
 
     text: str | None
@@ -316,16 +316,16 @@ class NativeItem:
 
 
 @dataclass(frozen=True)
-class NativeRequest:
+class GenerateCall:
     """A whole /generate call: one prompt or a batch of them."""
 
-    items: list[NativeItem]
+    items: list[GeneratePrompt]
     batch: bool
     stream: bool
     return_text_in_logprobs: bool
 
 
-def parse_generate(body: Any) -> NativeRequest:
+def parse_generate(body: Any) -> GenerateCall:
     """Read a decoded JSON body; raises ValueError naming the first bad field."""
     if not isinstance(body, dict):
         raise ValueError(f"the body must be a JSON object, got {type(body).__name__}")
@@ -344,7 +344,7 @@ def parse_generate(body: Any) -> NativeRequest:
     for i, (text, ids) in enumerate(prompts):
         raw = {key: values[i] for key, values in per_item.items()}
         items.append(
-            NativeItem(
+            GeneratePrompt(
                 text=text,
                 input_ids=ids,
                 sampling=_sampling(raw["sampling_params"]),
@@ -359,7 +359,7 @@ def parse_generate(body: Any) -> NativeRequest:
     rids = [item.rid for item in items]
     if len(set(rids)) != len(rids):
         raise ValueError("rid: the ids of a batch must differ")
-    return NativeRequest(
+    return GenerateCall(
         items=items,
         batch=batch,
         stream=_bool(body.get("stream"), "stream"),
@@ -454,7 +454,7 @@ def _str(value: Any, name: str) -> str | None:
 class NativeOutput:
     """Accumulates one request's chunks; `body()` is its answer so far."""
 
-    def __init__(self, item: NativeItem, started: float, token_text: TokenText | None) -> None:
+    def __init__(self, item: GeneratePrompt, started: float, token_text: TokenText | None) -> None:
         self.item = item
         self.started = started
         self._token_text = token_text

@@ -36,7 +36,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 @dataclass
-class _Request:
+class _RequestState:
     """What the worker remembers of a request between steps."""
 
     spec: NewRequest
@@ -102,7 +102,7 @@ class ModelRunner:
             )
             self.graphs = self._decode_graphs(cuda_graph_max_bs, eager_graphs, num_slots)
         self.graph_steps = 0  # steps that ran through self.graphs
-        self.requests: dict[str, _Request] = {}
+        self.requests: dict[str, _RequestState] = {}
 
     def _decode_graphs(self, max_batch: int, eager: bool, num_slots: int) -> DecodeGraphs | None:
         if max_batch == 0 or isinstance(self.attention, TorchAttention):
@@ -128,7 +128,7 @@ class ModelRunner:
         for rid in batch.release:
             self.requests.pop(rid, None)
         for spec in batch.new_requests:
-            req = _Request(spec, [], torch.empty(0, dtype=torch.long))
+            req = _RequestState(spec, [], torch.empty(0, dtype=torch.long))
             req.append(spec.prefix_ids, spec.prefix_slots)
             self.requests[spec.rid] = req
         result = StepResult(batch.step)
@@ -143,7 +143,7 @@ class ModelRunner:
         positions: list[int] = []
         slots: list[int] = []
         spans: list[SeqSpan] = []
-        reqs: list[_Request] = []
+        reqs: list[_RequestState] = []
         for entry in batch.entries:
             req = self.requests[entry.rid]
             new_ids = entry.input_ids or [req.last_token]
@@ -176,7 +176,7 @@ class ModelRunner:
     def _sample(
         self,
         batch: StepBatch,
-        reqs: list[_Request],
+        reqs: list[_RequestState],
         spans: list[SeqSpan],
         hidden: torch.Tensor,
         outs: list[EntryResult],
@@ -214,7 +214,7 @@ class ModelRunner:
     def _follow(
         tp: TensorParallel,
         batch: StepBatch,
-        reqs: list[_Request],
+        reqs: list[_RequestState],
         outs: list[EntryResult],
     ) -> None:
         """A rank other than 0 takes rank 0's tokens instead of computing logits, so every
@@ -227,7 +227,7 @@ class ModelRunner:
             reqs[i].last_token = token
             outs[i].token_id = token
 
-    def _sampler(self, req: _Request) -> RequestSampler:
+    def _sampler(self, req: _RequestState) -> RequestSampler:
         if req.sampler is None:
             spec = req.spec
             req.sampler = RequestSampler(
@@ -242,7 +242,7 @@ class ModelRunner:
         return req.sampler
 
     def _input_logprobs(
-        self, req: _Request, span: SeqSpan, hidden: torch.Tensor, out: EntryResult
+        self, req: _RequestState, span: SeqSpan, hidden: torch.Tensor, out: EntryResult
     ) -> None:
         """Logprobs of the prompt tokens this chunk holds, from logprob_start_len on."""
         spec = req.spec
