@@ -17,39 +17,33 @@ from radixmesh.core.step import (
 )
 from radixmesh.proto import worker_pb2 as wpb
 
+# The sampling parameters the engine needs, named alike on both sides; stop strings stay
+# with the detokenizer, max_new_tokens with the scheduler.
+_SAMPLING_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+    "min_new_tokens",
+    "ignore_eos",
+)
+
 
 def sampling_to_proto(p: SamplingParams, seed: int) -> wpb.SamplingParams:
-    """What the engine needs of a request's sampling parameters (stop strings stay behind)."""
-    return wpb.SamplingParams(
-        temperature=p.temperature,
-        top_p=p.top_p,
-        top_k=p.top_k,
-        min_p=p.min_p,
-        frequency_penalty=p.frequency_penalty,
-        presence_penalty=p.presence_penalty,
-        repetition_penalty=p.repetition_penalty,
-        min_new_tokens=p.min_new_tokens,
-        stop_token_ids=p.stop_token_ids,
-        seed=seed,
-        ignore_eos=p.ignore_eos,
-    )
+    """What the engine needs of a request's sampling parameters, with its seed."""
+    fields = {name: getattr(p, name) for name in _SAMPLING_FIELDS}
+    return wpb.SamplingParams(seed=seed, stop_token_ids=p.stop_token_ids, **fields)
 
 
 def sampling_from_proto(p: wpb.SamplingParams, max_new_tokens: int) -> SamplingParams:
     """The other side of sampling_to_proto; the seed is `p.seed`."""
+    fields = {name: getattr(p, name) for name in _SAMPLING_FIELDS}
     return SamplingParams(
-        max_new_tokens=max_new_tokens,
-        min_new_tokens=p.min_new_tokens,
-        temperature=p.temperature,
-        top_p=p.top_p,
-        top_k=p.top_k,
-        min_p=p.min_p,
-        frequency_penalty=p.frequency_penalty,
-        presence_penalty=p.presence_penalty,
-        repetition_penalty=p.repetition_penalty,
-        stop_token_ids=list(p.stop_token_ids),
-        ignore_eos=p.ignore_eos,
-        seed=p.seed,
+        max_new_tokens=max_new_tokens, stop_token_ids=list(p.stop_token_ids), seed=p.seed,
+        **fields,
     )
 
 

@@ -87,17 +87,7 @@ class Engine:
         # Every torch call runs on this one thread: a second thread running parallel torch
         # ops starts a second OpenMP team, and the two slow each other down by ~1.5x.
         self._torch = ThreadPoolExecutor(1, thread_name_prefix="radixmesh-worker")
-        self.runner = self._torch.submit(
-            load_runner,
-            str(path),
-            a.dtype,
-            a.num_slots,
-            device=a.device,
-            attention=a.attention_backend,
-            page_size=a.page_size,
-            cuda_graph_max_bs=a.cuda_graph_max_bs,
-            progress=a.show_progress,
-        ).result()
+        self.runner = self._torch.submit(load_runner, a, progress=a.show_progress).result()
         self.model_config = loaded = self.runner.config
         self.scheduler = Scheduler(
             SchedulerConfig.from_settings(

@@ -16,23 +16,23 @@ from pathlib import Path
 from typing import IO, Any
 
 from radixmesh.core.settings import (
+    DetokenizerConfig,
     DeviceSettings,
     KVSettings,
     MeshSettings,
     ModelSettings,
     NatsSettings,
+    SchedulerServiceConfig,
     ScheduleSettings,
     ServiceSettings,
     Settings,
     StatusSettings,
+    TokenizerServiceConfig,
+    WorkerConfig,
     shared_values,
     to_flags,
 )
 from radixmesh.mesh.nats_server import EmbeddedNats, free_port
-from radixmesh.services.detokenizer.config import DetokenizerConfig
-from radixmesh.services.scheduler.config import SchedulerServiceConfig
-from radixmesh.services.tokenizer.config import TokenizerServiceConfig
-from radixmesh.services.worker.config import WorkerConfig
 from radixmesh.tracing.config import exporter_env, instance_env
 from radixmesh.tracing.receiver import JsonlSink, SpanReceiver
 

@@ -15,11 +15,11 @@ import threading
 import aiohttp
 import nats
 
+from radixmesh.core.settings import DetokenizerConfig
 from radixmesh.core.tokenizer import Tokenizer
 from radixmesh.mesh import subjects
 from radixmesh.proto import mesh_pb2 as mpb
 from radixmesh.proto import worker_pb2 as wpb
-from radixmesh.services.detokenizer.config import DetokenizerConfig
 from radixmesh.services.detokenizer.server import DetokenizerService, step_replies
 
 OWNER_A = subjects.tokenizer_out("a")

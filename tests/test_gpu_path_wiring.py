@@ -21,12 +21,11 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from radixmesh import cli
 from radixmesh.core.request import LogprobRequest
 from radixmesh.core.sampling_params import SamplingParams
-from radixmesh.core.settings import EngineArgs, parse_config
+from radixmesh.core.settings import EngineArgs, WorkerConfig, parse_config
 from radixmesh.core.step import NewRequest, StepBatch, StepEntry, StepResult
 from radixmesh.engine import Engine
 from radixmesh.launcher import Mesh, MeshArgs
 from radixmesh.services.worker.attention_choice import check_runs_on
-from radixmesh.services.worker.config import WorkerConfig
 from radixmesh.services.worker.device import resolve_device
 from radixmesh.services.worker.model_source import load_model
 from radixmesh.services.worker.runner import ModelRunner

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from radixmesh.services.tokenizer.router import PrefixTree, Route, Router, RouterConfig
+from radixmesh.core.settings import RouterSettings
+from radixmesh.services.tokenizer.router import PrefixTree, Route, Router
 
 
 def test_tree_matches_longest_stored_prefix_and_splits_edges():
@@ -60,7 +61,7 @@ def test_tree_clear_forgets_everything():
 
 
 def _router(*engines: str, **config: object) -> Router:
-    router = Router(RouterConfig(**config))  # type: ignore[arg-type]
+    router = Router(RouterSettings(**config))  # type: ignore[arg-type]
     for engine_id in engines:
         router.update_engine(engine_id, 0)
     return router

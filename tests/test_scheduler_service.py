@@ -12,12 +12,12 @@ import nats
 import pytest
 from fake_worker import FakeWorker, reference_output
 
+from radixmesh.core.settings import SchedulerServiceConfig
 from radixmesh.mesh import subjects
 from radixmesh.proto import mesh_pb2 as mpb
 from radixmesh.proto import worker_pb2 as wpb
 from radixmesh.proto import worker_pb2_grpc as wgrpc
 from radixmesh.proto.convert import batch_from_proto, result_to_proto
-from radixmesh.services.scheduler.config import SchedulerServiceConfig
 from radixmesh.services.scheduler.server import SchedulerService
 
 NUM_SLOTS = 256

@@ -16,20 +16,20 @@ import torch
 from radixmesh import cli
 from radixmesh.core import settings
 from radixmesh.core.settings import (
+    DetokenizerConfig,
     EngineArgs,
+    SchedulerServiceConfig,
     Setting,
     Settings,
+    TokenizerServiceConfig,
+    WorkerConfig,
     build_parser,
     from_args,
     parse_config,
     setting,
 )
 from radixmesh.launcher import SERVICE_CONFIGS, Mesh, MeshArgs
-from radixmesh.services.detokenizer.config import DetokenizerConfig
 from radixmesh.services.scheduler import eviction, schedule_policy
-from radixmesh.services.scheduler.config import SchedulerServiceConfig
-from radixmesh.services.tokenizer.config import TokenizerServiceConfig
-from radixmesh.services.worker.config import WorkerConfig
 
 CONFIGS: list[type[Settings]] = [
     EngineArgs,

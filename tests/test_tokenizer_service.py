@@ -31,6 +31,7 @@ from grpc_tools import protoc
 from radixmesh.core.detokenize import detok_context_size
 from radixmesh.core.request import LogprobRequest
 from radixmesh.core.sampling_params import SamplingParams
+from radixmesh.core.settings import TokenizerServiceConfig
 from radixmesh.proto import generate_pb2 as gpb
 from radixmesh.proto import generate_pb2_grpc as ggrpc
 from radixmesh.services.tokenizer.client import (
@@ -39,7 +40,6 @@ from radixmesh.services.tokenizer.client import (
     GenerationRequest,
     MeshClient,
 )
-from radixmesh.services.tokenizer.config import TokenizerServiceConfig
 from radixmesh.services.tokenizer.server import TokenizerServer, public_args
 
 pytestmark = pytest.mark.anyio

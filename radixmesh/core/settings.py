@@ -420,6 +420,11 @@ class SchedulerSettings(Settings):
         600.0, minimum=0, help="seconds to wait at start for every worker to answer"
     )
 
+    @property
+    def worker_list(self) -> list[str]:
+        """The worker ranks' host:port, rank 0 first."""
+        return [a.strip() for a in self.worker_addrs.split(",") if a.strip()]
+
 
 @dataclass(frozen=True, kw_only=True)
 class TokenizerSettings(Settings):
@@ -493,11 +498,51 @@ class DetokenizerSettings(Settings):
     )
 
 
+# ---- the configs: each composed of the groups it uses ----------------------------------
 # Bases are listed last group first: a dataclass's fields, and so its flags in --help,
 # follow the reversed MRO.
+
+
 @dataclass(frozen=True, kw_only=True)
-class EngineArgs(EngineSettings, ScheduleSettings, KVSettings, DeviceSettings, ModelSettings):
+class RunnerSettings(KVSettings, DeviceSettings, ModelSettings):
+    """What a model runner is built from: the model, its device and its KV pool."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineArgs(EngineSettings, ScheduleSettings, RunnerSettings):
     """Every knob of the in-process Engine (names follow SGLang's server args)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerConfig(StatusSettings, ServiceSettings, WorkerSettings, RunnerSettings):
+    """One worker rank: loads the model, holds the KV pool, runs Forward over gRPC."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SchedulerServiceConfig(
+    StatusSettings,
+    NatsSettings,
+    ServiceSettings,
+    SchedulerSettings,
+    ScheduleSettings,
+    PageSettings,
+    ModelSettings,
+):
+    """One engine replica's scheduler: takes requests from NATS, drives its workers."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TokenizerServiceConfig(
+    NatsSettings, ServiceSettings, RouterSettings, TokenizerSettings, ModelSettings
+):
+    """A tokenizer replica: the HTTP and gRPC front doors, routing requests to engines."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class DetokenizerConfig(
+    StatusSettings, NatsSettings, ServiceSettings, DetokenizerSettings, ModelSettings
+):
+    """A detokenizer replica: token ids in from the schedulers, text out to the tokenizers."""
 
 
 # ---- flags and environment ------------------------------------------------------------

@@ -15,12 +15,12 @@ from nats.errors import Error as NatsError
 
 from radixmesh.core.detokenize import DecodeFn, TextRules, Update, window_text
 from radixmesh.core.model_files import resolve_model_path
+from radixmesh.core.settings import DetokenizerConfig
 from radixmesh.core.tokenizer import Tokenizer
 from radixmesh.mesh import subjects
 from radixmesh.mesh.service import StatusServer
 from radixmesh.proto import mesh_pb2 as mpb
 from radixmesh.services.detokenizer import metrics
-from radixmesh.services.detokenizer.config import DetokenizerConfig
 from radixmesh.services.detokenizer.step_trace import StepTrace
 
 log = logging.getLogger("radixmesh.detokenizer")

@@ -15,13 +15,13 @@ from nats.aio.msg import Msg
 
 from radixmesh.core.model_files import resolve_model_path, served_name
 from radixmesh.core.request import FinishKind, FinishReason
+from radixmesh.core.settings import SchedulerServiceConfig
 from radixmesh.core.step import StepResult
 from radixmesh.core.tokenizer import Tokenizer
 from radixmesh.mesh import subjects
 from radixmesh.mesh.service import StatusServer
 from radixmesh.proto import mesh_pb2 as mpb
 from radixmesh.proto import worker_pb2 as wpb
-from radixmesh.services.scheduler.config import SchedulerServiceConfig
 from radixmesh.services.scheduler.engine_loop import EngineLoop
 from radixmesh.services.scheduler.mesh_io import UpdateBuilder, abort_reason, request_from_proto
 from radixmesh.services.scheduler.metrics import SchedulerMetrics

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from radixmesh.core.settings import RouterSettings
 from radixmesh.proto import mesh_pb2 as mpb
 
 # A full tree is cut to this share of its bound, so the cost of a full scan is spread over
@@ -22,16 +23,6 @@ from radixmesh.proto import mesh_pb2 as mpb
 _LOW_WATER = 0.9
 
 # ---- the router ------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class RouterConfig:
-    """When a cached prefix outweighs load, and how much each engine's tree may hold."""
-
-    cache_threshold: float = 0.5  # share of the prompt that must match to follow the cache
-    balance_abs_threshold: int = 32  # loads this close (in requests) count as balanced
-    balance_rel_threshold: float = 1.5  # ... or the busiest within this factor of the idlest
-    max_tree_tokens: int = 1 << 20  # per engine
 
 
 class Route(NamedTuple):
@@ -59,8 +50,8 @@ class _Engine:
 class Router:
     """Picks an engine per request from approximate per-engine prefix trees and load."""
 
-    def __init__(self, config: RouterConfig | None = None) -> None:
-        self.config = config or RouterConfig()
+    def __init__(self, config: RouterSettings | None = None) -> None:
+        self.config = config or RouterSettings()
         self._engines: dict[str, _Engine] = {}
 
     @property

@@ -16,9 +16,9 @@ from aiohttp import web
 from nats.aio.client import Client as NATS
 
 from radixmesh.core.model_files import resolve_model_path, served_name
+from radixmesh.core.settings import TokenizerServiceConfig
 from radixmesh.core.tokenizer import Tokenizer
 from radixmesh.services.tokenizer.client import MeshClient
-from radixmesh.services.tokenizer.config import TokenizerServiceConfig
 from radixmesh.services.tokenizer.grpc_api import TRACED_RPCS, PublicPort
 from radixmesh.services.tokenizer.http_util import metrics_middleware
 from radixmesh.services.tokenizer.native_api import NativeApi
@@ -64,7 +64,7 @@ class TokenizerServer:
             tokenizer,
             cfg.served_model_name or served_name(model_path),
             cfg.replica_id,
-            Router(cfg.router),
+            Router(cfg),
             engine_timeout_s=cfg.engine_timeout,
         )
         await client.start()

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from radixmesh.core.settings import RunnerSettings
 from radixmesh.core.step import EntryResult, NewRequest, StepBatch, StepResult
 from radixmesh.services.worker.attention import AttentionBackend, AttentionMetadata, SeqSpan
 from radixmesh.services.worker.attention_choice import check_runs_on, make_attention
@@ -291,26 +292,19 @@ def _add_logprobs(
 
 
 def load_runner(
-    model_path: str | None,
-    dtype: str,
-    num_slots: int,
-    *,
-    device: str = "auto",
-    attention: str = "auto",
-    page_size: int = 1,
-    cuda_graph_max_bs: int = 0,
+    settings: RunnerSettings,
     tp_rank: int = 0,
     tp_size: int = 1,
     dist_init_addr: str | None = None,
     progress: bool = False,
 ) -> ModelRunner:
-    """Load the model onto `device` (auto, cpu, cuda, cuda:N), joining the tensor-parallel
-    group and keeping this rank's shards when tp_size > 1. Call it on the thread that will
-    run every step: CUDA's current device and OpenMP's team are per thread."""
-    where = resolve_device(device, tp_rank)
+    """Load the model onto its device, joining the tensor-parallel group and keeping this
+    rank's shards when tp_size > 1. Call it on the thread that will run every step: CUDA's
+    current device and OpenMP's team are per thread."""
+    where = resolve_device(settings.device, tp_rank)
     if where.type == "cuda":
         torch.cuda.set_device(where)
-    loaded = load_model(model_path, progress=progress)
+    loaded = load_model(settings.model_path, progress=progress)
     tp: TensorParallel | None = None
     if tp_size > 1:
         if not dist_init_addr:
@@ -321,13 +315,13 @@ def load_runner(
     runner = ModelRunner(
         loaded.config,
         loaded.weights,
-        DTYPES[dtype],
-        num_slots,
-        attention=attention,
+        DTYPES[settings.dtype],
+        settings.num_slots,
+        attention=settings.attention_backend,
         tp=tp,
         device=where,
-        page_size=page_size,
-        cuda_graph_max_bs=cuda_graph_max_bs,
+        page_size=settings.page_size,
+        cuda_graph_max_bs=settings.cuda_graph_max_bs,
     )
     del loaded
     release_free_memory()

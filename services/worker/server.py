@@ -14,12 +14,12 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from radixmesh.core.model_files import resolve_model_path, served_name
+from radixmesh.core.settings import WorkerConfig
 from radixmesh.kernels import native
 from radixmesh.mesh.service import StatusServer
 from radixmesh.proto import worker_pb2 as wpb
 from radixmesh.proto import worker_pb2_grpc as wgrpc
 from radixmesh.proto.convert import batch_from_proto, result_to_proto
-from radixmesh.services.worker.config import WorkerConfig
 from radixmesh.services.worker.forward_trace import TRACED_RPCS, note_forward
 from radixmesh.services.worker.metrics import WorkerMetrics
 from radixmesh.services.worker.parallel import destroy_tensor_parallel
@@ -106,18 +106,7 @@ class WorkerService(wgrpc.WorkerServicer):
     def _load(self) -> ModelRunner:
         """Load (and, with tp_size > 1, join the group and shard) on the torch thread."""
         c = self.config
-        runner = load_runner(
-            c.model_path,
-            c.dtype,
-            c.num_slots,
-            device=c.device,
-            attention=c.attention_backend,
-            page_size=c.page_size,
-            cuda_graph_max_bs=c.cuda_graph_max_bs,
-            tp_rank=c.tp_rank,
-            tp_size=c.tp_size,
-            dist_init_addr=c.dist_init_addr,
-        )
+        runner = load_runner(c, c.tp_rank, c.tp_size, c.dist_init_addr)
         log.info(
             "rank %d on %s: %s attention, CUDA graphs for decode batches up to %d, "
             "native CPU kernels %s",
