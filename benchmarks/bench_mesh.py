@@ -27,7 +27,6 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Any
 
 SEED = 1234
 
@@ -137,14 +136,30 @@ def side_main(args: argparse.Namespace) -> None:
     print(json.dumps(run(work, args.new_tokens, args.dtype)))
 
 
-def spawn(side: str, args: argparse.Namespace) -> dict[str, float]:
-    cmd = [sys.executable, __file__, "--side", side, "--requests", str(args.requests),
+def spawn_side(script: str, side: str, args: argparse.Namespace, name: str) -> dict[str, float]:
+    """`script --side <side>` with this run's workload flags, in a process of its own: the
+    figures it prints last (one JSON line). Exits naming the `name` side if it fails."""
+    cmd = [sys.executable, script, "--side", side, "--requests", str(args.requests),
            "--prompt-len", str(args.prompt_len), "--new-tokens", str(args.new_tokens),
            "--dtype", args.dtype]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode:
-        sys.exit(f"the {side} side failed:\n{done.stderr[-3000:]}")
+        sys.exit(f"the {name} side failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+FIGURES = ("output_tok_s", "itl_p50_ms", "itl_p90_ms", "ttft_mean_s")  # the table's rows
+
+
+def medians(runs: dict[str, list[dict[str, float]]]) -> dict[str, dict[str, float]]:
+    """Each side's median of every figure over its runs."""
+    return {side: {k: statistics.median(run[k] for run in rs) for k in rs[0]}
+            for side, rs in runs.items()}
+
+
+def workload(args: argparse.Namespace) -> str:
+    return (f"workload: {args.requests} concurrent streams x {args.new_tokens} new tokens, "
+            f"{args.prompt_len}-token prompts, {args.dtype}, median of {args.repeats}")
 
 
 def main() -> None:
@@ -166,17 +181,13 @@ def main() -> None:
     runs: dict[str, list[dict[str, float]]] = {"engine": [], "mesh": []}
     for r in range(args.repeats):
         for side in ("engine", "mesh"):
-            runs[side].append(spawn(side, args))
+            runs[side].append(spawn_side(__file__, side, args, side))
             print(f"repeat {r + 1} {side}: {json.dumps(runs[side][-1])}", file=sys.stderr)
-    med: dict[str, dict[str, Any]] = {
-        side: {k: statistics.median(run[k] for run in rs) for k in rs[0]}
-        for side, rs in runs.items()
-    }
+    med = medians(runs)
     e, m = med["engine"], med["mesh"]
-    print(f"workload: {args.requests} concurrent streams x {args.new_tokens} new tokens, "
-          f"{args.prompt_len}-token prompts, {args.dtype}, median of {args.repeats}")
+    print(workload(args))
     print(f"{'figure':<22}{'in-process':>12}{'mesh':>12}{'mesh/in-process':>18}")
-    for key in ("output_tok_s", "itl_p50_ms", "itl_p90_ms", "ttft_mean_s"):
+    for key in FIGURES:
         print(f"{key:<22}{e[key]:>12.2f}{m[key]:>12.2f}{m[key] / e[key]:>18.2f}")
     print(f"added inter-token latency p50: {m['itl_p50_ms'] - e['itl_p50_ms']:.2f} ms")
     if args.json:

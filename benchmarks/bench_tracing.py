@@ -23,13 +23,12 @@ import asyncio
 import json
 import math
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from bench_mesh import _mesh_run, prompts
+from bench_mesh import FIGURES, _mesh_run, medians, prompts, spawn_side, workload
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
@@ -147,16 +146,6 @@ def step_cost(traced: bool, requests: int = 8, new_tokens: int = 32, rounds: int
     return cpu / steps * 1e6
 
 
-def spawn(traced: bool, args: argparse.Namespace) -> dict:
-    cmd = [sys.executable, __file__, "--side", "on" if traced else "off",
-           "--requests", str(args.requests), "--prompt-len", str(args.prompt_len),
-           "--new-tokens", str(args.new_tokens), "--dtype", args.dtype]
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    if done.returncode:
-        sys.exit(f"the tracing-{cmd[3]} side failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--requests", type=int, default=16)
@@ -174,20 +163,18 @@ def main() -> None:
         return
     if args.quick:
         args.requests, args.new_tokens, args.repeats = 8, 16, 2
-    runs: dict[str, list[dict]] = {"off": [], "on": []}
+    runs: dict[str, list[dict[str, float]]] = {"off": [], "on": []}
     for r in range(args.repeats):
         for side in ("off", "on") if r % 2 == 0 else ("on", "off"):
             time.sleep(args.pause)
-            runs[side].append(spawn(side == "on", args))
+            runs[side].append(spawn_side(__file__, side, args, f"tracing-{side}"))
             print(f"repeat {r + 1} tracing {side}: {json.dumps(runs[side][-1])}",
                   file=sys.stderr)
-    med = {side: {k: statistics.median(run[k] for run in rs) for k in rs[0]}
-           for side, rs in runs.items()}
+    med = medians(runs)
     off, on = med["off"], med["on"]
-    print(f"workload: {args.requests} concurrent streams x {args.new_tokens} new tokens, "
-          f"{args.prompt_len}-token prompts, {args.dtype}, median of {args.repeats}")
+    print(workload(args))
     print(f"{'figure':<16}{'tracing off':>13}{'tracing on':>13}{'on/off':>9}")
-    for key in ("output_tok_s", "itl_p50_ms", "itl_p90_ms", "ttft_mean_s"):
+    for key in FIGURES:
         print(f"{key:<16}{off[key]:>13.2f}{on[key]:>13.2f}{on[key] / off[key]:>9.3f}")
     pairs = [a["output_tok_s"] / b["output_tok_s"] for a, b in zip(runs["on"], runs["off"],
                                                                    strict=True)]

@@ -7,18 +7,17 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from process_helpers import running_mesh
 
 from radixmesh.cli import main
-from radixmesh.launcher import Mesh, MeshArgs
+from radixmesh.launcher import Mesh
 
 QUIET = ["--no-progress", "--warmup-requests", "1"]
 
 
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory) -> Iterator[Mesh]:
-    args = MeshArgs(port=0, grpc_port=0, max_total_tokens=8192,
-                    log_dir=str(tmp_path_factory.mktemp("mesh-logs")))
-    with Mesh(args).start(timeout=300) as m:
+    with running_mesh(tmp_path_factory.mktemp("mesh-logs"), max_total_tokens=8192) as m:
         yield m
 
 

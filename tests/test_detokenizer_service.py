@@ -8,12 +8,11 @@ import functools
 import queue
 import re
 import signal
-import subprocess
-import sys
 import threading
 
 import aiohttp
 import nats
+from process_helpers import service_process
 
 from radixmesh.core.settings import DetokenizerConfig
 from radixmesh.core.tokenizer import Tokenizer
@@ -32,18 +31,31 @@ def tokenizer() -> Tokenizer:
     return Tokenizer.from_path(None)
 
 
+def update(
+    rid: str, owner: str, seq: int, prompt: list[int], sent: list[int], new: list[int],
+    **fields: object,
+) -> mpb.TokenUpdate:
+    """Update `seq` of request `rid` from ENGINE for `owner`: `new` ids after the `sent` ones,
+    with the prompt and what was sent as context."""
+    return mpb.TokenUpdate(
+        rid=rid,
+        reply_to=owner,
+        seq=seq,
+        offset=len(sent),
+        context_ids=[*prompt, *sent],
+        new_ids=new,
+        engine_id=ENGINE,
+        **fields,
+    )
+
+
 def two_requests() -> tuple[mpb.TokenStep, mpb.TextChunks, mpb.TextChunks, mpb.AbortRequest]:
     """A step with a plain update for owner A and a stop-string match for owner B."""
     tok = tokenizer()
     prompt = tok.encode("Hi")
     hello = tok.encode(" Hello 😀 world")
-    plain = mpb.TokenUpdate(
-        rid="r1",
-        reply_to=OWNER_A,
-        seq=0,
-        offset=0,
-        context_ids=prompt,
-        new_ids=hello,
+    plain = update(
+        "r1", OWNER_A, 0, prompt, sent=[], new=hello,
         detok=mpb.DetokSpec(skip_special_tokens=True, prompt_tail=prompt),
         prompt_tokens=1,
         cached_tokens=1,
@@ -53,19 +65,12 @@ def two_requests() -> tuple[mpb.TokenStep, mpb.TextChunks, mpb.TextChunks, mpb.A
                 wpb.TopLogprobs(items=[wpb.TokenLogprob(token_id=i, logprob=-0.1)]) for i in hello
             ],
         ),
-        engine_id=ENGINE,
     )
     one, end, two = tok.encode(" one END two")
-    stopping = mpb.TokenUpdate(
-        rid="r2",
-        reply_to=OWNER_B,
-        seq=1,
-        offset=1,
-        context_ids=[*prompt, one],
-        new_ids=[end, two],
+    stopping = update(
+        "r2", OWNER_B, 1, prompt, sent=[one], new=[end, two],
         detok=mpb.DetokSpec(stop=["END"], skip_special_tokens=True, prompt_tail=prompt),
         prompt_tokens=1,
-        engine_id=ENGINE,
     )
     step = mpb.TokenStep(updates=[plain, stopping])
     expected_a = mpb.TextChunks(
@@ -102,25 +107,19 @@ def two_requests() -> tuple[mpb.TokenStep, mpb.TextChunks, mpb.TextChunks, mpb.A
 def test_stop_token_is_counted_but_not_shown() -> None:
     tok = tokenizer()
     prompt = tok.encode("Hi")
-    update = mpb.TokenUpdate(
-        rid="r",
-        reply_to=OWNER_A,
-        seq=3,
-        offset=3,
-        context_ids=[*prompt, *tok.encode(" a b c")],
-        new_ids=[*tok.encode(" d"), 2],
+    stopped = update(
+        "r", OWNER_A, 3, prompt, sent=tok.encode(" a b c"), new=[*tok.encode(" d"), 2],
         detok=mpb.DetokSpec(stop=["x"], skip_special_tokens=False),
         finish=mpb.Finish(kind="stop", token_id=2),
-        engine_id=ENGINE,
     )
-    replies = step_replies(mpb.TokenStep(updates=[update]), tok.decode)
+    replies = step_replies(mpb.TokenStep(updates=[stopped]), tok.decode)
     (chunk,) = replies.chunks[OWNER_A].chunks
     assert (chunk.text, list(chunk.output_ids), chunk.completion_tokens) == (
         " d",
-        list(update.new_ids),
+        list(stopped.new_ids),
         5,
     )
-    assert chunk.finish == update.finish
+    assert chunk.finish == stopped.finish
     assert replies.aborts == [] and replies.stop_matches == 0
 
 
@@ -129,14 +128,11 @@ def test_updates_after_a_stop_string_repeat_the_stop() -> None:
     prompt = tok.encode("Hi")
     out = tok.encode(" one END two three")
     spec = mpb.DetokSpec(stop=["END"], skip_special_tokens=True)
-    late = mpb.TokenUpdate(
-        rid="r", reply_to=OWNER_A, seq=2, offset=3, context_ids=[*prompt, *out[:3]],
-        new_ids=out[3:], detok=spec, engine_id=ENGINE,
-    )  # fmt: skip
-    last = mpb.TokenUpdate(
-        rid="r", reply_to=OWNER_A, seq=3, offset=4, context_ids=[*prompt, *out],
-        detok=spec, finish=mpb.Finish(kind="stop", text="END"), engine_id=ENGINE,
-    )  # fmt: skip
+    late = update("r", OWNER_A, 2, prompt, sent=out[:3], new=out[3:], detok=spec)
+    last = update(
+        "r", OWNER_A, 3, prompt, sent=out, new=[], detok=spec,
+        finish=mpb.Finish(kind="stop", text="END"),
+    )
     replies = step_replies(mpb.TokenStep(updates=[late, last]), tok.decode)
     stop = mpb.Finish(kind="stop", text="END")
     assert list(replies.chunks[OWNER_A].chunks) == [
@@ -207,14 +203,9 @@ def _lines(stream: object, into: queue.Queue[str]) -> None:
 
 
 def test_sigterm_stops_the_process_cleanly(nats_url: str) -> None:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "radixmesh.services.detokenizer", "--nats-url", nats_url],
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    lines: queue.Queue[str] = queue.Queue()
-    threading.Thread(target=_lines, args=(proc.stderr, lines), daemon=True).start()
-    try:
+    with service_process("radixmesh.services.detokenizer", "--nats-url", nats_url) as proc:
+        lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=_lines, args=(proc.stderr, lines), daemon=True).start()
         seen = []
         while not any(" ready: " in line for line in seen):
             seen.append(lines.get(timeout=60))
@@ -222,7 +213,3 @@ def test_sigterm_stops_the_process_cleanly(nats_url: str) -> None:
         assert re.search(r"/metrics on 127\.0\.0\.1:\d+", seen[-1])
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()

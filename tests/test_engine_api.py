@@ -299,17 +299,26 @@ def test_eos_ignore_eos_and_min_new_tokens(engine: Engine) -> None:
 # ---- 6: logprobs --------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def prompt_logprobs(engine: Engine) -> Result:
-    """LOGPROB_PROMPT with every prompt and output logprob and the top 3 alternatives."""
+def logprobs_from(engine: Engine, start: int, max_new_tokens: int = 1, **kw: Any) -> Result:
+    """LOGPROB_PROMPT run greedily, with logprobs from prompt position `start` on."""
     return one(
         engine,
         LOGPROB_PROMPT,
-        {"max_new_tokens": 8, **GREEDY},
+        {"max_new_tokens": max_new_tokens, **GREEDY},
         return_logprob=True,
-        logprob_start_len=0,
-        top_logprobs_num=3,
+        logprob_start_len=start,
+        **kw,
     )
+
+
+def all_logprobs(engine: Engine) -> Result:
+    """LOGPROB_PROMPT with every prompt and output logprob and the top 3 alternatives."""
+    return logprobs_from(engine, 0, max_new_tokens=8, top_logprobs_num=3)
+
+
+@pytest.fixture(scope="module")
+def prompt_logprobs(engine: Engine) -> Result:
+    return all_logprobs(engine)
 
 
 def test_output_logprobs(prompt_logprobs: Result) -> None:
@@ -356,13 +365,7 @@ def test_input_logprobs_from_an_offset(engine: Engine, prompt_logprobs: Result) 
     full = prompt_logprobs["meta_info"]["input_token_logprobs"]
     n = len(full)
     for k in (1, 5, n - 1):
-        out = one(
-            engine,
-            LOGPROB_PROMPT,
-            {"max_new_tokens": 1, **GREEDY},
-            return_logprob=True,
-            logprob_start_len=k,
-        )
+        out = logprobs_from(engine, k)
         meta = out["meta_info"]
         # the prompt is cached, but position k's logprob needs position k-1 computed
         assert meta["cached_tokens"] == max(k - 1, 0)
@@ -374,38 +377,19 @@ def test_input_logprobs_from_an_offset(engine: Engine, prompt_logprobs: Result) 
         )
         assert "input_top_logprobs" not in meta
         assert out["output_ids"] == prompt_logprobs["output_ids"][:1]
-    beyond = one(
-        engine,
-        LOGPROB_PROMPT,
-        {"max_new_tokens": 1, **GREEDY},
-        return_logprob=True,
-        logprob_start_len=n,
-    )
+    beyond = logprobs_from(engine, n)
     assert beyond["meta_info"]["input_token_logprobs"] == []
 
 
 def test_chunked_prefill_changes_nothing(chunked: Engine, prompt_logprobs: Result) -> None:
     full = prompt_logprobs["meta_info"]["input_token_logprobs"]
     # start inside the third chunk, before anything is cached
-    mid = one(
-        chunked,
-        LOGPROB_PROMPT,
-        {"max_new_tokens": 1, **GREEDY},
-        return_logprob=True,
-        logprob_start_len=9,
-    )
+    mid = logprobs_from(chunked, 9)
     entries = mid["meta_info"]["input_token_logprobs"]
     assert [t for _, t, _ in entries] == [t for _, t, _ in full[9:]]
     assert [lp for lp, _, _ in entries] == pytest.approx([lp for lp, _, _ in full[9:]], abs=1e-3)
 
-    out = one(
-        chunked,
-        LOGPROB_PROMPT,
-        {"max_new_tokens": 8, **GREEDY},
-        return_logprob=True,
-        logprob_start_len=0,
-        top_logprobs_num=3,
-    )
+    out = all_logprobs(chunked)
     meta, ref = out["meta_info"], prompt_logprobs["meta_info"]
     assert out["output_ids"] == prompt_logprobs["output_ids"]
     assert out["text"] == prompt_logprobs["text"]

@@ -12,8 +12,9 @@ import grpc
 import httpx
 import openai
 import pytest
+from process_helpers import running_mesh
 
-from radixmesh.launcher import Mesh, MeshArgs
+from radixmesh.launcher import Mesh
 from radixmesh.proto import generate_pb2 as gpb
 from radixmesh.proto import generate_pb2_grpc as ggrpc
 
@@ -22,11 +23,8 @@ GREEDY = {"temperature": 0, "max_new_tokens": 16}
 
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory) -> Iterator[Mesh]:
-    args = MeshArgs(
-        dtype="float32", port=0, grpc_port=0, max_total_tokens=8192,
-        log_dir=str(tmp_path_factory.mktemp("mesh-logs")),
-    )
-    with Mesh(args).start(timeout=300) as m:
+    log_dir = tmp_path_factory.mktemp("mesh-logs")
+    with running_mesh(log_dir, dtype="float32", max_total_tokens=8192) as m:
         yield m
 
 

@@ -10,17 +10,17 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
+from process_helpers import running_mesh
 
-from radixmesh.launcher import Mesh, MeshArgs
+from radixmesh.launcher import Mesh
 
 
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory) -> Iterator[Mesh]:
-    args = MeshArgs(
-        dp_size=2, tokenizers=2, detokenizers=2, port=0, grpc_port=0, max_total_tokens=8192,
-        log_dir=str(tmp_path_factory.mktemp("mesh-logs")),
-    )
-    with Mesh(args).start(timeout=300) as m:
+    log_dir = tmp_path_factory.mktemp("mesh-logs")
+    with running_mesh(
+        log_dir, dp_size=2, tokenizers=2, detokenizers=2, max_total_tokens=8192
+    ) as m:
         for url in m.http_urls:  # each tokenizer must have heard both engines' heartbeats
             deadline = time.monotonic() + 10
             while len(httpx.get(url + "/server_info").json()["engines"]) < 2:

@@ -4,8 +4,7 @@ one gloo group driven by one scheduler give the in-process engine's exact tokens
 from __future__ import annotations
 
 import httpx
-
-from radixmesh.launcher import Mesh, MeshArgs
+from process_helpers import running_mesh
 
 
 def test_tensor_parallel_mesh_matches_in_process_engine(tmp_path):
@@ -15,9 +14,7 @@ def test_tensor_parallel_mesh_matches_in_process_engine(tmp_path):
     params = {"temperature": 0, "max_new_tokens": 8}
     with Engine(dtype="float32", max_total_tokens=1024, show_progress=False) as engine:
         expected = engine.generate(prompt, params)["output_ids"]
-    args = MeshArgs(tp_size=3, dtype="float32", port=0, grpc_port=0, max_total_tokens=1024,
-                    log_dir=str(tmp_path))
-    with Mesh(args).start(timeout=300) as mesh:
+    with running_mesh(tmp_path, tp_size=3, dtype="float32", max_total_tokens=1024) as mesh:
         got = httpx.post(mesh.url + "/generate", json={"text": prompt, "sampling_params": params},
                          timeout=120).json()
         info = httpx.get(mesh.url + "/server_info").json()["internal_states"][0]

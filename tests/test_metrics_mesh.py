@@ -10,9 +10,10 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
+from process_helpers import running_mesh
 from prometheus_client.parser import text_string_to_metric_families
 
-from radixmesh.launcher import Mesh, MeshArgs
+from radixmesh.launcher import Mesh
 
 MODEL = {"model_name": "SmolLM2-135M-Instruct.Q4_1"}
 ENGINE = {**MODEL, "engine_id": "e0"}
@@ -28,11 +29,8 @@ Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory) -> Iterator[Mesh]:
-    args = MeshArgs(
-        dtype="bfloat16", port=0, grpc_port=0, max_total_tokens=4096,
-        log_dir=str(tmp_path_factory.mktemp("mesh-logs")),
-    )
-    with Mesh(args).start(timeout=300) as m:
+    log_dir = tmp_path_factory.mktemp("mesh-logs")
+    with running_mesh(log_dir, dtype="bfloat16", max_total_tokens=4096) as m:
         yield m
 
 

@@ -10,6 +10,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from tiny_model import hf_config, random_hf_model
 
 from radixmesh.core.gguf import read_gguf
 from radixmesh.core.model_files import resolve_model_path
@@ -120,28 +121,13 @@ def test_progress_goes_to_stderr_only_when_asked(tmp_path, capsys):
 
 # ------------------------------------------------------------------ tiny models
 def _tiny_hf(kind: str, tie: bool = False):
-    common = dict(
-        vocab_size=96,
-        hidden_size=64,
-        intermediate_size=80,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        rms_norm_eps=1e-5,
-        rope_theta=5000.0,
-        bos_token_id=0,
-        eos_token_id=[1, 2],
-        tie_word_embeddings=tie,
+    cfg = hf_config(
+        kind, vocab=96, hidden=64, intermediate=80, layers=2, heads=4, kv_heads=2,
+        max_position_embeddings=512, rms_norm_eps=1e-5, rope_theta=5000.0, bos_token_id=0,
+        eos_token_id=[1, 2], tie_word_embeddings=tie,
+        **({"head_dim": 32} if kind == "qwen3" else {}),  # head_dim != hidden / heads
     )
-    if kind == "llama":
-        cfg = transformers.LlamaConfig(**common)
-    elif kind == "qwen2":
-        cfg = transformers.Qwen2Config(**common)
-    else:
-        cfg = transformers.Qwen3Config(head_dim=32, **common)  # head_dim != hidden / heads
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    model = random_hf_model(cfg)
     # Random norms, so that a swapped or missing norm cannot pass unnoticed.
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -331,13 +317,8 @@ def test_hf_dir_rope_scaling_from_rope_parameters(tmp_path):
         "high_freq_factor": 4.0,
         "original_max_position_embeddings": 64,
     }
-    cfg = transformers.LlamaConfig(
-        vocab_size=32,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
+    cfg = hf_config(
+        "llama", vocab=32, hidden=32, intermediate=48, layers=1, heads=2, kv_heads=1,
         rope_theta=500000.0,
         rope_scaling=dict(scaling),  # transformers edits the dict it is given
     )

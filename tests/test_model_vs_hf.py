@@ -4,6 +4,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_model import (
+    HEADS,
+    HIDDEN,
+    INTERMEDIATE,
+    KV_HEADS,
+    LAYERS,
+    VOCAB,
+    hf_config,
+    random_hf_model,
+)
 
 from radixmesh.core.model_files import default_model_path
 from radixmesh.core.sampling_params import SamplingParams
@@ -48,6 +58,21 @@ def runner_logits(runner: ModelRunner, ids: list[int]) -> torch.Tensor:
         return runner.model.logits(hidden)
 
 
+def hf_greedy(model, ids: list[int], steps: int) -> tuple[list[int], torch.Tensor]:
+    """Hugging Face's reference for a prompt: its greedy `steps` tokens (no eos stop) and the
+    logits of every prompt position."""
+    with torch.inference_mode():
+        tokens = model.generate(
+            torch.tensor([ids]),
+            max_new_tokens=steps,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )[0, len(ids) :].tolist()
+        logits = model(torch.tensor([ids])).logits[0]
+    return tokens, logits
+
+
 @pytest.fixture(scope="module")
 def hf_smollm2():
     path = default_model_path()
@@ -64,30 +89,11 @@ def test_smollm2_greedy_matches_hf(smollm2, hf_smollm2) -> None:
     runner = ModelRunner(smollm2.config, smollm2.weights, torch.float32, num_slots=512)
     for i, prompt in enumerate(PROMPTS):
         ids = tok.encode(prompt)
-        with torch.inference_mode():
-            ref = hf_smollm2.generate(
-                torch.tensor([ids]),
-                max_new_tokens=24,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-            )[0, len(ids) :].tolist()
-            ref_logits = hf_smollm2(torch.tensor([ids])).logits[0]
+        ref, ref_logits = hf_greedy(hf_smollm2, ids, 24)
         runner.requests.clear()
         ours = greedy(runner, ids, 24)
         assert ours == ref, f"prompt {i}: {ours} != {ref}"
         torch.testing.assert_close(runner_logits(runner, ids), ref_logits, atol=2e-3, rtol=1e-3)
-
-
-TINY = dict(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-)
 
 
 @pytest.mark.parametrize(
@@ -112,13 +118,11 @@ TINY = dict(
     ],
 )
 def test_tiny_random_models_match_hf(tmp_path, kind: str, extra: dict) -> None:
-    config_cls = {
-        "llama": transformers.LlamaConfig,
-        "qwen2": transformers.Qwen2Config,
-        "qwen3": transformers.Qwen3Config,
-    }[kind]
-    torch.manual_seed(0)
-    hf = transformers.AutoModelForCausalLM.from_config(config_cls(**TINY, **extra)).eval()
+    config = hf_config(
+        kind, VOCAB, HIDDEN, INTERMEDIATE, LAYERS, HEADS, KV_HEADS, max_position_embeddings=256,
+        **extra,
+    )
+    hf = random_hf_model(config)
     with torch.no_grad():  # random biases so Qwen2's q/k/v bias path is exercised
         for name, p in hf.named_parameters():
             if name.endswith("bias") or "norm" in name:
@@ -128,15 +132,7 @@ def test_tiny_random_models_match_hf(tmp_path, kind: str, extra: dict) -> None:
     assert isinstance(loaded.config, ModelConfig)
     runner = ModelRunner(loaded.config, loaded.weights, torch.float32, num_slots=256)
     ids = [int(t) for t in torch.randint(0, 256, (20,), generator=torch.Generator().manual_seed(1))]
-    with torch.inference_mode():
-        ref_logits = hf(torch.tensor([ids])).logits[0]
-        ref = hf.generate(
-            torch.tensor([ids]),
-            max_new_tokens=12,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )[0, len(ids) :].tolist()
+    ref, ref_logits = hf_greedy(hf, ids, 12)
     torch.testing.assert_close(runner_logits(runner, ids), ref_logits, atol=1e-4, rtol=1e-4)
     runner.requests.clear()
     assert greedy(runner, ids, 12) == ref

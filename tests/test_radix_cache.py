@@ -58,6 +58,12 @@ def insert_fresh(cache: RadixCache, key: Sequence[int], **kwargs: object) -> lis
     return slots
 
 
+def cache_holding(key: Sequence[int]) -> tuple[RadixCache, list[int]]:
+    """A default cache (64 slots, pages of 1, LRU) holding `key` alone, and its slots."""
+    cache, _, _ = make_cache()
+    return cache, insert_fresh(cache, key)
+
+
 # --- unit tests -------------------------------------------------------------------------------
 
 
@@ -71,8 +77,7 @@ def test_empty_cache_matches_nothing():
 
 
 def test_match_splits_inside_an_edge():
-    cache, _, _ = make_cache()
-    slots = insert_fresh(cache, [1, 2, 3, 4])
+    cache, slots = cache_holding([1, 2, 3, 4])
     result = cache.match_prefix([1, 2, 9])
     assert result.slots == slots[:2]
     assert result.node.key == [1, 2]
@@ -86,8 +91,7 @@ def test_match_splits_inside_an_edge():
 
 
 def test_match_ending_at_the_key_end_splits_too():
-    cache, _, _ = make_cache()
-    slots = insert_fresh(cache, [1, 2, 3, 4])
+    cache, slots = cache_holding([1, 2, 3, 4])
     result = cache.match_prefix([1, 2, 3])
     assert result.slots == slots[:3]
     assert result.node.key == [1, 2, 3]
@@ -165,8 +169,7 @@ def test_lock_covers_ancestors_only():
 
 
 def test_split_keeps_a_locked_node_locked():
-    cache, _, _ = make_cache()
-    insert_fresh(cache, [1, 2, 3, 4])
+    cache, _ = cache_holding([1, 2, 3, 4])
     node = cache.match_prefix([1, 2, 3, 4]).node
     cache.lock(node)
     upper = cache.match_prefix([1, 2]).node
@@ -180,8 +183,7 @@ def test_split_keeps_a_locked_node_locked():
 
 
 def test_unlock_below_zero_raises():
-    cache, _, _ = make_cache()
-    insert_fresh(cache, [1, 2])
+    cache, _ = cache_holding([1, 2])
     node = cache.match_prefix([1, 2]).node
     with pytest.raises(ValueError, match="not locked"):
         cache.unlock(node)
@@ -189,8 +191,7 @@ def test_unlock_below_zero_raises():
 
 
 def test_locking_an_evicted_node_raises():
-    cache, _, _ = make_cache()
-    insert_fresh(cache, [1, 2])
+    cache, _ = cache_holding([1, 2])
     node = cache.match_prefix([1, 2]).node
     cache.evict(2)
     with pytest.raises(ValueError, match="evicted"):

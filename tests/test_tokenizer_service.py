@@ -27,6 +27,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
 from grpc_tools import protoc
+from process_helpers import service_process
 
 from radixmesh.core.detokenize import detok_context_size
 from radixmesh.core.request import LogprobRequest
@@ -475,12 +476,8 @@ async def test_a_client_compiled_from_generate_proto_alone_calls_generate(grpc_s
 def test_module_serves_and_stops_cleanly_on_sigterm(nats_url):
     env = {**os.environ, "NATS_URL": nats_url, "RADIXMESH_PORT": "0",
            "RADIXMESH_GRPC_PORT": "-1"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "radixmesh.services.tokenizer", "--replica-id", "proc"],
-        env=env, stderr=subprocess.PIPE, text=True,
-    )
     lines = []
-    try:
+    with service_process("radixmesh.services.tokenizer", "--replica-id", "proc", env=env) as proc:
         assert proc.stderr is not None
         for line in proc.stderr:
             lines.append(line)
@@ -490,10 +487,6 @@ def test_module_serves_and_stops_cleanly_on_sigterm(nats_url):
         assert any('"replica_id": "proc"' in line for line in lines)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=20) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 async def test_stop_lets_requests_finish_within_the_grace_period_then_aborts(nats_url, nc,

@@ -10,9 +10,10 @@ from collections.abc import Callable, Iterator
 import grpc
 import httpx
 import pytest
+from process_helpers import running_mesh
 
 from radixmesh.cli import main as cli_main
-from radixmesh.launcher import Mesh, MeshArgs
+from radixmesh.launcher import Mesh
 from radixmesh.proto import generate_pb2 as gpb
 from radixmesh.proto import generate_pb2_grpc as ggrpc
 from radixmesh.tracing import attributes as attr
@@ -32,12 +33,10 @@ REQUEST_SPANS = {"POST /generate", "tokenize", "generate", "route", "engine requ
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory) -> Iterator[Mesh]:
     folder = tmp_path_factory.mktemp("traced-mesh")
-    args = MeshArgs(
-        dtype="float32", port=0, grpc_port=0, max_total_tokens=4096,
-        log_dir=str(folder / "logs"), trace_file=str(folder / "spans.jsonl"),
-        extra_env={"OTEL_BSP_SCHEDULE_DELAY": "100"},
-    )
-    with Mesh(args).start(timeout=300) as m:
+    with running_mesh(
+        folder / "logs", dtype="float32", max_total_tokens=4096,
+        trace_file=str(folder / "spans.jsonl"), extra_env={"OTEL_BSP_SCHEDULE_DELAY": "100"},
+    ) as m:
         yield m
 
 

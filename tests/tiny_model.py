@@ -1,4 +1,5 @@
-"""A tiny random-weight Hugging Face model directory and a fixed run of StepBatches."""
+"""A tiny random-weight Hugging Face model directory, a fixed run of StepBatches, and
+transformers configs and random models of any tiny size."""
 
 from __future__ import annotations
 
@@ -101,3 +102,32 @@ def forward_script(decode_steps: int = 6) -> list[StepBatch]:
 def tokens(results: list[StepResult]) -> list[list[int]]:
     """Each step's sampled token per entry."""
     return [[r.token_id for r in result.results] for result in results]
+
+
+def hf_config(
+    kind: str, vocab: int, hidden: int, intermediate: int, layers: int, heads: int,
+    kv_heads: int, **fields: object,
+):
+    """A transformers config of `kind` ("llama", "qwen2" or "qwen3") of these sizes, with
+    `fields` (rope, norms, tokens, ...) as given."""
+    import transformers
+
+    config_cls = {
+        "llama": transformers.LlamaConfig,
+        "qwen2": transformers.Qwen2Config,
+        "qwen3": transformers.Qwen3Config,
+    }[kind]
+    return config_cls(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+        **fields,
+    )
+
+
+def random_hf_model(config):
+    """transformers' causal LM for `config`, its weights drawn after torch.manual_seed(0), in
+    eval mode."""
+    import transformers
+
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
