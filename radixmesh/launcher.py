@@ -18,6 +18,7 @@ from typing import IO, Any
 from radixmesh.core.settings import (
     DetokenizerConfig,
     DeviceSettings,
+    HiCacheSettings,
     KVSettings,
     MeshSettings,
     ModelSettings,
@@ -47,7 +48,13 @@ SERVICE_CONFIGS: dict[str, type[Settings]] = {
 
 @dataclass(frozen=True, kw_only=True)
 class MeshArgs(
-    ServiceSettings, ScheduleSettings, KVSettings, DeviceSettings, ModelSettings, MeshSettings
+    ServiceSettings,
+    HiCacheSettings,
+    ScheduleSettings,
+    KVSettings,
+    DeviceSettings,
+    ModelSettings,
+    MeshSettings,
 ):
     """What `radixmesh up` starts and how; every service gets the settings it shares."""
 

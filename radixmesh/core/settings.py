@@ -25,6 +25,8 @@ from functools import cache
 from types import NoneType
 from typing import Any, ClassVar, TypeVar, get_args, get_type_hints
 
+from radixmesh.core.hicache import LAYOUTS, WRITE_POLICIES
+
 ENV_PREFIX = "RADIXMESH_"
 DTYPES = ("bfloat16", "float32")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
@@ -270,6 +272,48 @@ class ScheduleSettings(Settings):
 
 
 @dataclass(frozen=True, kw_only=True)
+class HiCacheSettings(Settings):
+    """The hierarchical KV cache: a host (L2) tier behind the device pool (SGLang's names)."""
+
+    TITLE: ClassVar[str] = "hierarchical cache"
+
+    enable_hierarchical_cache: bool = setting(
+        False,
+        help="keep KV evicted from the device pool in a host-memory tier (owned by cachectl) "
+        "and load it back instead of recomputing the prefix",
+    )
+    hicache_ratio: float = setting(
+        2.0,
+        minimum=1.0,
+        help="size of the host tier as a multiple of the device KV pool",
+    )
+    hicache_size: float = setting(
+        0.0,
+        minimum=0.0,
+        help="size of the host tier in GB, overriding hicache_ratio; 0: use hicache_ratio",
+    )
+    hicache_write_policy: str = setting(
+        "write_through",
+        choices=WRITE_POLICIES,
+        help="when device KV is copied to the host tier: write_through (as soon as it is "
+        "cached), write_through_selective (once hicache_write_through_threshold admissions "
+        "hit it) or write_back (when it is evicted from the device pool)",
+    )
+    hicache_write_through_threshold: int = setting(
+        2,
+        minimum=1,
+        help="admissions that must hit a cached prefix before write_through_selective "
+        "copies it to the host tier",
+    )
+    hicache_mem_layout: str = setting(
+        "layer_first",
+        choices=LAYOUTS,
+        help="host tier layout: layer_first (each layer's slots contiguous) or page_first "
+        "(each page's layers contiguous)",
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
 class ServiceSettings(Settings):
     """What every service process has: where it listens and how much it logs."""
 
@@ -419,6 +463,11 @@ class SchedulerSettings(Settings):
     worker_timeout: float = setting(
         600.0, minimum=0, help="seconds to wait at start for every worker to answer"
     )
+    cachectl_addr: str | None = setting(
+        None,
+        help="host:port of this engine's cachectl (the host KV tier's owner), with "
+        "enable_hierarchical_cache; empty: the host tier is off",
+    )
 
     @property
     def worker_list(self) -> list[str]:
@@ -487,6 +536,22 @@ class RouterSettings(Settings):
 
 
 @dataclass(frozen=True, kw_only=True)
+class CachectlSettings(Settings):
+    """One engine's cachectl: the owner of its host KV tier."""
+
+    TITLE: ClassVar[str] = "cachectl"
+
+    port: int = setting(
+        0, minimum=0, help="gRPC port the scheduler reaches cachectl at; 0: any free port"
+    )
+    shm_dir: str = setting(
+        "/dev/shm",
+        help="directory of the host tiers' shared-memory segments (a tmpfs the workers of "
+        "the engine can map)",
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
 class DetokenizerSettings(Settings):
     """One detokenizer replica."""
 
@@ -509,7 +574,7 @@ class RunnerSettings(KVSettings, DeviceSettings, ModelSettings):
 
 
 @dataclass(frozen=True, kw_only=True)
-class EngineArgs(EngineSettings, ScheduleSettings, RunnerSettings):
+class EngineArgs(EngineSettings, HiCacheSettings, ScheduleSettings, RunnerSettings):
     """Every knob of the in-process Engine (names follow SGLang's server args)."""
 
 
@@ -524,6 +589,7 @@ class SchedulerServiceConfig(
     NatsSettings,
     ServiceSettings,
     SchedulerSettings,
+    HiCacheSettings,
     ScheduleSettings,
     PageSettings,
     ModelSettings,
@@ -536,6 +602,11 @@ class TokenizerServiceConfig(
     NatsSettings, ServiceSettings, RouterSettings, TokenizerSettings, ModelSettings
 ):
     """A tokenizer replica: the HTTP and gRPC front doors, routing requests to engines."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class CachectlConfig(StatusSettings, ServiceSettings, CachectlSettings):
+    """One engine's cachectl: creates its host tier's shared memory, answers its scheduler."""
 
 
 @dataclass(frozen=True, kw_only=True)

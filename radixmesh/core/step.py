@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from radixmesh.core.hicache import HostPoolSpec
 from radixmesh.core.request import LogprobRequest
 from radixmesh.core.sampling_params import SamplingParams
 
@@ -44,6 +45,20 @@ class StepEntry:
 
 
 @dataclass(slots=True)
+class KVCopy:
+    """Copy tokens' KV between the device pool and the host pool, slot i to slot i.
+
+    A load (to_host False) completes before the step's forward, so the step's attention
+    reads it. A backup (to_host True) starts after the step's forward (the step may compute
+    what it copies) and runs beside the next steps; a later result reports it done."""
+
+    copy_id: int
+    to_host: bool
+    device_slots: list[int]
+    host_slots: list[int]
+
+
+@dataclass(slots=True)
 class StepBatch:
     """Everything the runner needs for one step; steps count 1, 2, 3..."""
 
@@ -51,6 +66,10 @@ class StepBatch:
     new_requests: list[NewRequest] = field(default_factory=list)
     entries: list[StepEntry] = field(default_factory=list)
     release: list[str] = field(default_factory=list)  # forget these before the step
+    copies: list[KVCopy] = field(default_factory=list)
+    # A host pool to map from this step on (the first step with the host tier, or a new
+    # segment after cachectl restarted); None: keep the one mapped.
+    host_pool: HostPoolSpec | None = None
 
 
 @dataclass(slots=True)
@@ -75,3 +94,4 @@ class StepResult:
     step: int
     results: list[EntryResult] = field(default_factory=list)
     forward_ms: float = 0.0
+    copies_done: list[int] = field(default_factory=list)  # backups finished since the last result

@@ -33,6 +33,7 @@ class Req:
     # Slots this request computed for tokens another request cached first; freed with it.
     orphans: list[int] = field(default_factory=list)
     cached_tokens: int = 0  # prefix hit when first admitted, reported to the client
+    cached_host_tokens: int = 0  # the part of cached_tokens loaded back from the host tier
     admitted: bool = False
     on_worker: bool = False  # the worker holds state for it
     pending: int = 0  # sampling steps scheduled whose result has not come back
