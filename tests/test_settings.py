@@ -16,6 +16,7 @@ import torch
 from radixmesh import cli
 from radixmesh.core import settings
 from radixmesh.core.settings import (
+    CachectlConfig,
     DetokenizerConfig,
     EngineArgs,
     SchedulerServiceConfig,
@@ -38,6 +39,7 @@ CONFIGS: list[type[Settings]] = [
     SchedulerServiceConfig,
     TokenizerServiceConfig,
     DetokenizerConfig,
+    CachectlConfig,
 ]
 
 
@@ -104,10 +106,21 @@ SHARED = {
     "disable_overlap_schedule": [EngineArgs, MeshArgs, SchedulerServiceConfig],
     "context_length": [EngineArgs, MeshArgs, SchedulerServiceConfig],
     "host": [MeshArgs, WorkerConfig, SchedulerServiceConfig, TokenizerServiceConfig,
-             DetokenizerConfig],
+             DetokenizerConfig, CachectlConfig],
     "log_level": [MeshArgs, WorkerConfig, SchedulerServiceConfig, TokenizerServiceConfig,
-                  DetokenizerConfig],
-    "metrics_port": [WorkerConfig, SchedulerServiceConfig, DetokenizerConfig],
+                  DetokenizerConfig, CachectlConfig],
+    "metrics_port": [WorkerConfig, SchedulerServiceConfig, DetokenizerConfig, CachectlConfig],
+    **dict.fromkeys(
+        (
+            "enable_hierarchical_cache",
+            "hicache_ratio",
+            "hicache_size",
+            "hicache_write_policy",
+            "hicache_write_through_threshold",
+            "hicache_mem_layout",
+        ),
+        [EngineArgs, MeshArgs, SchedulerServiceConfig],
+    ),
     "nats_url": [SchedulerServiceConfig, TokenizerServiceConfig, DetokenizerConfig],
 }
 
@@ -231,6 +244,11 @@ BAD_VALUES: dict[str, list[Any]] = {
     "balance_abs_threshold": [-1],
     "balance_rel_threshold": [-1.5],
     "max_tree_tokens": [0],
+    "hicache_ratio": [0.5],
+    "hicache_size": [-1.0],
+    "hicache_write_policy": ["always"],
+    "hicache_write_through_threshold": [0],
+    "hicache_mem_layout": ["token_first"],
 }
 
 
