@@ -5,10 +5,12 @@ see protobuf."""
 
 from __future__ import annotations
 
+from radixmesh.core.hicache import HostPoolSpec, KVGeometry
 from radixmesh.core.request import LogprobRequest
 from radixmesh.core.sampling_params import SamplingParams
 from radixmesh.core.step import (
     EntryResult,
+    KVCopy,
     NewRequest,
     StepBatch,
     StepEntry,
@@ -55,6 +57,22 @@ def _top_from_proto(top: wpb.TopLogprobs) -> TopLogprobs:
     return [(t.token_id, t.logprob) for t in top.items]
 
 
+def host_pool_to_proto(spec: HostPoolSpec) -> wpb.HostPool:
+    """A host pool's place and layout as the worker maps it."""
+    g = spec.geometry
+    return wpb.HostPool(
+        name=spec.name, path=spec.path, num_slots=spec.num_slots, layout=spec.layout,
+        num_layers=g.num_layers, num_kv_heads=g.num_kv_heads, head_dim=g.head_dim,
+        dtype=g.dtype, page_size=g.page_size,
+    )
+
+
+def host_pool_from_proto(msg: wpb.HostPool) -> HostPoolSpec:
+    """The other side of host_pool_to_proto."""
+    geometry = KVGeometry(msg.num_layers, msg.num_kv_heads, msg.head_dim, msg.dtype, msg.page_size)
+    return HostPoolSpec(msg.name, msg.path, msg.num_slots, msg.layout, geometry)
+
+
 def batch_to_proto(batch: StepBatch) -> wpb.ForwardBatch:
     """A step as the scheduler sends it to every worker rank."""
     return wpb.ForwardBatch(
@@ -77,6 +95,14 @@ def batch_to_proto(batch: StepBatch) -> wpb.ForwardBatch:
             for e in batch.entries
         ],
         release=batch.release,
+        copies=[
+            wpb.KVCopy(
+                copy_id=c.copy_id, to_host=c.to_host, device_slots=c.device_slots,
+                host_slots=c.host_slots,
+            )
+            for c in batch.copies
+        ],
+        host_pool=None if batch.host_pool is None else host_pool_to_proto(batch.host_pool),
     )
 
 
@@ -99,6 +125,11 @@ def batch_from_proto(msg: wpb.ForwardBatch) -> StepBatch:
         ],
         [StepEntry(e.rid, list(e.input_ids), list(e.slots), e.sample) for e in msg.entries],
         list(msg.release),
+        [
+            KVCopy(c.copy_id, c.to_host, list(c.device_slots), list(c.host_slots))
+            for c in msg.copies
+        ],
+        host_pool_from_proto(msg.host_pool) if msg.HasField("host_pool") else None,
     )
 
 
@@ -119,6 +150,7 @@ def result_to_proto(result: StepResult) -> wpb.ForwardResult:
             for r in result.results
         ],
         forward_ms=result.forward_ms,
+        copies_done=result.copies_done,
     )
 
 
@@ -139,4 +171,5 @@ def result_from_proto(msg: wpb.ForwardResult) -> StepResult:
             for r in msg.results
         ],
         msg.forward_ms,
+        list(msg.copies_done),
     )

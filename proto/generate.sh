@@ -10,5 +10,6 @@ mkdir -p "$root/radixmesh"
 ln -s "$here" "$root/radixmesh/proto"
 cd "$root"
 python -m grpc_tools.protoc -I . --python_out=. --pyi_out=. --grpc_python_out=. \
-    radixmesh/proto/worker.proto radixmesh/proto/mesh.proto radixmesh/proto/generate.proto
+    radixmesh/proto/worker.proto radixmesh/proto/mesh.proto radixmesh/proto/generate.proto \
+    radixmesh/proto/cache.proto
 rm -f "$here/mesh_pb2_grpc.py"

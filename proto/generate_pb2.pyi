@@ -85,13 +85,14 @@ class TopLogprobList(_message.Message):
     def __init__(self, items: _Optional[_Iterable[_Union[TokenLogprobEntry, _Mapping]]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("rid", "text", "output_ids", "prompt_tokens", "completion_tokens", "cached_tokens", "finish", "output_token_logprobs", "output_top_logprobs", "input_token_logprobs", "input_top_logprobs")
+    __slots__ = ("rid", "text", "output_ids", "prompt_tokens", "completion_tokens", "cached_tokens", "cached_tokens_details", "finish", "output_token_logprobs", "output_top_logprobs", "input_token_logprobs", "input_top_logprobs")
     RID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_IDS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_DETAILS_FIELD_NUMBER: _ClassVar[int]
     FINISH_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_TOKEN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -103,12 +104,23 @@ class GenerateResponse(_message.Message):
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    cached_tokens_details: CachedTokensDetails
     finish: Finish
     output_token_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobEntry]
     output_top_logprobs: _containers.RepeatedCompositeFieldContainer[TopLogprobList]
     input_token_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobEntry]
     input_top_logprobs: _containers.RepeatedCompositeFieldContainer[TopLogprobList]
-    def __init__(self, rid: _Optional[str] = ..., text: _Optional[str] = ..., output_ids: _Optional[_Iterable[int]] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., finish: _Optional[_Union[Finish, _Mapping]] = ..., output_token_logprobs: _Optional[_Iterable[_Union[TokenLogprobEntry, _Mapping]]] = ..., output_top_logprobs: _Optional[_Iterable[_Union[TopLogprobList, _Mapping]]] = ..., input_token_logprobs: _Optional[_Iterable[_Union[TokenLogprobEntry, _Mapping]]] = ..., input_top_logprobs: _Optional[_Iterable[_Union[TopLogprobList, _Mapping]]] = ...) -> None: ...
+    def __init__(self, rid: _Optional[str] = ..., text: _Optional[str] = ..., output_ids: _Optional[_Iterable[int]] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., cached_tokens_details: _Optional[_Union[CachedTokensDetails, _Mapping]] = ..., finish: _Optional[_Union[Finish, _Mapping]] = ..., output_token_logprobs: _Optional[_Iterable[_Union[TokenLogprobEntry, _Mapping]]] = ..., output_top_logprobs: _Optional[_Iterable[_Union[TopLogprobList, _Mapping]]] = ..., input_token_logprobs: _Optional[_Iterable[_Union[TokenLogprobEntry, _Mapping]]] = ..., input_top_logprobs: _Optional[_Iterable[_Union[TopLogprobList, _Mapping]]] = ...) -> None: ...
+
+class CachedTokensDetails(_message.Message):
+    __slots__ = ("device", "host", "storage")
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_FIELD_NUMBER: _ClassVar[int]
+    device: int
+    host: int
+    storage: int
+    def __init__(self, device: _Optional[int] = ..., host: _Optional[int] = ..., storage: _Optional[int] = ...) -> None: ...
 
 class Finish(_message.Message):
     __slots__ = ("kind", "token_id", "text", "message")

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cradixmesh/proto/worker.proto\x12\x10radixmesh.worker\"\x13\n\x11WorkerInfoRequest\"\xb0\x01\n\nWorkerInfo\x12\x11\n\tnum_slots\x18\x01 \x01(\x05\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x1f\n\x17max_position_embeddings\x18\x03 \x01(\x05\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x12\n\nmodel_path\x18\x05 \x01(\t\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x0f\n\x07tp_rank\x18\x07 \x01(\x05\x12\x0f\n\x07tp_size\x18\x08 \x01(\x05\"\xf5\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x05 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x07 \x01(\x02\x12\x16\n\x0emin_new_tokens\x18\x08 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\t \x03(\x05\x12\x0c\n\x04seed\x18\n \x01(\x04\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\"\xd8\x01\n\nNewRequest\x12\x0b\n\x03rid\x18\x01 \x01(\t\x12\x12\n\nprefix_ids\x18\x02 \x03(\x05\x12\x14\n\x0cprefix_slots\x18\x03 \x03(\x05\x12\x12\n\nprompt_len\x18\x04 \x01(\x05\x12\x32\n\x08sampling\x18\x05 \x01(\x0b\x32 .radixmesh.worker.SamplingParams\x12\x18\n\x10top_logprobs_num\x18\x06 \x01(\x05\x12\x16\n\x0ereturn_logprob\x18\x07 \x01(\x08\x12\x19\n\x11logprob_start_len\x18\x08 \x01(\x05\"M\n\x0c\x46orwardEntry\x12\x0b\n\x03rid\x18\x01 \x01(\t\x12\x11\n\tinput_ids\x18\x02 \x03(\x05\x12\r\n\x05slots\x18\x03 \x03(\x05\x12\x0e\n\x06sample\x18\x04 \x01(\x08\"\x92\x01\n\x0c\x46orwardBatch\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x32\n\x0cnew_requests\x18\x02 \x03(\x0b\x32\x1c.radixmesh.worker.NewRequest\x12/\n\x07\x65ntries\x18\x03 \x03(\x0b\x32\x1e.radixmesh.worker.ForwardEntry\x12\x0f\n\x07release\x18\x04 \x03(\t\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"<\n\x0bTopLogprobs\x12-\n\x05items\x18\x01 \x03(\x0b\x32\x1e.radixmesh.worker.TokenLogprob\"\xe3\x01\n\x0b\x45ntryResult\x12\x0b\n\x03rid\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\x05\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12\x33\n\x0ctop_logprobs\x18\x04 \x01(\x0b\x32\x1d.radixmesh.worker.TopLogprobs\x12\x1c\n\x14input_logprobs_start\x18\x05 \x01(\x05\x12\x16\n\x0einput_logprobs\x18\x06 \x03(\x02\x12\x39\n\x12input_top_logprobs\x18\x07 \x03(\x0b\x32\x1d.radixmesh.worker.TopLogprobs\"a\n\rForwardResult\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12.\n\x07results\x18\x02 \x03(\x0b\x32\x1d.radixmesh.worker.EntryResult\x12\x12\n\nforward_ms\x18\x03 \x01(\x02\x32\xa2\x01\n\x06Worker\x12J\n\x07\x46orward\x12\x1e.radixmesh.worker.ForwardBatch\x1a\x1f.radixmesh.worker.ForwardResult\x12L\n\x07GetInfo\x12#.radixmesh.worker.WorkerInfoRequest\x1a\x1c.radixmesh.worker.WorkerInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cradixmesh/proto/worker.proto\x12\x10radixmesh.worker\"\x13\n\x11WorkerInfoRequest\"\xec\x01\n\nWorkerInfo\x12\x11\n\tnum_slots\x18\x01 \x01(\x05\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x1f\n\x17max_position_embeddings\x18\x03 \x01(\x05\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x12\n\nmodel_path\x18\x05 \x01(\t\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x0f\n\x07tp_rank\x18\x07 \x01(\x05\x12\x0f\n\x07tp_size\x18\x08 \x01(\x05\x12\x12\n\nnum_layers\x18\t \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\n \x01(\x05\x12\x10\n\x08head_dim\x18\x0b \x01(\x05\"\xf5\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x05 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x07 \x01(\x02\x12\x16\n\x0emin_new_tokens\x18\x08 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\t \x03(\x05\x12\x0c\n\x04seed\x18\n \x01(\x04\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\"\xd8\x01\n\nNewRequest\x12\x0b\n\x03rid\x18\x01 \x01(\t\x12\x12\n\nprefix_ids\x18\x02 \x03(\x05\x12\x14\n\x0cprefix_slots\x18\x03 \x03(\x05\x12\x12\n\nprompt_len\x18\x04 \x01(\x05\x12\x32\n\x08sampling\x18\x05 \x01(\x0b\x32 .radixmesh.worker.SamplingParams\x12\x18\n\x10top_logprobs_num\x18\x06 \x01(\x05\x12\x16\n\x0ereturn_logprob\x18\x07 \x01(\x08\x12\x19\n\x11logprob_start_len\x18\x08 \x01(\x05\"M\n\x0c\x46orwardEntry\x12\x0b\n\x03rid\x18\x01 \x01(\t\x12\x11\n\tinput_ids\x18\x02 \x03(\x05\x12\r\n\x05slots\x18\x03 \x03(\x05\x12\x0e\n\x06sample\x18\x04 \x01(\x08\"T\n\x06KVCopy\x12\x0f\n\x07\x63opy_id\x18\x01 \x01(\x04\x12\x0f\n\x07to_host\x18\x02 \x01(\x08\x12\x14\n\x0c\x64\x65vice_slots\x18\x03 \x03(\x05\x12\x12\n\nhost_slots\x18\x04 \x03(\x03\"\xa7\x01\n\x08HostPool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x11\n\tnum_slots\x18\x03 \x01(\x03\x12\x0e\n\x06layout\x18\x04 \x01(\t\x12\x12\n\nnum_layers\x18\x05 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x06 \x01(\x05\x12\x10\n\x08head_dim\x18\x07 \x01(\x05\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12\x11\n\tpage_size\x18\t \x01(\x05\"\xeb\x01\n\x0c\x46orwardBatch\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x32\n\x0cnew_requests\x18\x02 \x03(\x0b\x32\x1c.radixmesh.worker.NewRequest\x12/\n\x07\x65ntries\x18\x03 \x03(\x0b\x32\x1e.radixmesh.worker.ForwardEntry\x12\x0f\n\x07release\x18\x04 \x03(\t\x12(\n\x06\x63opies\x18\x05 \x03(\x0b\x32\x18.radixmesh.worker.KVCopy\x12-\n\thost_pool\x18\x06 \x01(\x0b\x32\x1a.radixmesh.worker.HostPool\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"<\n\x0bTopLogprobs\x12-\n\x05items\x18\x01 \x03(\x0b\x32\x1e.radixmesh.worker.TokenLogprob\"\xe3\x01\n\x0b\x45ntryResult\x12\x0b\n\x03rid\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\x05\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12\x33\n\x0ctop_logprobs\x18\x04 \x01(\x0b\x32\x1d.radixmesh.worker.TopLogprobs\x12\x1c\n\x14input_logprobs_start\x18\x05 \x01(\x05\x12\x16\n\x0einput_logprobs\x18\x06 \x03(\x02\x12\x39\n\x12input_top_logprobs\x18\x07 \x03(\x0b\x32\x1d.radixmesh.worker.TopLogprobs\"v\n\rForwardResult\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12.\n\x07results\x18\x02 \x03(\x0b\x32\x1d.radixmesh.worker.EntryResult\x12\x12\n\nforward_ms\x18\x03 \x01(\x02\x12\x13\n\x0b\x63opies_done\x18\x04 \x03(\x04\x32\xa2\x01\n\x06Worker\x12J\n\x07\x46orward\x12\x1e.radixmesh.worker.ForwardBatch\x1a\x1f.radixmesh.worker.ForwardResult\x12L\n\x07GetInfo\x12#.radixmesh.worker.WorkerInfoRequest\x1a\x1c.radixmesh.worker.WorkerInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,23 +34,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_WORKERINFOREQUEST']._serialized_start=50
   _globals['_WORKERINFOREQUEST']._serialized_end=69
   _globals['_WORKERINFO']._serialized_start=72
-  _globals['_WORKERINFO']._serialized_end=248
-  _globals['_SAMPLINGPARAMS']._serialized_start=251
-  _globals['_SAMPLINGPARAMS']._serialized_end=496
-  _globals['_NEWREQUEST']._serialized_start=499
-  _globals['_NEWREQUEST']._serialized_end=715
-  _globals['_FORWARDENTRY']._serialized_start=717
-  _globals['_FORWARDENTRY']._serialized_end=794
-  _globals['_FORWARDBATCH']._serialized_start=797
-  _globals['_FORWARDBATCH']._serialized_end=943
-  _globals['_TOKENLOGPROB']._serialized_start=945
-  _globals['_TOKENLOGPROB']._serialized_end=994
-  _globals['_TOPLOGPROBS']._serialized_start=996
-  _globals['_TOPLOGPROBS']._serialized_end=1056
-  _globals['_ENTRYRESULT']._serialized_start=1059
-  _globals['_ENTRYRESULT']._serialized_end=1286
-  _globals['_FORWARDRESULT']._serialized_start=1288
-  _globals['_FORWARDRESULT']._serialized_end=1385
-  _globals['_WORKER']._serialized_start=1388
-  _globals['_WORKER']._serialized_end=1550
+  _globals['_WORKERINFO']._serialized_end=308
+  _globals['_SAMPLINGPARAMS']._serialized_start=311
+  _globals['_SAMPLINGPARAMS']._serialized_end=556
+  _globals['_NEWREQUEST']._serialized_start=559
+  _globals['_NEWREQUEST']._serialized_end=775
+  _globals['_FORWARDENTRY']._serialized_start=777
+  _globals['_FORWARDENTRY']._serialized_end=854
+  _globals['_KVCOPY']._serialized_start=856
+  _globals['_KVCOPY']._serialized_end=940
+  _globals['_HOSTPOOL']._serialized_start=943
+  _globals['_HOSTPOOL']._serialized_end=1110
+  _globals['_FORWARDBATCH']._serialized_start=1113
+  _globals['_FORWARDBATCH']._serialized_end=1348
+  _globals['_TOKENLOGPROB']._serialized_start=1350
+  _globals['_TOKENLOGPROB']._serialized_end=1399
+  _globals['_TOPLOGPROBS']._serialized_start=1401
+  _globals['_TOPLOGPROBS']._serialized_end=1461
+  _globals['_ENTRYRESULT']._serialized_start=1464
+  _globals['_ENTRYRESULT']._serialized_end=1691
+  _globals['_FORWARDRESULT']._serialized_start=1693
+  _globals['_FORWARDRESULT']._serialized_end=1811
+  _globals['_WORKER']._serialized_start=1814
+  _globals['_WORKER']._serialized_end=1976
 # @@protoc_insertion_point(module_scope)

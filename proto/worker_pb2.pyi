@@ -11,7 +11,7 @@ class WorkerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("num_slots", "vocab_size", "max_position_embeddings", "eos_token_ids", "model_path", "dtype", "tp_rank", "tp_size")
+    __slots__ = ("num_slots", "vocab_size", "max_position_embeddings", "eos_token_ids", "model_path", "dtype", "tp_rank", "tp_size", "num_layers", "num_kv_heads", "head_dim")
     NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_POSITION_EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
@@ -20,6 +20,9 @@ class WorkerInfo(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     TP_RANK_FIELD_NUMBER: _ClassVar[int]
     TP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
     num_slots: int
     vocab_size: int
     max_position_embeddings: int
@@ -28,7 +31,10 @@ class WorkerInfo(_message.Message):
     dtype: str
     tp_rank: int
     tp_size: int
-    def __init__(self, num_slots: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_position_embeddings: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., model_path: _Optional[str] = ..., dtype: _Optional[str] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ...) -> None: ...
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    def __init__(self, num_slots: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_position_embeddings: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., model_path: _Optional[str] = ..., dtype: _Optional[str] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens", "stop_token_ids", "seed", "ignore_eos")
@@ -88,17 +94,55 @@ class ForwardEntry(_message.Message):
     sample: bool
     def __init__(self, rid: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., slots: _Optional[_Iterable[int]] = ..., sample: _Optional[bool] = ...) -> None: ...
 
+class KVCopy(_message.Message):
+    __slots__ = ("copy_id", "to_host", "device_slots", "host_slots")
+    COPY_ID_FIELD_NUMBER: _ClassVar[int]
+    TO_HOST_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    HOST_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    copy_id: int
+    to_host: bool
+    device_slots: _containers.RepeatedScalarFieldContainer[int]
+    host_slots: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, copy_id: _Optional[int] = ..., to_host: _Optional[bool] = ..., device_slots: _Optional[_Iterable[int]] = ..., host_slots: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class HostPool(_message.Message):
+    __slots__ = ("name", "path", "num_slots", "layout", "num_layers", "num_kv_heads", "head_dim", "dtype", "page_size")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    num_slots: int
+    layout: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    page_size: int
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., num_slots: _Optional[int] = ..., layout: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., page_size: _Optional[int] = ...) -> None: ...
+
 class ForwardBatch(_message.Message):
-    __slots__ = ("step", "new_requests", "entries", "release")
+    __slots__ = ("step", "new_requests", "entries", "release", "copies", "host_pool")
     STEP_FIELD_NUMBER: _ClassVar[int]
     NEW_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
+    COPIES_FIELD_NUMBER: _ClassVar[int]
+    HOST_POOL_FIELD_NUMBER: _ClassVar[int]
     step: int
     new_requests: _containers.RepeatedCompositeFieldContainer[NewRequest]
     entries: _containers.RepeatedCompositeFieldContainer[ForwardEntry]
     release: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, step: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., entries: _Optional[_Iterable[_Union[ForwardEntry, _Mapping]]] = ..., release: _Optional[_Iterable[str]] = ...) -> None: ...
+    copies: _containers.RepeatedCompositeFieldContainer[KVCopy]
+    host_pool: HostPool
+    def __init__(self, step: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., entries: _Optional[_Iterable[_Union[ForwardEntry, _Mapping]]] = ..., release: _Optional[_Iterable[str]] = ..., copies: _Optional[_Iterable[_Union[KVCopy, _Mapping]]] = ..., host_pool: _Optional[_Union[HostPool, _Mapping]] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")
@@ -133,11 +177,13 @@ class EntryResult(_message.Message):
     def __init__(self, rid: _Optional[str] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Union[TopLogprobs, _Mapping]] = ..., input_logprobs_start: _Optional[int] = ..., input_logprobs: _Optional[_Iterable[float]] = ..., input_top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ...) -> None: ...
 
 class ForwardResult(_message.Message):
-    __slots__ = ("step", "results", "forward_ms")
+    __slots__ = ("step", "results", "forward_ms", "copies_done")
     STEP_FIELD_NUMBER: _ClassVar[int]
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     FORWARD_MS_FIELD_NUMBER: _ClassVar[int]
+    COPIES_DONE_FIELD_NUMBER: _ClassVar[int]
     step: int
     results: _containers.RepeatedCompositeFieldContainer[EntryResult]
     forward_ms: float
-    def __init__(self, step: _Optional[int] = ..., results: _Optional[_Iterable[_Union[EntryResult, _Mapping]]] = ..., forward_ms: _Optional[float] = ...) -> None: ...
+    copies_done: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, step: _Optional[int] = ..., results: _Optional[_Iterable[_Union[EntryResult, _Mapping]]] = ..., forward_ms: _Optional[float] = ..., copies_done: _Optional[_Iterable[int]] = ...) -> None: ...

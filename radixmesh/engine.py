@@ -8,7 +8,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import random
+import tempfile
 import threading
 import uuid
 from collections.abc import Awaitable, Iterator
@@ -16,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from typing import Any
 
+from radixmesh.core.hicache import KVGeometry
 from radixmesh.core.model_files import resolve_model_path
 from radixmesh.core.request import FinishKind, FinishReason, LogprobRequest
 from radixmesh.core.sampling_params import SamplingParams
@@ -23,7 +26,9 @@ from radixmesh.core.settings import EngineArgs
 from radixmesh.core.step import StepResult
 from radixmesh.core.tokenizer import Tokenizer
 from radixmesh.request_output import RequestStream
+from radixmesh.services.cachectl.host_pool import LocalCachectl, in_process_engine_id
 from radixmesh.services.scheduler.engine_loop import EngineLoop
+from radixmesh.services.scheduler.host_link import HostLink
 from radixmesh.services.scheduler.request import Req
 from radixmesh.services.scheduler.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from radixmesh.services.worker.runner import ModelRunner, load_runner
@@ -48,6 +53,7 @@ class _Streams:
 
     def __init__(self, scheduler: Scheduler) -> None:
         self._scheduler = scheduler
+        self.host_link: HostLink | None = None
         # Keyed by the request object, so a refused duplicate id never takes another's stream.
         self._streams: dict[Req, RequestStream] = {}
 
@@ -70,6 +76,8 @@ class _Streams:
                 stream.update()
             if req.finish is not None:
                 del self._streams[req]
+        if self.host_link is not None:
+            self.host_link.after_schedule(self._scheduler)
 
     def fail_all(self, error: Exception) -> None:
         for stream in list(self._streams.values()):
@@ -105,6 +113,14 @@ class Engine:
             self.scheduler, _DirectExecutor(self.runner, self._torch), self._streams,
             overlap=not a.disable_overlap_schedule,
         )
+        if a.enable_hierarchical_cache:
+            geometry = KVGeometry(
+                loaded.num_layers, loaded.num_kv_heads, loaded.head_dim, a.dtype, a.page_size
+            )
+            self._streams.host_link = HostLink(
+                LocalCachectl(_shm_dir()), self.loop, in_process_engine_id(), geometry,
+                self.runner.pool.num_slots, a,
+            )
         # Guards _closed: once set, nothing new enters the loop (see shutdown / _run).
         self._lock = threading.Lock()
         self._closed = False
@@ -244,10 +260,20 @@ class Engine:
 
     # ---- the scheduler thread --------------------------------------------------------------
 
+    async def _serve(self) -> None:
+        link = self._streams.host_link
+        if link is not None:
+            await link.start()
+        try:
+            await self.loop.run()
+        finally:
+            if link is not None:
+                await link.close()
+
     def _run(self) -> None:
         error = RuntimeError("the engine was shut down")
         try:
-            self._events.run_until_complete(self.loop.run())
+            self._events.run_until_complete(self._serve())
         except Exception as exc:
             log.exception("the scheduler thread failed")
             error = RuntimeError(f"the engine failed: {exc!r}")
@@ -256,6 +282,11 @@ class Engine:
         self.loop.fail_pending(error)
         self._streams.fail_all(error)
         self._events.close()
+
+
+def _shm_dir() -> str:
+    """Where the in-process host tier's segment lives: a tmpfs where there is one."""
+    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
 
 def _as_list(

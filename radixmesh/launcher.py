@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from radixmesh.core.settings import (
+    CachectlConfig,
     DetokenizerConfig,
     DeviceSettings,
     HiCacheSettings,
@@ -43,6 +44,7 @@ SERVICE_CONFIGS: dict[str, type[Settings]] = {
     "scheduler": SchedulerServiceConfig,
     "detokenizer": DetokenizerConfig,
     "tokenizer": TokenizerServiceConfig,
+    "cachectl": CachectlConfig,
 }
 
 
@@ -112,14 +114,21 @@ class Mesh:
         dist = f"tcp://{a.host}:{free_port(a.host)}"
         processes = a.dp_size * a.tp_size
         threads = max(1, (os.cpu_count() or 1) // processes)
+        scheduler: dict[str, Any] = {
+            "engine_id": f"e{e}", "worker_addrs": ",".join(f"{a.host}:{p}" for p in ports),
+        }
+        if a.enable_hierarchical_cache:
+            # Before the engine's other processes: up when the scheduler asks for a segment,
+            # and (stopped in reverse order) unlinking it only after they have gone.
+            cachectl_port = free_port(a.host)
+            self._spawn(f"cachectl-{e}", "cachectl", {"port": cachectl_port})
+            scheduler["cachectl_addr"] = f"{a.host}:{cachectl_port}"
         for rank, port in enumerate(ports):
             self._spawn(f"worker-{e}.{rank}", "worker", {
                 "port": port, "tp_size": a.tp_size, "tp_rank": rank, "dist_init_addr": dist,
                 "num_threads": threads if processes > 1 else 0,
             })
-        self._spawn(f"scheduler-{e}", "scheduler", {
-            "engine_id": f"e{e}", "worker_addrs": ",".join(f"{a.host}:{p}" for p in ports),
-        })
+        self._spawn(f"scheduler-{e}", "scheduler", scheduler)
 
     def _start_tokenizer(self, t: int) -> None:
         a = self.args

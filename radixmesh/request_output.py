@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from radixmesh.core.detokenize import RequestText, TextRules
-from radixmesh.core.meta_info import LogprobLists, meta_info
+from radixmesh.core.meta_info import CachedTokens, LogprobLists, meta_info
 from radixmesh.core.request import FinishKind
 from radixmesh.core.tokenizer import Tokenizer
 from radixmesh.services.scheduler.request import Req
@@ -132,6 +132,6 @@ class RequestStream:
             req.finish.to_dict() if req.finish else None,
             len(req.input_ids),
             len(req.output_ids),
-            req.cached_tokens,
+            CachedTokens.split(req.cached_tokens, host=req.cached_host_tokens),
             logprobs=logprobs,
         )

@@ -1,6 +1,7 @@
 """A stand-in for an engine replica (scheduler + workers + detokenizers) on NATS: it
 heartbeats, and answers each EngineRequest by echoing the prompt's tokens back as
-TextChunks sent straight to the request's reply_to subject. No model runs."""
+TextChunks sent straight to the request's reply_to subject, with the longest prefix it has
+seen before as the cache hit (part of it from the host tier). No model runs."""
 
 from __future__ import annotations
 
@@ -25,6 +26,11 @@ def token_text(token_id: int) -> str:
 def echo_ids(input_ids: list[int], n: int) -> list[int]:
     """The fake's output: the prompt's tokens over and over, n of them."""
     return [input_ids[i % len(input_ids)] for i in range(n)]
+
+
+def host_part(cached: int) -> int:
+    """How much of a prefix hit the fake says came back from the host tier (HiCache)."""
+    return cached // 2
 
 
 def output_logprob(i: int) -> float:
@@ -182,7 +188,8 @@ class FakeEngine:
         ids = list(request.input_ids)
         out = echo_ids(ids, request.max_new_tokens)
         cached = self._cached(ids)
-        common = {"rid": request.rid, "prompt_tokens": len(ids), "cached_tokens": cached}
+        common = {"rid": request.rid, "prompt_tokens": len(ids), "cached_tokens": cached,
+                  "cached_host_tokens": host_part(cached)}
         chunks = [
             mpb.TextChunk(seq=i, text=token_text(t), output_ids=[t], completion_tokens=i + 1,
                           **common)

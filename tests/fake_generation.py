@@ -27,6 +27,11 @@ def output_logprob(position: int) -> float:
 PROMPT_LOGPROB = -0.5
 
 
+def host_part(cached: int) -> int:
+    """How much of a prefix hit the fake says came back from the host tier (HiCache)."""
+    return cached // 2
+
+
 class FakeGenerationClient:
     """Replies `reply_for(request)` then EOS, cut by stop strings and max_new_tokens."""
 
@@ -131,6 +136,7 @@ class FakeGenerationClient:
             completion_tokens=k + 1,
             cached_tokens=cached,
             finish=finish,
+            cached_host_tokens=host_part(cached),
         )
         wanted = request.logprobs
         if not wanted.return_logprob:

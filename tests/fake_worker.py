@@ -3,11 +3,17 @@
 Its "KV pool" records which (token, position) each slot holds; every step it checks that
 each request's slots hold exactly that request's tokens, so a slot handed out twice, a
 wrong cached prefix or a stale slot fails loudly. The next token is a function of the
-whole sequence, as a real model's would be."""
+whole sequence, as a real model's would be.
+
+With `host_slots`, it has a host pool too: loads copy host slots into device slots before
+the step, and each backup copies its device slots to the host only `ack_delay` steps
+later (then reports it done), the latest a real worker may: a device slot the scheduler
+freed or reused before the acknowledgement would put the wrong KV in the host tier, and
+the load of it would fail the step's check."""
 
 from __future__ import annotations
 
-from radixmesh.core.step import EntryResult, StepBatch, StepResult
+from radixmesh.core.step import EntryResult, KVCopy, StepBatch, StepResult
 
 VOCAB = 50
 
@@ -23,10 +29,14 @@ def next_token(tokens: list[int]) -> int:
 class FakeWorker:
     """Mirrors the model runner's per-request state and checks every slot it reads."""
 
-    def __init__(self, num_slots: int) -> None:
+    def __init__(self, num_slots: int, host_slots: int = 0, ack_delay: int = 0) -> None:
         self.pool: list[tuple[int, int] | None] = [None] * num_slots
+        self.host: list[tuple[int, int] | None] = [None] * host_slots
         self.reqs: dict[str, tuple[list[int], list[int], list[int]]] = {}  # ids, slots, last
         self.steps = 0
+        self.ack_delay = ack_delay
+        self.backups: list[tuple[int, KVCopy]] = []  # (step it completes at, copy)
+        self.copied = {"to_host": 0, "to_device": 0}  # tokens
 
     def forward(self, batch: StepBatch) -> StepResult:
         self.steps += 1
@@ -37,6 +47,12 @@ class FakeWorker:
             # Prefix slots may be written by this very step (a prefix shared within the
             # batch), so they are checked with the rest after the step's writes.
             self.reqs[new.rid] = (list(new.prefix_ids), list(new.prefix_slots), [-1])
+        for copy in batch.copies:
+            if not copy.to_host:
+                for dev, host in zip(copy.device_slots, copy.host_slots, strict=True):
+                    assert self.host[host] is not None, f"load of empty host slot {host}"
+                    self.pool[dev] = self.host[host]
+                self.copied["to_device"] += len(copy.device_slots)
         result = StepResult(batch.step)
         written: set[int] = set()
         for entry in batch.entries:
@@ -60,6 +76,14 @@ class FakeWorker:
             result.results.append(out)
             if entry.sample:
                 last[0] = out.token_id = next_token(ids)
+        self.backups.extend((self.steps + self.ack_delay, c) for c in batch.copies if c.to_host)
+        for due, copy in list(self.backups):
+            if due <= self.steps:
+                for dev, host in zip(copy.device_slots, copy.host_slots, strict=True):
+                    self.host[host] = self.pool[dev]
+                self.copied["to_host"] += len(copy.device_slots)
+                result.copies_done.append(copy.copy_id)
+                self.backups.remove((due, copy))
         return result
 
 

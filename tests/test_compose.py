@@ -17,7 +17,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE_FILE = ROOT / "compose.yaml"
 BINARY = Path(compose.__file__).parent / "docker-compose"
-MESH = ("worker", "scheduler", "detokenizer", "tokenizer")
+MESH = ("cachectl", "worker", "scheduler", "detokenizer", "tokenizer")
 SCALABLE = ("tokenizer", "detokenizer")
 CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 
@@ -136,6 +136,24 @@ def test_scheduler_points_at_nats_and_the_worker(services):
         assert scheduler["depends_on"][dependency]["condition"] == "service_healthy"
 
 
+def test_cachectl_shares_its_shared_memory_with_the_worker(services):
+    cachectl, worker = services["cachectl"], services["worker"]
+    assert cachectl["ipc"] == "shareable"
+    assert int(cachectl["shm_size"]) >= 1 << 30
+    assert worker["ipc"] == "service:cachectl"
+    assert "shm_size" not in worker  # a joined IPC namespace has the owner's /dev/shm
+    assert worker["depends_on"]["cachectl"]["condition"] == "service_started"
+    assert "ports" not in cachectl  # only the engine's own scheduler talks to it
+
+
+def test_scheduler_reaches_cachectl_with_the_host_tier_off(services):
+    env = services["scheduler"]["environment"]
+    cachectl_port = services["cachectl"]["environment"]["RADIXMESH_PORT"]
+    assert env["RADIXMESH_CACHECTL_ADDR"] == f"cachectl:{cachectl_port}"
+    assert env["RADIXMESH_ENABLE_HIERARCHICAL_CACHE"] == "false"
+    assert services["scheduler"]["depends_on"]["cachectl"]["condition"] == "service_healthy"
+
+
 def test_mesh_environment_reaches_nats_and_jaeger(services):
     for name in MESH:
         env = services[name]["environment"]
@@ -145,7 +163,7 @@ def test_mesh_environment_reaches_nats_and_jaeger(services):
         assert (otlp.hostname, otlp.port) == ("jaeger", 4317)
         assert env["OTEL_SERVICE_NAME"] == f"radixmesh-{name}"
         assert env["RADIXMESH_HOST"] == "0.0.0.0"
-        if name != "worker":
+        if name not in ("worker", "cachectl"):
             assert services[name]["depends_on"]["nats"]["condition"] == "service_healthy"
     assert 4317 in {p["target"] for p in services["jaeger"]["ports"]}
     assert services["worker"]["environment"]["RADIXMESH_DTYPE"] == "bfloat16"

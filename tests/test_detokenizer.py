@@ -235,6 +235,8 @@ def test_runs_of_loose_utf8_bytes(picks: list[str], sizes: list[int], skip: bool
 
 @settings(max_examples=100, deadline=None)
 @given(prompt=texts, output=texts)
+@example(prompt="\ufffd", output="")  # a prompt that really ends in U+FFFD is not pending
+@example(prompt="ok \ufffd", output=" then")
 def test_prompt_gives_mid_text_decoding(prompt: str, output: str) -> None:
     tok = byte_level_bpe()
     prompt_ids = tok.encode(prompt).ids

@@ -14,16 +14,22 @@ import aiohttp
 import nats
 from process_helpers import service_process
 
+from radixmesh.core.request import FinishKind, FinishReason
+from radixmesh.core.sampling_params import SamplingParams
 from radixmesh.core.settings import DetokenizerConfig
 from radixmesh.core.tokenizer import Tokenizer
 from radixmesh.mesh import subjects
 from radixmesh.proto import mesh_pb2 as mpb
 from radixmesh.proto import worker_pb2 as wpb
 from radixmesh.services.detokenizer.server import DetokenizerService, step_replies
+from radixmesh.services.scheduler.mesh_io import UpdateBuilder
+from radixmesh.services.scheduler.request import Req
 
 OWNER_A = subjects.tokenizer_out("a")
 OWNER_B = subjects.tokenizer_out("b")
 ENGINE = "e1"
+# A prefix hit split by tier, passed through untouched.
+CACHED = {"cached_tokens": 6, "cached_host_tokens": 3, "cached_storage_tokens": 1}
 
 
 @functools.cache
@@ -58,7 +64,7 @@ def two_requests() -> tuple[mpb.TokenStep, mpb.TextChunks, mpb.TextChunks, mpb.A
         "r1", OWNER_A, 0, prompt, sent=[], new=hello,
         detok=mpb.DetokSpec(skip_special_tokens=True, prompt_tail=prompt),
         prompt_tokens=1,
-        cached_tokens=1,
+        **CACHED,
         logprobs=mpb.Logprobs(
             output=[-0.5, -1.0, -1.5, -2.0],
             output_top=[
@@ -81,7 +87,7 @@ def two_requests() -> tuple[mpb.TokenStep, mpb.TextChunks, mpb.TextChunks, mpb.A
                 text=" Hello 😀 world",
                 output_ids=hello,
                 prompt_tokens=1,
-                cached_tokens=1,
+                **CACHED,
                 completion_tokens=4,
                 logprobs=plain.logprobs,
             )
@@ -146,14 +152,39 @@ def test_updates_after_a_stop_string_repeat_the_stop() -> None:
     assert replies.stop_matches == 0
 
 
+def test_the_cache_tiers_of_a_request_reach_its_updates_and_chunks() -> None:
+    tok = tokenizer()
+    prompt = tok.encode("one two three four five six")
+    req = Req(rid="r", input_ids=prompt, params=SamplingParams(max_new_tokens=2), seed=0)
+    builder = UpdateBuilder(ENGINE)
+    builder.register(req, mpb.EngineRequest(reply_to=OWNER_A, detok_context=1))
+    req.cached_tokens, req.cached_host_tokens = 5, 2
+    req.output_ids.append(100)
+    first = builder.build(req)
+    req.output_ids.append(200)
+    req.finish = FinishReason(FinishKind.LENGTH, 2)
+    updates = [first, builder.build(req)]
+    # Every update, not only the first, carries the whole split; no storage tier yet.
+    for update in updates:
+        assert (update.cached_tokens, update.cached_host_tokens) == (5, 2)
+        assert update.cached_storage_tokens == 0
+    chunks = step_replies(mpb.TokenStep(updates=updates), tok.decode).chunks[OWNER_A].chunks
+    assert [(c.cached_tokens, c.cached_host_tokens, c.cached_storage_tokens) for c in chunks] == [
+        (5, 2, 0),
+        (5, 2, 0),
+    ]
+
+
 def test_a_bad_update_aborts_only_its_request() -> None:
     tok = tokenizer()
-    bad = mpb.TokenUpdate(rid="bad", reply_to=OWNER_A, seq=0, new_ids=[-1], engine_id=ENGINE)
+    bad = mpb.TokenUpdate(rid="bad", reply_to=OWNER_A, seq=0, new_ids=[-1], engine_id=ENGINE,
+                          **CACHED)
     good = mpb.TokenUpdate(rid="ok", reply_to=OWNER_A, seq=0, new_ids=tok.encode("fine"))
     nowhere = mpb.TokenUpdate(rid="lost", seq=0, new_ids=tok.encode("x"))
     replies = step_replies(mpb.TokenStep(updates=[bad, good, nowhere]), tok.decode)
     failed, fine = replies.chunks[OWNER_A].chunks
     assert failed.finish.kind == "abort" and failed.finish.message.startswith("detokenizer")
+    assert {name: getattr(failed, name) for name in CACHED} == CACHED
     assert fine.text == "fine" and not fine.HasField("finish")
     assert list(replies.chunks) == [OWNER_A]
     assert [subject for subject, _ in replies.aborts] == [subjects.engine_abort(ENGINE)]

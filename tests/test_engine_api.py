@@ -13,7 +13,11 @@ from typing import Any
 
 import pytest
 
+from radixmesh.core.request import FinishKind, FinishReason
+from radixmesh.core.sampling_params import SamplingParams
 from radixmesh.engine import Engine
+from radixmesh.request_output import RequestStream
+from radixmesh.services.scheduler.request import Req
 
 PROMPT = "The capital of France is"
 # Greedy SmolLM2 answers this in a few tokens and then emits <|im_end|> (eos id 2).
@@ -113,6 +117,11 @@ def test_generate_returns_text_ids_and_meta(engine: Engine, greedy16: Result) ->
     assert meta["cached_tokens"] == meta["prompt_tokens"] - 1  # greedy16 ran it just before
     assert meta["finish_reason"] == {"type": "length", "length": 8}
     assert "output_token_logprobs" not in meta
+    assert meta["cached_tokens_details"] == {
+        "device": meta["cached_tokens"], "host": 0, "storage": 0
+    }
+    assert list(meta) == ["id", "finish_reason", "prompt_tokens", "completion_tokens",
+                          "cached_tokens", "cached_tokens_details"]
 
 
 def test_rid_and_input_ids_are_honoured(engine: Engine, greedy16: Result) -> None:
@@ -164,13 +173,31 @@ def test_repeated_prompt_hits_the_prefix_cache(engine: Engine) -> None:
     second = one(engine, prompt, params)
     n = first["meta_info"]["prompt_tokens"]
     assert first["meta_info"]["cached_tokens"] == 0
+    assert first["meta_info"]["cached_tokens_details"] == {"device": 0, "host": 0, "storage": 0}
     # all but the last prompt token, whose logits the new request must compute
     assert second["meta_info"]["cached_tokens"] == n - 1
+    assert second["meta_info"]["cached_tokens_details"] == {
+        "device": n - 1, "host": 0, "storage": 0
+    }
     assert second["output_ids"] == first["output_ids"]  # the cached K/V is the right K/V
     salted = one(engine, prompt, params, cache_salt="tenant-b")
     assert salted["meta_info"]["cached_tokens"] == 0
     assert salted["output_ids"] == first["output_ids"]
     assert_nothing_held(engine)
+
+
+def test_meta_info_splits_the_cached_tokens_by_tier(engine: Engine) -> None:
+    prompt = engine.tokenizer.encode(PROMPT)
+    req = Req(rid="tiers", input_ids=prompt, params=SamplingParams(max_new_tokens=1), seed=0)
+    req.cached_tokens, req.cached_host_tokens = len(prompt) - 1, 2  # as HiCache reports it
+    req.output_ids.append(prompt[0])
+    req.finish = FinishReason(FinishKind.LENGTH, 1)
+    stream = RequestStream(req, engine.tokenizer, streaming=True)
+    stream.update()
+    meta = stream.result()["meta_info"]
+    assert meta["cached_tokens"] == len(prompt) - 1
+    assert meta["cached_tokens_details"] == {"device": len(prompt) - 3, "host": 2, "storage": 0}
+    assert [chunk["meta_info"] for chunk in stream.chunks()] == [meta]
 
 
 def test_multi_turn_reuses_the_previous_turn(engine: Engine) -> None:

@@ -32,10 +32,12 @@ PROTOBUF_MODULES = {
     "radixmesh.services.scheduler.mesh_io",
     "radixmesh.services.scheduler.server",
     "radixmesh.services.scheduler.worker_client",
+    "radixmesh.services.scheduler.cachectl_client",
     "radixmesh.services.worker.server",
     "radixmesh.services.detokenizer.server",
     "radixmesh.services.detokenizer.metrics",
     "radixmesh.services.detokenizer.step_trace",
+    "radixmesh.services.cachectl.server",
     "radixmesh.services.tokenizer.client",
     "radixmesh.services.tokenizer.grpc_api",
     "radixmesh.services.tokenizer.router",
@@ -125,6 +127,7 @@ def test_only_transport_modules_import_protobuf():
     "radixmesh.services.scheduler.engine_loop",
     "radixmesh.services.worker.runner",
     "radixmesh.services.worker.sampling",
+    "radixmesh.services.cachectl.host_pool",
 ])
 def test_domain_logic_imports_no_transport(module):
     bad = sorted(name for name in imports_of(MODULES[module]) if _under(name, TRANSPORT))

@@ -79,9 +79,12 @@ def test_native_generate_single_stream_logprobs_and_cache(client):
     meta = first["meta_info"]
     assert meta["prompt_tokens"] > 0 and meta["completion_tokens"] == 16
     assert set(meta) >= {"id", "prompt_tokens", "completion_tokens", "cached_tokens",
-                         "finish_reason"}
+                         "cached_tokens_details", "finish_reason"}
     again = client.post("/generate", json=body).json()
-    assert again["meta_info"]["cached_tokens"] == meta["prompt_tokens"] - 1
+    hit = meta["prompt_tokens"] - 1
+    assert again["meta_info"]["cached_tokens"] == hit
+    # Through scheduler, detokenizer and tokenizer: the device pool still holds it all.
+    assert again["meta_info"]["cached_tokens_details"] == {"device": hit, "host": 0, "storage": 0}
     assert again["output_ids"] == first["output_ids"]
 
     with client.stream("POST", "/generate", json={**body, "stream": True}) as r:
@@ -131,20 +134,24 @@ def test_openai_chat_and_completions(mesh, client):
 
 
 def test_grpc_generate_streams(mesh):
-    async def run() -> list[gpb.GenerateResponse]:
+    async def run() -> tuple[list[gpb.GenerateResponse], list[gpb.GenerateResponse]]:
         async with grpc.aio.insecure_channel(mesh.grpc_addrs[0]) as channel:
             stub = ggrpc.GenerateStub(channel)
             request = gpb.GenerateRequest(
                 text="Count: one, two,",
                 sampling_params=gpb.ClientSamplingParams(max_new_tokens=10, temperature=0),
             )
-            return [r async for r in stub.Generate(request)]
+            first = [r async for r in stub.Generate(request)]
+            return first, [r async for r in stub.Generate(request)]
 
-    responses = asyncio.run(run())
+    responses, again = asyncio.run(run())
     assert len(responses) > 1
     assert responses[-1].finish.kind == "length"
     assert sum(len(r.output_ids) for r in responses) == 10
     assert responses[-1].completion_tokens == 10
+    hit = again[-1].prompt_tokens - 1
+    assert again[-1].cached_tokens == hit
+    assert again[-1].cached_tokens_details == gpb.CachedTokensDetails(device=hit)
 
 
 def test_grpc_cancel_frees_slots(mesh, client):

@@ -10,7 +10,7 @@ import os
 import aiohttp
 import nats
 import pytest
-from fake_engine import FakeEngine, echo_ids, input_logprob, output_logprob, token_text
+from fake_engine import FakeEngine, echo_ids, host_part, input_logprob, output_logprob, token_text
 
 from radixmesh.core.settings import TokenizerServiceConfig
 from radixmesh.services.tokenizer.server import TokenizerServer
@@ -96,8 +96,28 @@ async def test_generate_single(stack):
     assert meta["id"] == "one"
     assert meta["finish_reason"] == {"type": "length", "length": 4}
     assert (meta["prompt_tokens"], meta["completion_tokens"], meta["cached_tokens"]) == (3, 4, 0)
+    assert meta["cached_tokens_details"] == {"device": 0, "host": 0, "storage": 0}
     assert meta["e2e_latency"] > 0
     assert "output_token_logprobs" not in meta
+    assert list(meta) == ["id", "finish_reason", "prompt_tokens", "completion_tokens",
+                          "cached_tokens", "cached_tokens_details", "e2e_latency"]
+
+
+async def test_cached_tokens_details_split_the_hit_by_tier(stack):
+    await stack.add_engine()
+    body = {"input_ids": [50, 51, 52, 53, 54, 55, 56], "sampling_params": {"max_new_tokens": 2}}
+    await stack.post("/generate", body)
+    status, warm = await stack.post("/generate", {**body, "input_ids": [50, 51, 52, 53, 54, 9]})
+    assert status == 200
+    host = host_part(5)
+    assert host > 0  # the fake engine says part of the hit came back from the host tier
+    details = {"device": 5 - host, "host": host, "storage": 0}
+    assert warm["meta_info"]["cached_tokens"] == 5
+    assert warm["meta_info"]["cached_tokens_details"] == details
+    events = _events(await stack.stream({**body, "stream": True}))[:-1]
+    full = {"device": 7 - host_part(7), "host": host_part(7), "storage": 0}
+    assert [e["meta_info"]["cached_tokens"] for e in events] == [7, 7]
+    assert [e["meta_info"]["cached_tokens_details"] for e in events] == [full, full]
 
 
 async def test_generate_text_is_tokenized_and_sampling_reaches_the_engine(stack, tokenizer):

@@ -13,7 +13,14 @@ import aiohttp
 import openai
 import pytest
 from aiohttp import web
-from fake_generation import EOS_ID, PROMPT_LOGPROB, REPLY, FakeGenerationClient, output_logprob
+from fake_generation import (
+    EOS_ID,
+    PROMPT_LOGPROB,
+    REPLY,
+    FakeGenerationClient,
+    host_part,
+    output_logprob,
+)
 from openai import AsyncOpenAI
 
 from radixmesh.core.tokenizer import Tokenizer
@@ -255,6 +262,14 @@ def test_cached_tokens_in_usage(tok):
         again = await api.chat.completions.create(model=MODEL, messages=USER, max_tokens=3)
         assert first.usage.prompt_tokens_details.cached_tokens == 0
         assert again.usage.prompt_tokens_details.cached_tokens == first.usage.prompt_tokens - 1
+        # Part of the hit came back from the host tier: usage still counts every tier, and
+        # says nothing more.
+        hit = first.usage.prompt_tokens - 1
+        assert host_part(hit) > 0
+        raw = await api.chat.completions.with_raw_response.create(
+            model=MODEL, messages=USER, max_tokens=3
+        )
+        assert json.loads(raw.text)["usage"]["prompt_tokens_details"] == {"cached_tokens": hit}
 
     run(tok, scenario)
 

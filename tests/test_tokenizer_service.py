@@ -19,7 +19,7 @@ import aiohttp
 import grpc
 import nats
 import pytest
-from fake_engine import FakeEngine, echo_ids, input_logprob, output_logprob, token_text
+from fake_engine import FakeEngine, echo_ids, host_part, input_logprob, output_logprob, token_text
 from google.protobuf import descriptor_pb2
 from google.protobuf.descriptor_pool import DescriptorPool
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -30,12 +30,15 @@ from grpc_tools import protoc
 from process_helpers import service_process
 
 from radixmesh.core.detokenize import detok_context_size
+from radixmesh.core.meta_info import CachedTokens
 from radixmesh.core.request import LogprobRequest
 from radixmesh.core.sampling_params import SamplingParams
 from radixmesh.core.settings import TokenizerServiceConfig
 from radixmesh.proto import generate_pb2 as gpb
 from radixmesh.proto import generate_pb2_grpc as ggrpc
+from radixmesh.proto import mesh_pb2 as mpb
 from radixmesh.services.tokenizer.client import (
+    ChunkAssembler,
     GenerationChunk,
     GenerationError,
     GenerationRequest,
@@ -150,6 +153,18 @@ async def test_logprobs_pass_through_and_prompt_logprobs_arrive_complete_at_the_
     assert last.input_top_logprobs[3] == [(-1.0, 14, None), (-2.0, 15, None)]
 
 
+def test_reassembly_keeps_the_cache_tiers_of_the_last_count_through_an_abort():
+    assembler = ChunkAssembler(_request([1, 2, 3, 4, 5, 6, 7], rid="t"))
+    counted = mpb.TextChunk(rid="t", seq=0, output_ids=[1], completion_tokens=1, cached_tokens=6,
+                            cached_host_tokens=3, cached_storage_tokens=1)
+    uncounted = mpb.TextChunk(rid="t", seq=1, output_ids=[2], completion_tokens=2)
+    tiers = CachedTokens(device=2, host=3, storage=1)
+    assert [c.cached_tokens_details for c in assembler.add(counted)] == [tiers]
+    (second,) = assembler.add(uncounted)
+    assert (second.cached_tokens, second.cached_tokens_details) == (6, tiers)
+    assert assembler.abort("gone").cached_tokens_details == tiers
+
+
 async def test_closing_the_iterator_early_sends_an_abort(mesh):
     engine = await mesh.add_engine("e", hold=True)
     gen = mesh.client.generate(_request([1, 2, 3], rid="held", max_new_tokens=8))
@@ -228,12 +243,15 @@ async def test_shared_prefixes_stick_to_one_engine_and_unrelated_prompts_spread(
     a = await mesh.add_engine("a", heartbeat_s=30)
     b = await mesh.add_engine("b", heartbeat_s=30)
     system = list(range(1000, 1064))
-    cached = []
+    last = []
     for i in range(4):
         chunks = await _run(mesh.client, _request(system + [i, i + 1], max_new_tokens=1))
-        cached.append(chunks[-1].cached_tokens)
+        last.append(chunks[-1])
     assert sorted([len(a.requests), len(b.requests)]) == [0, 4]
-    assert cached == [0, 64, 64, 64]  # the engine's own count, passed through
+    # The engine's own counts, passed through with their tiers.
+    assert [c.cached_tokens for c in last] == [0, 64, 64, 64]
+    hit = CachedTokens.split(64, host=host_part(64))
+    assert [c.cached_tokens_details for c in last] == [CachedTokens()] + [hit] * 3
     unrelated = [_request(list(range(2000 + 100 * i, 2040 + 100 * i)), max_new_tokens=1)
                  for i in range(5)]
     await asyncio.gather(*(_run(mesh.client, r) for r in unrelated))
@@ -316,6 +334,22 @@ async def test_grpc_generate_streams_deltas_and_finishes(grpc_stack):
     assert math.isclose(replies[0].output_token_logprobs[0].logprob, output_logprob(0),
                         rel_tol=1e-6)
     assert replies[0].output_top_logprobs[0].items[0].token_id == 21
+
+
+async def test_grpc_reports_cached_tokens_by_tier(grpc_stack):
+    stub, add_engine = grpc_stack
+    await add_engine()
+    request = gpb.GenerateRequest(input_ids=gpb.TokenIds(ids=[41, 42, 43, 44, 45, 46]),
+                                  sampling_params=gpb.ClientSamplingParams(max_new_tokens=2))
+    cold = [r async for r in stub.Generate(request)]
+    warm = [r async for r in stub.Generate(request)]
+    assert all(r.cached_tokens == 0 for r in cold)
+    assert all(r.cached_tokens_details == gpb.CachedTokensDetails() for r in cold)
+    host = host_part(6)
+    assert host > 0
+    for reply in warm:
+        assert reply.cached_tokens == 6
+        assert reply.cached_tokens_details == gpb.CachedTokensDetails(device=6 - host, host=host)
 
 
 async def test_grpc_text_prompt_is_tokenized(grpc_stack, tokenizer):
@@ -439,14 +473,20 @@ print(json.dumps({
     "radixmesh_loaded": any(name.startswith("radixmesh") for name in sys.modules),
     "replies": [[r.rid, r.text, list(r.output_ids), r.completion_tokens] for r in replies],
     "finish": [replies[-1].finish.kind, replies[-1].finish.token_id],
+    "cached": [replies[-1].cached_tokens, replies[-1].cached_tokens_details.device,
+               replies[-1].cached_tokens_details.host, replies[-1].cached_tokens_details.storage],
 }))
 """
 
 
 async def test_a_client_compiled_from_generate_proto_alone_calls_generate(grpc_server,
                                                                            grpc_stack, tmp_path):
-    _, add_engine = grpc_stack
+    stub, add_engine = grpc_stack
     await add_engine()
+    # The same prompt first, so the standalone client sees a cache hit split by tier.
+    warmup = gpb.GenerateRequest(input_ids=gpb.TokenIds(ids=[31, 32, 33]),
+                                 sampling_params=gpb.ClientSamplingParams(max_new_tokens=1))
+    _ = [r async for r in stub.Generate(warmup)]
     src, out = tmp_path / "src", tmp_path / "out"
     src.mkdir()
     out.mkdir()
@@ -468,6 +508,7 @@ async def test_a_client_compiled_from_generate_proto_alone_calls_generate(grpc_s
         ["standalone", token_text(t), [t], k + 1] for k, t in enumerate(ids)
     ]
     assert got["finish"] == ["length", 4]
+    assert got["cached"] == [3, 3 - host_part(3), host_part(3), 0]
 
 
 # ---- the process -------------------------------------------------------------------------

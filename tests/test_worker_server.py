@@ -16,7 +16,15 @@ import grpc
 import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from tiny_model import EOS, forward_script, save_tiny_model, tokens
+from tiny_model import (
+    EOS,
+    HEAD_DIM,
+    KV_HEADS,
+    LAYERS,
+    forward_script,
+    save_tiny_model,
+    tokens,
+)
 
 from radixmesh.core.step import StepResult
 from radixmesh.mesh.nats_server import free_port
@@ -118,6 +126,9 @@ def test_worker_serves_forward(model_dir, reference) -> None:
             dtype="float32",
             tp_rank=0,
             tp_size=1,
+            num_layers=LAYERS,
+            num_kv_heads=KV_HEADS,
+            head_dim=HEAD_DIM,
         )
         got = [result_from_proto(worker.stub.Forward(batch_to_proto(b))) for b in forward_script()]
         assert_same_results(got, reference)
@@ -153,6 +164,10 @@ def test_two_ranks_behind_grpc(model_dir, reference) -> None:
             worker.wait_serving()
         infos = [w.stub.GetInfo(wpb.WorkerInfoRequest()) for w in ranks]
         assert [(i.tp_rank, i.tp_size, i.num_slots) for i in infos] == [(0, 2, 496), (1, 2, 496)]
+        # The model's geometry on every rank, not the rank's share of the KV heads.
+        assert {(i.num_layers, i.num_kv_heads, i.head_dim) for i in infos} == {
+            (LAYERS, KV_HEADS, HEAD_DIM)
+        }
         results: list[list[StepResult]] = [[], []]
         for batch in forward_script():
             # Every rank gets the same batch at once: they meet in collectives.

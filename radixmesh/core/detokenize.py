@@ -324,9 +324,10 @@ class _Window:
 
     def _whole(self, boundary: int) -> int | None:
         """The last boundary, at most MAX_PENDING_TOKENS back, whose text ends in a whole
-        character."""
+        character; the output's start counts as one (the prompt's text is context as it
+        decodes, even when it ends in U+FFFD)."""
         for j in range(boundary, max(boundary - MAX_PENDING_TOKENS, self._output_start) - 1, -1):
-            if not self._decoded_at(j).endswith(REPLACEMENT_CHAR):
+            if j <= self._output_start or not self._decoded_at(j).endswith(REPLACEMENT_CHAR):
                 return j
         return None
 
@@ -335,7 +336,7 @@ class _Window:
         if boundary > self._end:
             return self._decoded_at(self._end)
         text = self._decoded_at(boundary)
-        if not text.endswith(REPLACEMENT_CHAR):
+        if boundary <= self._output_start or not text.endswith(REPLACEMENT_CHAR):
             return text
         whole = self._whole(boundary)
         if whole is None:

@@ -9,6 +9,7 @@ its own heads."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 LAYOUTS = ("layer_first", "page_first")
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
@@ -40,6 +41,7 @@ class HostPoolSpec:
     head_dim], so one page of every layer is contiguous (what a storage tier moves)."""
 
     name: str  # the shared-memory segment's name (under /dev/shm on Linux)
+    path: str  # the segment file's full path, which the worker maps
     num_slots: int  # tokens; a multiple of the page size
     layout: str  # one of LAYOUTS
     geometry: KVGeometry
@@ -67,3 +69,24 @@ def host_pool_slots(
     else:
         slots = int(device_slots * ratio)
     return slots - slots % geometry.page_size
+
+
+class HostTierClient(Protocol):
+    """The scheduler's handle on the owner of its engine's host tier: cachectl over gRPC,
+    or in process. Both raise ValueError for a request the pool cannot satisfy (a bug), and
+    an OSError when the tier cannot be had or is lost (the gRPC client's is a
+    ConnectionError): the scheduler then carries on without the host tier."""
+
+    async def open(
+        self, engine_id: str, geometry: KVGeometry, num_slots: int, layout: str
+    ) -> HostPoolSpec:
+        """A fresh segment for the engine, replacing the one it had; no slot in use."""
+
+    async def record(self, slots: list[int]) -> None:
+        """Host slots the scheduler now holds."""
+
+    async def forget(self, slots: list[int]) -> None:
+        """Host slots the scheduler no longer holds."""
+
+    async def close(self) -> None:
+        """Let go of the host tier."""

@@ -26,12 +26,36 @@ class LogprobLists:
     output_top: Sequence[Sequence[TokenLogprob]] | None = None
 
 
+@dataclass(frozen=True)
+class CachedTokens:
+    """A request's prefix-cache hit by the tier its KV came from (SGLang's
+    cached_tokens_details): the device pool, the host tier (HiCache) or a storage tier."""
+
+    device: int = 0
+    host: int = 0
+    storage: int = 0
+
+    @classmethod
+    def split(cls, total: int, host: int = 0, storage: int = 0) -> CachedTokens:
+        """A hit of `total` tokens, `host` and `storage` of them loaded back from those tiers."""
+        return cls(total - host - storage, host, storage)
+
+    @property
+    def total(self) -> int:
+        """meta_info's cached_tokens."""
+        return self.device + self.host + self.storage
+
+    def to_dict(self) -> dict[str, int]:
+        """meta_info's cached_tokens_details."""
+        return {"device": self.device, "host": self.host, "storage": self.storage}
+
+
 def meta_info(
     rid: str,
     finish_reason: dict[str, object] | None,
     prompt_tokens: int,
     completion_tokens: int,
-    cached_tokens: int,
+    cached: CachedTokens,
     e2e_latency: float | None = None,
     logprobs: LogprobLists | None = None,
     token_text: TokenText | None = None,
@@ -44,7 +68,8 @@ def meta_info(
         "finish_reason": finish_reason,
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
-        "cached_tokens": cached_tokens,
+        "cached_tokens": cached.total,
+        "cached_tokens_details": cached.to_dict(),
     }
     if e2e_latency is not None:
         meta["e2e_latency"] = e2e_latency

@@ -574,7 +574,12 @@ class RunnerSettings(KVSettings, DeviceSettings, ModelSettings):
 
 
 @dataclass(frozen=True, kw_only=True)
-class EngineArgs(EngineSettings, HiCacheSettings, ScheduleSettings, RunnerSettings):
+class ReplicaSettings(HiCacheSettings, ScheduleSettings):
+    """How an engine replica schedules requests and caches their KV."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineArgs(EngineSettings, ReplicaSettings, RunnerSettings):
     """Every knob of the in-process Engine (names follow SGLang's server args)."""
 
 
@@ -589,8 +594,7 @@ class SchedulerServiceConfig(
     NatsSettings,
     ServiceSettings,
     SchedulerSettings,
-    HiCacheSettings,
-    ScheduleSettings,
+    ReplicaSettings,
     PageSettings,
     ModelSettings,
 ):

@@ -86,6 +86,8 @@ def text_chunk(update: mpb.TokenUpdate, decode: DecodeFn) -> UpdateReply:
         finish=finish,
         prompt_tokens=update.prompt_tokens,
         cached_tokens=update.cached_tokens,
+        cached_host_tokens=update.cached_host_tokens,
+        cached_storage_tokens=update.cached_storage_tokens,
         completion_tokens=completion,
         logprobs=_kept_logprobs(update.logprobs, kept) if update.HasField("logprobs") else None,
     )
@@ -109,6 +111,8 @@ def _failed(update: mpb.TokenUpdate, error: Exception) -> UpdateReply:
         finish=mpb.Finish(kind="abort", message=f"detokenizer error: {error}"),
         prompt_tokens=update.prompt_tokens,
         cached_tokens=update.cached_tokens,
+        cached_host_tokens=update.cached_host_tokens,
+        cached_storage_tokens=update.cached_storage_tokens,
         completion_tokens=update.offset,
     )
     return UpdateReply(chunk, False, not update.HasField("finish"))

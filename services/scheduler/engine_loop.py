@@ -77,6 +77,10 @@ class EngineLoop:
         """Finish a request wherever it is; its slots return to the pool."""
         self._post("abort", (rid, reason))
 
+    def apply(self, change: Callable[[Scheduler], None]) -> None:
+        """Run `change(scheduler)` between steps (e.g. attach or detach the host tier)."""
+        self._post("apply", change)
+
     def flush(self) -> Future[bool]:
         """Drop every cached prefix; False while requests hold any."""
         return self._call("flush")
@@ -133,6 +137,8 @@ class EngineLoop:
                     self.sink.refuse(payload, exc)
             elif kind == "abort":
                 sched.abort(*payload)
+            elif kind == "apply":
+                payload(sched)
             elif kind == "flush":
                 payload.set_result(sched.flush_cache())
             elif kind == "info":

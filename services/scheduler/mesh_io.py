@@ -89,6 +89,7 @@ class UpdateBuilder:
             detok=route.detok,
             prompt_tokens=len(req.input_ids),
             cached_tokens=req.cached_tokens,
+            cached_host_tokens=req.cached_host_tokens,
             engine_id=self.engine_id,
             traceparent=traceparent,
         )

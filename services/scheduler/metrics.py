@@ -6,6 +6,7 @@ tokenizers (what clients got) and the schedulers (what engines did) without a cl
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -13,12 +14,12 @@ from typing import Any
 
 from prometheus_client import Counter, Gauge, Histogram
 
+from radixmesh.services.scheduler.hicache import HostStats
 from radixmesh.services.scheduler.scheduler import Scheduler
 
 Clock = Callable[[], float]
 
-# The tier that holds every cached token until HiCache adds host and storage tiers.
-DEVICE_TIER = "device"
+DEVICE_TIER, HOST_TIER = "device", "host"
 
 _ENGINE = ("model_name", "engine_id")
 _TIERED = (*_ENGINE, "tier")
@@ -79,6 +80,32 @@ BATCH_REQS = Histogram(
     _ENGINE,
     buckets=_SIZE_BUCKETS,
 )
+HOST_COPIES = Counter(
+    "radixmesh:hicache_copies_total",
+    "Copies between the device KV pool and the host tier, by direction",
+    (*_ENGINE, "direction"),
+)
+HOST_COPY_BYTES = Counter(
+    "radixmesh:hicache_copy_bytes_total",
+    "KV bytes copied between the device pool and the host tier, by direction",
+    (*_ENGINE, "direction"),
+)
+HOST_PENDING = Gauge(
+    "radixmesh:hicache_pending_backups", "Device-to-host copies not yet done", _ENGINE
+)
+HOST_SKIPPED = Counter(
+    "radixmesh:hicache_backups_skipped_total",
+    "Backups the write policy wanted but the host tier had no room for",
+    _ENGINE,
+)
+HOST_UP = Gauge(
+    "radixmesh:hicache_host_tier_up", "1 while the host tier is attached, else 0", _ENGINE
+)
+HOST_LOST = Counter(
+    "radixmesh:hicache_host_tier_lost_total",
+    "Times the host tier's owner (cachectl) was lost and the engine went on without it",
+    _ENGINE,
+)
 FORWARD_SECONDS = Histogram(
     "radixmesh:scheduler_forward_seconds",
     "Worker round trip per step",
@@ -115,6 +142,9 @@ class SchedulerMetrics:
         self._prompt_tokens = 0
         self._cached_tokens = 0
         self._retractions = 0
+        self._host_copied = HostStats()
+        self._host_lost = 0
+        self.token_bytes = 0  # of one token's KV: what a host copy moves per token
 
     def start(self, model_name: str, num_slots: int) -> None:
         """Bind the model's name and show the pool's size."""
@@ -132,14 +162,16 @@ class SchedulerMetrics:
         cached_tokens: int,
         new_tokens: int,
         finish_reason: str | None,
+        host_tokens: int = 0,
     ) -> None:
         """One update of an admitted request on its way to the detokenizers; its first
-        counts the prompt and its prefix hit."""
+        counts the prompt and its prefix hit (`host_tokens` of it from the host tier)."""
         if first:
             self._prompt_tokens += prompt_tokens
             PROMPT_TOKENS.labels(**self._labels).inc(prompt_tokens)
             self._cached_tokens += cached_tokens
-            CACHED_TOKENS.labels(**self._labels, tier=DEVICE_TIER).inc(cached_tokens)
+            CACHED_TOKENS.labels(**self._labels, tier=DEVICE_TIER).inc(cached_tokens - host_tokens)
+            CACHED_TOKENS.labels(**self._labels, tier=HOST_TIER).inc(host_tokens)
             self._set_hit_rate()
         self._throughput.add(new_tokens)
         GENERATION_TOKENS.labels(**self._labels).inc(new_tokens)
@@ -167,6 +199,30 @@ class SchedulerMetrics:
         CACHE_TOKENS.labels(**labels, tier=DEVICE_TIER).set(sched.cache.total_size())
         NUM_RETRACTED.labels(**labels).inc(sched.num_retractions - self._retractions)
         self._retractions = sched.num_retractions
+        self._host_state(sched)
+
+    def host_tier(self, up: bool, lost: int) -> None:
+        """Whether the host tier is attached, and how many times it was lost so far."""
+        HOST_UP.labels(**self._labels).set(1 if up else 0)
+        HOST_LOST.labels(**self._labels).inc(lost - self._host_lost)
+        self._host_lost = lost
+
+    def _host_state(self, sched: Scheduler) -> None:
+        labels, host = self._labels, sched.host
+        CACHE_TOKENS.labels(**labels, tier=HOST_TIER).set(sched.cache.host_size())
+        HOST_PENDING.labels(**labels).set(sched.cache.pending_backups())
+        if host is None:
+            self._host_copied = HostStats()  # a new tier counts from zero
+            return
+        now, before = host.stats, self._host_copied
+        for direction, copies, tokens in (
+            ("to_host", now.backups - before.backups, now.backup_tokens - before.backup_tokens),
+            ("to_device", now.loads - before.loads, now.load_tokens - before.load_tokens),
+        ):
+            HOST_COPIES.labels(**labels, direction=direction).inc(copies)
+            HOST_COPY_BYTES.labels(**labels, direction=direction).inc(tokens * self.token_bytes)
+        HOST_SKIPPED.labels(**labels).inc(now.backups_skipped - before.backups_skipped)
+        self._host_copied = dataclasses.replace(now)
 
     def throughput(self) -> None:
         """Show the output rate since the previous call (the status heartbeat)."""

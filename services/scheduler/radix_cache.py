@@ -1,4 +1,9 @@
-"""Radix tree over token ids that maps cached prefixes to their KV slots."""
+"""Radix tree over token ids that maps cached prefixes to their KV slots, on the device
+and, with the host tier, in host memory.
+
+A node's tokens may be on the device (`slots`), in the host tier (`host_slots`) or both.
+Device-resident nodes form a subtree around each root: a match reads the device part of a
+prefix first, then may continue into host-only nodes, whose children are host-only too."""
 
 from __future__ import annotations
 
@@ -22,6 +27,8 @@ class TreeNode:
         "parent",
         "key",
         "slots",
+        "host_slots",
+        "backup",
         "lock_ref",
         "last_access",
         "hit_count",
@@ -32,7 +39,7 @@ class TreeNode:
     def __init__(
         self,
         key: list[int],
-        slots: list[int],
+        slots: list[int] | None,
         parent: TreeNode | None,
         created: int,
         last_access: float,
@@ -42,7 +49,9 @@ class TreeNode:
         # None for a namespace root and for a node no longer in the tree (its key is non-empty).
         self.parent = parent
         self.key = key
-        self.slots = slots
+        self.slots = slots  # device slots; None once evicted to the host tier only
+        self.host_slots: list[int] | None = None
+        self.backup = 0  # id of the device-to-host copy still writing host_slots; 0: none
         self.lock_ref = 0
         self.last_access = last_access
         self.hit_count = 0
@@ -55,14 +64,22 @@ class TreeNode:
 
 
 class MatchResult(NamedTuple):
-    """The longest cached prefix of a key."""
+    """The longest cached prefix of a key: its device part, then its host-only part."""
 
-    slots: list[int]  # KV slots of the matched prefix, one per matched token
-    node: TreeNode  # deepest matched node (a root when nothing matched); what the caller locks
+    slots: list[int]  # device KV slots of the matched prefix, one per matched token
+    node: TreeNode  # deepest device node matched (a root when none); what the caller locks
+    host_nodes: list[TreeNode] = []  # host-only nodes continuing the match, in order
+
+    @property
+    def host_len(self) -> int:
+        """Tokens past the device part that the host tier holds."""
+        return sum(len(n.key) for n in self.host_nodes)
 
 
 class RadixCache:
-    """Prefix cache of KV slots, one radix tree per namespace, with locking and eviction."""
+    """Prefix cache of KV slots, one radix tree per namespace, with locking and eviction.
+
+    `host` is the host tier's slot allocator while the tier is attached (attach_host)."""
 
     def __init__(
         self,
@@ -77,23 +94,34 @@ class RadixCache:
                 f"page_size {page_size} differs from the allocator's {allocator.page_size}"
             )
         self.allocator = allocator
+        self.host: KVAllocator | None = None
         self.page_size = page_size
         self.policy = policy
         self._eviction_key = eviction_key(policy)
         self._clock = clock
         self._roots: dict[str | None, TreeNode] = {}
-        # Unlocked childless non-root nodes; a dict as an insertion-ordered set for stable ties.
+        # Unlocked device nodes with no device child and no backup running: what device
+        # eviction may take. A dict as an insertion-ordered set for stable ties.
         self._evictable_leaves: dict[TreeNode, None] = {}
         self._evictable = 0
         self._protected = 0
+        self._host_nodes: dict[TreeNode, None] = {}  # nodes with host slots
+        self._host_size = 0
+        self._backups: dict[int, set[TreeNode]] = {}  # copy id -> the nodes it writes
         self._next_created = 0
 
-    def match_prefix(self, key: Sequence[int], namespace: str | None = None) -> MatchResult:
-        """Longest page-aligned cached prefix of key; splits the edge the match ends inside."""
+    # ---- matching and inserting ----------------------------------------------------------
+
+    def match_prefix(
+        self, key: Sequence[int], namespace: str | None = None, count_hit: bool = True
+    ) -> MatchResult:
+        """Longest page-aligned cached prefix of key; splits the edge the match ends inside.
+        `count_hit`: an admission that uses the match (not a look, e.g. for ordering)."""
         tokens = list(key)
         end = len(tokens) - len(tokens) % self.page_size
-        node = self._root(namespace)
+        node = device = self._root(namespace)
         slots: list[int] = []
+        host_nodes: list[TreeNode] = []
         now = self._clock()
         start = 0
         while start < end:
@@ -104,11 +132,16 @@ class RadixCache:
             if matched < len(child.key):
                 child = self._split(child, matched)
             child.last_access = now
-            child.hit_count += 1
-            slots.extend(child.slots)
+            if count_hit:
+                child.hit_count += 1
+            if child.slots is not None:
+                slots.extend(child.slots)
+                device = child
+            else:
+                host_nodes.append(child)
             node = child
             start += matched
-        return MatchResult(slots, node)
+        return MatchResult(slots, device, host_nodes)
 
     def insert(
         self,
@@ -117,10 +150,10 @@ class RadixCache:
         namespace: str | None = None,
         priority: int = 0,
     ) -> int:
-        """Caches key -> slots; returns how many leading tokens were already cached.
+        """Caches key -> slots; returns how many leading tokens were already on the device.
 
-        The caller still owns slots[:returned] (duplicates to free); the tree owns the rest.
-        """
+        The caller still owns slots[:returned] (duplicates to free); the tree owns the rest,
+        including the part of a host-only node it now also holds on the device."""
         tokens = list(key)
         new_slots = list(slots)
         if len(tokens) != len(new_slots):
@@ -133,30 +166,36 @@ class RadixCache:
         node = self._root(namespace)
         now = self._clock()
         start, end = 0, len(tokens)
+        adopted: int | None = None
         while start < end:
             child_key = self._child_key(tokens, start)
             child = node.children.get(child_key)
             if child is None:
                 self._add_leaf(node, child_key, tokens[start:], new_slots[start:], now, priority)
-                return start
+                return start if adopted is None else adopted
             matched = self._common_length(child.key, tokens, start, end)
             if matched < len(child.key):
                 child = self._split(child, matched)
             child.last_access = now
             child.priority = max(child.priority, priority)
+            if child.slots is None:
+                adopted = start if adopted is None else adopted
+                self._set_device(child, new_slots[start : start + matched])
             node = child
             start += matched
-        return end
+        return end if adopted is None else adopted
+
+    # ---- locking ---------------------------------------------------------------------------
 
     def lock(self, node: TreeNode) -> None:
-        """Protects node and its ancestors from eviction."""
+        """Protects node and its ancestors, all on the device, from eviction."""
         self._check_in_tree(node)
         while node.parent is not None:
             if node.lock_ref == 0:
                 self._evictable -= len(node.key)
                 self._protected += len(node.key)
-                self._evictable_leaves.pop(node, None)
             node.lock_ref += 1
+            self._refresh_leaf(node)
             node = node.parent
 
     def unlock(self, node: TreeNode) -> None:
@@ -169,12 +208,16 @@ class RadixCache:
             if node.lock_ref == 0:
                 self._protected -= len(node.key)
                 self._evictable += len(node.key)
-                if not node.children:
-                    self._evictable_leaves[node] = None
+            self._refresh_leaf(node)
             node = node.parent
 
-    def evict(self, num_slots: int) -> int:
-        """Evicts unlocked leaves in policy order until num_slots are freed; returns slots freed."""
+    # ---- device eviction --------------------------------------------------------------------
+
+    def evict(self, num_slots: int, keep: Callable[[TreeNode], bool] | None = None) -> int:
+        """Frees device slots of unlocked leaves in policy order until num_slots are freed;
+        returns slots freed. A leaf backed up on the host stays in the tree, host-only;
+        `keep(leaf)` may start a backup of one that is not (it then stays, and frees its
+        slots once the backup is done); any other leaf leaves the tree."""
         order = self._eviction_key
         heap = [(order(leaf), seq, leaf) for seq, leaf in enumerate(self._evictable_leaves)]
         heapq.heapify(heap)
@@ -182,55 +225,141 @@ class RadixCache:
         freed = 0
         while freed < num_slots and heap:
             _, _, node = heapq.heappop(heap)
-            # Free first: should the allocator object, the tree is still intact.
-            self.allocator.free(node.slots)
+            if node not in self._evictable_leaves:
+                continue  # a backup started on it since it was pushed
             parent = node.parent
-            assert parent is not None
-            del parent.children[self._child_key(node.key, 0)]
-            del self._evictable_leaves[node]
-            node.parent = None
-            freed += len(node.slots)
-            self._evictable -= len(node.key)
-            if parent.parent is not None and not parent.children and parent.lock_ref == 0:
-                self._evictable_leaves[parent] = None
+            assert parent is not None and node.slots is not None
+            if node.host_slots is not None:
+                freed += len(node.slots)
+                self._set_device(node, None)
+            elif keep is not None and keep(node):
+                continue
+            else:
+                freed += len(node.slots)
+                self._remove(node)
+            if parent in self._evictable_leaves:
                 heapq.heappush(heap, (order(parent), seq, parent))
                 seq += 1
         return freed
 
+    # ---- the host tier ------------------------------------------------------------------
+
+    def load_host(self, nodes: Sequence[TreeNode], slots: Sequence[int]) -> None:
+        """Host-only nodes continuing a device prefix now also live in these device slots
+        (the caller copies their KV there before anything reads it)."""
+        at = 0
+        for node in nodes:
+            assert node.slots is None and node.host_slots is not None
+            self._set_device(node, list(slots[at : at + len(node.key)]))
+            at += len(node.key)
+        if at != len(slots):
+            raise ValueError(f"{len(slots)} slots for {at} host tokens")
+
+    def start_backup(self, node: TreeNode, host_slots: list[int], copy_id: int) -> None:
+        """A copy of node's device KV into host_slots is on its way."""
+        assert node.slots is not None and node.host_slots is None and len(host_slots) == len(
+            node.key
+        )
+        node.host_slots = host_slots
+        node.backup = copy_id
+        self._host_nodes[node] = None
+        self._host_size += len(host_slots)
+        self._backups.setdefault(copy_id, set()).add(node)
+        self._refresh_leaf(node)
+
+    def finish_backup(self, copy_id: int) -> None:
+        """The copy is done: its nodes are backed up on the host (unknown ids are ignored:
+        a flush or a lost host tier forgot them)."""
+        for node in self._backups.pop(copy_id, ()):
+            node.backup = 0
+            self._refresh_leaf(node)
+
+    def evict_host(self, num_slots: int) -> int:
+        """Frees host slots in policy order: a host-only leaf leaves the tree, a node also on
+        the device keeps only its device copy. Returns host slots freed."""
+        assert self.host is not None
+        order = self._eviction_key
+        heap = [
+            (order(n), seq, n) for seq, n in enumerate(self._host_nodes) if self._host_evictable(n)
+        ]
+        heapq.heapify(heap)
+        seq = len(heap)
+        freed = 0
+        while freed < num_slots and heap:
+            _, _, node = heapq.heappop(heap)
+            assert node.host_slots is not None
+            freed += len(node.host_slots)
+            parent = node.parent
+            if node.slots is not None:
+                self._drop_host(node)
+                continue
+            self._remove(node)
+            assert parent is not None
+            if parent.parent is not None and self._host_evictable(parent):
+                heapq.heappush(heap, (order(parent), seq, parent))
+                seq += 1
+        return freed
+
+    def attach_host(self, allocator: KVAllocator) -> None:
+        """The host tier's slots, from now on (empty: nothing is cached there yet)."""
+        if allocator.page_size != self.page_size:
+            raise ValueError("the host tier's pages must match the device pool's")
+        self.drop_host()
+        self.host = allocator
+
+    def drop_host(self) -> None:
+        """Forget the host tier (its memory is gone): host-only nodes leave the tree, the
+        rest keep their device copies; running backups are forgotten."""
+        for node in list(self._host_nodes):
+            if node in self._host_nodes:  # not removed with a host-only ancestor
+                if node.slots is None:
+                    self._remove(node)
+                else:
+                    self._drop_host(node)
+        self._backups.clear()
+        self.host = None
+
+    def host_size(self) -> int:
+        """Tokens the host tier holds."""
+        return self._host_size
+
+    def pending_backups(self) -> int:
+        """Device-to-host copies not yet done."""
+        return len(self._backups)
+
+    # ---- sizes -------------------------------------------------------------------------------
+
     def evictable_size(self) -> int:
-        """Cached tokens that no lock protects."""
+        """Cached device tokens that no lock protects."""
         return self._evictable
 
     def protected_size(self) -> int:
-        """Cached tokens under a lock."""
+        """Cached device tokens under a lock."""
         return self._protected
 
     def total_size(self) -> int:
-        """Cached tokens."""
+        """Cached tokens on the device."""
         return self._evictable + self._protected
 
     def reset(self) -> None:
-        """Drops every cached prefix and frees its slots; nothing may be locked."""
+        """Drops every cached prefix on both tiers and frees its slots; nothing may be locked."""
         if self._protected:
             raise RuntimeError(f"cannot reset the radix cache: {self._protected} tokens are locked")
-        slots: list[int] = []
         for root in self._roots.values():
-            stack = list(root.children.values())
-            while stack:
-                node = stack.pop()
-                slots.extend(node.slots)
-                node.parent = None
-                stack.extend(node.children.values())
-        self.allocator.free(slots)
+            for child in list(root.children.values()):
+                self._remove(child)
         self._roots.clear()
-        self._evictable_leaves.clear()
-        self._evictable = 0
+        self._backups.clear()
+
+    # ---- invariants ------------------------------------------------------------------------
 
     def check_invariants(self) -> None:
         """Walks every tree and raises AssertionError on the first broken invariant."""
-        evictable = protected = 0
+        evictable = protected = host = 0
         owned: set[int] = set()
+        host_owned: set[int] = set()
         leaves: set[TreeNode] = set()
+        host_nodes: set[TreeNode] = set()
         for namespace, root in self._roots.items():
             _require(
                 root.parent is None and not root.key and not root.slots and root.lock_ref == 0,
@@ -241,36 +370,26 @@ class RadixCache:
                 node = stack.pop()
                 for child_key, child in node.children.items():
                     where = f"{child} in namespace {namespace!r}"
-                    _require(child.parent is node, f"{where}: parent link is broken")
-                    _require(bool(child.key), f"{where}: empty non-root node")
-                    _require(
-                        len(child.key) == len(child.slots),
-                        f"{where}: {len(child.key)} tokens but {len(child.slots)} slots",
-                    )
-                    _require(
-                        len(child.key) % self.page_size == 0,
-                        f"{where}: edge is not whole pages of {self.page_size}",
-                    )
-                    _require(
-                        child_key == self._child_key(child.key, 0),
-                        f"{where}: filed under child key {child_key!r}",
-                    )
-                    _require(child.lock_ref >= 0, f"{where}: negative lock_ref")
-                    _require(
-                        node.parent is None or node.lock_ref >= child.lock_ref,
-                        f"{where}: lock_ref above its parent's {node.lock_ref}",
-                    )
-                    _require(
-                        len(set(child.slots)) == len(child.slots) and owned.isdisjoint(child.slots),
-                        f"{where}: a slot is owned twice",
-                    )
-                    owned.update(child.slots)
-                    if child.lock_ref:
-                        protected += len(child.key)
-                    else:
-                        evictable += len(child.key)
-                        if not child.children:
+                    self._check_node(node, child_key, child, where)
+                    if child.slots is not None:
+                        _require(
+                            owned.isdisjoint(child.slots), f"{where}: a slot is owned twice"
+                        )
+                        owned.update(child.slots)
+                        if child.lock_ref:
+                            protected += len(child.key)
+                        else:
+                            evictable += len(child.key)
+                        if self._is_evictable_leaf(child):
                             leaves.add(child)
+                    if child.host_slots is not None:
+                        _require(
+                            host_owned.isdisjoint(child.host_slots),
+                            f"{where}: a host slot is owned twice",
+                        )
+                        host_owned.update(child.host_slots)
+                        host += len(child.host_slots)
+                        host_nodes.add(child)
                     stack.append(child)
         _require(
             evictable == self._evictable,
@@ -280,10 +399,53 @@ class RadixCache:
             protected == self._protected,
             f"protected counter {self._protected} but the walk finds {protected}",
         )
+        _require(host == self._host_size, f"host counter {self._host_size} but walk {host}")
         _require(
             leaves == set(self._evictable_leaves),
             "the evictable leaf set does not match the tree",
         )
+        _require(host_nodes == set(self._host_nodes), "the host node set does not match")
+        pending = {n for nodes in self._backups.values() for n in nodes}
+        _require(
+            pending == {n for n in host_nodes if n.backup},
+            "the running backups do not match the nodes that wait for one",
+        )
+
+    def _check_node(
+        self, parent: TreeNode, child_key: ChildKey, child: TreeNode, where: str
+    ) -> None:
+        _require(child.parent is parent, f"{where}: parent link is broken")
+        _require(bool(child.key), f"{where}: empty non-root node")
+        _require(
+            child.slots is not None or child.host_slots is not None, f"{where}: in no tier"
+        )
+        for tier in (child.slots, child.host_slots):
+            _require(
+                tier is None or len(tier) == len(child.key),
+                f"{where}: {len(child.key)} tokens but {tier and len(tier)} slots",
+            )
+            _require(tier is None or len(set(tier)) == len(tier), f"{where}: a slot twice")
+        _require(
+            child.slots is None or parent.parent is None or parent.slots is not None,
+            f"{where}: on the device under a parent that is not",
+        )
+        _require(child.backup == 0 or child.host_slots is not None, f"{where}: backup to nowhere")
+        _require(
+            len(child.key) % self.page_size == 0,
+            f"{where}: edge is not whole pages of {self.page_size}",
+        )
+        _require(
+            child_key == self._child_key(child.key, 0),
+            f"{where}: filed under child key {child_key!r}",
+        )
+        _require(child.lock_ref >= 0, f"{where}: negative lock_ref")
+        _require(child.lock_ref == 0 or child.slots is not None, f"{where}: locked off-device")
+        _require(
+            parent.parent is None or parent.lock_ref >= child.lock_ref,
+            f"{where}: lock_ref above its parent's {parent.lock_ref}",
+        )
+
+    # ---- internals -----------------------------------------------------------------------
 
     def _root(self, namespace: str | None) -> TreeNode:
         root = self._roots.get(namespace)
@@ -310,19 +472,31 @@ class RadixCache:
     def _split(self, node: TreeNode, at: int) -> TreeNode:
         """Cuts node's edge at `at`; returns the new upper node, node keeps the lower part.
 
-        Node keeps its identity so references that callers hold (and locked) stay valid.
-        """
+        Node keeps its identity so references that callers hold (and locked) stay valid."""
         parent = node.parent
         assert parent is not None
         upper = TreeNode(
-            node.key[:at], node.slots[:at], parent, node.created, node.last_access, node.priority
+            node.key[:at],
+            None if node.slots is None else node.slots[:at],
+            parent,
+            node.created,
+            node.last_access,
+            node.priority,
         )
         upper.lock_ref = node.lock_ref
         upper.hit_count = node.hit_count
+        if node.host_slots is not None:
+            upper.host_slots = node.host_slots[:at]
+            node.host_slots = node.host_slots[at:]
+            self._host_nodes[upper] = None
+        upper.backup = node.backup
+        if node.backup:
+            self._backups[node.backup].add(upper)
         upper.children[self._child_key(node.key, at)] = node
         parent.children[self._child_key(node.key, 0)] = upper
         node.key = node.key[at:]
-        node.slots = node.slots[at:]
+        if node.slots is not None:
+            node.slots = node.slots[at:]
         node.parent = upper
         return upper
 
@@ -339,8 +513,78 @@ class RadixCache:
         self._next_created += 1
         parent.children[child_key] = leaf
         self._evictable += len(key)
-        self._evictable_leaves.pop(parent, None)
-        self._evictable_leaves[leaf] = None
+        self._refresh_leaf(leaf)
+        self._refresh_leaf(parent)
+
+    def _set_device(self, node: TreeNode, slots: list[int] | None) -> None:
+        """Give node device slots (from the host tier, or a request that computed them), or
+        take them (freeing them) when it is evicted to the host tier."""
+        if slots is None:
+            assert node.slots is not None and node.lock_ref == 0
+            self.allocator.free(node.slots)
+            self._evictable -= len(node.key)
+        else:
+            assert node.slots is None
+            self._evictable += len(node.key)
+        node.slots = slots
+        self._refresh_leaf(node)
+        if node.parent is not None:
+            self._refresh_leaf(node.parent)
+
+    def _drop_host(self, node: TreeNode) -> None:
+        assert node.host_slots is not None and node.slots is not None
+        if self.host is not None:
+            self.host.free(node.host_slots)
+        self._host_size -= len(node.host_slots)
+        node.host_slots = None
+        node.backup = 0
+        del self._host_nodes[node]
+        self._refresh_leaf(node)
+
+    def _remove(self, node: TreeNode) -> None:
+        """Takes an unlocked node and its subtree out of the tree, freeing every slot."""
+        parent = node.parent
+        assert parent is not None
+        subtree = [node]
+        for n in subtree:
+            subtree.extend(n.children.values())
+        # Free first: should an allocator object (a double free), the tree is still intact.
+        self.allocator.free([s for n in subtree if n.slots is not None for s in n.slots])
+        if self.host is not None:
+            self.host.free([s for n in subtree if n.host_slots is not None for s in n.host_slots])
+        del parent.children[self._child_key(node.key, 0)]
+        for n in subtree:
+            if n.slots is not None:
+                assert n.lock_ref == 0, f"{n} is locked"
+                self._evictable -= len(n.key)
+            if n.host_slots is not None:
+                self._host_size -= len(n.host_slots)
+                del self._host_nodes[n]
+            self._evictable_leaves.pop(n, None)
+            n.parent = None
+        self._refresh_leaf(parent)
+
+    def _is_evictable_leaf(self, node: TreeNode) -> bool:
+        return (
+            node.parent is not None
+            and node.slots is not None
+            and node.lock_ref == 0
+            and node.backup == 0
+            and all(c.slots is None for c in node.children.values())
+        )
+
+    def _refresh_leaf(self, node: TreeNode) -> None:
+        if self._is_evictable_leaf(node):
+            self._evictable_leaves[node] = None
+        else:
+            self._evictable_leaves.pop(node, None)
+
+    def _host_evictable(self, node: TreeNode) -> bool:
+        return (
+            node.host_slots is not None
+            and node.backup == 0
+            and (node.slots is not None or not node.children)
+        )
 
     def _check_whole_pages(self, slots: list[int]) -> None:
         """Rejects slots that do not come in whole pool pages, which eviction could not free."""

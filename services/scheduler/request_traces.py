@@ -21,7 +21,7 @@ from radixmesh.tracing.provider import tracer
 from radixmesh.tracing.spans import end_span, start_span
 
 GrpcMetadata = tuple[tuple[str, str], ...]
-DEVICE_TIER = "device"  # the worker's KV pool; host and storage tiers come with HiCache
+DEVICE_TIER, HOST_TIER = "device", "host"  # the worker's KV pool; the host tier (HiCache)
 
 
 @dataclass(eq=False)
@@ -45,6 +45,8 @@ class RequestTraces:
         self._requests: dict[str, _RequestSpans] = {}
         # By step: the (rid, prefill chunk span) pairs that the step's result ends.
         self._chunks: dict[int, list[tuple[str, Span]]] = {}
+        # By step: the "load back" spans of host-tier hits the step loads before it computes.
+        self._loads: dict[int, list[Span]] = {}
 
     def __len__(self) -> int:
         return len(self._requests)
@@ -78,7 +80,16 @@ class RequestTraces:
             if spans is None:
                 continue
             if req.rid in matched:
+                first = not spans.admitted
                 self._admitted(spans, req, matched[req.rid], started, ended)
+                if first and req.cached_host_tokens:
+                    load = start_span("load back", spans.root, {
+                        attr.RID: req.rid,
+                        attr.PREFIX_HOST: req.cached_host_tokens,
+                        attr.STEP: batch.batch.step,
+                    }, start_time=ended)
+                    if load is not None:
+                        self._loads.setdefault(batch.batch.step, []).append(load)
             if entry.input_ids:
                 n = len(entry.input_ids)
                 chunk = start_span("prefill chunk", spans.root, {
@@ -109,10 +120,13 @@ class RequestTraces:
         spans.admitted = True
         end_span(spans.queue, started)
         spans.queue = None
+        host = req.cached_host_tokens
         match = start_span("prefix match", spans.root, {
             attr.RID: req.rid,
             attr.PREFIX_MATCHED: matched,
-            attr.PREFIX_TIER: DEVICE_TIER,
+            attr.PREFIX_TIER: HOST_TIER if host else DEVICE_TIER,
+            attr.PREFIX_DEVICE: matched - host,
+            attr.PREFIX_HOST: host,
             attr.PROMPT_TOKENS: len(req.input_ids),
         }, start_time=started)
         end_span(match, ended)
@@ -126,6 +140,7 @@ class RequestTraces:
             yield None
             return
         chunks = self._chunks.pop(batch.batch.step, [])
+        loads = self._loads.pop(batch.batch.step, [])
         members = [(r.rid, self._requests[r.rid]) for r in batch.reqs if r.rid in self._requests]
         if not members:
             yield None
@@ -154,6 +169,8 @@ class RequestTraces:
             now = time.time_ns()
             for _, chunk in chunks:
                 end_span(chunk, now, error)
+            for load in loads:
+                end_span(load, now, error)
 
     def aborted(self, rid: str, stop: bool, headers: Mapping[str, str] | None) -> None:
         """An abort arrived (`stop`: a stop string matched); its span lasts until the

@@ -37,7 +37,9 @@ class SchedulePolicy:
         fcfs = sorted(waiting, key=lambda r: r.arrival)
         if self.policy == "fcfs" or len(waiting) > CACHE_AWARE_QUEUE_LIMIT:
             return fcfs
-        matches = {r: self.cache.match_prefix(match_key(r), r.namespace) for r in fcfs}
+        matches = {
+            r: self.cache.match_prefix(match_key(r), r.namespace, count_hit=False) for r in fcfs
+        }
         if self.policy == "lpm":
             return sorted(fcfs, key=lambda r: -len(matches[r].slots))
         return _dfs_weight(fcfs, {r: m.node for r, m in matches.items()})

@@ -7,11 +7,13 @@ import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from radixmesh.core.hicache import HostPoolSpec
 from radixmesh.core.request import FinishKind, FinishReason
-from radixmesh.core.settings import ScheduleSettings
+from radixmesh.core.settings import ReplicaSettings
 from radixmesh.core.step import NewRequest, StepBatch, StepEntry, StepResult
+from radixmesh.services.scheduler.hicache import HostTier
 from radixmesh.services.scheduler.kv_allocator import KVAllocator
-from radixmesh.services.scheduler.radix_cache import RadixCache
+from radixmesh.services.scheduler.radix_cache import RadixCache, TreeNode
 from radixmesh.services.scheduler.request import Req
 from radixmesh.services.scheduler.schedule_policy import SchedulePolicy, match_key
 
@@ -31,11 +33,13 @@ class SchedulerConfig:
     # Fraction of the running requests' remaining output budget kept free when admitting
     # new prompts; retraction covers the rest when the guess is too low.
     decode_reserve_ratio: float = 0.25
+    host_write_policy: str = "write_through"  # with the host tier (attach_host)
+    host_write_threshold: int = 2
 
     @classmethod
     def from_settings(
         cls,
-        settings: ScheduleSettings,
+        settings: ReplicaSettings,
         page_size: int,
         num_slots: int,
         max_position_embeddings: int,
@@ -53,6 +57,8 @@ class SchedulerConfig:
                 settings.context_length or max_position_embeddings, max_position_embeddings
             ),
             eos_token_ids=tuple(dict.fromkeys(eos_token_ids)),
+            host_write_policy=settings.hicache_write_policy,
+            host_write_threshold=settings.hicache_write_through_threshold,
         )
 
 
@@ -79,6 +85,8 @@ class Scheduler:
         self.running: list[Req] = []  # decoding, oldest first
         self.chunked: Req | None = None  # prompt partly prefilled, continued first next step
         self.requests: dict[str, Req] = {}
+        self.host: HostTier | None = None  # the host KV tier, while attached
+        self._host_pool: HostPoolSpec | None = None  # to send with the next step
         self._release: list[str] = []
         self._updated: dict[str, Req] = {}
         self._step = 0
@@ -118,7 +126,14 @@ class Scheduler:
 
     def has_work(self) -> bool:
         """Whether a step would do anything."""
-        return bool(self.waiting or self.running or self.chunked or self._release)
+        return bool(
+            self.waiting
+            or self.running
+            or self.chunked
+            or self._release
+            or self._host_pool is not None
+            or (self.host is not None and self.host.has_copies())
+        )
 
     def num_running(self) -> int:
         """Requests prefilling or decoding."""
@@ -135,13 +150,51 @@ class Scheduler:
             "running": self.num_running(),
             "waiting": len(self.waiting),
             "num_retractions": self.num_retractions,
+            **self._host_stats(),
         }
+
+    def _host_stats(self) -> dict[str, int]:
+        host = self.host
+        if host is None:
+            return {}
+        return {
+            "host_slots": host.num_slots,
+            "host_free_slots": host.allocator.available(),
+            "host_cached_tokens": self.cache.host_size(),
+            "host_pending_backups": self.cache.pending_backups(),
+            "host_backup_tokens": host.stats.backup_tokens,
+            "host_load_tokens": host.stats.load_tokens,
+        }
+
+    # ---- the host tier ---------------------------------------------------------------
+
+    def attach_host(self, spec: HostPoolSpec) -> None:
+        """A host pool to back the device pool, from the next step on (a new one replaces
+        the last, whose contents are forgotten)."""
+        self.host = HostTier(
+            self.cache,
+            spec.num_slots,
+            self.config.host_write_policy,
+            self.config.host_write_threshold,
+        )
+        self._host_pool = spec
+
+    def detach_host(self) -> None:
+        """The host pool is gone: serve from the device tier alone."""
+        self.cache.drop_host()
+        self.host = None
+        self._host_pool = None
+
+    def _keep_on_evict(self, node: TreeNode) -> bool:
+        return self.host is not None and self.host.keep_on_evict(node)
 
     def flush_cache(self) -> bool:
         """Drop every cached prefix; only possible while no request holds any."""
         if self.running or self.chunked or any(r.slots for r in self.waiting):
             return False
         self.cache.reset()
+        if self.host is not None:
+            self.host.take_copies()  # unsent backups of what the flush dropped
         return True
 
     # ---- building a step -----------------------------------------------------------
@@ -152,7 +205,20 @@ class Scheduler:
         self._release = []
         self._schedule_decodes(batch)
         self._schedule_prefills(batch)
-        if not batch.reqs and not batch.batch.release:
+        step = batch.batch
+        if self.host is not None:
+            step.copies = self.host.take_copies()
+        step.host_pool, self._host_pool = self._host_pool, None
+        # Requests that wait for room while backups hold device slots need the step that
+        # reports those backups done, even an empty one.
+        waiting_on_backups = bool(self.waiting) and self.cache.pending_backups() > 0
+        if (
+            not batch.reqs
+            and not step.release
+            and not step.copies
+            and step.host_pool is None
+            and not waiting_on_backups
+        ):
             return None
         self._step += 1  # steps count 1, 2, 3... so a worker can put them back in order
         return batch
@@ -204,26 +270,42 @@ class Scheduler:
     def _admit(self, batch: ScheduledBatch, req: Req, budget: int) -> int:
         """Take a waiting request into the batch; returns prompt tokens scheduled (0: no room)."""
         match = self.cache.match_prefix(match_key(req), req.namespace)
-        chunk = min(req.num_tokens - len(match.slots), budget)
+        self.cache.lock(match.node)
+        node, prefix, loaded = match.node, list(match.slots), 0
+        if match.host_nodes and self.host is not None:
+            # Loading beats recomputing whenever there is room: a copy per token, not a
+            # forward pass.
+            fresh = self._alloc(match.host_len)
+            if fresh is not None:
+                self.host.load(match.host_nodes, fresh)
+                node = match.host_nodes[-1]
+                self.cache.lock(node)
+                self.cache.unlock(match.node)
+                prefix += fresh
+                loaded = len(fresh)
+        if self.host is not None:
+            self.host.admitted(node)
+        chunk = min(req.num_tokens - len(prefix), budget)
         reserve = self.config.decode_reserve_ratio * sum(
             r.remaining_new_tokens() for r in [*self.running, req]
         )
-        self.cache.lock(match.node)
         room = self.allocator.available() + self.cache.evictable_size()
         if self.running and room < chunk + self.page + reserve:
-            self.cache.unlock(match.node)
+            self.cache.unlock(node)
             return 0
-        req.slots, req.cached_len, req.last_node = list(match.slots), len(match.slots), match.node
-        new_request = self._new_request(req, len(match.slots))
+        cached = len(prefix)
+        req.slots, req.cached_len, req.last_node = prefix, cached, node
+        new_request = self._new_request(req, cached)
         used = self._extend(batch, req, budget)
         if not used:
-            self.cache.unlock(match.node)
+            self.cache.unlock(node)
             req.slots, req.cached_len, req.last_node = [], 0, None
             return 0
         self.waiting.remove(req)
         if not req.admitted:
             req.admitted = True
-            req.cached_tokens = len(match.slots)
+            req.cached_tokens = cached
+            req.cached_host_tokens = loaded
         batch.batch.new_requests.append(new_request)
         req.on_worker = True
         return used
@@ -273,16 +355,20 @@ class Scheduler:
         new = [req.slots[-1] + 1 + i for i in range(take)]
         rest = n - take
         if rest:
-            pages = -(-rest // self.page) * self.page
-            fresh = self.allocator.alloc(pages)
-            if fresh is None:
-                self.cache.evict(pages - self.allocator.available())
-                fresh = self.allocator.alloc(pages)
+            fresh = self._alloc(-(-rest // self.page) * self.page)
             if fresh is None:
                 return None
             new.extend(fresh[:rest])
         req.slots.extend(new)
         return new
+
+    def _alloc(self, num_slots: int) -> list[int] | None:
+        """Fresh device slots of whole pages, evicting cached prefixes if needed."""
+        fresh = self.allocator.alloc(num_slots)
+        if fresh is None:
+            self.cache.evict(num_slots - self.allocator.available(), self._keep_on_evict)
+            fresh = self.allocator.alloc(num_slots)
+        return fresh
 
     def _cache_progress(self, req: Req) -> None:
         """Publish a request's page-aligned progress in the tree so others can share it.
@@ -298,7 +384,9 @@ class Scheduler:
         # Another request cached part of this continuation first: the tree keeps its copy
         # and ours stays private to this request until it finishes.
         req.orphans.extend(req.slots[req.cached_len : cached])
-        match = self.cache.match_prefix(req.tokens[:aligned], req.namespace)
+        match = self.cache.match_prefix(req.tokens[:aligned], req.namespace, count_hit=False)
+        if self.host is not None:
+            self.host.cached(match.node)
         self.cache.lock(match.node)
         if req.last_node is not None:
             self.cache.unlock(req.last_node)
@@ -312,6 +400,10 @@ class Scheduler:
             req.tokens[:aligned], req.slots[:aligned], req.namespace, req.priority
         )
         self.allocator.free(req.slots[req.cached_len : cached] + req.slots[aligned:] + req.orphans)
+        if self.host is not None and aligned:
+            self.host.cached(
+                self.cache.match_prefix(req.tokens[:aligned], req.namespace, count_hit=False).node
+            )
         if req.last_node is not None:
             self.cache.unlock(req.last_node)
         req.slots, req.cached_len, req.last_node, req.orphans = [], 0, None, []
@@ -352,6 +444,8 @@ class Scheduler:
 
     def process_result(self, batch: ScheduledBatch, result: StepResult) -> None:
         """Append sampled tokens and logprobs; finish requests that hit a stop or a limit."""
+        if self.host is not None:
+            self.host.done(result.copies_done)
         for req, out in zip(batch.reqs, result.results, strict=True):
             if out.input_logprobs:
                 req.input_logprobs.extend(out.input_logprobs)
@@ -405,3 +499,8 @@ class Scheduler:
             f"slot leak: free {self.allocator.available()} + cached {self.cache.total_size()}"
             f" + held {self.held_slots()} != pool {self.config.num_slots}"
         )
+        if self.host is not None:
+            free, cached = self.host.allocator.available(), self.cache.host_size()
+            assert free + cached == self.host.num_slots, (
+                f"host slot leak: free {free} + cached {cached} != pool {self.host.num_slots}"
+            )

@@ -13,6 +13,7 @@ from typing import Any
 import nats
 from nats.aio.msg import Msg
 
+from radixmesh.core.hicache import KVGeometry
 from radixmesh.core.model_files import resolve_model_path, served_name
 from radixmesh.core.request import FinishKind, FinishReason
 from radixmesh.core.settings import SchedulerServiceConfig
@@ -22,7 +23,9 @@ from radixmesh.mesh import subjects
 from radixmesh.mesh.service import StatusServer
 from radixmesh.proto import mesh_pb2 as mpb
 from radixmesh.proto import worker_pb2 as wpb
+from radixmesh.services.scheduler.cachectl_client import CachectlClient
 from radixmesh.services.scheduler.engine_loop import EngineLoop
+from radixmesh.services.scheduler.host_link import HostLink
 from radixmesh.services.scheduler.mesh_io import UpdateBuilder, abort_reason, request_from_proto
 from radixmesh.services.scheduler.metrics import SchedulerMetrics
 from radixmesh.services.scheduler.request import Req
@@ -48,6 +51,7 @@ class SchedulerService:
         self.traces = RequestTraces(config.engine_id)
         self.scheduler: Scheduler | None = None
         self.loop: EngineLoop | None = None
+        self.host_link: HostLink | None = None
         self.info: wpb.WorkerInfo | None = None
         self._refused: list[mpb.TokenUpdate] = []  # published with the next step
         self._started = time.monotonic()
@@ -74,6 +78,7 @@ class SchedulerService:
         self.loop = EngineLoop(
             self.scheduler, self, self, not self.config.disable_overlap_schedule, self._scheduled
         )
+        await self._start_host_tier()
         self.metrics.start(served_name(model_path), self.info.num_slots)
         self._nc = await nats.connect(self.config.nats_url, name=f"scheduler-{self.engine_id}")
         nc = self._nc
@@ -90,6 +95,24 @@ class SchedulerService:
             self.workers.addrs,
             self.config.host, self._status.port,
         )
+
+    async def _start_host_tier(self) -> None:
+        config, info = self.config, self.info
+        assert self.loop is not None and info is not None
+        if not config.enable_hierarchical_cache:
+            return
+        if not config.cachectl_addr:
+            log.warning("enable_hierarchical_cache needs cachectl_addr: the host tier is off")
+            return
+        geometry = KVGeometry(
+            info.num_layers, info.num_kv_heads, info.head_dim, info.dtype, config.page_size
+        )
+        self.host_link = HostLink(
+            CachectlClient(config.cachectl_addr), self.loop, self.engine_id, geometry,
+            info.num_slots, config,
+        )
+        self.metrics.token_bytes = geometry.token_bytes
+        await self.host_link.start()
 
     async def run(self, stop: asyncio.Event) -> None:
         """Serve until `stop` is set, then finish cleanly."""
@@ -113,6 +136,8 @@ class SchedulerService:
                 self.scheduler.abort(rid, stopped)
             await self.publish(self.scheduler.drain_updates())
             await self._nc.drain()
+        if self.host_link is not None:
+            await self.host_link.close()
         await self.workers.close()
         await self._status.stop()
 
@@ -201,11 +226,14 @@ class SchedulerService:
                 continue
             finish = req.finish.kind.value if req.finish is not None else None
             self.metrics.update(
-                update.seq == 0, len(req.input_ids), req.cached_tokens, len(update.new_ids), finish
+                update.seq == 0, len(req.input_ids), req.cached_tokens, len(update.new_ids), finish,
+                req.cached_host_tokens,
             )
             step.updates.append(update)
             if req.finish is not None:
                 cached.inserted.add(cache_salt=req.namespace or "", token_ids=req.tokens)
+        if self.host_link is not None:
+            self.host_link.after_schedule(sched)
         # Before publishing: once a client has its answer, the gauges already show it.
         self.metrics.state(sched)
         if step.updates:
@@ -242,6 +270,9 @@ class SchedulerService:
             return
         self.metrics.state(s)
         self.metrics.throughput()
+        link = self.host_link
+        if link is not None:
+            self.metrics.host_tier(link.attached, link.failures)
         status = mpb.EngineStatus(
             engine_id=self.engine_id,
             running=s.num_running(),

@@ -1,5 +1,6 @@
 """The scheduler's side of gRPC Forward: one channel per worker rank, the same batch to
-every rank (converted to protobuf once), rank 0's result back."""
+every rank (converted to protobuf once), rank 0's result back, with the backups every rank
+has finished."""
 
 from __future__ import annotations
 
@@ -20,6 +21,28 @@ _OPTIONS = [
 ]
 
 
+class BackupTally:
+    """Which backups every rank has finished. Each rank copies its own KV heads and reports a
+    backup once, in whichever step it finished there, so one rank's report is not enough."""
+
+    def __init__(self, ranks: int) -> None:
+        self.ranks = ranks
+        self._reports: dict[int, int] = {}  # copy id -> ranks that reported it so far
+
+    def add(self, per_rank: list[list[int]]) -> list[int]:
+        """One step's copies_done of each rank; the backups now done on every rank."""
+        done: list[int] = []
+        for copy_ids in per_rank:
+            for copy_id in copy_ids:
+                seen = self._reports.get(copy_id, 0) + 1
+                if seen == self.ranks:
+                    del self._reports[copy_id]
+                    done.append(copy_id)
+                else:
+                    self._reports[copy_id] = seen
+        return done
+
+
 class WorkerClient:
     """Drives the worker ranks of one engine replica."""
 
@@ -29,6 +52,7 @@ class WorkerClient:
         self._channels = [grpc.aio.insecure_channel(a, options=_OPTIONS) for a in addrs]
         self._stubs = [wgrpc.WorkerStub(c) for c in self._channels]
         self.addrs = addrs
+        self._backups = BackupTally(len(addrs))
 
     async def connect(self, timeout: float) -> wpb.WorkerInfo:
         """Wait for every rank to answer; rank 0's info (ranks are reordered by tp_rank)."""
@@ -58,14 +82,17 @@ class WorkerClient:
     async def forward(
         self, batch: StepBatch, metadata: tuple[tuple[str, str], ...] | None = None
     ) -> StepResult:
-        """Run one step on every rank; they stay in lockstep, rank 0 answers. `metadata`
-        goes with each call (the step's trace context)."""
+        """Run one step on every rank; they stay in lockstep, rank 0 answers, and a backup
+        is done once every rank has reported it. `metadata` goes with each call (the step's
+        trace context)."""
         msg = batch_to_proto(batch)
         if len(self._stubs) == 1:
             return result_from_proto(await self._stubs[0].Forward(msg, metadata=metadata))
         results = await asyncio.gather(*(s.Forward(msg, metadata=metadata)
                                          for s in self._stubs))
-        return result_from_proto(results[0])
+        result = result_from_proto(results[0])
+        result.copies_done = self._backups.add([list(r.copies_done) for r in results])
+        return result
 
     async def close(self) -> None:
         await asyncio.gather(*(c.close() for c in self._channels))

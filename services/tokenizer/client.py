@@ -26,7 +26,7 @@ from nats.errors import Error as NatsError
 from opentelemetry.trace import Span, SpanKind, get_current_span
 
 from radixmesh.core.detokenize import detok_context_size
-from radixmesh.core.meta_info import TokenLogprob
+from radixmesh.core.meta_info import CachedTokens, TokenLogprob
 from radixmesh.core.request import FinishKind, FinishReason, LogprobRequest
 from radixmesh.core.sampling_params import SamplingParams
 from radixmesh.core.tokenizer import Tokenizer
@@ -72,7 +72,7 @@ class GenerationChunk:
     output_ids: list[int]  # new output token ids
     prompt_tokens: int
     completion_tokens: int  # output tokens so far, counting these
-    cached_tokens: int
+    cached_tokens: int  # prompt tokens found in a prefix cache, all tiers
     # SGLang's finish_reason object ({"type": "stop", "matched": ...}), None while running.
     finish: dict[str, Any] | None = None
     # Logprobs of `output_ids` and their alternatives (when the request asked).
@@ -81,6 +81,16 @@ class GenerationChunk:
     # Prompt logprobs from logprob_start_len on, complete on the last chunk only.
     input_token_logprobs: list[TokenLogprob] = field(default_factory=list)
     input_top_logprobs: list[list[TokenLogprob] | None] = field(default_factory=list)
+    # The parts of cached_tokens loaded back from the host and storage tiers.
+    cached_host_tokens: int = 0
+    cached_storage_tokens: int = 0
+
+    @property
+    def cached_tokens_details(self) -> CachedTokens:
+        """cached_tokens by tier: the rest of the hit was on the device."""
+        return CachedTokens.split(
+            self.cached_tokens, self.cached_host_tokens, self.cached_storage_tokens
+        )
 
 
 class GenerationError(Exception):
@@ -339,6 +349,8 @@ class ChunkAssembler:
         self.prompt_tokens = len(request.input_ids)
         self.completion_tokens = 0
         self.cached_tokens = 0
+        self.cached_host_tokens = 0
+        self.cached_storage_tokens = 0
         self._next_seq = 0
         self._early: dict[int, mpb.TextChunk] = {}
         self._input_logprobs: list[float] = []
@@ -369,11 +381,17 @@ class ChunkAssembler:
             completion_tokens=self.completion_tokens,
             cached_tokens=self.cached_tokens,
             finish=FinishReason(FinishKind.ABORT, message=message).to_dict(),
+            cached_host_tokens=self.cached_host_tokens,
+            cached_storage_tokens=self.cached_storage_tokens,
         )
 
     def _convert(self, chunk: mpb.TextChunk) -> GenerationChunk:
         self.prompt_tokens = chunk.prompt_tokens or self.prompt_tokens
-        self.cached_tokens = chunk.cached_tokens or self.cached_tokens
+        # A chunk without a cache count (a refusal) keeps the one already known.
+        if chunk.cached_tokens:
+            self.cached_tokens = chunk.cached_tokens
+            self.cached_host_tokens = chunk.cached_host_tokens
+            self.cached_storage_tokens = chunk.cached_storage_tokens
         self.completion_tokens = max(self.completion_tokens, chunk.completion_tokens)
         ids = list(chunk.output_ids)
         out = GenerationChunk(
@@ -388,6 +406,8 @@ class ChunkAssembler:
                 for lp, tid in zip(chunk.logprobs.output, ids, strict=False)
             ],
             output_top_logprobs=[_top(t.items) for t in chunk.logprobs.output_top],
+            cached_host_tokens=self.cached_host_tokens,
+            cached_storage_tokens=self.cached_storage_tokens,
         )
         self._gather_input_logprobs(chunk)
         if chunk.HasField("finish"):

@@ -77,6 +77,7 @@ def response_from_chunk(chunk: GenerationChunk) -> gpb.GenerateResponse:
         prompt_tokens=chunk.prompt_tokens,
         completion_tokens=chunk.completion_tokens,
         cached_tokens=chunk.cached_tokens,
+        cached_tokens_details=gpb.CachedTokensDetails(**chunk.cached_tokens_details.to_dict()),
         output_token_logprobs=_entries(chunk.output_token_logprobs),
         output_top_logprobs=[gpb.TopLogprobList(items=_entries(top))
                              for top in chunk.output_top_logprobs],

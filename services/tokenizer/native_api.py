@@ -21,7 +21,7 @@ from typing import Any
 
 from aiohttp import web
 
-from radixmesh.core.meta_info import LogprobLists, TokenLogprob, TokenText, meta_info
+from radixmesh.core.meta_info import CachedTokens, LogprobLists, TokenLogprob, TokenText, meta_info
 from radixmesh.core.sampling_params import SamplingParams
 from radixmesh.mesh.service import health_handler, metrics_response
 from radixmesh.services.tokenizer.client import (
@@ -494,7 +494,7 @@ class NativeOutput:
             last.finish if last else None,
             last.prompt_tokens if last else 0,
             last.completion_tokens if last else 0,
-            last.cached_tokens if last else 0,
+            last.cached_tokens_details if last else CachedTokens(),
             e2e_latency=time.monotonic() - self.started,
             logprobs=logprobs,
             token_text=self._token_text,

@@ -13,6 +13,7 @@ from radixmesh.core.step import EntryResult, NewRequest, StepBatch, StepResult
 from radixmesh.services.worker.attention import AttentionBackend, AttentionMetadata, SeqSpan
 from radixmesh.services.worker.attention_choice import check_runs_on, make_attention
 from radixmesh.services.worker.device import current, resolve_device
+from radixmesh.services.worker.host_copies import HostCopier
 from radixmesh.services.worker.kv_pool import KVPool
 from radixmesh.services.worker.memory import keep_freed_memory, release_free_memory
 from radixmesh.services.worker.model import CausalLM
@@ -70,7 +71,10 @@ class ModelRunner:
 
     With the Triton backend on CUDA, decode-only steps of up to `cuda_graph_max_bs`
     requests replay CUDA graphs (cuda_graphs.DecodeGraphs; 0: never). `eager_graphs` runs
-    that padded path eagerly instead, on any device: how it is tested without a GPU."""
+    that padded path eagerly instead, on any device: how it is tested without a GPU.
+
+    A step's KVCopy list moves KV between the pool and the engine's host pool
+    (host_copies.HostCopier): loads before the forward, backups started after it."""
 
     def __init__(
         self,
@@ -102,6 +106,8 @@ class ModelRunner:
                 shard.num_layers, num_slots, shard.num_kv_heads, shard.head_dim, dtype, self.device
             )
             self.graphs = self._decode_graphs(cuda_graph_max_bs, eager_graphs, num_slots)
+            rank = 0 if tp is None else tp.rank
+            self.host_copies = HostCopier(self.pool, config.num_kv_heads, rank)
         self.graph_steps = 0  # steps that ran through self.graphs
         self.requests: dict[str, _RequestState] = {}
 
@@ -124,7 +130,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, batch: StepBatch) -> StepResult:
-        """Run one step: forget released requests, admit new ones, compute, sample."""
+        """Run one step: forget released requests, admit new ones, load KV from the host
+        pool, compute, sample, start backups to the host pool."""
         began = time.perf_counter()
         for rid in batch.release:
             self.requests.pop(rid, None)
@@ -133,9 +140,14 @@ class ModelRunner:
             req.append(spec.prefix_ids, spec.prefix_slots)
             self.requests[spec.rid] = req
         result = StepResult(batch.step)
-        if batch.entries:
-            with current(self.device):
+        with current(self.device):
+            if batch.host_pool is not None:
+                self.host_copies.map(batch.host_pool)
+            self.host_copies.load([c for c in batch.copies if not c.to_host])
+            if batch.entries:
                 self._run(batch, result)
+            self.host_copies.start_backups([c for c in batch.copies if c.to_host])
+        result.copies_done = self.host_copies.finished()
         result.forward_ms = (time.perf_counter() - began) * 1e3
         return result
 

@@ -97,6 +97,9 @@ class WorkerService(wgrpc.WorkerServicer):
             dtype=c.dtype,
             tp_rank=c.tp_rank,
             tp_size=c.tp_size,
+            num_layers=self.runner.config.num_layers,
+            num_kv_heads=self.runner.config.num_kv_heads,
+            head_dim=self.runner.config.head_dim,
         )
         self.metrics.loaded(served_name(resolve_model_path(c.model_path)), self.info.num_slots)
         for name in ("", SERVICE_NAME):

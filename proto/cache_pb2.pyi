@@ -1,0 +1,81 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class KVGeometry(_message.Message):
+    __slots__ = ("num_layers", "num_kv_heads", "head_dim", "dtype", "page_size")
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    page_size: int
+    def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., page_size: _Optional[int] = ...) -> None: ...
+
+class OpenRequest(_message.Message):
+    __slots__ = ("engine_id", "geometry", "num_slots", "layout")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    GEOMETRY_FIELD_NUMBER: _ClassVar[int]
+    NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    geometry: KVGeometry
+    num_slots: int
+    layout: str
+    def __init__(self, engine_id: _Optional[str] = ..., geometry: _Optional[_Union[KVGeometry, _Mapping]] = ..., num_slots: _Optional[int] = ..., layout: _Optional[str] = ...) -> None: ...
+
+class HostPool(_message.Message):
+    __slots__ = ("name", "path", "num_slots", "layout", "geometry")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    GEOMETRY_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    num_slots: int
+    layout: str
+    geometry: KVGeometry
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., num_slots: _Optional[int] = ..., layout: _Optional[str] = ..., geometry: _Optional[_Union[KVGeometry, _Mapping]] = ...) -> None: ...
+
+class PagesRequest(_message.Message):
+    __slots__ = ("engine_id", "slots")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    slots: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, engine_id: _Optional[str] = ..., slots: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class PagesReply(_message.Message):
+    __slots__ = ("used_slots", "repeated")
+    USED_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    REPEATED_FIELD_NUMBER: _ClassVar[int]
+    used_slots: int
+    repeated: int
+    def __init__(self, used_slots: _Optional[int] = ..., repeated: _Optional[int] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ("engine_id",)
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    def __init__(self, engine_id: _Optional[str] = ...) -> None: ...
+
+class Stats(_message.Message):
+    __slots__ = ("num_slots", "used_slots", "segment_bytes", "repeated")
+    NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    USED_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    REPEATED_FIELD_NUMBER: _ClassVar[int]
+    num_slots: int
+    used_slots: int
+    segment_bytes: int
+    repeated: int
+    def __init__(self, num_slots: _Optional[int] = ..., used_slots: _Optional[int] = ..., segment_bytes: _Optional[int] = ..., repeated: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,156 @@
+"""The cachectl service: gRPC Open / Record / Forget / GetStats over the engines' host
+segments, gRPC health, and /health + /metrics over HTTP."""
+
+from __future__ import annotations
+
+import errno
+import logging
+from dataclasses import asdict
+from typing import Any, NoReturn
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from radixmesh.core.hicache import HostPoolSpec, KVGeometry
+from radixmesh.core.settings import CachectlConfig
+from radixmesh.mesh.service import StatusServer
+from radixmesh.proto import cache_pb2 as cpb
+from radixmesh.proto import cache_pb2_grpc as cgrpc
+from radixmesh.services.cachectl import metrics
+from radixmesh.services.cachectl.host_pool import HostSegments, NoSegment
+
+log = logging.getLogger("radixmesh.cachectl")
+
+SERVICE_NAME = cpb.DESCRIPTOR.services_by_name["Cachectl"].full_name
+STOP_GRACE_S = 2.0
+
+
+def geometry_from_proto(msg: cpb.KVGeometry) -> KVGeometry:
+    return KVGeometry(msg.num_layers, msg.num_kv_heads, msg.head_dim, msg.dtype, msg.page_size)
+
+
+def pool_to_proto(spec: HostPoolSpec) -> cpb.HostPool:
+    return cpb.HostPool(
+        name=spec.name,
+        path=spec.path,
+        num_slots=spec.num_slots,
+        layout=spec.layout,
+        geometry=cpb.KVGeometry(**asdict(spec.geometry)),
+    )
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> NoReturn:
+    """End an RPC with the status that says whose the fault is."""
+    if isinstance(exc, ValueError):
+        code = grpc.StatusCode.INVALID_ARGUMENT
+    elif isinstance(exc, NoSegment):
+        code = grpc.StatusCode.FAILED_PRECONDITION
+    elif isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+        code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    else:
+        code = grpc.StatusCode.INTERNAL
+    await context.abort(code, str(exc))
+
+
+class CachectlService(cgrpc.CachectlServicer):
+    """One cachectl: the segments of the engines it serves (in practice one), over gRPC."""
+
+    def __init__(self, config: CachectlConfig) -> None:
+        self.config = config
+        self.segments = HostSegments(config.shm_dir)
+        self.port = 0
+        self._health = health.aio.HealthServicer()
+        self._server = grpc.aio.server()
+        cgrpc.add_CachectlServicer_to_server(self, self._server)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
+        self._status = StatusServer(config.host, config.metrics_port, self._check)
+        self._serving = False
+
+    async def start(self) -> None:
+        """Serve; nothing to load, so SERVING at once."""
+        c = self.config
+        self.port = self._server.add_insecure_port(f"{c.host}:{c.port}")
+        await self._server.start()
+        await self._status.start()
+        self._serving = True
+        for name in ("", SERVICE_NAME):
+            await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        log.info("cachectl: gRPC on %s:%d, /metrics on %s:%d, segments in %s",
+                 c.host, self.port, c.host, self._status.port, c.shm_dir)
+
+    async def stop(self) -> None:
+        """Stop serving, then unlink every segment (a worker's mapping outlives the file)."""
+        if self._serving:
+            self._serving = False
+            await self._health.enter_graceful_shutdown()
+            await self._server.stop(STOP_GRACE_S)
+            await self._status.stop()
+        engines = self.segments.engines()
+        self.segments.close()
+        for engine_id in engines:
+            metrics.show(self.segments, engine_id)
+
+    def _check(self) -> tuple[bool, dict[str, Any]]:
+        return self._serving, {"engines": self.segments.engines()}
+
+    # ---- RPCs -----------------------------------------------------------------------------
+
+    async def Open(
+        self, request: cpb.OpenRequest, context: grpc.aio.ServicerContext
+    ) -> cpb.HostPool:
+        """A fresh segment for the engine."""
+        try:
+            spec = self.segments.open(
+                request.engine_id,
+                geometry_from_proto(request.geometry),
+                request.num_slots,
+                request.layout,
+            )
+        except (ValueError, OSError) as exc:
+            log.warning("engine %s: cannot open a host segment: %s", request.engine_id, exc)
+            # A failed open may have unlinked the engine's previous segment already.
+            metrics.show(self.segments, request.engine_id)
+            await _abort(context, exc)
+        metrics.show(self.segments, request.engine_id)
+        return pool_to_proto(spec)
+
+    async def Record(
+        self, request: cpb.PagesRequest, context: grpc.aio.ServicerContext
+    ) -> cpb.PagesReply:
+        """Host slots the engine's scheduler now holds."""
+        try:
+            repeated = self.segments.record(request.engine_id, request.slots)
+        except (ValueError, NoSegment) as exc:
+            await _abort(context, exc)
+        return self._pages_reply(request.engine_id, "record", repeated)
+
+    async def Forget(
+        self, request: cpb.PagesRequest, context: grpc.aio.ServicerContext
+    ) -> cpb.PagesReply:
+        """Host slots the engine's scheduler no longer holds."""
+        try:
+            repeated = self.segments.forget(request.engine_id, request.slots)
+        except (ValueError, NoSegment) as exc:
+            await _abort(context, exc)
+        return self._pages_reply(request.engine_id, "forget", repeated)
+
+    def _pages_reply(self, engine_id: str, op: str, repeated: int) -> cpb.PagesReply:
+        metrics.repeated(engine_id, op, repeated)
+        metrics.show(self.segments, engine_id)
+        used = self.segments.stats(engine_id).used_slots
+        return cpb.PagesReply(used_slots=used, repeated=repeated)
+
+    async def GetStats(
+        self, request: cpb.StatsRequest, context: grpc.aio.ServicerContext
+    ) -> cpb.Stats:
+        """The engine's segment: its size and use."""
+        try:
+            stats = self.segments.stats(request.engine_id)
+        except NoSegment as exc:
+            await _abort(context, exc)
+        return cpb.Stats(
+            num_slots=stats.num_slots,
+            used_slots=stats.used_slots,
+            segment_bytes=stats.nbytes,
+            repeated=stats.repeated,
+        )
