@@ -77,7 +77,7 @@ class _Streams:
             if req.finish is not None:
                 del self._streams[req]
         if self.host_link is not None:
-            self.host_link.after_schedule(self._scheduler)
+            self.host_link.report(self._scheduler)
 
     def fail_all(self, error: Exception) -> None:
         for stream in list(self._streams.values()):

@@ -54,8 +54,9 @@ class HostLink:
         await self._open()
         self._tasks = [asyncio.create_task(self._watch()), asyncio.create_task(self._report())]
 
-    def after_schedule(self, scheduler: Scheduler) -> None:
-        """Queue the host slots the step took and freed, for the owner (call between steps)."""
+    def report(self, scheduler: Scheduler) -> None:
+        """Queue the host slots the scheduler took and freed since the last call, for the
+        owner (call between steps)."""
         if scheduler.host is not None:
             for change in scheduler.host.take_changes():
                 self._changes.put_nowait(change)

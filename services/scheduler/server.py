@@ -233,7 +233,7 @@ class SchedulerService:
             if req.finish is not None:
                 cached.inserted.add(cache_salt=req.namespace or "", token_ids=req.tokens)
         if self.host_link is not None:
-            self.host_link.after_schedule(sched)
+            self.host_link.report(sched)
         # Before publishing: once a client has its answer, the gauges already show it.
         self.metrics.state(sched)
         if step.updates:
