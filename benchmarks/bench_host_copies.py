@@ -110,7 +110,8 @@ def bench_memcpy(args: argparse.Namespace, device: torch.device) -> list[tuple[s
             ("pinned host -> device", nbytes / to_device / 1e9)]
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags (of `argv`, else the command line); every one has a default."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--layers", type=int, default=30)
@@ -122,24 +123,39 @@ def main() -> None:
     parser.add_argument(
         "--threads", type=int, default=0, help="torch threads of the loads (0: torch's default)"
     )
-    args = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def measure(
+    args: argparse.Namespace,
+) -> tuple[list[tuple[str, str, float, float]], list[tuple[str, float]]]:
+    """(host layout, slots, backup GB/s, load GB/s) of every layout and slot pattern, and
+    (what, GB/s) of the plain copies beside them."""
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+    copies = []
+    for layout in ("layer_first", "page_first"):
+        for page, slots in ((1, "scattered"), (PAGE, f"{PAGE}-pages")):
+            copies.append((layout, slots, *bench_copies(args, device, layout, page, shm)))
+    return copies, bench_memcpy(args, device)
+
+
+def main() -> None:
+    args = parse_args()
+    copies, memcpy = measure(args)
     token_bytes = KVGeometry(args.layers, args.kv_heads, args.head_dim, args.dtype).token_bytes
     print(
         f"{args.tokens} tokens x {token_bytes} B = {args.tokens * token_bytes / 2**20:.1f} MiB "
         f"per copy; {args.layers} layers, {args.kv_heads} KV heads, head_dim {args.head_dim}, "
-        f"{args.dtype}; device {device}, {torch.get_num_threads()} torch threads "
+        f"{args.dtype}; device {args.device}, {torch.get_num_threads()} torch threads "
         f"(backups: 1 copy thread); median of {args.runs}"
     )
     print(f"{'host layout':<12} {'slots':<10} {'backup GB/s':>12} {'load GB/s':>10}")
-    for layout in ("layer_first", "page_first"):
-        for page, slots in ((1, "scattered"), (PAGE, f"{PAGE}-pages")):
-            backup, load = bench_copies(args, device, layout, page, shm)
-            print(f"{layout:<12} {slots:<10} {backup:>12.2f} {load:>10.2f}")
-    for what, rate in bench_memcpy(args, device):
+    for layout, slots, backup, load in copies:
+        print(f"{layout:<12} {slots:<10} {backup:>12.2f} {load:>10.2f}")
+    for what, rate in memcpy:
         print(f"plain .copy_ of one contiguous tensor, {what}: {rate:.2f} GB/s")
 
 

@@ -53,7 +53,8 @@ class FakeBackend(Backend):
         finally:
             self.in_flight -= 1
         return Completion(clock, output_tokens=output_len, output_ids=[len(prompt)] * output_len,
-                          prompt_tokens=len(prompt), cached_tokens=0)
+                          prompt_tokens=len(prompt), cached_tokens=0,
+                          cached_tokens_details={"device": 0, "host": len(prompt)})
 
 
 def test_arrival_offsets():
@@ -82,6 +83,8 @@ def test_turns_resend_the_conversation_with_its_answers():
         assert turn3 in backend.prompts
         mine = sorted((r for r in run.results if r.conversation == i), key=lambda r: r.turn)
         assert [r.sent_tokens for r in mine] == [10, 16, 22]
+        assert [r.cached_tokens_details for r in mine] == [{"device": 0, "host": n}
+                                                           for n in (10, 16, 22)]
         assert all(r.ttft is not None and len(r.itls) == 3 for r in mine)
 
 

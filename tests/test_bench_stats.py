@@ -96,6 +96,8 @@ def test_native_stream_reads_cumulative_events():
     s = NativeStream(TokenClock(0.0))
     meta = {"prompt_tokens": 10, "cached_tokens": 6, "finish_reason": None}
     s.feed({"text": "a", "output_ids": [5], "meta_info": meta | {"completion_tokens": 1}}, 1.0)
+    assert s.cached_tokens_details is None  # a server that does not split the hit
+    meta["cached_tokens_details"] = {"device": 2, "host": 4, "storage": 0}
     with pytest.raises(StreamError, match="before the request finished"):
         s.check_finished()
     done = meta | {"completion_tokens": 3, "finish_reason": {"type": "length", "length": 3}}
@@ -103,6 +105,7 @@ def test_native_stream_reads_cumulative_events():
     s.check_finished()
     assert s.output_ids == [5, 6, 7] and s.completion_tokens == 3
     assert (s.prompt_tokens, s.cached_tokens) == (10, 6)
+    assert s.cached_tokens_details == {"device": 2, "host": 4, "storage": 0}
     assert s.clock.ttft == 1.0 and s.clock.itls == pytest.approx([0.5, 0.5])
     s.feed({"meta_info": {"finish_reason": {"type": "abort", "message": "gone"}}}, 3.0)
     with pytest.raises(StreamError, match="gone"):

@@ -176,3 +176,37 @@ def test_the_first_step_carries_the_host_pool_and_only_the_first():
     sched.add_request(make_req("a", [1, 2, 3], max_new=2))
     second = sched.schedule()
     assert second is not None and second.batch.host_pool is None
+
+
+def test_a_request_out_of_room_waits_for_backups_instead_of_ending():
+    """A and B run together; when A finishes, its tokens are cached and their backups
+    (acknowledged 4 steps late) pin them, while B, now alone, needs their slots to go on
+    decoding: B waits for the backups, then A's prefix moves to the host and B finishes
+    whole instead of being cut short as "KV pool full"."""
+    sched, worker = engine(ack_delay=4, device=96)
+    a, b = conversations(2, 40, seed=7)
+    short, long = make_req("a", a, max_new=8), make_req("b", b, max_new=30)
+    sched.add_request(short)
+    sched.add_request(long)
+    run(sched, worker, overlap=True)
+    assert short.output_ids == reference_output(a, 8)
+    assert long.output_ids == reference_output(b, 30)
+    assert long.finish.message is None
+
+
+def test_a_host_hit_waits_for_room_rather_than_recomputing():
+    sched, worker = engine(device=128)
+    first, second = conversations(2, 70, seed=8)
+    serve(sched, worker, first, "first", overlap=False)
+    serve(sched, worker, second, "second", overlap=False)  # pushes "first" to the host
+    # A long request takes most of the pool before "first" returns: its host hit waits
+    # for that room instead of being recomputed.
+    hog = make_req("hog", conversations(1, 100, seed=9)[0], max_new=10)
+    sched.add_request(hog)
+    step = sched.schedule()
+    sched.process_result(step, worker.forward(step.batch))
+    again = make_req("again", first, max_new=4)
+    sched.add_request(again)
+    run(sched, worker, overlap=False)
+    assert again.output_ids == reference_output(first, 4)
+    assert again.cached_host_tokens > 0 and again.cached_tokens == 69

@@ -29,6 +29,7 @@ class Completion:
     output_ids: list[int] = field(default_factory=list)
     prompt_tokens: int | None = None
     cached_tokens: int | None = None
+    cached_tokens_details: dict[str, int] | None = None  # cached_tokens per tier, when split
     error: str | None = None
 
 
@@ -106,7 +107,8 @@ class RadixmeshBackend(Backend):
         await self._post_stream("/generate", body, stream)
         return Completion(clock, output_tokens=stream.completion_tokens,
                           output_ids=stream.output_ids, prompt_tokens=stream.prompt_tokens,
-                          cached_tokens=stream.cached_tokens)
+                          cached_tokens=stream.cached_tokens,
+                          cached_tokens_details=stream.cached_tokens_details)
 
 
 class OpenAIBackend(Backend):

@@ -69,6 +69,7 @@ async def _conversation(
             result.output_tokens = done.output_tokens
             result.prompt_tokens = done.prompt_tokens
             result.cached_tokens = done.cached_tokens
+            result.cached_tokens_details = done.cached_tokens_details
             result.ttft = done.clock.ttft
             result.latency = done.latency
             result.itls = done.clock.itls

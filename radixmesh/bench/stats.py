@@ -23,6 +23,9 @@ class RequestResult:
     output_tokens: int = 0
     prompt_tokens: int | None = None  # as the server counted them, when it says
     cached_tokens: int | None = None  # prompt tokens served from the prefix cache
+    # cached_tokens per tier ({"device": .., "host": .., "storage": ..}), when the server
+    # splits it (radixmesh's and SGLang's meta_info.cached_tokens_details)
+    cached_tokens_details: dict[str, int] | None = None
     ttft: float | None = None
     latency: float = 0.0
     itls: list[float] = field(default_factory=list)  # one gap per token after the first

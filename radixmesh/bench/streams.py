@@ -71,6 +71,7 @@ class NativeStream:
     output_ids: list[int] = field(default_factory=list)
     prompt_tokens: int | None = None
     cached_tokens: int | None = None
+    cached_tokens_details: dict[str, int] | None = None  # the hit per tier, when split
     completion_tokens: int = 0
     finish_reason: Any = None
 
@@ -80,6 +81,9 @@ class NativeStream:
         self.completion_tokens = int(meta.get("completion_tokens", self.completion_tokens))
         self.prompt_tokens = meta.get("prompt_tokens", self.prompt_tokens)
         self.cached_tokens = meta.get("cached_tokens", self.cached_tokens)
+        details = meta.get("cached_tokens_details")
+        if details is not None:
+            self.cached_tokens_details = {tier: int(n) for tier, n in details.items()}
         self.finish_reason = meta.get("finish_reason") or self.finish_reason
         if event.get("output_ids") is not None:
             self.output_ids = list(event["output_ids"])

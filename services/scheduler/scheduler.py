@@ -133,6 +133,7 @@ class Scheduler:
             or self._release
             or self._host_pool is not None
             or (self.host is not None and self.host.has_copies())
+            or self.cache.pending_backups() > 0
         )
 
     def num_running(self) -> int:
@@ -209,15 +210,14 @@ class Scheduler:
         if self.host is not None:
             step.copies = self.host.take_copies()
         step.host_pool, self._host_pool = self._host_pool, None
-        # Requests that wait for room while backups hold device slots need the step that
-        # reports those backups done, even an empty one.
-        waiting_on_backups = bool(self.waiting) and self.cache.pending_backups() > 0
+        # Backups hold device slots until a step reports them done: an empty step still
+        # collects that report (and what waits for room gets it).
         if (
             not batch.reqs
             and not step.release
             and not step.copies
             and step.host_pool is None
-            and not waiting_on_backups
+            and not self.cache.pending_backups()
         ):
             return None
         self._step += 1  # steps count 1, 2, 3... so a worker can put them back in order
@@ -231,6 +231,11 @@ class Scheduler:
                 i += 1  # its last token is in flight; the result will finish it
                 continue
             slots = self._grow(req, 1)
+            if slots is None and self.cache.pending_backups():
+                # Backups pin device slots (and every prefix above them) for a step or two:
+                # wait for them rather than retract or cut a request short.
+                i += 1
+                continue
             if slots is None and len(self.running) == 1:
                 # Alone and still out of room: it could never be readmitted either.
                 self._finish(
@@ -272,10 +277,14 @@ class Scheduler:
         match = self.cache.match_prefix(match_key(req), req.namespace)
         self.cache.lock(match.node)
         node, prefix, loaded = match.node, list(match.slots), 0
-        if match.host_nodes and self.host is not None:
+        if match.host_nodes and self.host is not None and match.host_len < self.config.num_slots:
             # Loading beats recomputing whenever there is room: a copy per token, not a
-            # forward pass.
+            # forward pass. Room frees up as running requests finish and backups land, so
+            # wait for it rather than recompute; alone, recompute in chunks.
             fresh = self._alloc(match.host_len)
+            if fresh is None and (self.running or self.cache.pending_backups()):
+                self.cache.unlock(node)
+                return 0
             if fresh is not None:
                 self.host.load(match.host_nodes, fresh)
                 node = match.host_nodes[-1]
