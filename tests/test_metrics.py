@@ -39,10 +39,13 @@ class FakeClock:
         return self.now
 
 
-def chunk(completion: int, cached: int = 0, finish: str | None = None) -> GenerationChunk:
+def chunk(
+    completion: int, cached: int = 0, finish: str | None = None, host: int = 0
+) -> GenerationChunk:
     return GenerationChunk(
         rid="r", text="", output_ids=[], prompt_tokens=5, completion_tokens=completion,
         cached_tokens=cached, finish={"type": finish} if finish else None,
+        cached_host_tokens=host,
     )
 
 
@@ -58,10 +61,12 @@ def test_a_finished_request_settles_every_counter_at_its_last_chunk() -> None:
     clock.now += 0.2
     req.on_chunk(chunk(3, cached=2))  # two tokens at once share the 0.2 s
     clock.now += 0.1
-    req.on_chunk(chunk(3, cached=2, finish="length"))
+    req.on_chunk(chunk(3, cached=2, finish="length", host=1))
     assert value("radixmesh:prompt_tokens_total", model_name=model) == 5
     assert value("radixmesh:generation_tokens_total", model_name=model) == 3
-    assert value("radixmesh:cached_tokens_total", model_name=model) == 2
+    assert value("radixmesh:cached_tokens_total", model_name=model, tier="device") == 1
+    assert value("radixmesh:cached_tokens_total", model_name=model, tier="host") == 1
+    assert value("radixmesh:cached_tokens_total", model_name=model, tier="storage") == 0
     assert value("radixmesh:num_requests_total", model_name=model) == 1
     assert value("radixmesh:num_aborted_requests_total", model_name=model) == 0
     assert value("radixmesh:tokenizer_num_in_flight_reqs", model_name=model) == 0
@@ -86,7 +91,7 @@ def test_a_hang_up_is_an_abort_with_the_tokens_delivered_so_far() -> None:
     req.on_chunk(chunk(4, cached=6))
     req.close()
     assert value("radixmesh:generation_tokens_total", model_name=model) == 4
-    assert value("radixmesh:cached_tokens_total", model_name=model) == 6
+    assert value("radixmesh:cached_tokens_total", model_name=model, tier="device") == 6
     assert value("radixmesh:num_requests_total", model_name=model) == 1
     assert value("radixmesh:num_aborted_requests_total", model_name=model) == 1
     assert value("radixmesh:e2e_request_latency_seconds_count", model_name=model) == 0

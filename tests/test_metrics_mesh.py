@@ -96,7 +96,8 @@ def test_counters_equal_the_workload_on_every_service(mesh: Mesh) -> None:
 
     assert sample(tok, "radixmesh:prompt_tokens_total", MODEL) == prompt_tokens
     assert sample(tok, "radixmesh:generation_tokens_total", MODEL) == output_tokens
-    assert sample(tok, "radixmesh:cached_tokens_total", MODEL) == cached
+    assert sample(tok, "radixmesh:cached_tokens_total", {**MODEL, "tier": "device"}) == cached
+    assert sample(tok, "radixmesh:cached_tokens_total", {**MODEL, "tier": "host"}) == 0
     assert sample(tok, "radixmesh:num_requests_total", MODEL) == len(WORKLOAD)
     assert sample(tok, "radixmesh:num_aborted_requests_total", MODEL) == 0
     assert sample(tok, "radixmesh:tokenizer_num_in_flight_reqs", MODEL) == 0

@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import Counter, Gauge, Histogram
 
+from radixmesh.core.meta_info import CachedTokens
+
 if TYPE_CHECKING:  # the client imports this module to count what it sends
     from radixmesh.services.tokenizer.client import GenerationChunk
 
@@ -39,8 +41,11 @@ GENERATION_TOKENS = Counter(
     "radixmesh:generation_tokens_total", "Output tokens delivered to clients", _MODEL
 )
 CACHED_TOKENS = Counter(
-    "radixmesh:cached_tokens_total", "Prompt tokens the engines found in a prefix cache", _MODEL
+    "radixmesh:cached_tokens_total",
+    "Prompt tokens the engines found in a prefix cache, by the tier their KV came from",
+    (*_MODEL, "tier"),
 )
+_TIERS = ("device", "host", "storage")
 NUM_REQUESTS = Counter("radixmesh:num_requests_total", "Requests ended, however", _MODEL)
 NUM_ABORTED = Counter(
     "radixmesh:num_aborted_requests_total",
@@ -77,7 +82,7 @@ class TokenizerMetrics:
         self.in_flight = IN_FLIGHT.labels(**labels)
         self.prompt_tokens = PROMPT_TOKENS.labels(**labels)
         self.generation_tokens = GENERATION_TOKENS.labels(**labels)
-        self.cached_tokens = CACHED_TOKENS.labels(**labels)
+        self.cached_tokens = {t: CACHED_TOKENS.labels(**labels, tier=t) for t in _TIERS}
         self.num_requests = NUM_REQUESTS.labels(**labels)
         self.num_aborted = NUM_ABORTED.labels(**labels)
         self.ttft = TIME_TO_FIRST_TOKEN.labels(**labels)
@@ -97,7 +102,7 @@ class RequestMetrics:
         self._started = metrics.clock()
         self._last_token_at: float | None = None
         self._tokens = 0
-        self._cached = 0
+        self._cached = CachedTokens()
         self._ended = False
         metrics.prompt_tokens.inc(prompt_tokens)
         metrics.in_flight.inc()
@@ -118,7 +123,7 @@ class RequestMetrics:
                     self._m.itl.observe(share)
             self._last_token_at = now
             self._tokens = chunk.completion_tokens
-        self._cached = chunk.cached_tokens
+        self._cached = chunk.cached_tokens_details
         if chunk.finish is not None:
             self._m.e2e.observe(now - self._started)
             # A stop string can trim tokens already counted: the last chunk has the total.
@@ -134,7 +139,8 @@ class RequestMetrics:
         m = self._m
         m.in_flight.dec()
         m.generation_tokens.inc(completion_tokens)
-        m.cached_tokens.inc(self._cached)
+        for tier, tokens in self._cached.to_dict().items():
+            m.cached_tokens[tier].inc(tokens)
         m.num_requests.inc()
         if aborted:
             m.num_aborted.inc()
