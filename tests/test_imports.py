@@ -75,6 +75,11 @@ def imports_of(path: Path) -> set[str]:
     return names
 
 
+# Read at collection, before any test starts a thread: CPython 3.11's AST constructor keeps
+# its recursion counter per interpreter, so a parse racing another thread's parse can fail.
+IMPORTS = {module: imports_of(path) for module, path in MODULES.items()}
+
+
 def _under(name: str, prefixes: tuple[str, ...]) -> bool:
     return any(name == p or name.startswith(p + ".") for p in prefixes)
 
@@ -92,7 +97,7 @@ def test_the_walk_sees_every_service_and_the_core():
 def test_a_service_imports_only_the_shared_code_and_its_own_folder(module):
     own = ".".join(module.split(".")[:3])
     bad = sorted(
-        name for name in imports_of(MODULES[module])
+        name for name in IMPORTS[module]
         if name.startswith("radixmesh") and not _under(name, (*SHARED, own))
     )
     assert not bad, f"{module} imports {bad}"
@@ -101,7 +106,7 @@ def test_a_service_imports_only_the_shared_code_and_its_own_folder(module):
 @pytest.mark.parametrize("module", sorted(n for n in MODULES if n.startswith("radixmesh.core")))
 def test_the_core_imports_no_transport_and_no_service(module):
     bad = sorted(
-        name for name in imports_of(MODULES[module])
+        name for name in IMPORTS[module]
         if _under(name, TRANSPORT) or (name.startswith("radixmesh") and
                                        not _under(name, ("radixmesh.core",)))
     )
@@ -110,9 +115,9 @@ def test_the_core_imports_no_transport_and_no_service(module):
 
 def test_only_transport_modules_import_protobuf():
     importers = {
-        module for module, path in MODULES.items()
+        module for module, names in IMPORTS.items()
         if any(name.endswith(("_pb2", "_pb2_grpc")) or "_pb2." in name
-               for name in imports_of(path) if name.startswith("radixmesh.proto"))
+               for name in names if name.startswith("radixmesh.proto"))
     }
     assert importers == PROTOBUF_MODULES
 
@@ -130,5 +135,5 @@ def test_only_transport_modules_import_protobuf():
     "radixmesh.services.cachectl.host_pool",
 ])
 def test_domain_logic_imports_no_transport(module):
-    bad = sorted(name for name in imports_of(MODULES[module]) if _under(name, TRANSPORT))
+    bad = sorted(name for name in IMPORTS[module] if _under(name, TRANSPORT))
     assert not bad, f"{module} imports {bad}"
