@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bradixmesh/proto/cache.proto\x12\x0fradixmesh.cache\"j\n\nKVGeometry\x12\x12\n\nnum_layers\x18\x01 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x02 \x01(\x05\x12\x10\n\x08head_dim\x18\x03 \x01(\x05\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x11\n\tpage_size\x18\x05 \x01(\x05\"r\n\x0bOpenRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12-\n\x08geometry\x18\x02 \x01(\x0b\x32\x1b.radixmesh.cache.KVGeometry\x12\x11\n\tnum_slots\x18\x03 \x01(\x03\x12\x0e\n\x06layout\x18\x04 \x01(\t\"x\n\x08HostPool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x11\n\tnum_slots\x18\x03 \x01(\x03\x12\x0e\n\x06layout\x18\x04 \x01(\t\x12-\n\x08geometry\x18\x05 \x01(\x0b\x32\x1b.radixmesh.cache.KVGeometry\"0\n\x0cPagesRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\r\n\x05slots\x18\x02 \x03(\x03\"2\n\nPagesReply\x12\x12\n\nused_slots\x18\x01 \x01(\x03\x12\x10\n\x08repeated\x18\x02 \x01(\x03\"!\n\x0cStatsRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\"W\n\x05Stats\x12\x11\n\tnum_slots\x18\x01 \x01(\x03\x12\x12\n\nused_slots\x18\x02 \x01(\x03\x12\x15\n\rsegment_bytes\x18\x03 \x01(\x03\x12\x10\n\x08repeated\x18\x04 \x01(\x03\x32\x9a\x02\n\x08\x43\x61\x63hectl\x12?\n\x04Open\x12\x1c.radixmesh.cache.OpenRequest\x1a\x19.radixmesh.cache.HostPool\x12\x44\n\x06Record\x12\x1d.radixmesh.cache.PagesRequest\x1a\x1b.radixmesh.cache.PagesReply\x12\x44\n\x06\x46orget\x12\x1d.radixmesh.cache.PagesRequest\x1a\x1b.radixmesh.cache.PagesReply\x12\x41\n\x08GetStats\x12\x1d.radixmesh.cache.StatsRequest\x1a\x16.radixmesh.cache.Statsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bradixmesh/proto/cache.proto\x12\x0fradixmesh.cache\"j\n\nKVGeometry\x12\x12\n\nnum_layers\x18\x01 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x02 \x01(\x05\x12\x10\n\x08head_dim\x18\x03 \x01(\x05\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x11\n\tpage_size\x18\x05 \x01(\x05\"\x8f\x01\n\x0bOpenRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12-\n\x08geometry\x18\x02 \x01(\x0b\x32\x1b.radixmesh.cache.KVGeometry\x12\x11\n\tnum_slots\x18\x03 \x01(\x03\x12\x0e\n\x06layout\x18\x04 \x01(\t\x12\x1b\n\x13storage_page_tokens\x18\x05 \x01(\x05\"\x89\x01\n\x08HostPool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x11\n\tnum_slots\x18\x03 \x01(\x03\x12\x0e\n\x06layout\x18\x04 \x01(\t\x12-\n\x08geometry\x18\x05 \x01(\x0b\x32\x1b.radixmesh.cache.KVGeometry\x12\x0f\n\x07storage\x18\x06 \x01(\t\"0\n\x0cPagesRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\r\n\x05slots\x18\x02 \x03(\x03\"2\n\nPagesReply\x12\x12\n\nused_slots\x18\x01 \x01(\x03\x12\x10\n\x08repeated\x18\x02 \x01(\x03\"!\n\x0cStatsRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\"W\n\x05Stats\x12\x11\n\tnum_slots\x18\x01 \x01(\x03\x12\x12\n\nused_slots\x18\x02 \x01(\x03\x12\x15\n\rsegment_bytes\x18\x03 \x01(\x03\x12\x10\n\x08repeated\x18\x04 \x01(\x03\")\n\x0bStoragePage\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05slots\x18\x02 \x03(\x03\"N\n\x0cStoreRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12+\n\x05pages\x18\x02 \x03(\x0b\x32\x1c.radixmesh.cache.StoragePage\"\x1e\n\nStoreReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x05\"/\n\x0cQueryRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x03(\t\"\x1a\n\nQueryReply\x12\x0c\n\x04hits\x18\x01 \x01(\x05\"A\n\x0fPrefetchRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x03(\t\x12\r\n\x05slots\x18\x03 \x03(\x03\"#\n\x10PrefetchProgress\x12\x0f\n\x07\x61rrived\x18\x01 \x01(\x05\x32\xf7\x03\n\x08\x43\x61\x63hectl\x12?\n\x04Open\x12\x1c.radixmesh.cache.OpenRequest\x1a\x19.radixmesh.cache.HostPool\x12\x44\n\x06Record\x12\x1d.radixmesh.cache.PagesRequest\x1a\x1b.radixmesh.cache.PagesReply\x12\x44\n\x06\x46orget\x12\x1d.radixmesh.cache.PagesRequest\x1a\x1b.radixmesh.cache.PagesReply\x12\x41\n\x08GetStats\x12\x1d.radixmesh.cache.StatsRequest\x1a\x16.radixmesh.cache.Stats\x12\x43\n\x05Store\x12\x1d.radixmesh.cache.StoreRequest\x1a\x1b.radixmesh.cache.StoreReply\x12\x43\n\x05Query\x12\x1d.radixmesh.cache.QueryRequest\x1a\x1b.radixmesh.cache.QueryReply\x12Q\n\x08Prefetch\x12 .radixmesh.cache.PrefetchRequest\x1a!.radixmesh.cache.PrefetchProgress0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,18 +33,32 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_KVGEOMETRY']._serialized_start=48
   _globals['_KVGEOMETRY']._serialized_end=154
-  _globals['_OPENREQUEST']._serialized_start=156
-  _globals['_OPENREQUEST']._serialized_end=270
-  _globals['_HOSTPOOL']._serialized_start=272
-  _globals['_HOSTPOOL']._serialized_end=392
-  _globals['_PAGESREQUEST']._serialized_start=394
-  _globals['_PAGESREQUEST']._serialized_end=442
-  _globals['_PAGESREPLY']._serialized_start=444
-  _globals['_PAGESREPLY']._serialized_end=494
-  _globals['_STATSREQUEST']._serialized_start=496
-  _globals['_STATSREQUEST']._serialized_end=529
-  _globals['_STATS']._serialized_start=531
-  _globals['_STATS']._serialized_end=618
-  _globals['_CACHECTL']._serialized_start=621
-  _globals['_CACHECTL']._serialized_end=903
+  _globals['_OPENREQUEST']._serialized_start=157
+  _globals['_OPENREQUEST']._serialized_end=300
+  _globals['_HOSTPOOL']._serialized_start=303
+  _globals['_HOSTPOOL']._serialized_end=440
+  _globals['_PAGESREQUEST']._serialized_start=442
+  _globals['_PAGESREQUEST']._serialized_end=490
+  _globals['_PAGESREPLY']._serialized_start=492
+  _globals['_PAGESREPLY']._serialized_end=542
+  _globals['_STATSREQUEST']._serialized_start=544
+  _globals['_STATSREQUEST']._serialized_end=577
+  _globals['_STATS']._serialized_start=579
+  _globals['_STATS']._serialized_end=666
+  _globals['_STORAGEPAGE']._serialized_start=668
+  _globals['_STORAGEPAGE']._serialized_end=709
+  _globals['_STOREREQUEST']._serialized_start=711
+  _globals['_STOREREQUEST']._serialized_end=789
+  _globals['_STOREREPLY']._serialized_start=791
+  _globals['_STOREREPLY']._serialized_end=821
+  _globals['_QUERYREQUEST']._serialized_start=823
+  _globals['_QUERYREQUEST']._serialized_end=870
+  _globals['_QUERYREPLY']._serialized_start=872
+  _globals['_QUERYREPLY']._serialized_end=898
+  _globals['_PREFETCHREQUEST']._serialized_start=900
+  _globals['_PREFETCHREQUEST']._serialized_end=965
+  _globals['_PREFETCHPROGRESS']._serialized_start=967
+  _globals['_PREFETCHPROGRESS']._serialized_end=1002
+  _globals['_CACHECTL']._serialized_start=1005
+  _globals['_CACHECTL']._serialized_end=1508
 # @@protoc_insertion_point(module_scope)

@@ -21,30 +21,34 @@ class KVGeometry(_message.Message):
     def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., page_size: _Optional[int] = ...) -> None: ...
 
 class OpenRequest(_message.Message):
-    __slots__ = ("engine_id", "geometry", "num_slots", "layout")
+    __slots__ = ("engine_id", "geometry", "num_slots", "layout", "storage_page_tokens")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     GEOMETRY_FIELD_NUMBER: _ClassVar[int]
     NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_PAGE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     geometry: KVGeometry
     num_slots: int
     layout: str
-    def __init__(self, engine_id: _Optional[str] = ..., geometry: _Optional[_Union[KVGeometry, _Mapping]] = ..., num_slots: _Optional[int] = ..., layout: _Optional[str] = ...) -> None: ...
+    storage_page_tokens: int
+    def __init__(self, engine_id: _Optional[str] = ..., geometry: _Optional[_Union[KVGeometry, _Mapping]] = ..., num_slots: _Optional[int] = ..., layout: _Optional[str] = ..., storage_page_tokens: _Optional[int] = ...) -> None: ...
 
 class HostPool(_message.Message):
-    __slots__ = ("name", "path", "num_slots", "layout", "geometry")
+    __slots__ = ("name", "path", "num_slots", "layout", "geometry", "storage")
     NAME_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     GEOMETRY_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_FIELD_NUMBER: _ClassVar[int]
     name: str
     path: str
     num_slots: int
     layout: str
     geometry: KVGeometry
-    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., num_slots: _Optional[int] = ..., layout: _Optional[str] = ..., geometry: _Optional[_Union[KVGeometry, _Mapping]] = ...) -> None: ...
+    storage: str
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., num_slots: _Optional[int] = ..., layout: _Optional[str] = ..., geometry: _Optional[_Union[KVGeometry, _Mapping]] = ..., storage: _Optional[str] = ...) -> None: ...
 
 class PagesRequest(_message.Message):
     __slots__ = ("engine_id", "slots")
@@ -79,3 +83,55 @@ class Stats(_message.Message):
     segment_bytes: int
     repeated: int
     def __init__(self, num_slots: _Optional[int] = ..., used_slots: _Optional[int] = ..., segment_bytes: _Optional[int] = ..., repeated: _Optional[int] = ...) -> None: ...
+
+class StoragePage(_message.Message):
+    __slots__ = ("key", "slots")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    slots: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, key: _Optional[str] = ..., slots: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class StoreRequest(_message.Message):
+    __slots__ = ("engine_id", "pages")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    pages: _containers.RepeatedCompositeFieldContainer[StoragePage]
+    def __init__(self, engine_id: _Optional[str] = ..., pages: _Optional[_Iterable[_Union[StoragePage, _Mapping]]] = ...) -> None: ...
+
+class StoreReply(_message.Message):
+    __slots__ = ("accepted",)
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    accepted: int
+    def __init__(self, accepted: _Optional[int] = ...) -> None: ...
+
+class QueryRequest(_message.Message):
+    __slots__ = ("engine_id", "keys")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    keys: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, engine_id: _Optional[str] = ..., keys: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class QueryReply(_message.Message):
+    __slots__ = ("hits",)
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    hits: int
+    def __init__(self, hits: _Optional[int] = ...) -> None: ...
+
+class PrefetchRequest(_message.Message):
+    __slots__ = ("engine_id", "keys", "slots")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    keys: _containers.RepeatedScalarFieldContainer[str]
+    slots: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, engine_id: _Optional[str] = ..., keys: _Optional[_Iterable[str]] = ..., slots: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class PrefetchProgress(_message.Message):
+    __slots__ = ("arrived",)
+    ARRIVED_FIELD_NUMBER: _ClassVar[int]
+    arrived: int
+    def __init__(self, arrived: _Optional[int] = ...) -> None: ...

@@ -54,6 +54,21 @@ class CachectlStub:
                 request_serializer=radixmesh_dot_proto_dot_cache__pb2.StatsRequest.SerializeToString,
                 response_deserializer=radixmesh_dot_proto_dot_cache__pb2.Stats.FromString,
                 _registered_method=True)
+        self.Store = channel.unary_unary(
+                '/radixmesh.cache.Cachectl/Store',
+                request_serializer=radixmesh_dot_proto_dot_cache__pb2.StoreRequest.SerializeToString,
+                response_deserializer=radixmesh_dot_proto_dot_cache__pb2.StoreReply.FromString,
+                _registered_method=True)
+        self.Query = channel.unary_unary(
+                '/radixmesh.cache.Cachectl/Query',
+                request_serializer=radixmesh_dot_proto_dot_cache__pb2.QueryRequest.SerializeToString,
+                response_deserializer=radixmesh_dot_proto_dot_cache__pb2.QueryReply.FromString,
+                _registered_method=True)
+        self.Prefetch = channel.unary_stream(
+                '/radixmesh.cache.Cachectl/Prefetch',
+                request_serializer=radixmesh_dot_proto_dot_cache__pb2.PrefetchRequest.SerializeToString,
+                response_deserializer=radixmesh_dot_proto_dot_cache__pb2.PrefetchProgress.FromString,
+                _registered_method=True)
 
 
 class CachectlServicer:
@@ -88,6 +103,28 @@ class CachectlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Store(self, request, context):
+        """Write host pages to storage. Returns once their slots were read; the writes go on.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Query(self, request, context):
+        """How many of the keys, from the first on, storage holds.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Prefetch(self, request, context):
+        """Read pages from storage into host slots, in order; a message each time pages arrive,
+        and the stream ends once cachectl writes no more of those slots.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CachectlServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -110,6 +147,21 @@ def add_CachectlServicer_to_server(servicer, server):
                     servicer.GetStats,
                     request_deserializer=radixmesh_dot_proto_dot_cache__pb2.StatsRequest.FromString,
                     response_serializer=radixmesh_dot_proto_dot_cache__pb2.Stats.SerializeToString,
+            ),
+            'Store': grpc.unary_unary_rpc_method_handler(
+                    servicer.Store,
+                    request_deserializer=radixmesh_dot_proto_dot_cache__pb2.StoreRequest.FromString,
+                    response_serializer=radixmesh_dot_proto_dot_cache__pb2.StoreReply.SerializeToString,
+            ),
+            'Query': grpc.unary_unary_rpc_method_handler(
+                    servicer.Query,
+                    request_deserializer=radixmesh_dot_proto_dot_cache__pb2.QueryRequest.FromString,
+                    response_serializer=radixmesh_dot_proto_dot_cache__pb2.QueryReply.SerializeToString,
+            ),
+            'Prefetch': grpc.unary_stream_rpc_method_handler(
+                    servicer.Prefetch,
+                    request_deserializer=radixmesh_dot_proto_dot_cache__pb2.PrefetchRequest.FromString,
+                    response_serializer=radixmesh_dot_proto_dot_cache__pb2.PrefetchProgress.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -220,6 +272,87 @@ class Cachectl:
             '/radixmesh.cache.Cachectl/GetStats',
             radixmesh_dot_proto_dot_cache__pb2.StatsRequest.SerializeToString,
             radixmesh_dot_proto_dot_cache__pb2.Stats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Store(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/radixmesh.cache.Cachectl/Store',
+            radixmesh_dot_proto_dot_cache__pb2.StoreRequest.SerializeToString,
+            radixmesh_dot_proto_dot_cache__pb2.StoreReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Query(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/radixmesh.cache.Cachectl/Query',
+            radixmesh_dot_proto_dot_cache__pb2.QueryRequest.SerializeToString,
+            radixmesh_dot_proto_dot_cache__pb2.QueryReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Prefetch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/radixmesh.cache.Cachectl/Prefetch',
+            radixmesh_dot_proto_dot_cache__pb2.PrefetchRequest.SerializeToString,
+            radixmesh_dot_proto_dot_cache__pb2.PrefetchProgress.FromString,
             options,
             channel_credentials,
             insecure,

@@ -13,13 +13,13 @@ import random
 import tempfile
 import threading
 import uuid
-from collections.abc import Awaitable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from typing import Any
 
-from radixmesh.core.hicache import KVGeometry
-from radixmesh.core.model_files import resolve_model_path
+from radixmesh.core.hicache import DEFAULT_NATS_URL, KVGeometry
+from radixmesh.core.model_files import model_fingerprint, resolve_model_path
 from radixmesh.core.request import FinishKind, FinishReason, LogprobRequest
 from radixmesh.core.sampling_params import SamplingParams
 from radixmesh.core.settings import EngineArgs
@@ -27,6 +27,7 @@ from radixmesh.core.step import StepResult
 from radixmesh.core.tokenizer import Tokenizer
 from radixmesh.request_output import RequestStream
 from radixmesh.services.cachectl.host_pool import LocalCachectl, in_process_engine_id
+from radixmesh.services.cachectl.storage import StorageBackend, open_backend
 from radixmesh.services.scheduler.engine_loop import EngineLoop
 from radixmesh.services.scheduler.host_link import HostLink
 from radixmesh.services.scheduler.request import Req
@@ -104,6 +105,7 @@ class Engine:
                 self.runner.pool.num_slots,
                 loaded.max_position_embeddings,
                 [*loaded.eos_token_ids, *self.tokenizer.eos_token_ids],
+                model_fingerprint(path) if a.enable_hierarchical_cache else "",
             )
         )
         self.context_length = self.scheduler.config.context_length
@@ -118,7 +120,8 @@ class Engine:
                 loaded.num_layers, loaded.num_kv_heads, loaded.head_dim, a.dtype, a.page_size
             )
             self._streams.host_link = HostLink(
-                LocalCachectl(_shm_dir()), self.loop, in_process_engine_id(), geometry,
+                LocalCachectl(_shm_dir(), _storage_opener(a)), self.loop, in_process_engine_id(),
+                geometry,
                 self.runner.pool.num_slots, a,
             )
         # Guards _closed: once set, nothing new enters the loop (see shutdown / _run).
@@ -282,6 +285,16 @@ class Engine:
         self.loop.fail_pending(error)
         self._streams.fail_all(error)
         self._events.close()
+
+
+def _storage_opener(args: EngineArgs) -> Callable[[], Awaitable[StorageBackend]] | None:
+    """How the in-process engine connects to its storage tier, if it has one; the nats
+    backend needs its server's "url" in the extra config."""
+    name = args.hicache_storage_backend
+    if name is None:
+        return None
+    config = args.storage_config
+    return lambda: open_backend(name, config, config.get("url", DEFAULT_NATS_URL))
 
 
 def _shm_dir() -> str:

@@ -20,6 +20,7 @@ from radixmesh.core.settings import (
     DetokenizerConfig,
     DeviceSettings,
     HiCacheSettings,
+    HiCacheStorageSettings,
     KVSettings,
     MeshSettings,
     ModelSettings,
@@ -52,6 +53,7 @@ SERVICE_CONFIGS: dict[str, type[Settings]] = {
 class MeshArgs(
     ServiceSettings,
     HiCacheSettings,
+    HiCacheStorageSettings,
     ScheduleSettings,
     KVSettings,
     DeviceSettings,
@@ -92,7 +94,8 @@ class Mesh:
         """Start everything and wait until every service reports healthy."""
         try:
             if not self.nats_url:
-                self.nats = EmbeddedNats(self.args.host).start()
+                jetstream = self.args.hicache_storage_backend == "nats"
+                self.nats = EmbeddedNats(self.args.host, jetstream=jetstream).start()
                 self.nats_url = self.nats.url
             if self.args.trace_file:
                 self.spans = SpanReceiver(JsonlSink(self.args.trace_file)).start()

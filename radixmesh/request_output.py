@@ -132,6 +132,8 @@ class RequestStream:
             req.finish.to_dict() if req.finish else None,
             len(req.input_ids),
             len(req.output_ids),
-            CachedTokens.split(req.cached_tokens, host=req.cached_host_tokens),
+            CachedTokens.split(
+                req.cached_tokens, host=req.cached_host_tokens, storage=req.cached_storage_tokens
+            ),
             logprobs=logprobs,
         )

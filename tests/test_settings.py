@@ -118,10 +118,19 @@ SHARED = {
             "hicache_write_policy",
             "hicache_write_through_threshold",
             "hicache_mem_layout",
+            "hicache_storage_page_size",
+            "hicache_storage_prefetch_policy",
+            "hicache_storage_prefetch_timeout",
+            "hicache_storage_prefetch_threshold",
         ),
         [EngineArgs, MeshArgs, SchedulerServiceConfig],
     ),
-    "nats_url": [SchedulerServiceConfig, TokenizerServiceConfig, DetokenizerConfig],
+    **dict.fromkeys(
+        ("hicache_storage_backend", "hicache_storage_backend_extra_config"),
+        [EngineArgs, MeshArgs, CachectlConfig],
+    ),
+    "nats_url": [SchedulerServiceConfig, TokenizerServiceConfig, DetokenizerConfig,
+                 CachectlConfig],
 }
 
 
@@ -249,6 +258,11 @@ BAD_VALUES: dict[str, list[Any]] = {
     "hicache_write_policy": ["always"],
     "hicache_write_through_threshold": [0],
     "hicache_mem_layout": ["token_first"],
+    "hicache_storage_page_size": [0],
+    "hicache_storage_prefetch_policy": ["eager"],
+    "hicache_storage_prefetch_timeout": [-1.0],
+    "hicache_storage_prefetch_threshold": [0],
+    "hicache_storage_backend": ["s3"],
 }
 
 
@@ -291,6 +305,19 @@ def test_bad_value_names_the_setting(config, name, value) -> None:
         (WorkerConfig, {"tp_size": 2, "tp_rank": 1}, "tp_size > 1 needs dist_init_addr"),
         (MeshArgs, {"device": "cuda", "attention_backend": "torch"},
          "attention_backend='torch' runs on the CPU only"),
+        (EngineArgs, {"page_size": 16, "hicache_storage_page_size": 24},
+         "hicache_storage_page_size must be a multiple of page_size 16, got 24"),
+        (MeshArgs, {"hicache_storage_backend": "file",
+                    "hicache_storage_backend_extra_config": "{not json"},
+         "hicache_storage_backend_extra_config is not JSON"),
+        (CachectlConfig, {"hicache_storage_backend": "redis",
+                          "hicache_storage_backend_extra_config": '{"path": "/x"}'},
+         "'path' is not a setting of the redis backend"),
+        (EngineArgs, {"hicache_storage_backend": "redis",
+                      "hicache_storage_backend_extra_config": '{"url": "http://x"}'},
+         "the redis backend's url must be redis://HOST:PORT/DB"),
+        (EngineArgs, {"hicache_storage_backend_extra_config": '{"path": "/x"}'},
+         "hicache_storage_backend_extra_config needs a storage backend"),
     ],
 )
 def test_cross_field_checks(monkeypatch, config, values, message) -> None:

@@ -8,12 +8,25 @@ its own heads."""
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import struct
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 LAYOUTS = ("layer_first", "page_first")
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 DTYPE_BYTES = {"bfloat16": 2, "float32": 4}
+STORAGE_BACKENDS = ("file", "redis", "nats")
+PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
+# What each storage backend's extra config may hold, and the defaults filled in.
+_STORAGE_KEYS = {"file": ("path",), "redis": ("url",), "nats": ("bucket", "url")}
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+DEFAULT_NATS_BUCKET = "radixmesh-kv"
+DEFAULT_NATS_URL = "nats://127.0.0.1:4222"  # the nats backend's, for an in-process engine
 
 
 @dataclass(frozen=True)
@@ -45,6 +58,7 @@ class HostPoolSpec:
     num_slots: int  # tokens; a multiple of the page size
     layout: str  # one of LAYOUTS
     geometry: KVGeometry
+    storage: str = ""  # the storage (L3) tier behind it: one of STORAGE_BACKENDS, or none
 
     @property
     def nbytes(self) -> int:
@@ -71,6 +85,94 @@ def host_pool_slots(
     return slots - slots % geometry.page_size
 
 
+def default_storage_dir() -> Path:
+    """Where the file storage tier keeps its pages unless told: the user's cache directory."""
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "radixmesh" / "hicache"
+
+
+def storage_config(backend: str, text: str) -> dict[str, str]:
+    """The storage backend's extra config, read from its JSON text, defaults filled in;
+    ValueError naming what is wrong."""
+    if backend not in _STORAGE_KEYS:
+        if text.strip():
+            raise ValueError("hicache_storage_backend_extra_config needs a storage backend")
+        return {}
+    try:
+        config = json.loads(text) if text.strip() else {}
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"hicache_storage_backend_extra_config is not JSON: {exc}") from None
+    if not isinstance(config, dict):
+        raise ValueError("hicache_storage_backend_extra_config must be a JSON object")
+    allowed = _STORAGE_KEYS[backend]
+    for key, value in config.items():
+        if key not in allowed:
+            raise ValueError(
+                f"hicache_storage_backend_extra_config: {key!r} is not a setting of the "
+                f"{backend} backend (it takes {', '.join(allowed)})"
+            )
+        if not isinstance(value, str) or not value:
+            raise ValueError(
+                f"hicache_storage_backend_extra_config: {key!r} must be a non-empty string"
+            )
+    defaults = {
+        "file": {"path": str(default_storage_dir())},
+        "redis": {"url": DEFAULT_REDIS_URL},
+        "nats": {"bucket": DEFAULT_NATS_BUCKET},
+    }[backend]
+    config = {**defaults, **config}
+    if backend == "redis" and not config["url"].startswith(("redis://", "rediss://", "unix://")):
+        raise ValueError(
+            f"the redis backend's url must be redis://HOST:PORT/DB, got {config['url']!r}"
+        )
+    return config
+
+
+class PageKeys:
+    """Names of storage pages: the key of page i (tokens [i*P, (i+1)*P) of a prefix) hashes
+    the key of page i-1 with page i's token ids, so one key names a whole prefix. Page -1's
+    key hashes the model (its weights' fingerprint and KV geometry, dtype included), the
+    page size and the cache namespace (cache_salt), so keys never mix models or tenants.
+
+    A stored page holds every layer's and every KV head's K and V of its tokens, in one
+    order whatever the host layout or tensor parallelism: those stay out of the key, so
+    replicas configured differently share pages."""
+
+    VERSION = b"radixmesh-kv/1"
+
+    def __init__(self, model_fingerprint: str, geometry: KVGeometry, page_tokens: int) -> None:
+        self.page_tokens = page_tokens
+        g = geometry
+        self._model = b"|".join(
+            str(v).encode()
+            for v in (model_fingerprint, g.num_layers, g.num_kv_heads, g.head_dim, g.dtype,
+                      page_tokens)
+        )
+        self._roots: dict[str | None, bytes] = {}
+
+    def keys(self, tokens: Sequence[int], namespace: str | None, pages: int) -> list[str]:
+        """Keys of the first `pages` pages of `tokens` (which holds at least that many)."""
+        if pages * self.page_tokens > len(tokens):
+            raise ValueError(f"{len(tokens)} tokens hold no {pages} pages of {self.page_tokens}")
+        key = self._root(namespace)
+        keys = []
+        p = self.page_tokens
+        for i in range(pages):
+            page = struct.pack(f"<{p}i", *tokens[i * p : (i + 1) * p])
+            key = hashlib.blake2b(key + page, digest_size=16).digest()
+            keys.append(key.hex())
+        return keys
+
+    def _root(self, namespace: str | None) -> bytes:
+        root = self._roots.get(namespace)
+        if root is None:
+            salt = b"" if namespace is None else b"salt:" + namespace.encode()
+            text = self.VERSION + self._model + b"|" + salt
+            root = hashlib.blake2b(text, digest_size=16).digest()
+            self._roots[namespace] = root
+        return root
+
+
 class HostTierClient(Protocol):
     """The scheduler's handle on the owner of its engine's host tier: cachectl over gRPC,
     or in process. Both raise ValueError for a request the pool cannot satisfy (a bug), and
@@ -78,15 +180,34 @@ class HostTierClient(Protocol):
     ConnectionError): the scheduler then carries on without the host tier."""
 
     async def open(
-        self, engine_id: str, geometry: KVGeometry, num_slots: int, layout: str
+        self,
+        engine_id: str,
+        geometry: KVGeometry,
+        num_slots: int,
+        layout: str,
+        storage_page_tokens: int,
     ) -> HostPoolSpec:
-        """A fresh segment for the engine, replacing the one it had; no slot in use."""
+        """A fresh segment for the engine, replacing the one it had; no slot in use. The
+        spec names the storage tier behind it, whose pages hold `storage_page_tokens`."""
 
     async def record(self, slots: list[int]) -> None:
         """Host slots the scheduler now holds."""
 
     async def forget(self, slots: list[int]) -> None:
         """Host slots the scheduler no longer holds."""
+
+    async def store(self, pages: Sequence[tuple[str, Sequence[int]]]) -> int:
+        """Write these (key, host slots) pages to the storage tier. The call returns once
+        the slots were read (they may be reused then); the writes go on behind it. Returns
+        how many pages were taken (a full write queue drops the rest)."""
+
+    async def query(self, keys: Sequence[str]) -> int:
+        """How many of the keys, from the first on, the storage tier holds."""
+
+    def prefetch(self, keys: Sequence[str], slots: Sequence[int]) -> AsyncIterator[int]:
+        """Read these pages from storage into the host slots (page i into
+        slots[i*P:(i+1)*P]), in order; yields how many pages have arrived so far, the last
+        time once nothing more will be written (a missing or corrupt page ends it)."""
 
     async def close(self) -> None:
         """Let go of the host tier."""

@@ -3,6 +3,7 @@ directory. Every service resolves the same path the same way."""
 
 from __future__ import annotations
 
+import hashlib
 import importlib.resources
 from pathlib import Path
 
@@ -54,3 +55,30 @@ def served_name(model_path: Path) -> str:
 
 def is_gguf(path: Path) -> bool:
     return path.is_file() and path.suffix.lower() == ".gguf"
+
+
+_FINGERPRINT_SPAN = 1 << 20  # bytes read from each end of every weight file
+
+
+def model_fingerprint(model_path: Path) -> str:
+    """A stable name for the weights at `model_path`: the same files give the same name on
+    every machine and after every restart. Each weight file's name, size and first and
+    last MiB are hashed, not the whole file: cheap at start, and two different checkpoints
+    of one size still differ in their headers or their last tensors."""
+    if model_path.is_file():
+        files = [model_path]
+    else:
+        files = sorted(
+            p for p in model_path.iterdir()
+            if p.suffix in (".safetensors", ".gguf", ".bin") or p.name == "config.json"
+        )
+    digest = hashlib.blake2b(digest_size=16)
+    for path in files:
+        size = path.stat().st_size
+        digest.update(f"{path.name}:{size}:".encode())
+        with path.open("rb") as f:
+            digest.update(f.read(_FINGERPRINT_SPAN))
+            if size > 2 * _FINGERPRINT_SPAN:
+                f.seek(size - _FINGERPRINT_SPAN)
+                digest.update(f.read(_FINGERPRINT_SPAN))
+    return digest.hexdigest()

@@ -25,7 +25,13 @@ from functools import cache
 from types import NoneType
 from typing import Any, ClassVar, TypeVar, get_args, get_type_hints
 
-from radixmesh.core.hicache import LAYOUTS, WRITE_POLICIES
+from radixmesh.core.hicache import (
+    LAYOUTS,
+    PREFETCH_POLICIES,
+    STORAGE_BACKENDS,
+    WRITE_POLICIES,
+    storage_config,
+)
 
 ENV_PREFIX = "RADIXMESH_"
 DTYPES = ("bfloat16", "float32")
@@ -311,6 +317,75 @@ class HiCacheSettings(Settings):
         help="host tier layout: layer_first (each layer's slots contiguous) or page_first "
         "(each page's layers contiguous)",
     )
+    hicache_storage_page_size: int = setting(
+        64,
+        minimum=1,
+        help="tokens per storage-tier page, the unit written to and read from storage (a "
+        "multiple of page_size)",
+    )
+    hicache_storage_prefetch_policy: str = setting(
+        "timeout",
+        choices=PREFETCH_POLICIES,
+        help="how long a request whose prefix storage holds waits for it: best_effort (until "
+        "it would run anyway: on an idle engine, not at all), wait_complete (until every "
+        "page arrived) or timeout (the same, but no longer than "
+        "hicache_storage_prefetch_timeout)",
+    )
+    hicache_storage_prefetch_timeout: float = setting(
+        2.0,
+        minimum=0.0,
+        help="seconds a request waits for its storage pages under the timeout prefetch policy",
+    )
+    hicache_storage_prefetch_threshold: int = setting(
+        256,
+        minimum=1,
+        help="tokens that storage must hold beyond a request's device and host hit before "
+        "they are fetched rather than recomputed",
+    )
+
+    def cross_check(self) -> None:
+        super().cross_check()
+        page_size = getattr(self, "page_size", 1)
+        if self.hicache_storage_page_size % page_size:
+            raise ValueError(
+                f"hicache_storage_page_size must be a multiple of page_size {page_size}, "
+                f"got {self.hicache_storage_page_size}"
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class HiCacheStorageSettings(Settings):
+    """The storage (L3) tier behind the host tier, which cachectl reads and writes."""
+
+    TITLE: ClassVar[str] = "hierarchical cache storage"
+
+    hicache_storage_backend: str | None = setting(
+        None,
+        choices=STORAGE_BACKENDS,
+        help="storage tier behind the host tier, shared by every engine that uses the same "
+        "one and kept across restarts: file, redis or nats (the mesh's JetStream object "
+        "store); empty: none",
+    )
+    hicache_storage_backend_extra_config: str = setting(
+        "",
+        help='the storage backend\'s settings as JSON: {"path": DIR} for file (default: '
+        'radixmesh/hicache in the user\'s cache directory), {"url": "redis://HOST:PORT/DB"} '
+        'for redis, {"bucket": NAME} for nats (and "url" for a NATS server other than the '
+        "mesh's)",
+    )
+
+    def cross_check(self) -> None:
+        super().cross_check()
+        storage_config(
+            self.hicache_storage_backend or "", self.hicache_storage_backend_extra_config
+        )
+
+    @property
+    def storage_config(self) -> dict[str, str]:
+        """The backend's extra config, defaults filled in."""
+        return storage_config(
+            self.hicache_storage_backend or "", self.hicache_storage_backend_extra_config
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -579,7 +654,7 @@ class ReplicaSettings(HiCacheSettings, ScheduleSettings):
 
 
 @dataclass(frozen=True, kw_only=True)
-class EngineArgs(EngineSettings, ReplicaSettings, RunnerSettings):
+class EngineArgs(EngineSettings, ReplicaSettings, HiCacheStorageSettings, RunnerSettings):
     """Every knob of the in-process Engine (names follow SGLang's server args)."""
 
 
@@ -609,7 +684,9 @@ class TokenizerServiceConfig(
 
 
 @dataclass(frozen=True, kw_only=True)
-class CachectlConfig(StatusSettings, ServiceSettings, CachectlSettings):
+class CachectlConfig(
+    StatusSettings, NatsSettings, ServiceSettings, CachectlSettings, HiCacheStorageSettings
+):
     """One engine's cachectl: creates its host tier's shared memory, answers its scheduler."""
 
 

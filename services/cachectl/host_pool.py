@@ -1,27 +1,31 @@
 """cachectl's domain: the engines' host (L2) KV tiers as shared-memory segments, one file per
-engine in a tmpfs directory that the engine's workers map, and which of their slots the
-engine's scheduler holds. No transport: the gRPC service and the in-process LocalCachectl
-(radixmesh.Engine's) both wrap HostSegments.
+engine in a tmpfs directory that the engine's workers map, which of their slots the
+engine's scheduler holds, and (with a storage tier) the PageMover of each segment. No
+transport: the gRPC service and the in-process LocalCachectl (radixmesh.Engine's) both
+wrap HostSegments.
 
-cachectl never maps a segment: it only creates, sizes and unlinks the file, so the memory is
-touched by the workers alone, page by page as they copy into it."""
+Without a storage tier cachectl never maps a segment: it only creates, sizes and unlinks the
+file, so the memory is touched by the workers alone, page by page as they copy into it."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
 import re
 import secrets
 import string
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
 
 from radixmesh.core.hicache import DTYPE_BYTES, LAYOUTS, HostPoolSpec, KVGeometry
+from radixmesh.services.cachectl.page_mover import PageMover
+from radixmesh.services.cachectl.storage import StorageBackend
 
 log = logging.getLogger("radixmesh.cachectl")
 
@@ -80,23 +84,32 @@ def check_pool(geometry: KVGeometry, num_slots: int, layout: str) -> None:
 class _Segment:
     spec: HostPoolSpec
     used: np.ndarray  # bool per slot: the scheduler holds it
+    mover: PageMover | None  # with a storage tier
     used_count: int = 0
     repeated: int = 0
 
 
 class HostSegments:
-    """The segments of the engines one cachectl serves, under `shm_dir`."""
+    """The segments of the engines one cachectl serves, under `shm_dir`, and the storage
+    tier they share (`storage`, when there is one)."""
 
-    def __init__(self, shm_dir: str | Path) -> None:
+    def __init__(self, shm_dir: str | Path, storage: StorageBackend | None = None) -> None:
         self.shm_dir = Path(shm_dir)
+        self.storage = storage
         self._segments: dict[str, _Segment] = {}
 
     def open(
-        self, engine_id: str, geometry: KVGeometry, num_slots: int, layout: str
+        self,
+        engine_id: str,
+        geometry: KVGeometry,
+        num_slots: int,
+        layout: str,
+        storage_page_tokens: int = 0,
     ) -> HostPoolSpec:
         """A fresh segment of `num_slots` slots for the engine, no slot in use. The engine's
         previous segment, and any an earlier cachectl left behind, are unlinked first: a
-        worker that still maps one keeps its memory until it maps the new one."""
+        worker that still maps one keeps its memory until it maps the new one. With a
+        storage tier, its pages hold `storage_page_tokens` tokens (0: no storage for it)."""
         if not engine_id:
             raise ValueError("engine_id must not be empty")
         check_pool(geometry, num_slots, layout)
@@ -106,10 +119,22 @@ class HostSegments:
         self._unlink_all(engine_id)
         name = f"{SEGMENT_PREFIX}{escaped}-{secrets.token_hex(_TOKEN_HEX // 2)}"
         spec = HostPoolSpec(name, str(self.shm_dir / name), num_slots, layout, geometry)
+        if self.storage is not None and storage_page_tokens:
+            if storage_page_tokens % geometry.page_size:
+                raise ValueError(
+                    f"storage pages of {storage_page_tokens} tokens are not whole pages of "
+                    f"{geometry.page_size}"
+                )
+            spec = replace(spec, storage=self.storage.name)
         self._create(spec)
-        self._segments[engine_id] = _Segment(spec, np.zeros(num_slots, dtype=bool))
-        log.info("engine %s: host segment %s, %d slots (%.2f GB, %s)",
-                 engine_id, spec.path, num_slots, spec.nbytes / 1e9, layout)
+        mover = None
+        if spec.storage:
+            assert self.storage is not None
+            mover = PageMover(spec, self.storage, storage_page_tokens)
+        self._segments[engine_id] = _Segment(spec, np.zeros(num_slots, dtype=bool), mover)
+        log.info("engine %s: host segment %s, %d slots (%.2f GB, %s), storage %s",
+                 engine_id, spec.path, num_slots, spec.nbytes / 1e9, layout,
+                 spec.storage or "none")
         return spec
 
     def _create(self, spec: HostPoolSpec) -> None:
@@ -134,9 +159,7 @@ class HostSegments:
 
     def _unlink_all(self, engine_id: str) -> None:
         """Unlink the engine's segment and every other file named as one of its segments."""
-        if (old := self._segments.pop(engine_id, None)) is not None:
-            Path(old.spec.path).unlink(missing_ok=True)
-            log.info("engine %s: host segment %s unlinked", engine_id, old.spec.path)
+        self.drop(engine_id)
         names = segment_names(engine_id)
         for entry in os.scandir(self.shm_dir):
             if names.fullmatch(entry.name):
@@ -193,9 +216,32 @@ class HostSegments:
         """Bytes of every open segment."""
         return sum(s.spec.nbytes for s in self._segments.values())
 
+    def mover(self, engine_id: str) -> PageMover:
+        """The PageMover of the engine's segment; LookupError when it has no storage tier."""
+        mover = self._segment(engine_id).mover
+        if mover is None:
+            raise NoSegment(f"engine {engine_id!r} has no storage tier")
+        return mover
+
+    def store(self, engine_id: str, pages: Sequence[tuple[str, Sequence[int]]]) -> int:
+        """Queue the engine's host pages for storage; how many were taken."""
+        return self.mover(engine_id).store(pages)
+
+    async def query(self, engine_id: str, keys: Sequence[str]) -> int:
+        """How many of the keys, from the first on, storage holds."""
+        return await self.mover(engine_id).query(keys)
+
+    def prefetch(
+        self, engine_id: str, keys: Sequence[str], slots: Sequence[int]
+    ) -> AsyncIterator[int]:
+        """Read pages from storage into the engine's host slots (PageMover.prefetch)."""
+        return self.mover(engine_id).prefetch(keys, slots)
+
     def drop(self, engine_id: str) -> None:
         """Unlink the engine's segment, if it has one."""
         if (segment := self._segments.pop(engine_id, None)) is not None:
+            if segment.mover is not None:
+                segment.mover.close()
             Path(segment.spec.path).unlink(missing_ok=True)
             log.info("engine %s: host segment %s unlinked", engine_id, segment.spec.path)
 
@@ -211,6 +257,7 @@ class HostSegments:
             raise NoSegment(f"engine {engine_id!r} has no open host segment") from None
 
 
+CLOSE_FLUSH_S = 5.0  # how long closing waits for queued storage writes
 IN_PROCESS = "inprocess"  # engine ids of in-process engines: inprocess-<pid>-<hex>
 
 
@@ -242,21 +289,37 @@ def _dead_process_segments(shm_dir: Path) -> list[Path]:
 class LocalCachectl:
     """The host tier's owner in process (radixmesh.Engine's HostTierClient): the domain,
     without sockets. close() unlinks the segment; opening one first unlinks those that
-    in-process engines of dead processes left behind."""
+    in-process engines of dead processes left behind, and connects to the storage tier
+    (`open_storage`) if there is one and it is not connected yet."""
 
-    def __init__(self, shm_dir: str | Path) -> None:
+    def __init__(
+        self,
+        shm_dir: str | Path,
+        open_storage: Callable[[], Awaitable[StorageBackend]] | None = None,
+    ) -> None:
         self.segments = HostSegments(shm_dir)
+        self._open_storage = open_storage
         self._engine_id: str | None = None
 
     async def open(
-        self, engine_id: str, geometry: KVGeometry, num_slots: int, layout: str
+        self,
+        engine_id: str,
+        geometry: KVGeometry,
+        num_slots: int,
+        layout: str,
+        storage_page_tokens: int = 0,
     ) -> HostPoolSpec:
         if self._engine_id is not None and self._engine_id != engine_id:
             self.segments.drop(self._engine_id)
         for path in _dead_process_segments(self.segments.shm_dir):
             path.unlink(missing_ok=True)
             log.info("host segment %s of a dead process unlinked", path)
-        spec = self.segments.open(engine_id, geometry, num_slots, layout)
+        if self._open_storage is not None and self.segments.storage is None:
+            try:
+                self.segments.storage = await self._open_storage()
+            except OSError as exc:
+                log.warning("storage tier unreachable (%s): the host tier serves alone", exc)
+        spec = self.segments.open(engine_id, geometry, num_slots, layout, storage_page_tokens)
         self._engine_id = engine_id
         return spec
 
@@ -266,12 +329,29 @@ class LocalCachectl:
     async def forget(self, slots: list[int]) -> None:
         self.segments.forget(self._opened(), slots)
 
+    async def store(self, pages: Sequence[tuple[str, Sequence[int]]]) -> int:
+        return self.segments.store(self._opened(), pages)
+
+    async def query(self, keys: Sequence[str]) -> int:
+        return await self.segments.query(self._opened(), keys)
+
+    async def prefetch(self, keys: Sequence[str], slots: Sequence[int]) -> AsyncIterator[int]:
+        async for arrived in self.segments.prefetch(self._opened(), keys, slots):
+            yield arrived
+
     def stats(self) -> SegmentStats:
         return self.segments.stats(self._opened())
 
     async def close(self) -> None:
+        """Unlink the segment; the storage backend is closed too (writes still queued are
+        given a moment first)."""
+        if self._engine_id is not None and self.segments.storage is not None:
+            with contextlib.suppress(NoSegment):
+                await self.segments.mover(self._engine_id).flush(CLOSE_FLUSH_S)
         self.segments.close()
         self._engine_id = None
+        if self.segments.storage is not None:
+            await self.segments.storage.close()
 
     def _opened(self) -> str:
         if self._engine_id is None:

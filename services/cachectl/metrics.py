@@ -1,14 +1,17 @@
-"""Prometheus metrics of cachectl: the host KV tier of each engine it serves.
+"""Prometheus metrics of cachectl: the host KV tier of each engine it serves and the storage
+tier behind them.
 
 Names follow SGLang's `hicache` wording with the `radixmesh:` prefix."""
 
 from __future__ import annotations
 
 import contextlib
+from typing import TYPE_CHECKING
 
-from prometheus_client import Counter, Gauge
+from prometheus_client import Counter, Gauge, Histogram
 
-from radixmesh.services.cachectl.host_pool import HostSegments
+if TYPE_CHECKING:
+    from radixmesh.services.cachectl.host_pool import HostSegments
 
 _ENGINE = ("engine_id",)
 
@@ -45,3 +48,34 @@ def repeated(engine_id: str, op: str, count: int) -> None:
     """Slots of a Record ("record") or Forget ("forget") that changed nothing."""
     if count:
         HOST_REPEATED_SLOTS.labels(engine_id, op).inc(count)
+
+
+_BACKEND = ("backend",)
+STORAGE_PAGES = Counter(
+    "radixmesh:hicache_storage_pages",
+    "Storage pages by outcome: hit, miss, corrupt (failed its checksum), read_error, written, "
+    "already_stored (a write skipped), write_error, dropped (the write queue was full)",
+    (*_BACKEND, "outcome"),
+)
+STORAGE_BYTES = Counter(
+    "radixmesh:hicache_storage_bytes", "Bytes read from and written to storage",
+    (*_BACKEND, "direction"),
+)
+STORAGE_SECONDS = Histogram(
+    "radixmesh:hicache_storage_seconds",
+    "Latency of one storage call (get, put, exists)",
+    (*_BACKEND, "op"),
+    buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0),
+)
+STORAGE_QUEUE_BYTES = Gauge(
+    "radixmesh:hicache_storage_queue_bytes", "Bytes of pages waiting to be written to storage"
+)
+
+
+def storage_pages(backend: str, outcome: str, count: int = 1) -> None:
+    if count:
+        STORAGE_PAGES.labels(backend, outcome).inc(count)
+
+
+def storage_bytes(backend: str, direction: str, count: int) -> None:
+    STORAGE_BYTES.labels(backend, direction).inc(count)

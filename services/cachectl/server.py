@@ -1,10 +1,14 @@
 """The cachectl service: gRPC Open / Record / Forget / GetStats over the engines' host
-segments, gRPC health, and /health + /metrics over HTTP."""
+segments, Store / Query / Prefetch between them and the storage tier, gRPC health, and
+/health + /metrics over HTTP."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import errno
 import logging
+from collections.abc import AsyncIterator
 from dataclasses import asdict
 from typing import Any, NoReturn
 
@@ -17,7 +21,8 @@ from radixmesh.mesh.service import StatusServer
 from radixmesh.proto import cache_pb2 as cpb
 from radixmesh.proto import cache_pb2_grpc as cgrpc
 from radixmesh.services.cachectl import metrics
-from radixmesh.services.cachectl.host_pool import HostSegments, NoSegment
+from radixmesh.services.cachectl.host_pool import CLOSE_FLUSH_S, HostSegments, NoSegment
+from radixmesh.services.cachectl.storage import StorageBackend, open_backend
 
 log = logging.getLogger("radixmesh.cachectl")
 
@@ -36,6 +41,7 @@ def pool_to_proto(spec: HostPoolSpec) -> cpb.HostPool:
         num_slots=spec.num_slots,
         layout=spec.layout,
         geometry=cpb.KVGeometry(**asdict(spec.geometry)),
+        storage=spec.storage,
     )
 
 
@@ -67,16 +73,33 @@ class CachectlService(cgrpc.CachectlServicer):
         self._serving = False
 
     async def start(self) -> None:
-        """Serve; nothing to load, so SERVING at once."""
+        """Connect to the storage tier, if any, then serve (SERVING at once). A storage tier
+        that cannot be reached at start is logged and left out: the host tier still serves."""
         c = self.config
+        if c.hicache_storage_backend:
+            self.segments.storage = await self._open_storage()
         self.port = self._server.add_insecure_port(f"{c.host}:{c.port}")
         await self._server.start()
         await self._status.start()
         self._serving = True
         for name in ("", SERVICE_NAME):
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        log.info("cachectl: gRPC on %s:%d, /metrics on %s:%d, segments in %s",
-                 c.host, self.port, c.host, self._status.port, c.shm_dir)
+        log.info("cachectl: gRPC on %s:%d, /metrics on %s:%d, segments in %s, storage %s",
+                 c.host, self.port, c.host, self._status.port, c.shm_dir,
+                 f"{c.hicache_storage_backend} {c.storage_config}"
+                 if self.segments.storage else "none")
+
+    async def _open_storage(self) -> StorageBackend | None:
+        c = self.config
+        assert c.hicache_storage_backend is not None
+        try:
+            config = c.storage_config
+            nats_url = config.get("url", c.nats_url)
+            return await open_backend(c.hicache_storage_backend, config, nats_url)
+        except OSError as exc:
+            log.warning("storage tier %s unreachable (%s): serving the host tier alone",
+                        c.hicache_storage_backend, exc)
+            return None
 
     async def stop(self) -> None:
         """Stop serving, then unlink every segment (a worker's mapping outlives the file)."""
@@ -86,9 +109,17 @@ class CachectlService(cgrpc.CachectlServicer):
             await self._server.stop(STOP_GRACE_S)
             await self._status.stop()
         engines = self.segments.engines()
+        if self.segments.storage is not None:
+            await asyncio.gather(*(
+                self.segments.mover(e).flush(CLOSE_FLUSH_S) for e in engines
+                if self.segments.spec(e).storage
+            ))
         self.segments.close()
         for engine_id in engines:
             metrics.show(self.segments, engine_id)
+        if self.segments.storage is not None:
+            with contextlib.suppress(OSError):
+                await self.segments.storage.close()
 
     def _check(self) -> tuple[bool, dict[str, Any]]:
         return self._serving, {"engines": self.segments.engines()}
@@ -105,6 +136,7 @@ class CachectlService(cgrpc.CachectlServicer):
                 geometry_from_proto(request.geometry),
                 request.num_slots,
                 request.layout,
+                request.storage_page_tokens,
             )
         except (ValueError, OSError) as exc:
             log.warning("engine %s: cannot open a host segment: %s", request.engine_id, exc)
@@ -154,3 +186,39 @@ class CachectlService(cgrpc.CachectlServicer):
             segment_bytes=stats.nbytes,
             repeated=stats.repeated,
         )
+
+    async def Store(
+        self, request: cpb.StoreRequest, context: grpc.aio.ServicerContext
+    ) -> cpb.StoreReply:
+        """Copy host pages out and queue them for storage."""
+        pages = [(page.key, list(page.slots)) for page in request.pages]
+        try:
+            accepted = self.segments.store(request.engine_id, pages)
+        except (ValueError, NoSegment) as exc:
+            await _abort(context, exc)
+        return cpb.StoreReply(accepted=accepted)
+
+    async def Query(
+        self, request: cpb.QueryRequest, context: grpc.aio.ServicerContext
+    ) -> cpb.QueryReply:
+        """How many leading keys storage holds."""
+        try:
+            hits = await self.segments.query(request.engine_id, list(request.keys))
+        except NoSegment as exc:
+            await _abort(context, exc)
+        return cpb.QueryReply(hits=hits)
+
+    async def Prefetch(
+        self, request: cpb.PrefetchRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[cpb.PrefetchProgress]:
+        """Pages from storage into host slots, with the count arrived after each."""
+        try:
+            pages = self.segments.prefetch(request.engine_id, list(request.keys),
+                                           list(request.slots))
+        except NoSegment as exc:
+            await _abort(context, exc)
+        try:
+            async for arrived in pages:
+                yield cpb.PrefetchProgress(arrived=arrived)
+        except ValueError as exc:
+            await _abort(context, exc)

@@ -7,7 +7,7 @@ cachectl rejects as malformed raises ValueError, as the in-process LocalCachectl
 
 from __future__ import annotations
 
-from collections.abc import Awaitable
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from dataclasses import asdict
 from typing import NamedTuple, TypeVar
 
@@ -40,7 +40,7 @@ class HostTierStats(NamedTuple):
 def _spec_from_proto(msg: cpb.HostPool) -> HostPoolSpec:
     g = msg.geometry
     geometry = KVGeometry(g.num_layers, g.num_kv_heads, g.head_dim, g.dtype, g.page_size)
-    return HostPoolSpec(msg.name, msg.path, msg.num_slots, msg.layout, geometry)
+    return HostPoolSpec(msg.name, msg.path, msg.num_slots, msg.layout, geometry, msg.storage)
 
 
 class CachectlClient:
@@ -54,7 +54,12 @@ class CachectlClient:
         self._engine_id: str | None = None
 
     async def open(
-        self, engine_id: str, geometry: KVGeometry, num_slots: int, layout: str
+        self,
+        engine_id: str,
+        geometry: KVGeometry,
+        num_slots: int,
+        layout: str,
+        storage_page_tokens: int = 0,
     ) -> HostPoolSpec:
         """A fresh segment for `engine_id`, which later calls are about."""
         request = cpb.OpenRequest(
@@ -62,6 +67,7 @@ class CachectlClient:
             geometry=cpb.KVGeometry(**asdict(geometry)),
             num_slots=num_slots,
             layout=layout,
+            storage_page_tokens=storage_page_tokens,
         )
         # cachectl may still be starting beside the scheduler: wait for it, within the timeout.
         reply = await self._call("Open", self._stub.Open(
@@ -83,6 +89,32 @@ class CachectlClient:
         reply = await self._call("GetStats", self._stub.GetStats(request, timeout=self.timeout))
         return HostTierStats(reply.num_slots, reply.used_slots, reply.segment_bytes,
                              reply.repeated)
+
+    async def store(self, pages: Sequence[tuple[str, Sequence[int]]]) -> int:
+        request = cpb.StoreRequest(
+            engine_id=self._opened(),
+            pages=[cpb.StoragePage(key=key, slots=slots) for key, slots in pages],
+        )
+        reply = await self._call("Store", self._stub.Store(request, timeout=self.timeout))
+        return reply.accepted
+
+    async def query(self, keys: Sequence[str]) -> int:
+        request = cpb.QueryRequest(engine_id=self._opened(), keys=keys)
+        reply = await self._call("Query", self._stub.Query(request, timeout=self.timeout))
+        return reply.hits
+
+    async def prefetch(self, keys: Sequence[str], slots: Sequence[int]) -> AsyncIterator[int]:
+        """No deadline: cachectl bounds each storage read itself, and the scheduler must
+        see the stream end before it reuses the slots."""
+        request = cpb.PrefetchRequest(engine_id=self._opened(), keys=keys, slots=slots)
+        stream = self._stub.Prefetch(request)
+        try:
+            async for progress in stream:
+                yield progress.arrived
+        except grpc.aio.AioRpcError as exc:
+            raise CachectlUnavailable(
+                f"cachectl at {self.addr}: Prefetch failed ({exc.code().name}): {exc.details()}"
+            ) from exc
 
     async def close(self) -> None:
         """Close the channel; the segment stays cachectl's until the next open or its stop."""

@@ -151,12 +151,16 @@ class EngineLoop:
         self._loop = asyncio.get_running_loop()
         sched = self.scheduler
         in_flight: tuple[ScheduledBatch, Awaitable[StepResult]] | None = None
+        # Nothing could be scheduled and nothing came back: what waits (for room, for its
+        # prefix from storage) waits for news through the inbox, rather than spin.
+        stalled = False
         while not self._stopping or in_flight is not None:
-            if in_flight is None and not sched.has_work() and not self._inbox:
+            if in_flight is None and (stalled or not sched.has_work()) and not self._inbox:
                 self._wake.clear()
                 await self._wake.wait()
             self._drain_inbox()
             batch = self._schedule() if not self._stopping else None
+            stalled = batch is None and in_flight is None
             if self.overlap:
                 submitted = None if batch is None else (batch, self.executor.submit(batch))
                 if in_flight is not None:

@@ -10,6 +10,7 @@ request (the worker copies loads before it computes)."""
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -20,11 +21,30 @@ from radixmesh.services.scheduler.radix_cache import RadixCache, TreeNode
 
 class _TrackedAllocator(KVAllocator):
     """Host slots, noting every change in order: the tier's owner (cachectl) is told which
-    slots the scheduler holds."""
+    slots the scheduler holds. Slots being read (busy: on their way to storage) are freed
+    only once the read is done."""
 
     def __init__(self, num_slots: int, page_size: int) -> None:
         super().__init__(num_slots, page_size)
         self.changes: list[tuple[bool, list[int]]] = []  # (taken, slots)
+        self.busy: Counter[int] = Counter()  # slot -> reads still running
+        self.deferred: set[int] = set()  # freed while busy
+
+    def hold(self, slots: Iterable[int]) -> None:
+        """A read of these slots started."""
+        self.busy.update(slots)
+
+    def release(self, slots: Iterable[int]) -> None:
+        """A read of these slots is done: those freed meanwhile are free now."""
+        done = []
+        for slot in slots:
+            self.busy[slot] -= 1
+            if self.busy[slot] == 0:
+                del self.busy[slot]
+                if slot in self.deferred:
+                    self.deferred.discard(slot)
+                    done.append(slot)
+        self.free(done)
 
     def alloc(self, num_slots: int) -> list[int] | None:
         slots = super().alloc(num_slots)
@@ -33,7 +53,12 @@ class _TrackedAllocator(KVAllocator):
         return slots
 
     def free(self, slots: Iterable[int]) -> None:
-        freed = list(slots)
+        freed = []
+        for slot in slots:
+            if slot in self.busy:
+                self.deferred.add(slot)
+            else:
+                freed.append(slot)
         super().free(freed)
         if freed:
             self.changes.append((False, freed))
@@ -82,10 +107,9 @@ class HostTier:
         changes, self.allocator.changes = self.allocator.changes, []
         return changes
 
-    def done(self, copy_ids: Sequence[int]) -> None:
-        """Backups the worker (every rank) finished."""
-        for copy_id in copy_ids:
-            self.cache.finish_backup(copy_id)
+    def done(self, copy_ids: Sequence[int]) -> list[TreeNode]:
+        """Backups the worker (every rank) finished; returns the nodes now backed up."""
+        return [node for copy_id in copy_ids for node in self.cache.finish_backup(copy_id)]
 
     # ---- what the policies decide ------------------------------------------------------
 

@@ -90,6 +90,7 @@ class UpdateBuilder:
             prompt_tokens=len(req.input_ids),
             cached_tokens=req.cached_tokens,
             cached_host_tokens=req.cached_host_tokens,
+            cached_storage_tokens=req.cached_storage_tokens,
             engine_id=self.engine_id,
             traceparent=traceparent,
         )

@@ -16,10 +16,11 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from radixmesh.services.scheduler.hicache import HostStats
 from radixmesh.services.scheduler.scheduler import Scheduler
+from radixmesh.services.scheduler.storage_tier import PrefetchOutcome
 
 Clock = Callable[[], float]
 
-DEVICE_TIER, HOST_TIER = "device", "host"
+DEVICE_TIER, HOST_TIER, STORAGE_TIER = "device", "host", "storage"
 
 _ENGINE = ("model_name", "engine_id")
 _TIERED = (*_ENGINE, "tier")
@@ -101,6 +102,33 @@ HOST_SKIPPED = Counter(
 HOST_UP = Gauge(
     "radixmesh:hicache_host_tier_up", "1 while the host tier is attached, else 0", _ENGINE
 )
+STORAGE_PAGES_STORED = Counter(
+    "radixmesh:hicache_storage_pages_stored_total",
+    "Host pages handed to cachectl to write to the storage tier",
+    _ENGINE,
+)
+STORAGE_QUERIES = Counter(
+    "radixmesh:hicache_storage_queries_total",
+    "Requests whose uncached prompt was long enough to ask storage for it",
+    _ENGINE,
+)
+PREFETCHES = Counter(
+    "radixmesh:hicache_prefetches_total",
+    "Prefetches from storage, by policy and outcome when the request stopped waiting: "
+    "complete (every page asked for), partial, or none (no page had arrived)",
+    (*_ENGINE, "policy", "outcome"),
+)
+PREFETCH_TOKENS = Counter(
+    "radixmesh:hicache_prefetch_tokens_total",
+    "Prompt tokens fetched from storage into the host tier for the requests that wanted them",
+    _ENGINE,
+)
+PREFETCH_WAIT = Histogram(
+    "radixmesh:hicache_prefetch_wait_seconds",
+    "Time a request waited for its pages from storage, by policy",
+    (*_ENGINE, "policy"),
+    buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
+)
 HOST_LOST = Counter(
     "radixmesh:hicache_host_tier_lost_total",
     "Times the host tier's owner (cachectl) was lost and the engine went on without it",
@@ -144,6 +172,7 @@ class SchedulerMetrics:
         self._retractions = 0
         self._host_copied = HostStats()
         self._host_lost = 0
+        self._storage_counted = (0, 0)  # pages stored, queries: counted so far
         self.token_bytes = 0  # of one token's KV: what a host copy moves per token
 
     def start(self, model_name: str, num_slots: int) -> None:
@@ -163,15 +192,19 @@ class SchedulerMetrics:
         new_tokens: int,
         finish_reason: str | None,
         host_tokens: int = 0,
+        storage_tokens: int = 0,
     ) -> None:
         """One update of an admitted request on its way to the detokenizers; its first
-        counts the prompt and its prefix hit (`host_tokens` of it from the host tier)."""
+        counts the prompt and its prefix hit (`host_tokens` of it from the host tier,
+        `storage_tokens` from storage)."""
         if first:
             self._prompt_tokens += prompt_tokens
             PROMPT_TOKENS.labels(**self._labels).inc(prompt_tokens)
             self._cached_tokens += cached_tokens
-            CACHED_TOKENS.labels(**self._labels, tier=DEVICE_TIER).inc(cached_tokens - host_tokens)
+            device = cached_tokens - host_tokens - storage_tokens
+            CACHED_TOKENS.labels(**self._labels, tier=DEVICE_TIER).inc(device)
             CACHED_TOKENS.labels(**self._labels, tier=HOST_TIER).inc(host_tokens)
+            CACHED_TOKENS.labels(**self._labels, tier=STORAGE_TIER).inc(storage_tokens)
             self._set_hit_rate()
         self._throughput.add(new_tokens)
         GENERATION_TOKENS.labels(**self._labels).inc(new_tokens)
@@ -223,6 +256,23 @@ class SchedulerMetrics:
             HOST_COPY_BYTES.labels(**labels, direction=direction).inc(tokens * self.token_bytes)
         HOST_SKIPPED.labels(**labels).inc(now.backups_skipped - before.backups_skipped)
         self._host_copied = dataclasses.replace(now)
+        storage = sched.storage
+        if storage is None:
+            self._storage_counted = (0, 0)
+            return
+        stored, queries = storage.stats.pages_stored, storage.stats.queries
+        STORAGE_PAGES_STORED.labels(**labels).inc(stored - self._storage_counted[0])
+        STORAGE_QUERIES.labels(**labels).inc(queries - self._storage_counted[1])
+        self._storage_counted = (stored, queries)
+
+    def prefetched(self, outcome: PrefetchOutcome) -> None:
+        """A request stopped waiting for its pages from storage."""
+        labels = self._labels
+        kind = ("none" if not outcome.pages_arrived else
+                "complete" if outcome.pages_arrived == outcome.pages_asked else "partial")
+        PREFETCHES.labels(**labels, policy=outcome.policy, outcome=kind).inc()
+        PREFETCH_TOKENS.labels(**labels).inc(outcome.tokens)
+        PREFETCH_WAIT.labels(**labels, policy=outcome.policy).observe(outcome.waited_s)
 
     def throughput(self) -> None:
         """Show the output rate since the previous call (the status heartbeat)."""

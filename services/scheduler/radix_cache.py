@@ -34,6 +34,7 @@ class TreeNode:
         "hit_count",
         "priority",
         "created",
+        "depth",
     )
 
     def __init__(
@@ -57,6 +58,8 @@ class TreeNode:
         self.hit_count = 0
         self.priority = priority
         self.created = created
+        # Tokens from the root to this edge's first token.
+        self.depth = 0 if parent is None else parent.depth + len(parent.key)
 
     def __repr__(self) -> str:
         shown = f"{self.key[:8]}..." if len(self.key) > 8 else f"{self.key}"
@@ -267,12 +270,14 @@ class RadixCache:
         self._backups.setdefault(copy_id, set()).add(node)
         self._refresh_leaf(node)
 
-    def finish_backup(self, copy_id: int) -> None:
+    def finish_backup(self, copy_id: int) -> list[TreeNode]:
         """The copy is done: its nodes are backed up on the host (unknown ids are ignored:
-        a flush or a lost host tier forgot them)."""
-        for node in self._backups.pop(copy_id, ()):
+        a flush or a lost host tier forgot them). Returns those nodes."""
+        nodes = list(self._backups.pop(copy_id, ()))
+        for node in nodes:
             node.backup = 0
             self._refresh_leaf(node)
+        return nodes
 
     def evict_host(self, num_slots: int) -> int:
         """Frees host slots in policy order: a host-only leaf leaves the tree, a node also on
@@ -318,6 +323,44 @@ class RadixCache:
                     self._drop_host(node)
         self._backups.clear()
         self.host = None
+
+    def insert_host(
+        self, key: Sequence[int], start: int, host_slots: Sequence[int], namespace: str | None
+    ) -> list[int]:
+        """Cache tokens key[start:] as held by these host slots (read from storage), below
+        the prefix key[:start], which the tree must hold in some tier. The part the tree
+        holds already is skipped; returns the host slots it did not take (the caller frees
+        them): all of them when the prefix is not cached (it was evicted meanwhile)."""
+        tokens = list(key)
+        if len(tokens) - start != len(host_slots) or len(tokens) % self.page_size:
+            raise ValueError(f"{len(host_slots)} host slots for tokens {start}..{len(tokens)}")
+        assert self.host is not None
+        node = self._root(namespace)
+        at, end = 0, len(tokens)
+        while at < end:
+            child = node.children.get(self._child_key(tokens, at))
+            if child is None:
+                break
+            matched = self._common_length(child.key, tokens, at, end)
+            if matched < len(child.key):
+                child = self._split(child, matched)
+            node = child
+            at += matched
+        if at < start or at == end:
+            return list(host_slots)
+        leaf = TreeNode(tokens[at:], None, node, self._next_created, self._clock(), 0)
+        self._next_created += 1
+        leaf.host_slots = list(host_slots[at - start :])
+        node.children[self._child_key(tokens, at)] = leaf
+        self._host_nodes[leaf] = None
+        self._host_size += len(leaf.host_slots)
+        return list(host_slots[: at - start])
+
+    def namespace_of(self, node: TreeNode) -> str | None:
+        """The namespace of the tree that holds node."""
+        while node.parent is not None:
+            node = node.parent
+        return next(ns for ns, root in self._roots.items() if root is node)
 
     def host_size(self) -> int:
         """Tokens the host tier holds."""
@@ -415,6 +458,7 @@ class RadixCache:
         self, parent: TreeNode, child_key: ChildKey, child: TreeNode, where: str
     ) -> None:
         _require(child.parent is parent, f"{where}: parent link is broken")
+        _require(child.depth == parent.depth + len(parent.key), f"{where}: wrong depth")
         _require(bool(child.key), f"{where}: empty non-root node")
         _require(
             child.slots is not None or child.host_slots is not None, f"{where}: in no tier"
@@ -495,6 +539,7 @@ class RadixCache:
         upper.children[self._child_key(node.key, at)] = node
         parent.children[self._child_key(node.key, 0)] = upper
         node.key = node.key[at:]
+        node.depth += at
         if node.slots is not None:
             node.slots = node.slots[at:]
         node.parent = upper

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from radixmesh.core.request import FinishReason, LogprobRequest
 from radixmesh.core.sampling_params import SamplingParams
 from radixmesh.services.scheduler.radix_cache import TreeNode
+
+if TYPE_CHECKING:
+    from radixmesh.services.scheduler.storage_tier import PrefetchOutcome
 
 _arrivals = itertools.count()
 
@@ -34,6 +38,9 @@ class Req:
     orphans: list[int] = field(default_factory=list)
     cached_tokens: int = 0  # prefix hit when first admitted, reported to the client
     cached_host_tokens: int = 0  # the part of cached_tokens loaded back from the host tier
+    cached_storage_tokens: int = 0  # the part of cached_tokens fetched from storage
+    storage_tokens: int = 0  # tokens storage added to the tree for it (StorageTier)
+    prefetch: PrefetchOutcome | None = None  # how its wait for storage ended, if it waited
     admitted: bool = False
     on_worker: bool = False  # the worker holds state for it
     pending: int = 0  # sampling steps scheduled whose result has not come back

@@ -21,7 +21,8 @@ from radixmesh.tracing.provider import tracer
 from radixmesh.tracing.spans import end_span, start_span
 
 GrpcMetadata = tuple[tuple[str, str], ...]
-DEVICE_TIER, HOST_TIER = "device", "host"  # the worker's KV pool; the host tier (HiCache)
+# The worker's KV pool; the host tier and the storage tier (HiCache).
+DEVICE_TIER, HOST_TIER, STORAGE_TIER = "device", "host", "storage"
 
 
 @dataclass(eq=False)
@@ -82,10 +83,11 @@ class RequestTraces:
             if req.rid in matched:
                 first = not spans.admitted
                 self._admitted(spans, req, matched[req.rid], started, ended)
-                if first and req.cached_host_tokens:
+                if first and (req.cached_host_tokens or req.cached_storage_tokens):
                     load = start_span("load back", spans.root, {
                         attr.RID: req.rid,
                         attr.PREFIX_HOST: req.cached_host_tokens,
+                        attr.PREFIX_STORAGE: req.cached_storage_tokens,
                         attr.STEP: batch.batch.step,
                     }, start_time=ended)
                     if load is not None:
@@ -120,13 +122,24 @@ class RequestTraces:
         spans.admitted = True
         end_span(spans.queue, started)
         spans.queue = None
-        host = req.cached_host_tokens
+        if (outcome := req.prefetch) is not None:
+            prefetch = start_span("prefetch", spans.root, {
+                attr.RID: req.rid,
+                attr.PREFETCH_POLICY: outcome.policy,
+                attr.PREFETCH_PAGES_ASKED: outcome.pages_asked,
+                attr.PREFETCH_PAGES_ARRIVED: outcome.pages_arrived,
+                attr.PREFETCH_TOKENS: outcome.tokens,
+            }, start_time=started - int(outcome.waited_s * 1e9))
+            end_span(prefetch, started)
+        host, storage = req.cached_host_tokens, req.cached_storage_tokens
+        tier = STORAGE_TIER if storage else HOST_TIER if host else DEVICE_TIER
         match = start_span("prefix match", spans.root, {
             attr.RID: req.rid,
             attr.PREFIX_MATCHED: matched,
-            attr.PREFIX_TIER: HOST_TIER if host else DEVICE_TIER,
-            attr.PREFIX_DEVICE: matched - host,
+            attr.PREFIX_TIER: tier,
+            attr.PREFIX_DEVICE: matched - host - storage,
             attr.PREFIX_HOST: host,
+            attr.PREFIX_STORAGE: storage,
             attr.PROMPT_TOKENS: len(req.input_ids),
         }, start_time=started)
         end_span(match, ended)

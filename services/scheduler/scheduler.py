@@ -7,7 +7,7 @@ import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from radixmesh.core.hicache import HostPoolSpec
+from radixmesh.core.hicache import HostPoolSpec, PageKeys
 from radixmesh.core.request import FinishKind, FinishReason
 from radixmesh.core.settings import ReplicaSettings
 from radixmesh.core.step import NewRequest, StepBatch, StepEntry, StepResult
@@ -16,6 +16,7 @@ from radixmesh.services.scheduler.kv_allocator import KVAllocator
 from radixmesh.services.scheduler.radix_cache import RadixCache, TreeNode
 from radixmesh.services.scheduler.request import Req
 from radixmesh.services.scheduler.schedule_policy import SchedulePolicy, match_key
+from radixmesh.services.scheduler.storage_tier import StorageTier
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,12 @@ class SchedulerConfig:
     decode_reserve_ratio: float = 0.25
     host_write_policy: str = "write_through"  # with the host tier (attach_host)
     host_write_threshold: int = 2
+    # With a storage tier behind the host tier (the host pool names one).
+    storage_page_tokens: int = 64
+    prefetch_policy: str = "timeout"
+    prefetch_timeout: float = 2.0
+    prefetch_threshold: int = 256
+    model_fingerprint: str = ""  # names the weights in storage page keys
 
     @classmethod
     def from_settings(
@@ -44,6 +51,7 @@ class SchedulerConfig:
         num_slots: int,
         max_position_embeddings: int,
         eos_token_ids: Iterable[int],
+        model_fingerprint: str = "",
     ) -> SchedulerConfig:
         """An engine's scheduler: its settings on the model and KV pool it got."""
         return cls(
@@ -59,6 +67,11 @@ class SchedulerConfig:
             eos_token_ids=tuple(dict.fromkeys(eos_token_ids)),
             host_write_policy=settings.hicache_write_policy,
             host_write_threshold=settings.hicache_write_through_threshold,
+            storage_page_tokens=settings.hicache_storage_page_size,
+            prefetch_policy=settings.hicache_storage_prefetch_policy,
+            prefetch_timeout=settings.hicache_storage_prefetch_timeout,
+            prefetch_threshold=settings.hicache_storage_prefetch_threshold,
+            model_fingerprint=model_fingerprint,
         )
 
 
@@ -86,6 +99,7 @@ class Scheduler:
         self.chunked: Req | None = None  # prompt partly prefilled, continued first next step
         self.requests: dict[str, Req] = {}
         self.host: HostTier | None = None  # the host KV tier, while attached
+        self.storage: StorageTier | None = None  # the storage tier behind it, if any
         self._host_pool: HostPoolSpec | None = None  # to send with the next step
         self._release: list[str] = []
         self._updated: dict[str, Req] = {}
@@ -172,18 +186,21 @@ class Scheduler:
     def attach_host(self, spec: HostPoolSpec) -> None:
         """A host pool to back the device pool, from the next step on (a new one replaces
         the last, whose contents are forgotten)."""
-        self.host = HostTier(
-            self.cache,
-            spec.num_slots,
-            self.config.host_write_policy,
-            self.config.host_write_threshold,
-        )
+        c = self.config
+        self.host = HostTier(self.cache, spec.num_slots, c.host_write_policy,
+                             c.host_write_threshold)
+        self.storage = None
+        if spec.storage:
+            keys = PageKeys(c.model_fingerprint, spec.geometry, c.storage_page_tokens)
+            self.storage = StorageTier(self.cache, self.host, keys, c.prefetch_policy,
+                                       c.prefetch_timeout, c.prefetch_threshold)
         self._host_pool = spec
 
     def detach_host(self) -> None:
         """The host pool is gone: serve from the device tier alone."""
         self.cache.drop_host()
         self.host = None
+        self.storage = None
         self._host_pool = None
 
     def _keep_on_evict(self, node: TreeNode) -> bool:
@@ -265,6 +282,8 @@ class Scheduler:
                 break
             if req.pending:
                 continue  # retracted with a token still in flight; readmit once it lands
+            if self.storage is not None and not req.admitted and self.storage.waits(req):
+                continue  # its prefix is on its way from storage
             used = self._admit(batch, req, budget)
             if not used:
                 break
@@ -314,7 +333,8 @@ class Scheduler:
         if not req.admitted:
             req.admitted = True
             req.cached_tokens = cached
-            req.cached_host_tokens = loaded
+            req.cached_storage_tokens = min(req.storage_tokens, loaded)
+            req.cached_host_tokens = loaded - req.cached_storage_tokens
         batch.batch.new_requests.append(new_request)
         req.on_worker = True
         return used
@@ -432,6 +452,8 @@ class Scheduler:
 
     def _finish(self, req: Req, reason: FinishReason) -> None:
         req.finish = reason
+        if self.storage is not None:
+            self.storage.forget(req.rid)
         if req in self.running:
             self.running.remove(req)
         if self.chunked is req:
@@ -454,7 +476,9 @@ class Scheduler:
     def process_result(self, batch: ScheduledBatch, result: StepResult) -> None:
         """Append sampled tokens and logprobs; finish requests that hit a stop or a limit."""
         if self.host is not None:
-            self.host.done(result.copies_done)
+            backed_up = self.host.done(result.copies_done)
+            if self.storage is not None:
+                self.storage.backed_up(backed_up)
         for req, out in zip(batch.reqs, result.results, strict=True):
             if out.input_logprobs:
                 req.input_logprobs.extend(out.input_logprobs)
@@ -510,6 +534,9 @@ class Scheduler:
         )
         if self.host is not None:
             free, cached = self.host.allocator.available(), self.cache.host_size()
-            assert free + cached == self.host.num_slots, (
-                f"host slot leak: free {free} + cached {cached} != pool {self.host.num_slots}"
+            deferred = len(self.host.allocator.deferred)
+            prefetching = self.storage.held_slots() if self.storage is not None else 0
+            assert free + cached + deferred + prefetching == self.host.num_slots, (
+                f"host slot leak: free {free} + cached {cached} + freed while read {deferred}"
+                f" + prefetching {prefetching} != pool {self.host.num_slots}"
             )

@@ -14,7 +14,7 @@ import nats
 from nats.aio.msg import Msg
 
 from radixmesh.core.hicache import KVGeometry
-from radixmesh.core.model_files import resolve_model_path, served_name
+from radixmesh.core.model_files import model_fingerprint, resolve_model_path, served_name
 from radixmesh.core.request import FinishKind, FinishReason
 from radixmesh.core.settings import SchedulerServiceConfig
 from radixmesh.core.step import StepResult
@@ -73,6 +73,7 @@ class SchedulerService:
                 self.info.num_slots,
                 self.info.max_position_embeddings,
                 [*self.info.eos_token_ids, *tokenizer.eos_token_ids],
+                model_fingerprint(model_path) if self.config.enable_hierarchical_cache else "",
             )
         )
         self.loop = EngineLoop(
@@ -227,8 +228,10 @@ class SchedulerService:
             finish = req.finish.kind.value if req.finish is not None else None
             self.metrics.update(
                 update.seq == 0, len(req.input_ids), req.cached_tokens, len(update.new_ids), finish,
-                req.cached_host_tokens,
+                req.cached_host_tokens, req.cached_storage_tokens,
             )
+            if update.seq == 0 and req.prefetch is not None:
+                self.metrics.prefetched(req.prefetch)
             step.updates.append(update)
             if req.finish is not None:
                 cached.inserted.add(cache_salt=req.namespace or "", token_ids=req.tokens)
