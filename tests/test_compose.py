@@ -14,6 +14,8 @@ from urllib.parse import urlparse
 import compose
 import pytest
 
+from radixmesh.core.settings import CachectlConfig, parse_config
+
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE_FILE = ROOT / "compose.yaml"
 BINARY = Path(compose.__file__).parent / "docker-compose"
@@ -144,6 +146,23 @@ def test_cachectl_shares_its_shared_memory_with_the_worker(services):
     assert "shm_size" not in worker  # a joined IPC namespace has the owner's /dev/shm
     assert worker["depends_on"]["cachectl"]["condition"] == "service_started"
     assert "ports" not in cachectl  # only the engine's own scheduler talks to it
+
+
+def test_cachectl_keeps_storage_pages_in_a_volume(services):
+    cachectl = services["cachectl"]
+    env = cachectl["environment"]
+    assert env["RADIXMESH_HICACHE_STORAGE_BACKEND"] == "file"
+    path = json.loads(env["RADIXMESH_HICACHE_STORAGE_BACKEND_EXTRA_CONFIG"])["path"]
+    mounts = {m["target"]: m for m in cachectl["volumes"]}
+    assert mounts[path]["type"] == "volume"
+    assert mounts[path]["source"] == "hicache-storage"
+    # The service reads these values as they are.
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in env.items():
+            patch.setenv(name, value)
+        config = parse_config(CachectlConfig, [])
+    assert config.hicache_storage_backend == "file"
+    assert config.storage_config == {"path": path}
 
 
 def test_scheduler_reaches_cachectl_with_the_host_tier_off(services):

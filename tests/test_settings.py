@@ -315,7 +315,8 @@ def test_bad_value_names_the_setting(config, name, value) -> None:
          "'path' is not a setting of the redis backend"),
         (EngineArgs, {"hicache_storage_backend": "redis",
                       "hicache_storage_backend_extra_config": '{"url": "http://x"}'},
-         "the redis backend's url must be redis://HOST:PORT/DB"),
+         "hicache_storage_backend_extra_config: the redis backend's url must be "
+         "redis://HOST:PORT/DB"),
         (EngineArgs, {"hicache_storage_backend_extra_config": '{"path": "/x"}'},
          "hicache_storage_backend_extra_config needs a storage backend"),
     ],

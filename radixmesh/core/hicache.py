@@ -123,7 +123,8 @@ def storage_config(backend: str, text: str) -> dict[str, str]:
     config = {**defaults, **config}
     if backend == "redis" and not config["url"].startswith(("redis://", "rediss://", "unix://")):
         raise ValueError(
-            f"the redis backend's url must be redis://HOST:PORT/DB, got {config['url']!r}"
+            "hicache_storage_backend_extra_config: the redis backend's url must be "
+            f"redis://HOST:PORT/DB, got {config['url']!r}"
         )
     return config
 

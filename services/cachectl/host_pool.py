@@ -130,7 +130,7 @@ class HostSegments:
         mover = None
         if spec.storage:
             assert self.storage is not None
-            mover = PageMover(spec, self.storage, storage_page_tokens)
+            mover = PageMover(engine_id, spec, self.storage, storage_page_tokens)
         self._segments[engine_id] = _Segment(spec, np.zeros(num_slots, dtype=bool), mover)
         log.info("engine %s: host segment %s, %d slots (%.2f GB, %s), storage %s",
                  engine_id, spec.path, num_slots, spec.nbytes / 1e9, layout,

@@ -43,6 +43,7 @@ class PageMover:
 
     def __init__(
         self,
+        engine_id: str,
         spec: HostPoolSpec,
         backend: StorageBackend,
         page_tokens: int,
@@ -53,6 +54,7 @@ class PageMover:
             raise ValueError(
                 f"storage pages of {page_tokens} tokens are not whole pages of {g.page_size}"
             )
+        self.engine_id = engine_id
         self.spec = spec
         self.backend = backend
         self.page_tokens = page_tokens
@@ -66,6 +68,8 @@ class PageMover:
         self._pool = np.frombuffer(self._mmap, dtype=element).reshape(spec.shape())
         self._queue: deque[tuple[str, bytes]] = deque()
         self._queued_bytes = 0
+        # Keys whose stored page failed its check: written again, not skipped as stored.
+        self._corrupt: set[str] = set()
         self._wake = asyncio.Event()
         self._writer = asyncio.create_task(self._write_loop())
 
@@ -129,16 +133,19 @@ class PageMover:
             while self._queue:
                 key, data = self._queue[0]
                 try:
-                    if (await self._timed("exists", self.backend.exists([key])))[0]:
+                    if key not in self._corrupt and (
+                        await self._timed("exists", self.backend.exists([key]))
+                    )[0]:
                         metrics.storage_pages(name, "already_stored")
                     else:
                         await self._timed("put", self.backend.put(key, data))
+                        self._corrupt.discard(key)
                         metrics.storage_pages(name, "written")
                         metrics.storage_bytes(name, "write", len(data))
                 except OSError as exc:
                     metrics.storage_pages(name, "write_error")
                     log.warning("engine %s: storage write of page %s failed: %s",
-                                self.spec.name, key, exc)
+                                self.engine_id, key, exc)
                 self._queue.popleft()
                 self._queued_bytes -= len(data)
                 metrics.STORAGE_QUEUE_BYTES.set(self._queued_bytes)
@@ -159,7 +166,7 @@ class PageMover:
             present = await self._timed("exists", self.backend.exists(keys))
         except OSError as exc:
             metrics.storage_pages(self.backend.name, "read_error")
-            log.warning("engine %s: storage query failed: %s", self.spec.name, exc)
+            log.warning("engine %s: storage query failed: %s", self.engine_id, exc)
             return 0
         hits = next((i for i, there in enumerate(present) if not there), len(present))
         return hits
@@ -179,12 +186,13 @@ class PageMover:
                 try:
                     data = await ahead.popleft()
                 except CorruptPage as exc:
+                    self._corrupt.add(keys[arrived])
                     metrics.storage_pages(name, "corrupt")
-                    log.warning("engine %s: %s", self.spec.name, exc)
+                    log.warning("engine %s: %s", self.engine_id, exc)
                     return
                 except OSError as exc:
                     metrics.storage_pages(name, "read_error")
-                    log.warning("engine %s: storage read failed: %s", self.spec.name, exc)
+                    log.warning("engine %s: storage read failed: %s", self.engine_id, exc)
                     return
                 if data is None:
                     metrics.storage_pages(name, "miss")
@@ -193,9 +201,10 @@ class PageMover:
                     return
                 page = np.frombuffer(data, dtype=self._pool.dtype)
                 if page.size != int(np.prod(self._page_shape())):
+                    self._corrupt.add(keys[arrived])
                     metrics.storage_pages(name, "corrupt")
                     log.warning("engine %s: storage page %s has %d bytes, not a page",
-                                self.spec.name, keys[arrived], len(data))
+                                self.engine_id, keys[arrived], len(data))
                     return
                 at = arrived * p
                 self.write_page(slots[at : at + p], page.reshape(self._page_shape()))

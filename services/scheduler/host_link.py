@@ -140,6 +140,11 @@ class HostLink:
 
     # ---- the storage tier's calls (each reports back through the engine loop's inbox) ----
 
+    def _wake_at_deadline(self, tier: StorageTier) -> None:
+        """Under the timeout policy a request stops waiting at its deadline, news or not."""
+        if tier.policy == "timeout":
+            asyncio.get_running_loop().call_later(tier.timeout, self.loop.wake)
+
     def _back(self, tier: StorageTier, change: Callable[[Scheduler], None]) -> None:
         """Apply a storage reply to the scheduler, unless the tier was replaced since."""
         self.loop.apply(lambda sched: change(sched) if sched.storage is tier else None)
@@ -156,6 +161,7 @@ class HostLink:
         self._back(tier, lambda sched: tier.stored(op.op_id))
 
     async def _query(self, tier: StorageTier, op: QueryOp) -> None:
+        self._wake_at_deadline(tier)
         try:
             hits = await self.client.query(op.keys)
         except (OSError, LookupError) as exc:
@@ -164,8 +170,7 @@ class HostLink:
         self._back(tier, lambda sched: tier.query_done(sched.requests.get(op.rid), op, hits))
 
     async def _prefetch(self, tier: StorageTier, op: PrefetchOp) -> None:
-        if tier.policy == "timeout":
-            asyncio.get_running_loop().call_later(tier.timeout, self.loop.wake)
+        self._wake_at_deadline(tier)
         arrived = 0
         try:
             async for arrived in self.client.prefetch(op.keys, op.slots):

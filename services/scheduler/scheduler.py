@@ -123,6 +123,8 @@ class Scheduler:
             raise ValueError(f"prompt of {len(req.input_ids)} tokens exceeds the KV pool")
         self.requests[req.rid] = req
         self.waiting.append(req)
+        if self.storage is not None:
+            self.storage.ask(req)
 
     def abort(self, rid: str, reason: FinishReason | None = None) -> bool:
         """Finish a request wherever it is; False if it is unknown or already finished."""

@@ -125,6 +125,7 @@ class StorageTier:
         self._sent: dict[str, None] = {}  # keys written (or read) already, oldest first
         self._storing: dict[int, list[int]] = {}  # store op -> host slots it reads
         self._waits: dict[str, _Wait] = {}
+        self._asked: dict[str, float] = {}  # rid -> when its query went out
         self._ops: dict[int, PrefetchOp] = {}
         self._by_rid: dict[str, PrefetchOp] = {}
         self._ids = itertools.count(1)
@@ -195,12 +196,24 @@ class StorageTier:
 
     # ---- prefetch ------------------------------------------------------------------------
 
+    def ask(self, req: Req) -> None:
+        """A request arrived: ask storage for its uncached prompt now, so the pages can
+        arrive while it queues."""
+        if req.rid not in self._waits:
+            self._waits[req.rid] = self._query(req)
+
     def waits(self, req: Req) -> bool:
         """Whether a waiting request must keep waiting for storage; the first call may ask
-        storage what it holds. Once it stops waiting, the pages that arrived are in the tree."""
+        storage what it holds. Once it stops waiting, the pages that arrived are in the tree.
+        A slow answer to the query counts against the policy like slow pages do."""
         wait = self._waits.get(req.rid)
         if wait is None:
             wait = self._waits[req.rid] = self._query(req)
+        if wait is _Wait.QUERY and (
+            self.policy == "best_effort"
+            or (self.policy == "timeout" and self.clock() >= self._asked[req.rid] + self.timeout)
+        ):
+            wait = self._waits[req.rid] = _Wait.NONE
         if wait is _Wait.PREFETCH:
             op = self._by_rid[req.rid]
             if not op.done and (
@@ -221,13 +234,15 @@ class StorageTier:
             return _Wait.NONE
         keys = self.keys.keys(key, req.namespace, last)[first:]
         self.queries.append(QueryOp(req.rid, keys, first))
+        self._asked[req.rid] = self.clock()
         self.stats.queries += 1
         return _Wait.QUERY
 
     def query_done(self, req: Req | None, query: QueryOp, hits: int) -> None:
         """Storage holds `hits` of the query's pages: fetch them when worth it."""
-        if req is None or self._waits.get(req.rid) is not _Wait.QUERY:
-            return  # finished meanwhile
+        asked = self._asked.pop(query.rid, None)
+        if req is None or self._waits.get(req.rid) is not _Wait.QUERY or asked is None:
+            return  # finished or stopped waiting meanwhile
         self._waits[req.rid] = _Wait.NONE
         key = match_key(req)
         match = self.cache.match_prefix(key, req.namespace, count_hit=False)
@@ -238,16 +253,13 @@ class StorageTier:
         slots = self._alloc_host(end - start)
         if slots is None:
             return
-        now = self.clock()
         op = PrefetchOp(next(self._ids), req.rid, query.keys[:hits], slots, key[:end], start,
-                        req.namespace, now + self.timeout, now)
+                        req.namespace, asked + self.timeout, asked)
         self._ops[op.op_id] = op
         self._by_rid[req.rid] = op
         self._waits[req.rid] = _Wait.PREFETCH
         self.prefetches.append(op)
         self.stats.prefetches += 1
-        for k in op.keys:
-            self._remember(k)
 
     def progress(self, op_id: int, arrived: int) -> None:
         if (op := self._ops.get(op_id)) is not None:
@@ -261,12 +273,15 @@ class StorageTier:
         op.arrived = max(op.arrived, arrived)
         op.done = True
         self.stats.prefetch_pages += op.arrived
+        for key in op.keys[: op.arrived]:  # stored already; a page that failed is rewritten
+            self._remember(key)
         if self._by_rid.get(op.rid) is not op:  # the request stopped waiting, or left
             self._settle(op)
 
     def forget(self, rid: str) -> None:
         """The request finished (or was aborted): nothing waits for its prefetch."""
         self._waits.pop(rid, None)
+        self._asked.pop(rid, None)
         op = self._by_rid.pop(rid, None)
         if op is not None and op.done:
             self._settle(op)
