@@ -19,7 +19,8 @@ import mmap
 import os
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from functools import partial
 from typing import TypeVar
 
 import numpy as np
@@ -70,6 +71,7 @@ class PageMover:
         self._queued_bytes = 0
         # Keys whose stored page failed its check: written again, not skipped as stored.
         self._corrupt: set[str] = set()
+        self._closed = False
         self._wake = asyncio.Event()
         self._writer = asyncio.create_task(self._write_loop())
 
@@ -130,22 +132,28 @@ class PageMover:
         while True:
             await self._wake.wait()
             self._wake.clear()
-            while self._queue:
+            while self._queue and not self._closed:
                 key, data = self._queue[0]
                 try:
                     if key not in self._corrupt and (
-                        await self._timed("exists", self.backend.exists([key]))
+                        await self._timed("exists", partial(self.backend.exists, [key]))
                     )[0]:
                         metrics.storage_pages(name, "already_stored")
                     else:
-                        await self._timed("put", self.backend.put(key, data))
+                        await self._timed("put", partial(self.backend.put, key, data))
                         self._corrupt.discard(key)
                         metrics.storage_pages(name, "written")
                         metrics.storage_bytes(name, "write", len(data))
-                except OSError as exc:
+                except (OSError, CorruptPage) as exc:
                     metrics.storage_pages(name, "write_error")
                     log.warning("engine %s: storage write of page %s failed: %s",
                                 self.engine_id, key, exc)
+                except Exception:  # a backend's surprise must not stop every later write
+                    metrics.storage_pages(name, "write_error")
+                    log.exception("engine %s: storage write of page %s failed",
+                                  self.engine_id, key)
+                if self._closed:
+                    return  # close() emptied the queue meanwhile
                 self._queue.popleft()
                 self._queued_bytes -= len(data)
                 metrics.STORAGE_QUEUE_BYTES.set(self._queued_bytes)
@@ -163,8 +171,8 @@ class PageMover:
         if not keys:
             return 0
         try:
-            present = await self._timed("exists", self.backend.exists(keys))
-        except OSError as exc:
+            present = await self._timed("exists", partial(self.backend.exists, keys))
+        except (OSError, CorruptPage) as exc:
             metrics.storage_pages(self.backend.name, "read_error")
             log.warning("engine %s: storage query failed: %s", self.engine_id, exc)
             return 0
@@ -182,7 +190,9 @@ class PageMover:
             while arrived < len(keys):
                 while len(ahead) < PREFETCH_AHEAD and arrived + len(ahead) < len(keys):
                     key = keys[arrived + len(ahead)]
-                    ahead.append(asyncio.ensure_future(self._timed("get", self.backend.get(key))))
+                    ahead.append(asyncio.ensure_future(
+                        self._timed("get", partial(self.backend.get, key))
+                    ))
                 try:
                     data = await ahead.popleft()
                 except CorruptPage as exc:
@@ -197,7 +207,7 @@ class PageMover:
                 if data is None:
                     metrics.storage_pages(name, "miss")
                     return
-                if self._mmap.closed:
+                if self._closed:
                     return
                 page = np.frombuffer(data, dtype=self._pool.dtype)
                 if page.size != int(np.prod(self._page_shape())):
@@ -219,10 +229,12 @@ class PageMover:
                 with contextlib.suppress(BaseException):
                     await task
 
-    async def _timed(self, op: str, call: Awaitable[T]) -> T:
+    async def _timed(self, op: str, call: Callable[[], Awaitable[T]]) -> T:
+        """One storage call, bounded by PAGE_TIMEOUT_S and timed; the coroutine is made
+        here, so a task cancelled before it starts leaves none unawaited."""
         start = time.perf_counter()
         try:
-            return await asyncio.wait_for(call, PAGE_TIMEOUT_S)
+            return await asyncio.wait_for(call(), PAGE_TIMEOUT_S)
         except TimeoutError as exc:
             raise TimeoutError(f"storage {op} took over {PAGE_TIMEOUT_S:g} s") from exc
         finally:
@@ -233,6 +245,7 @@ class PageMover:
     def close(self) -> None:
         """Stop writing (what is still queued is dropped) and unmap the segment; a prefetch
         still running ends at its next page."""
+        self._closed = True
         self._writer.cancel()
         if self._queue:
             metrics.storage_pages(self.backend.name, "dropped", len(self._queue))

@@ -164,7 +164,7 @@ class HostLink:
         self._wake_at_deadline(tier)
         try:
             hits = await self.client.query(op.keys)
-        except (OSError, LookupError) as exc:
+        except Exception as exc:  # noqa: BLE001 - whatever went wrong, the request must go on
             log.warning("storage query failed (%s): computing the prompt", exc)
             hits = 0
         self._back(tier, lambda sched: tier.query_done(sched.requests.get(op.rid), op, hits))
