@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from radixmesh.core.hicache import HostPoolSpec, KVGeometry
 from radixmesh.core.request import LogprobRequest
-from radixmesh.core.sampling_params import SamplingParams
+from radixmesh.core.sampling_params import GRAMMAR_KINDS, SamplingParams
 from radixmesh.core.step import (
     EntryResult,
     KVCopy,
@@ -37,15 +37,17 @@ _SAMPLING_FIELDS = (
 def sampling_to_proto(p: SamplingParams, seed: int) -> wpb.SamplingParams:
     """What the engine needs of a request's sampling parameters, with its seed."""
     fields = {name: getattr(p, name) for name in _SAMPLING_FIELDS}
-    return wpb.SamplingParams(seed=seed, stop_token_ids=p.stop_token_ids, **fields)
+    grammar = {name: getattr(p, name) or "" for name in GRAMMAR_KINDS}
+    return wpb.SamplingParams(seed=seed, stop_token_ids=p.stop_token_ids, **fields, **grammar)
 
 
 def sampling_from_proto(p: wpb.SamplingParams, max_new_tokens: int) -> SamplingParams:
     """The other side of sampling_to_proto; the seed is `p.seed`."""
     fields = {name: getattr(p, name) for name in _SAMPLING_FIELDS}
+    grammar = {name: getattr(p, name) or None for name in GRAMMAR_KINDS}
     return SamplingParams(
         max_new_tokens=max_new_tokens, stop_token_ids=list(p.stop_token_ids), seed=p.seed,
-        **fields,
+        **fields, **grammar,
     )
 
 

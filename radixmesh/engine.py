@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from typing import Any
 
+from radixmesh.core import grammar
 from radixmesh.core.hicache import DEFAULT_NATS_URL, KVGeometry
 from radixmesh.core.model_files import model_fingerprint, resolve_model_path
 from radixmesh.core.request import FinishKind, FinishReason, LogprobRequest
@@ -230,6 +231,7 @@ class Engine:
             raise ValueError("sampling_params must be a dict")
         params = SamplingParams.from_dict(sampling or {})
         params.validate(self.model_config.vocab_size)
+        grammar.check(params.grammar)
         if len(ids) >= self.context_length:
             raise ValueError(
                 f"prompt has {len(ids)} tokens; the context length is {self.context_length}"

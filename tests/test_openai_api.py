@@ -479,7 +479,13 @@ BAD_CHAT: list[tuple[dict[str, Any], str, str]] = [
     ({"stop_token_ids": [10**6]}, "stop_token_ids", "vocab size"),
     ({"logit_bias": {"5": 1}}, "logit_bias", "not supported"),
     ({"tools": [{"type": "function"}]}, "tools", "not supported"),
-    ({"response_format": {"type": "json_object"}}, "response_format", "json_object"),
+    ({"response_format": {"type": "xml"}}, "response_format", "json_object or json_schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}},
+     "response_format", "with a name"),
+    ({"response_format": {"type": "json_schema",
+                          "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
+     "response_format", "invalid json_schema"),
+    ({"regex": "(unclosed"}, "regex", "invalid regex"),
     ({"user": 5}, "user", "string"),
 ]
 BAD_COMPLETION: list[tuple[dict[str, Any], str, str]] = [

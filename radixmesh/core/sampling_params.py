@@ -16,6 +16,7 @@ _FLOAT_FIELDS = (
     "repetition_penalty",
 )
 _BOOL_FIELDS = ("ignore_eos", "skip_special_tokens", "no_stop_trim")
+GRAMMAR_KINDS = ("json_schema", "regex", "ebnf")  # the constraint fields, SGLang's names
 
 
 def _is_int(value: object) -> bool:
@@ -47,6 +48,11 @@ class SamplingParams:
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
     seed: int | None = None
+    # At most one constraint on the output: a JSON schema (as JSON text), a regex, or an
+    # EBNF grammar (radixmesh.core.grammar checks them).
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -69,6 +75,15 @@ class SamplingParams:
             if name in kwargs and _is_int(kwargs[name]):
                 kwargs[name] = float(kwargs[name])
         return cls(**kwargs)
+
+    @property
+    def grammar(self) -> tuple[str, str] | None:
+        """The output's constraint as (kind, text), if it has one."""
+        for kind in GRAMMAR_KINDS:
+            text = getattr(self, kind)
+            if text is not None:
+                return kind, text
+        return None
 
     @property
     def is_greedy(self) -> bool:
@@ -123,6 +138,12 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be a list of integers, got {ids!r}")
         if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed must be an integer or null, got {self.seed!r}")
+        given = [kind for kind in GRAMMAR_KINDS if getattr(self, kind) is not None]
+        for kind in given:
+            if not isinstance(getattr(self, kind), str) or not getattr(self, kind):
+                raise ValueError(f"{kind} must be a non-empty string, got {getattr(self, kind)!r}")
+        if len(given) > 1:
+            raise ValueError(f"at most one of json_schema, regex and ebnf, got {', '.join(given)}")
 
 
 def _as_list(value: object) -> object:

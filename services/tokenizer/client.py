@@ -25,6 +25,7 @@ from nats.aio.subscription import Subscription
 from nats.errors import Error as NatsError
 from opentelemetry.trace import Span, SpanKind, get_current_span
 
+from radixmesh.core import grammar
 from radixmesh.core.detokenize import detok_context_size
 from radixmesh.core.meta_info import CachedTokens, TokenLogprob
 from radixmesh.core.request import FinishKind, FinishReason, LogprobRequest
@@ -170,6 +171,7 @@ def _sampling_params(
         raise ValueError(f"top_k must be <= the vocabulary size {vocab_size}, got {params.top_k}")
     if params.seed is not None and not 0 <= params.seed < 2**64:
         raise ValueError(f"seed must be in [0, 2**64), got {params.seed}")
+    grammar.check(params.grammar)
     if context_length:
         check_length(prompt_tokens, params.max_new_tokens, context_length)
     return params

@@ -287,9 +287,6 @@ _NEUTRAL_FIELDS: dict[str, Callable[[Any], bool]] = {
 _NEUTRAL_SAMPLING: dict[str, Callable[[Any], bool]] = {
     "n": lambda v: v is None or v == 1,
     "spaces_between_special_tokens": lambda v: v is None or isinstance(v, bool),
-    "regex": _empty,
-    "json_schema": _empty,
-    "ebnf": _empty,
     "structural_tag": _empty,
     "stop_regex": _empty,
     "logit_bias": _empty,

@@ -15,8 +15,9 @@ from typing import Any, NamedTuple
 
 from jinja2 import TemplateError
 
+from radixmesh.core import grammar
 from radixmesh.core.request import LogprobRequest
-from radixmesh.core.sampling_params import SamplingParams
+from radixmesh.core.sampling_params import GRAMMAR_KINDS, SamplingParams
 from radixmesh.core.tokenizer import Tokenizer
 from radixmesh.services.tokenizer.client import GenerationRequest, check_length, is_int
 
@@ -24,7 +25,7 @@ COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_N = 128
 MAX_TOP_LOGPROBS = 20
 # OpenAI/SGLang fields this server cannot honour: refused when set, never silently dropped.
-_UNSUPPORTED = ("logit_bias", "regex", "json_schema", "ebnf")
+_UNSUPPORTED = ("logit_bias",)
 _COMPLETION_UNSUPPORTED = (*_UNSUPPORTED, "suffix")
 _CHAT_UNSUPPORTED = (*_UNSUPPORTED, "tools", "functions")
 _PROMPT_SHAPES = "a string, a list of strings, a list of token ids or a list of token id lists"
@@ -38,6 +39,8 @@ _PASSTHROUGH = (
     "ignore_eos",
     "skip_special_tokens",
     "no_stop_trim",
+    "regex",  # SGLang's extra constraint fields; response_format gives json_schema
+    "ebnf",
     "stop_token_ids",
 )
 # OpenAI's error `type` by HTTP status; any other 4xx is an invalid request, 5xx a server error.
@@ -115,6 +118,7 @@ def parse_completion(
 ) -> OpenAIRequest:
     """Check a /v1/completions request and build its GenerationRequests."""
     _check_common(body, model, _COMPLETION_UNSUPPORTED)
+    _check_response_format(body)
     stream, include_usage = _stream_options(body)
     echo = _get_bool(body, "echo")
     top_logprobs = _get_int(body, "logprobs", 0, MAX_TOP_LOGPROBS)
@@ -195,11 +199,32 @@ def _check_common(body: dict[str, Any], model: ServedModel, unsupported: tuple[s
 
 
 def _check_response_format(body: dict[str, Any]) -> None:
-    kind = _get_object(body, "response_format").get("type", "text")
-    if kind != "text":
+    """response_format as a type SGLang's fields understand: json_object and json_schema
+    become a json_schema constraint (written back into the body for _sampling_params)."""
+    form = _get_object(body, "response_format")
+    kind = form.get("type", "text")
+    if kind == "text":
+        return
+    if kind == "json_object":
+        schema: Any = {"type": "object"}
+    elif kind == "json_schema":
+        spec = form.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+            raise OpenAIError(
+                "response_format.json_schema must be an object with a name", "response_format"
+            )
+        schema = spec.get("schema", {"type": "object"})
+        if not isinstance(schema, dict):
+            raise OpenAIError("response_format.json_schema.schema must be an object",
+                              "response_format")
+    else:
         raise OpenAIError(
-            f"response_format {kind!r} is not supported by this server", "response_format"
+            f"response_format type must be text, json_object or json_schema, got {kind!r}",
+            "response_format",
         )
+    if body.get("json_schema") is not None:
+        raise OpenAIError("give response_format or json_schema, not both", "response_format")
+    body["json_schema"] = json.dumps(schema)
 
 
 def _stream_options(body: dict[str, Any]) -> tuple[bool, bool]:
@@ -376,12 +401,18 @@ def _sampling_params(
         "seed": _get_int(body, "seed"),
         "stop": body.get("stop"),
         **{name: body.get(name) for name in _PASSTHROUGH},
+        "json_schema": body.get("json_schema"),
     }
     fields.update({name: value for name, value in optional.items() if value is not None})
     try:
         params = SamplingParams.from_dict(fields)
         params.validate(vocab_size or None)
+        grammar.check(params.grammar)
     except ValueError as exc:
+        constraint = next((kind for kind in GRAMMAR_KINDS if kind in str(exc)), None)
+        if constraint is not None:
+            given = "response_format" if body.get("response_format") else constraint
+            raise OpenAIError(str(exc), given) from None
         # SamplingParams names the field first; speak of it by the request's name for it.
         renames = {"max_new_tokens": max_param, "min_new_tokens": "min_tokens"}
         message = str(exc)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -10,9 +12,11 @@ import torch
 
 from radixmesh.core.settings import RunnerSettings
 from radixmesh.core.step import EntryResult, NewRequest, StepBatch, StepResult
+from radixmesh.core.tokenizer import Tokenizer
 from radixmesh.services.worker.attention import AttentionBackend, AttentionMetadata, SeqSpan
 from radixmesh.services.worker.attention_choice import check_runs_on, make_attention
 from radixmesh.services.worker.device import current, resolve_device
+from radixmesh.services.worker.grammar import Grammars, apply_masks, tokenizer_info
 from radixmesh.services.worker.host_copies import HostCopier
 from radixmesh.services.worker.kv_pool import KVPool
 from radixmesh.services.worker.memory import keep_freed_memory, release_free_memory
@@ -30,7 +34,11 @@ from radixmesh.services.worker.sampling import RequestSampler, sample
 from radixmesh.services.worker.torch_attention import TorchAttention
 
 if TYPE_CHECKING:
+    import xgrammar
+
     from radixmesh.services.worker.cuda_graphs import DecodeGraphs
+
+log = logging.getLogger("radixmesh.worker")
 
 # Rows of prompt logits turned into logprobs at a time: bounds the float32 [rows, vocab] buffer.
 _LOGPROB_BLOCK = 256
@@ -45,6 +53,7 @@ class _RequestState:
     ids: list[int]  # every token whose KV is in the pool, in order
     slots: torch.Tensor  # grown by doubling; the first len(ids) entries are live
     sampler: RequestSampler | None = None  # made at the first sample, once the prompt is known
+    matcher: xgrammar.GrammarMatcher | None = None  # with a constraint, from the first sample
     last_token: int = -1
     # log-softmax of the last computed position, kept for the first token of the next chunk
     carry_logprobs: torch.Tensor | None = None
@@ -110,6 +119,8 @@ class ModelRunner:
             self.host_copies = HostCopier(self.pool, config.num_kv_heads, rank)
         self.graph_steps = 0  # steps that ran through self.graphs
         self.requests: dict[str, _RequestState] = {}
+        # Constrained decoding; load_runner gives the model's vocabulary to compile against.
+        self.grammars: Grammars | None = None
 
     def _decode_graphs(self, max_batch: int, eager: bool, num_slots: int) -> DecodeGraphs | None:
         if max_batch == 0 or isinstance(self.attention, TorchAttention):
@@ -139,6 +150,8 @@ class ModelRunner:
             req = _RequestState(spec, [], torch.empty(0, dtype=torch.long))
             req.append(spec.prefix_ids, spec.prefix_slots)
             self.requests[spec.rid] = req
+            if spec.params.grammar is not None and self._is_sampler():
+                self._grammars().prepare(spec.params.grammar)  # compiles while it prefills
         result = StepResult(batch.step)
         with current(self.device):
             if batch.host_pool is not None:
@@ -209,6 +222,8 @@ class ModelRunner:
             # Only greedy picks stay on the device: the sampler's seeded draws and sums do
             # not depend on the rest of the batch in CPU arithmetic (see sampling.py).
             logits = logits.cpu()
+        matchers = [self._matcher(reqs[i]) for i in picked]
+        apply_masks(logits, matchers)
         sampled = sample(logits, samplers, top_n, with_logprobs=with_logprobs)
         tokens = sampled.token_ids
         if self.tp is not None:
@@ -217,6 +232,9 @@ class ModelRunner:
             token = tokens[j]
             reqs[i].last_token = token
             samplers[j].record(token)
+            if matchers[j] is not None and not matchers[j].accept_token(token):
+                log.warning("request %s: token %d is outside its grammar", reqs[i].spec.rid,
+                            token)
             out = outs[i]
             out.token_id = token
             if wants[j].return_logprob:
@@ -239,6 +257,28 @@ class ModelRunner:
         for i, token in zip(picked, tokens, strict=True):
             reqs[i].last_token = token
             outs[i].token_id = token
+
+    def _is_sampler(self) -> bool:
+        return self.tp is None or self.tp.is_leader
+
+    def _grammars(self) -> Grammars:
+        if self.grammars is None:
+            raise ValueError("this worker was not given a vocabulary for constrained decoding")
+        return self.grammars
+
+    def _matcher(self, req: _RequestState) -> xgrammar.GrammarMatcher | None:
+        """The request's grammar matcher, made at its first sample and brought up to date
+        with any output it had before (a retracted request's)."""
+        constraint = req.spec.params.grammar
+        if constraint is None:
+            return None
+        if req.matcher is None:
+            req.matcher = self._grammars().matcher(constraint)
+            for token in req.ids[req.spec.prompt_len :]:
+                req.matcher.accept_token(token)
+        # Ended (its stop token accepted): a step the scheduler ran ahead past the finish
+        # samples freely; that token is dropped.
+        return None if req.matcher.is_terminated() else req.matcher
 
     def _sampler(self, req: _RequestState) -> RequestSampler:
         if req.sampler is None:
@@ -335,6 +375,15 @@ def load_runner(
         page_size=settings.page_size,
         cuda_graph_max_bs=settings.cuda_graph_max_bs,
     )
+    stop_ids = loaded.config.eos_token_ids
     del loaded
     release_free_memory()
+    runner.grammars = Grammars(lambda: _vocabulary(settings.model_path, runner.config.vocab_size,
+                                                    stop_ids))
     return runner
+
+
+def _vocabulary(model_path: str | None, vocab_size: int, stop_ids: Sequence[int]
+                ) -> xgrammar.TokenizerInfo:
+    tokenizer = Tokenizer.from_path(model_path)
+    return tokenizer_info(tokenizer, vocab_size, [*stop_ids, *tokenizer.eos_token_ids])

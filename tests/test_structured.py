@@ -1,0 +1,187 @@
+"""Constrained decoding in process on the real model (float32): regex, JSON schema and EBNF
+outputs hold their constraint, constrained and free requests share batches without
+changing each other, overlap scheduling does not change a constrained answer, and a bad
+constraint is refused without disturbing the engine."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from radixmesh.engine import Engine
+
+PHONE = r"\(\d{3}\) \d{3}-\d{4}"
+ARITHMETIC = """
+root ::= expr
+expr ::= term (("+" | "-") term){0,3}
+term ::= factor (("*" | "/") factor){0,2}
+factor ::= number | "(" expr ")"
+number ::= [1-9] [0-9]{0,3}
+"""
+# A Python regex for the same language, without the parentheses' nesting limit.
+ARITHMETIC_FLAT = re.compile(r"[-+*/()0-9]+")
+SCHEMAS = [
+    {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 16},
+            "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        },
+        "required": ["name", "age"],
+    },
+    {
+        "type": "object",
+        "properties": {
+            "color": {"enum": ["red", "green", "blue"]},
+            "shade": {"type": "number", "minimum": 0, "maximum": 1},
+        },
+        "required": ["color", "shade"],
+    },
+    {
+        "type": "object",
+        "properties": {
+            "tags": {"type": "array", "items": {"type": "string", "maxLength": 8},
+                     "minItems": 1, "maxItems": 3},
+        },
+        "required": ["tags"],
+    },
+    {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "maxLength": 12},
+            "location": {
+                "type": "object",
+                "properties": {"lat": {"type": "integer", "minimum": -90, "maximum": 90},
+                               "lon": {"type": "integer", "minimum": -180, "maximum": 180}},
+                "required": ["lat", "lon"],
+            },
+        },
+        "required": ["city", "location"],
+    },
+    {
+        "type": "object",
+        "properties": {
+            "ok": {"type": "boolean"},
+            "count": {"type": "integer", "minimum": 1, "maximum": 9},
+            "mode": {"enum": ["fast", "slow"]},
+        },
+        "required": ["ok", "count", "mode"],
+    },
+]
+GREEDY = {"temperature": 0, "max_new_tokens": 48}
+
+
+def arithmetic(text: str) -> bool:
+    """Whether text is an expression of ARITHMETIC (a small recursive-descent parser)."""
+    pos = 0
+
+    def expr() -> bool:
+        nonlocal pos
+        if not term():
+            return False
+        while pos < len(text) and text[pos] in "+-":
+            pos += 1
+            if not term():
+                return False
+        return True
+
+    def term() -> bool:
+        nonlocal pos
+        if not factor():
+            return False
+        while pos < len(text) and text[pos] in "*/":
+            pos += 1
+            if not factor():
+                return False
+        return True
+
+    def factor() -> bool:
+        nonlocal pos
+        if pos < len(text) and text[pos] == "(":
+            pos += 1
+            if not expr() or pos >= len(text) or text[pos] != ")":
+                return False
+            pos += 1
+            return True
+        match = re.compile(r"[1-9][0-9]{0,3}").match(text, pos)
+        if match is None:
+            return False
+        pos = match.end()
+        return True
+
+    return expr() and pos == len(text)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    with Engine(dtype="float32", show_progress=False, max_total_tokens=8192) as e:
+        yield e
+
+
+def test_a_regex_output_fully_matches(engine):
+    out = engine.generate("Call the pizza place at", {**GREEDY, "regex": PHONE})
+    assert re.fullmatch(PHONE, out["text"]), out["text"]
+    assert out["meta_info"]["finish_reason"]["type"] == "stop"
+
+
+@pytest.mark.parametrize("schema", SCHEMAS, ids=range(len(SCHEMAS)))
+def test_sampled_json_validates_against_its_schema(engine, schema):
+    params = {"temperature": 0.8, "max_new_tokens": 96, "json_schema": json.dumps(schema)}
+    outs = engine.generate(["Answer in JSON."] * 20, [{**params, "seed": s} for s in range(20)])
+    for out in outs:
+        assert out["meta_info"]["finish_reason"]["type"] == "stop", out
+        jsonschema.validate(json.loads(out["text"]), schema)
+
+
+def test_an_ebnf_output_parses(engine):
+    out = engine.generate("Write a sum:", {**GREEDY, "ebnf": ARITHMETIC})
+    assert out["meta_info"]["finish_reason"]["type"] == "stop"
+    assert ARITHMETIC_FLAT.fullmatch(out["text"]) and arithmetic(out["text"]), out["text"]
+
+
+def test_a_constrained_answer_cut_short_ends_as_length(engine):
+    schema = {"type": "object", "properties": {"story": {"type": "string"}},
+              "required": ["story"]}
+    params = {"temperature": 0, "max_new_tokens": 6, "json_schema": json.dumps(schema)}
+    out = engine.generate("Tell a story in JSON.", params)
+    assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 6}
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(out["text"])
+
+
+def test_constrained_and_free_requests_share_a_batch_unchanged(engine):
+    prompts = ["The capital of France is", "Call the pizza place at", "List three colors:"]
+    alone = engine.generate(prompts[0], GREEDY)["text"]
+    constrained = {**GREEDY, "regex": PHONE}
+    outs = engine.generate(prompts, [GREEDY, constrained, {**GREEDY, "json_schema":
+                                                          json.dumps(SCHEMAS[2])}])
+    assert outs[0]["text"] == alone
+    assert re.fullmatch(PHONE, outs[1]["text"])
+    jsonschema.validate(json.loads(outs[2]["text"]), SCHEMAS[2])
+    assert outs[1]["text"] == engine.generate(prompts[1], constrained)["text"]
+
+
+def test_overlap_scheduling_does_not_change_a_constrained_answer(engine):
+    params = [{**GREEDY, "json_schema": json.dumps(s)} for s in SCHEMAS]
+    prompts = [f"Answer {i} in JSON." for i in range(len(SCHEMAS))]
+    overlapped = [o["text"] for o in engine.generate(prompts, params)]
+    with Engine(dtype="float32", show_progress=False, max_total_tokens=8192,
+                disable_overlap_schedule=True) as plain:
+        assert [o["text"] for o in plain.generate(prompts, params)] == overlapped
+
+
+@pytest.mark.parametrize(("params", "message"), [
+    ({"json_schema": "{oops"}, "json_schema is not valid JSON"),
+    ({"json_schema": '{"type": "nope"}'}, "invalid json_schema"),
+    ({"regex": "(unclosed"}, "invalid regex"),
+    ({"ebnf": "root ::= missing_rule"}, "invalid ebnf"),
+    ({"regex": "a", "json_schema": "{}"}, "at most one"),
+    ({"regex": ""}, "regex must be a non-empty string"),
+])
+def test_a_bad_constraint_is_refused_and_the_engine_goes_on(engine, params, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        engine.generate("x", {"max_new_tokens": 2, **params})
+    assert engine.generate("Call the pizza place at", {**GREEDY, "regex": PHONE})["text"]
