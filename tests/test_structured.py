@@ -152,6 +152,27 @@ def test_a_constrained_answer_cut_short_ends_as_length(engine):
         json.loads(out["text"])
 
 
+def test_the_grammar_decides_the_end_over_min_new_tokens_and_ignore_eos(engine):
+    sampled = {"temperature": 0.8, "max_new_tokens": 24, "regex": PHONE}
+    outs = engine.generate(["My phone is"] * 2, [
+        {**sampled, "seed": 1, "min_new_tokens": 20},
+        {**sampled, "seed": 2, "ignore_eos": True},
+    ])
+    for out in outs:
+        assert re.fullmatch(PHONE, out["text"]), out["text"]
+        assert out["meta_info"]["finish_reason"]["type"] == "stop"
+
+
+def test_a_constraint_nothing_satisfies_ends_its_request_not_the_engine(engine):
+    for temperature in (0, 0.8):
+        out = engine.generate("x", {"temperature": temperature, "max_new_tokens": 8,
+                                    "regex": "[^\\x00-\\U0010FFFF]"})
+        assert out["text"] == ""
+        assert out["meta_info"]["finish_reason"]["type"] == "stop"
+    assert re.fullmatch(PHONE, engine.generate("Call the pizza place at",
+                                               {**GREEDY, "regex": PHONE})["text"])
+
+
 def test_constrained_and_free_requests_share_a_batch_unchanged(engine):
     prompts = ["The capital of France is", "Call the pizza place at", "List three colors:"]
     alone = engine.generate(prompts[0], GREEDY)["text"]

@@ -505,6 +505,9 @@ class Scheduler:
 
     def _check_finish(self, req: Req, token: int) -> FinishReason | None:
         p = req.params
+        if p.grammar is not None and token in self.config.eos_token_ids:
+            # The grammar allowed its stop token: the constrained answer is complete.
+            return FinishReason(FinishKind.STOP, token)
         stops = token in p.stop_token_ids or (
             not p.ignore_eos and token in self.config.eos_token_ids
         )

@@ -103,5 +103,13 @@ def apply_masks(logits: torch.Tensor, matchers: Sequence[xgrammar.GrammarMatcher
         return
     bitmask = xgrammar.allocate_token_bitmask(len(matchers), logits.shape[-1])
     for i in rows:
-        matchers[i].fill_next_token_bitmask(bitmask, i)
+        matcher = matchers[i]
+        matcher.fill_next_token_bitmask(bitmask, i)
+        if not bitmask[i].any():
+            # Nothing can continue (a constraint no text satisfies): end the request with
+            # a stop token rather than fail the step for everyone.
+            bitmask[i] = 0
+            for token in matcher.stop_token_ids:
+                bit = 1 << (token % 32)
+                bitmask[i, token // 32] |= bit - (1 << 32 if bit >= 1 << 31 else 0)  # int32
     xgrammar.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=rows)

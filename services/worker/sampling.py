@@ -105,8 +105,13 @@ class RequestSampler:
 
     @property
     def blocks_end(self) -> bool:
-        """Whether end tokens must be suppressed this step (min_new_tokens not reached)."""
-        return self.num_output < self.params.min_new_tokens and self.end_ids.numel() > 0
+        """Whether end tokens must be suppressed this step (min_new_tokens not reached). A
+        constrained request's grammar decides when it may end: never suppressed."""
+        return (
+            self.num_output < self.params.min_new_tokens
+            and self.end_ids.numel() > 0
+            and self.params.grammar is None
+        )
 
     @property
     def needs_filter(self) -> bool:
