@@ -231,7 +231,7 @@ class Engine:
             raise ValueError("sampling_params must be a dict")
         params = SamplingParams.from_dict(sampling or {})
         params.validate(self.model_config.vocab_size)
-        grammar.check(params.grammar)
+        grammar.check(params.grammar, self.args.grammar_backend)
         if len(ids) >= self.context_length:
             raise ValueError(
                 f"prompt has {len(ids)} tokens; the context length is {self.context_length}"

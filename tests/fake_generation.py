@@ -40,6 +40,7 @@ class FakeGenerationClient:
     ) -> None:
         self.tokenizer = tokenizer
         self.model_name = model_name
+        self.grammar_backend = "xgrammar"
         self._context_length = context_length
         self.reply_for: Callable[[GenerationRequest], str] = lambda _: REPLY
         self.requests: list[GenerationRequest] = []

@@ -526,6 +526,20 @@ def test_bad_completion_request(tok, change, param, fragment):
     assert run(tok, scenario).requests == []
 
 
+def test_constraints_are_refused_with_the_grammar_backend_off(tok):
+    async def scenario(api, fake):
+        fake.grammar_backend = "none"
+        form = {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}
+        with pytest.raises(openai.BadRequestError) as err:
+            await api.chat.completions.create(model=MODEL, messages=USER, response_format=form)
+        assert_error(err.value, "response_format", "grammar_backend none")
+        with pytest.raises(openai.BadRequestError) as err:
+            await api.completions.create(model=MODEL, prompt=PROMPT, extra_body={"regex": "a"})
+        assert_error(err.value, "regex", "grammar_backend none")
+
+    assert run(tok, scenario).requests == []
+
+
 def assert_error(err: openai.APIStatusError, param: str, fragment: str) -> None:
     assert err.status_code == 400
     assert set(err.body) == {"message", "type", "param", "code"}

@@ -131,6 +131,7 @@ SHARED = {
     ),
     "nats_url": [SchedulerServiceConfig, TokenizerServiceConfig, DetokenizerConfig,
                  CachectlConfig],
+    "grammar_backend": [EngineArgs, MeshArgs, WorkerConfig, TokenizerServiceConfig],
 }
 
 
@@ -263,6 +264,7 @@ BAD_VALUES: dict[str, list[Any]] = {
     "hicache_storage_prefetch_timeout": [-1.0],
     "hicache_storage_prefetch_threshold": [0],
     "hicache_storage_backend": ["s3"],
+    "grammar_backend": ["outlines", None],
 }
 
 

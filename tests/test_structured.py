@@ -194,6 +194,15 @@ def test_overlap_scheduling_does_not_change_a_constrained_answer(engine):
         assert [o["text"] for o in plain.generate(prompts, params)] == overlapped
 
 
+def test_grammar_backend_none_refuses_constraints():
+    from radixmesh.core import grammar
+
+    with pytest.raises(ValueError, match=r"regex needs constrained decoding, which this "
+                       r"server has off \(grammar_backend none\)"):
+        grammar.check(("regex", "[0-9]+"), "none")
+    grammar.check(None, "none")
+
+
 @pytest.mark.parametrize(("params", "message"), [
     ({"json_schema": "{oops"}, "json_schema is not valid JSON"),
     ({"json_schema": '{"type": "nope"}'}, "invalid json_schema"),

@@ -40,7 +40,14 @@ def parse(kind: str, text: str) -> xgrammar.Grammar:
         raise ValueError(f"invalid {kind}: {reason}") from None
 
 
-def check(constraint: tuple[str, str] | None) -> None:
-    """Raise ValueError unless the (kind, text) constraint, if any, parses."""
-    if constraint is not None:
-        parse(*constraint)
+def check(constraint: tuple[str, str] | None, backend: str = "xgrammar") -> None:
+    """Raise ValueError unless the (kind, text) constraint, if any, parses and `backend`
+    (the grammar_backend setting) can run it."""
+    if constraint is None:
+        return
+    if backend == "none":
+        raise ValueError(
+            f"{constraint[0]} needs constrained decoding, which this server has off "
+            "(grammar_backend none)"
+        )
+    parse(*constraint)

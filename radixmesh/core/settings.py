@@ -35,6 +35,7 @@ from radixmesh.core.hicache import (
 
 ENV_PREFIX = "RADIXMESH_"
 DTYPES = ("bfloat16", "float32")
+GRAMMAR_BACKENDS = ("xgrammar", "none")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs")
 EVICTION_POLICIES = ("lru", "lfu", "fifo", "priority")
@@ -144,6 +145,20 @@ class Settings:
 
 
 # ---- the groups -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class GrammarSettings(Settings):
+    """Constrained decoding: what the front doors accept and the workers compile."""
+
+    TITLE: ClassVar[str] = "structured output"
+
+    grammar_backend: str = setting(
+        "xgrammar",
+        choices=GRAMMAR_BACKENDS,
+        help="what compiles json_schema, regex and ebnf constraints: xgrammar; none: "
+        "requests that bring one are refused",
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -644,7 +659,7 @@ class DetokenizerSettings(Settings):
 
 
 @dataclass(frozen=True, kw_only=True)
-class RunnerSettings(KVSettings, DeviceSettings, ModelSettings):
+class RunnerSettings(KVSettings, DeviceSettings, GrammarSettings, ModelSettings):
     """What a model runner is built from: the model, its device and its KV pool."""
 
 
@@ -678,7 +693,8 @@ class SchedulerServiceConfig(
 
 @dataclass(frozen=True, kw_only=True)
 class TokenizerServiceConfig(
-    NatsSettings, ServiceSettings, RouterSettings, TokenizerSettings, ModelSettings
+    NatsSettings, ServiceSettings, RouterSettings, TokenizerSettings, GrammarSettings,
+    ModelSettings,
 ):
     """A tokenizer replica: the HTTP and gRPC front doors, routing requests to engines."""
 

@@ -107,6 +107,7 @@ class GenerationClient(Protocol):
 
     tokenizer: Tokenizer
     model_name: str  # what /v1/models lists and the `model` field must name
+    grammar_backend: str  # the grammar_backend setting; "none": constraints are refused
 
     @property
     def context_length(self) -> int:
@@ -157,7 +158,11 @@ def _check_input_ids(input_ids: list[int], vocab_size: int, field: str = "input_
 
 
 def _sampling_params(
-    raw: dict[str, Any], prompt_tokens: int, context_length: int, vocab_size: int
+    raw: dict[str, Any],
+    prompt_tokens: int,
+    context_length: int,
+    vocab_size: int,
+    grammar_backend: str,
 ) -> SamplingParams:
     """SamplingParams from a client's dict; a missing max_new_tokens shrinks to what fits."""
     params = SamplingParams.from_dict(raw)
@@ -171,7 +176,7 @@ def _sampling_params(
         raise ValueError(f"top_k must be <= the vocabulary size {vocab_size}, got {params.top_k}")
     if params.seed is not None and not 0 <= params.seed < 2**64:
         raise ValueError(f"seed must be in [0, 2**64), got {params.seed}")
-    grammar.check(params.grammar)
+    grammar.check(params.grammar, grammar_backend)
     if context_length:
         check_length(prompt_tokens, params.max_new_tokens, context_length)
     return params
@@ -211,7 +216,7 @@ def build_request(
     logprob_start_len, top_logprobs_num); `field` names where the prompt came from."""
     vocab, context = client.vocab_size, client.context_length
     _check_input_ids(input_ids, vocab, field)
-    params = _sampling_params(sampling, len(input_ids), context, vocab)
+    params = _sampling_params(sampling, len(input_ids), context, vocab, client.grammar_backend)
     return_logprob, start, top = logprobs
     wanted = _logprob_request(return_logprob, start, top, len(input_ids))
     return GenerationRequest(rid, input_ids, params, wanted, cache_salt, priority)
@@ -469,9 +474,11 @@ class MeshClient:
         router: Router | None = None,
         engine_timeout_s: float = 3.0,
         control_timeout_s: float = 5.0,
+        grammar_backend: str = "xgrammar",
     ) -> None:
         self.tokenizer = tokenizer
         self.model_name = model_name
+        self.grammar_backend = grammar_backend
         self.metrics = metrics.TokenizerMetrics(model_name)
         self.replica_id = replica_id
         self.router = router or Router()

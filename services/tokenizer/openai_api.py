@@ -105,7 +105,8 @@ class OpenAIRoutes:
     def _served_model(self) -> ServedModel:
         client = self.client
         vocab_size = client.vocab_size or client.tokenizer.vocab_size
-        return ServedModel(client.model_name, client.context_length, vocab_size)
+        return ServedModel(client.model_name, client.context_length, vocab_size,
+                           client.grammar_backend)
 
     async def _serve(
         self,

@@ -87,6 +87,7 @@ class ServedModel(NamedTuple):
     name: str
     context_length: int  # 0 while no engine is known: lengths are then left to the mesh
     vocab_size: int
+    grammar_backend: str = "xgrammar"  # "none": constraints are refused
 
 
 @dataclass(frozen=True)
@@ -130,7 +131,7 @@ def parse_completion(
         raise OpenAIError("best_of other than n is not supported", "best_of")
     max_tokens = _get_int(body, "max_tokens", minimum=0)
     max_tokens = COMPLETION_MAX_TOKENS if max_tokens is None else max_tokens
-    params = _sampling_params(body, max_tokens, "max_tokens", model.vocab_size)
+    params = _sampling_params(body, max_tokens, "max_tokens", model)
     prompts = _completion_prompts(body.get("prompt"), tokenizer, model.vocab_size)
     for ids, _ in prompts:
         _check_length(len(ids), max_tokens, model, "prompt", "max_tokens")
@@ -174,7 +175,7 @@ def parse_chat(
     if max_tokens is None:
         max_tokens = _room_left(len(ids), model)
     _check_length(len(ids), max_tokens, model, "messages", max_param)
-    params = _sampling_params(body, max_tokens, max_param, model.vocab_size)
+    params = _sampling_params(body, max_tokens, max_param, model)
     top = (top_logprobs or 0) if want_logprobs else None
     return OpenAIRequest(
         id=request_id,
@@ -388,7 +389,7 @@ def _content(content: Any, role: str, where: str) -> str:
 
 
 def _sampling_params(
-    body: dict[str, Any], max_tokens: int, max_param: str, vocab_size: int
+    body: dict[str, Any], max_tokens: int, max_param: str, model: ServedModel
 ) -> SamplingParams:
     """The sampling fields of a request (OpenAI's and SGLang's) as SamplingParams."""
     fields: dict[str, Any] = {"max_new_tokens": max_tokens}
@@ -406,8 +407,8 @@ def _sampling_params(
     fields.update({name: value for name, value in optional.items() if value is not None})
     try:
         params = SamplingParams.from_dict(fields)
-        params.validate(vocab_size or None)
-        grammar.check(params.grammar)
+        params.validate(model.vocab_size or None)
+        grammar.check(params.grammar, model.grammar_backend)
     except ValueError as exc:
         constraint = next((kind for kind in GRAMMAR_KINDS if kind in str(exc)), None)
         if constraint is not None:

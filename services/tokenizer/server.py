@@ -66,6 +66,7 @@ class TokenizerServer:
             cfg.replica_id,
             Router(cfg),
             engine_timeout_s=cfg.engine_timeout,
+            grammar_backend=cfg.grammar_backend,
         )
         await client.start()
 

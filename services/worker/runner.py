@@ -378,8 +378,10 @@ def load_runner(
     stop_ids = loaded.config.eos_token_ids
     del loaded
     release_free_memory()
-    runner.grammars = Grammars(lambda: _vocabulary(settings.model_path, runner.config.vocab_size,
-                                                    stop_ids))
+    if settings.grammar_backend != "none":
+        runner.grammars = Grammars(
+            lambda: _vocabulary(settings.model_path, runner.config.vocab_size, stop_ids)
+        )
     return runner
 
 
