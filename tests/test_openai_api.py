@@ -478,7 +478,14 @@ BAD_CHAT: list[tuple[dict[str, Any], str, str]] = [
     ({"max_tokens": 2, "min_tokens": 3}, "min_tokens", "max_tokens"),
     ({"stop_token_ids": [10**6]}, "stop_token_ids", "vocab size"),
     ({"logit_bias": {"5": 1}}, "logit_bias", "not supported"),
-    ({"tools": [{"type": "function"}]}, "tools", "not supported"),
+    ({"tools": [{"type": "function"}]}, "tools", "each tool must be"),
+    ({"tools": []}, "tools", "non-empty list"),
+    ({"tools": [{"type": "function", "function": {"parameters": {}}}]}, "tools", "needs a name"),
+    ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}],
+      "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice", "naming"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required",
+      "response_format": {"type": "json_object"}}, "tool_choice", "no room for response_format"),
     ({"response_format": {"type": "xml"}}, "response_format", "json_object or json_schema"),
     ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}},
      "response_format", "with a name"),
@@ -524,6 +531,65 @@ def test_bad_completion_request(tok, change, param, fragment):
         assert_error(err.value, param, fragment)
 
     assert run(tok, scenario).requests == []
+
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "get_time"}},
+]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_named_tool_choice_answers_with_its_call(tok, stream):
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+
+    async def scenario(api, fake):
+        fake.reply_for = lambda _: '{"city": "Paris"}'
+        reply = await api.chat.completions.create(
+            model=MODEL, messages=USER, tools=TOOLS, tool_choice=choice, stream=stream
+        )
+        if stream:
+            chunks = [c async for c in reply]
+            calls = [c.choices[0].delta.tool_calls for c in chunks if c.choices[0].delta.tool_calls]
+            assert len(calls) == 1 and chunks[-1].choices[0].finish_reason == "tool_calls"
+            call = calls[0][0]
+            assert call.index == 0
+        else:
+            message = reply.choices[0].message
+            assert message.content is None and reply.choices[0].finish_reason == "tool_calls"
+            (call,) = message.tool_calls
+        assert call.type == "function" and call.id.startswith("call_")
+        assert call.function.name == "get_weather"
+        assert json.loads(call.function.arguments) == {"city": "Paris"}
+
+    fake = run(tok, scenario)
+    assert json.loads(fake.requests[0].params.json_schema) == WEATHER
+
+
+def test_a_required_tool_choice_picks_among_the_tools(tok):
+    async def scenario(api, fake):
+        fake.reply_for = lambda _: '{"name": "get_time", "arguments": {}}'
+        reply = await api.chat.completions.create(
+            model=MODEL, messages=USER, tools=TOOLS, tool_choice="required"
+        )
+        (call,) = reply.choices[0].message.tool_calls
+        assert (call.function.name, json.loads(call.function.arguments)) == ("get_time", {})
+        assert reply.choices[0].finish_reason == "tool_calls"
+
+    fake = run(tok, scenario)
+    names = [a["properties"]["name"]["const"]
+             for a in json.loads(fake.requests[0].params.json_schema)["anyOf"]]
+    assert names == ["get_weather", "get_time"]
+
+
+def test_tools_with_auto_leave_the_answer_to_the_model(tok):
+    async def scenario(api, fake):
+        reply = await api.chat.completions.create(model=MODEL, messages=USER, tools=TOOLS)
+        assert reply.choices[0].message.content == REPLY
+        assert reply.choices[0].finish_reason == "stop"
+
+    assert run(tok, scenario).requests[0].params.json_schema is None
 
 
 def test_constraints_are_refused_with_the_grammar_backend_off(tok):

@@ -288,3 +288,32 @@ def test_mixed_batch_constrained_and_free(client):
     alone = generate(client, prompts[2], free)
     assert plain["output_ids"] == alone["output_ids"]
     assert plain["text"] == alone["text"]
+
+
+def test_a_forced_tool_call_through_the_openai_client(oa, model):
+    weather = {"type": "object",
+               "properties": {"city": {"type": "string", "maxLength": 20},
+                              "unit": {"enum": ["celsius", "fahrenheit"]}},
+               "required": ["city", "unit"]}
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": weather}},
+             {"type": "function", "function": {"name": "get_time"}}]
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    reply = oa.chat.completions.create(model=model, messages=messages, tools=tools,
+                                       tool_choice=named, max_tokens=48, temperature=0)
+    (call,) = reply.choices[0].message.tool_calls
+    assert reply.choices[0].finish_reason == "tool_calls"
+    assert call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), weather)
+    stream = oa.chat.completions.create(model=model, messages=messages, tools=tools,
+                                        tool_choice=named, max_tokens=48, temperature=0,
+                                        stream=True)
+    deltas = [c.choices[0] for c in stream if c.choices]
+    (streamed,) = [d.delta.tool_calls[0] for d in deltas if d.delta.tool_calls]
+    assert streamed.function.arguments == call.function.arguments
+    assert deltas[-1].finish_reason == "tool_calls"
+    required = oa.chat.completions.create(model=model, messages=messages, tools=tools,
+                                          tool_choice="required", max_tokens=64, temperature=0)
+    (picked,) = required.choices[0].message.tool_calls
+    assert picked.function.name in ("get_weather", "get_time")
+    assert isinstance(json.loads(picked.function.arguments), dict)

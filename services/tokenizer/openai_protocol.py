@@ -27,7 +27,8 @@ MAX_TOP_LOGPROBS = 20
 # OpenAI/SGLang fields this server cannot honour: refused when set, never silently dropped.
 _UNSUPPORTED = ("logit_bias",)
 _COMPLETION_UNSUPPORTED = (*_UNSUPPORTED, "suffix")
-_CHAT_UNSUPPORTED = (*_UNSUPPORTED, "tools", "functions")
+_CHAT_UNSUPPORTED = (*_UNSUPPORTED, "functions")
+_ANY_OBJECT: dict[str, Any] = {"type": "object"}
 _PROMPT_SHAPES = "a string, a list of strings, a list of token ids or a list of token id lists"
 # OpenAI's newer "developer" role is its name for the system prompt.
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
@@ -101,6 +102,9 @@ class OpenAIRequest:
     include_usage: bool
     top_logprobs: int | None  # alternatives per token; None when logprobs are not wanted
     echo: list[str] = dataclasses.field(default_factory=list)  # per prompt, when echoing
+    # Chat with tools: the function the answer must call, "" for any of them (required);
+    # None when the model answers in text.
+    tool_call: str | None = None
 
 
 def parse_body(raw: bytes) -> dict[str, Any]:
@@ -162,8 +166,11 @@ def parse_chat(
         raise OpenAIError("top_logprobs requires logprobs to be true", "top_logprobs")
     n = _n(body)
     messages = _chat_messages(body.get("messages"))
+    tools, tool_call = _tools(body)
     try:
-        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        prompt = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, **({"tools": tools} if tools else {})
+        )
     except (ValueError, TemplateError) as exc:
         raise OpenAIError(f"the chat template rejected the messages: {exc}", "messages") from None
     # The template already wrote the special tokens the model expects.
@@ -184,6 +191,7 @@ def parse_chat(
         stream=stream,
         include_usage=include_usage,
         top_logprobs=top,
+        tool_call=tool_call,
     )
 
 
@@ -226,6 +234,56 @@ def _check_response_format(body: dict[str, Any]) -> None:
     if body.get("json_schema") is not None:
         raise OpenAIError("give response_format or json_schema, not both", "response_format")
     body["json_schema"] = json.dumps(schema)
+
+
+def _tools(body: dict[str, Any]) -> tuple[list[dict[str, Any]], str | None]:
+    """The chat's tools (OpenAI's shape) and the call its answer must be: a function's
+    name, "" for any of them (tool_choice required), None for a text answer (none, or auto:
+    the model is not asked to call). A forced call becomes a json_schema constraint on the
+    output, written back into the body: the function's parameters, or for `required` an
+    object naming one of the functions with its arguments."""
+    raw, choice = body.get("tools"), body.get("tool_choice")
+    if raw is None:
+        if choice not in (None, "none"):
+            raise OpenAIError("tool_choice needs tools", "tool_choice")
+        return [], None
+    if not isinstance(raw, list) or not raw:
+        raise OpenAIError("tools must be a non-empty list of functions", "tools")
+    functions: dict[str, dict[str, Any]] = {}
+    for tool in raw:
+        spec = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(
+            spec, dict
+        ):
+            raise OpenAIError(f"each tool must be {{'type': 'function', 'function': {{...}}}}, "
+                              f"got {tool!r}", "tools")
+        name, params = spec.get("name"), spec.get("parameters", _ANY_OBJECT)
+        if not isinstance(name, str) or not name:
+            raise OpenAIError("every tool's function needs a name", "tools")
+        if not isinstance(params, dict):
+            raise OpenAIError(f"the parameters of tool {name!r} must be an object", "tools")
+        functions[name] = params
+    if choice is None or choice in ("auto", "none"):
+        return raw, None
+    if choice == "required":
+        schema: dict[str, Any] = {"anyOf": [
+            {"type": "object", "properties": {"name": {"const": name}, "arguments": params},
+             "required": ["name", "arguments"]}
+            for name, params in functions.items()
+        ]}
+        forced = ""
+    else:
+        named = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+        if named not in functions:
+            raise OpenAIError("tool_choice must be none, auto, required or "
+                              f"{{'type': 'function', 'function': {{'name': ...}}}} naming one "
+                              f"of the tools, got {choice!r}", "tool_choice")
+        schema, forced = functions[named], named
+    if body.get("response_format") or body.get("json_schema") is not None:
+        raise OpenAIError("a forced tool call leaves no room for response_format",
+                          "tool_choice")
+    body["json_schema"] = json.dumps(schema)
+    return raw, forced
 
 
 def _stream_options(body: dict[str, Any]) -> tuple[bool, bool]:

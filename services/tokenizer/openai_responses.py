@@ -4,6 +4,7 @@ choice as its chunks arrive, the usage they add up to, and logprobs in OpenAI's 
 
 from __future__ import annotations
 
+import json
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -176,12 +177,58 @@ class ChatResponse(ResponseBuilder):
         return {"content": chat_logprobs(self.tokenizer, tokens, tops), "refusal": None}
 
     def _choice(self, index: int, choice: Choice) -> Json:
+        message: Json = {"role": "assistant", "content": choice.text}
+        reason = choice.finish_reason
+        call = self._tool_call(index, choice)
+        if call is not None:
+            message = {"role": "assistant", "content": None, "tool_calls": [call]}
+            reason = "tool_calls" if reason == "stop" else reason
         return {
             "index": index,
-            "message": {"role": "assistant", "content": choice.text},
+            "message": message,
             "logprobs": self._logprobs(choice.token_logprobs, choice.top_logprobs),
-            "finish_reason": choice.finish_reason,
+            "finish_reason": reason,
         }
+
+    def delta_chunks(self, index: int, chunk: GenerationChunk) -> list[Json]:
+        """A forced tool call streams as OpenAI's: the whole call in one delta once its
+        arguments are complete (they are only JSON then), then the finish."""
+        if self.request.tool_call is None:
+            return super().delta_chunks(index, chunk)
+        choice = self.choices[index]
+        choice.add(chunk, keep=True)
+        if choice.finish_reason is None:
+            return []
+        call = self._tool_call(index, choice)
+        if call is None:  # cut before it named a function: what came is plain content
+            delta: Json = {"content": choice.text}
+            reason = choice.finish_reason
+        else:
+            delta = {"tool_calls": [{"index": 0, **call}]}
+            reason = "tool_calls" if choice.finish_reason == "stop" else choice.finish_reason
+        return [
+            self.chunk([{"index": index, "delta": delta, "logprobs": None,
+                         "finish_reason": None}]),
+            self.chunk([self._finish(index, reason)]),
+        ]
+
+    def _tool_call(self, index: int, choice: Choice) -> Json | None:
+        """The choice's output as a tool call, when the request forced one. A call to a
+        named function is its arguments as generated (cut short under `length`); under
+        `required` the output names the function, so a cut one may have no call at all."""
+        forced = self.request.tool_call
+        if forced is None:
+            return None
+        name, arguments = forced, choice.text
+        if not forced:
+            try:
+                picked = json.loads(choice.text)
+            except json.JSONDecodeError:
+                return None
+            name, arguments = picked["name"], json.dumps(picked["arguments"])
+        call_id = f"call_{self.request.id.split('-', 1)[-1]}_{index}"
+        return {"id": call_id, "type": "function",
+                "function": {"name": name, "arguments": arguments}}
 
     def _delta(self, index: int, choice: Choice, chunk: GenerationChunk) -> Json:
         return {
