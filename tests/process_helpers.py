@@ -1,7 +1,8 @@
-"""Real radixmesh processes for tests: the whole mesh, or one service module."""
+"""Real processes for tests: the whole mesh, one service module, or a Redis of their own."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -9,7 +10,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from radixmesh.launcher import Mesh, MeshArgs
+from radixmesh.mesh.nats_server import free_port, wait_for_port
 
 
 @contextmanager
@@ -36,3 +40,23 @@ def service_process(
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@contextmanager
+def redis_server(folder: str | Path) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+    """A redis-server of the test's own (no persistence) on a free loopback port: its
+    process and URL. The test is skipped, saying why, where the binary is missing."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.skip("redis-server is not on PATH: the Redis storage backend goes untested")
+    port = free_port()
+    args = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
+            "no", "--dir", str(folder)]
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for_port("127.0.0.1", port, 10)
+        yield proc, f"redis://127.0.0.1:{port}/0"
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            proc.wait(timeout=10)

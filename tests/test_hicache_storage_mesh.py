@@ -11,24 +11,21 @@ from __future__ import annotations
 import json
 import random
 import re
-import shutil
 import subprocess
 import sys
 import time
 import zlib
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
 import pytest
-from process_helpers import running_mesh
+from process_helpers import redis_server, running_mesh
 
 from radixmesh.core.gguf import read_gguf
 from radixmesh.core.hicache import KVGeometry, PageKeys
 from radixmesh.core.model_files import model_fingerprint, resolve_model_path
 from radixmesh.launcher import Mesh
-from radixmesh.mesh.nats_server import free_port, wait_for_port
 from radixmesh.services.worker.weights_gguf import config_from_gguf
 
 GREEDY = {"temperature": 0, "max_new_tokens": 8}
@@ -265,25 +262,6 @@ def test_an_engine_answers_from_pages_another_engine_put_in_the_nats_object_stor
         hicache_storage_prefetch_policy="wait_complete", extra_env=ROUTE_BY_LOAD,
     ) as mesh:
         served_by_the_other_engine(mesh, prompt(1000, seed=14))
-
-
-@contextmanager
-def redis_server(folder: Path) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
-    """A Redis of our own (no persistence) on a free port: its process and URL."""
-    binary = shutil.which("redis-server")
-    if binary is None:
-        pytest.skip("redis-server is not on PATH: the Redis storage backend goes untested")
-    port = free_port()
-    args = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
-            "no", "--dir", str(folder)]
-    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        wait_for_port("127.0.0.1", port, 10)
-        yield proc, f"redis://127.0.0.1:{port}/0"
-    finally:
-        if proc.poll() is None:
-            proc.terminate()
-            proc.wait(timeout=10)
 
 
 def test_engines_share_pages_through_redis_and_carry_on_when_it_dies(tmp_path):

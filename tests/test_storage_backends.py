@@ -7,8 +7,6 @@ from __future__ import annotations
 import asyncio
 import errno
 import os
-import shutil
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,8 +16,9 @@ import numpy as np
 import pytest
 import redis.asyncio
 from nats.js.object_store import ObjectStore
+from process_helpers import redis_server
 
-from radixmesh.mesh.nats_server import EmbeddedNats, free_port, wait_for_port
+from radixmesh.mesh.nats_server import EmbeddedNats, free_port
 from radixmesh.services.cachectl import storage
 from radixmesh.services.cachectl.storage import (
     HEADER,
@@ -97,20 +96,8 @@ def test_unframe_rejects_a_damaged_page_naming_the_key(damage, message):
 
 @pytest.fixture(scope="module")
 def redis_url(tmp_path_factory) -> Iterator[str]:
-    binary = shutil.which("redis-server")
-    if binary is None:
-        pytest.skip("redis-server is not on PATH: the Redis backend goes untested")
-    port = free_port()
-    folder = tmp_path_factory.mktemp("redis")
-    args = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
-            "no", "--dir", str(folder)]
-    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        wait_for_port("127.0.0.1", port, 10)
-        yield f"redis://127.0.0.1:{port}/0"
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
+    with redis_server(tmp_path_factory.mktemp("redis")) as (_, url):
+        yield url
 
 
 @pytest.fixture(scope="module")
