@@ -614,6 +614,9 @@ def test_wait_complete_waits_for_every_page(tiny, tmp_path, reference):
         # PREFETCH_AHEAD gets at once, 50 ms each, for every page before it was admitted.
         assert elapsed >= math.ceil(PAGES / PREFETCH_AHEAD) * 0.05
         assert store.gets == PAGES
+        info = engine.server_info()
+        assert info["storage_pages_stored"] == PAGES
+        assert (info["storage_prefetches"], info["storage_prefetch_pages"]) == (1, PAGES)
         check_no_leaks(engine)
 
 

@@ -174,7 +174,7 @@ class Scheduler:
         host = self.host
         if host is None:
             return {}
-        return {
+        stats = {
             "host_slots": host.num_slots,
             "host_free_slots": host.allocator.available(),
             "host_cached_tokens": self.cache.host_size(),
@@ -182,6 +182,15 @@ class Scheduler:
             "host_backup_tokens": host.stats.backup_tokens,
             "host_load_tokens": host.stats.load_tokens,
         }
+        if self.storage is not None:
+            s = self.storage.stats
+            stats |= {
+                "storage_pages_stored": s.pages_stored,
+                "storage_queries": s.queries,
+                "storage_prefetches": s.prefetches,
+                "storage_prefetch_pages": s.prefetch_pages,
+            }
+        return stats
 
     # ---- the host tier ---------------------------------------------------------------
 
