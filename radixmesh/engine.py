@@ -291,12 +291,12 @@ class Engine:
 
 def _storage_opener(args: EngineArgs) -> Callable[[], Awaitable[StorageBackend]] | None:
     """How the in-process engine connects to its storage tier, if it has one; the nats
-    backend needs its server's "url" in the extra config."""
+    backend's server is the extra config's "url", else one on this host's default port."""
     name = args.hicache_storage_backend
     if name is None:
         return None
     config = args.storage_config
-    return lambda: open_backend(name, config, config.get("url", DEFAULT_NATS_URL))
+    return lambda: open_backend(name, config, DEFAULT_NATS_URL)
 
 
 def _shm_dir() -> str:

@@ -93,9 +93,7 @@ class CachectlService(cgrpc.CachectlServicer):
         c = self.config
         assert c.hicache_storage_backend is not None
         try:
-            config = c.storage_config
-            nats_url = config.get("url", c.nats_url)
-            return await open_backend(c.hicache_storage_backend, config, nats_url)
+            return await open_backend(c.hicache_storage_backend, c.storage_config, c.nats_url)
         except OSError as exc:
             log.warning("storage tier %s unreachable (%s): serving the host tier alone",
                         c.hicache_storage_backend, exc)

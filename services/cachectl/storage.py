@@ -436,14 +436,16 @@ def _setting(config: dict[str, object], field: str, backend: str) -> str:
 
 async def open_backend(name: str, config: dict[str, object], nats_url: str) -> StorageBackend:
     """The backend `name` ("file", "redis" or "nats"), connected. "file" takes
-    config["path"], "redis" config["url"], "nats" config["bucket"] on the mesh's NATS."""
+    config["path"], "redis" config["url"], "nats" config["bucket"] on config["url"] when
+    given, else on `nats_url` (the mesh's NATS)."""
     if name == "file":
         return await asyncio.to_thread(FileBackend, _setting(config, "path", name))
     backend: RedisBackend | NatsBackend
     if name == "redis":
         backend = RedisBackend(_setting(config, "url", name))
     elif name == "nats":
-        backend = NatsBackend(nats_url, _setting(config, "bucket", name))
+        server = config.get("url") or nats_url
+        backend = NatsBackend(str(server), _setting(config, "bucket", name))
     else:
         raise ValueError(f"unknown storage backend {name!r}: expected file, redis or nats")
     try:

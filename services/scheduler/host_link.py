@@ -141,7 +141,8 @@ class HostLink:
     # ---- the storage tier's calls (each reports back through the engine loop's inbox) ----
 
     def _wake_at_deadline(self, tier: StorageTier) -> None:
-        """Under the timeout policy a request stops waiting at its deadline, news or not."""
+        """Under the timeout policy a request stops waiting at its deadline, news or not
+        (set when its query goes out: a prefetch that follows keeps that deadline)."""
         if tier.policy == "timeout":
             asyncio.get_running_loop().call_later(tier.timeout, self.loop.wake)
 
@@ -170,7 +171,6 @@ class HostLink:
         self._back(tier, lambda sched: tier.query_done(sched.requests.get(op.rid), op, hits))
 
     async def _prefetch(self, tier: StorageTier, op: PrefetchOp) -> None:
-        self._wake_at_deadline(tier)
         arrived = 0
         try:
             async for arrived in self.client.prefetch(op.keys, op.slots):
