@@ -105,6 +105,7 @@ def batch_to_proto(batch: StepBatch) -> wpb.ForwardBatch:
             for c in batch.copies
         ],
         host_pool=None if batch.host_pool is None else host_pool_to_proto(batch.host_pool),
+        grammars=[wpb.Constraint(kind=k, text=t) for k, t in batch.grammars],
     )
 
 
@@ -132,6 +133,7 @@ def batch_from_proto(msg: wpb.ForwardBatch) -> StepBatch:
             for c in msg.copies
         ],
         host_pool_from_proto(msg.host_pool) if msg.HasField("host_pool") else None,
+        [(g.kind, g.text) for g in msg.grammars],
     )
 
 
@@ -148,11 +150,17 @@ def result_to_proto(result: StepResult) -> wpb.ForwardResult:
                 input_logprobs_start=r.input_logprobs_start,
                 input_logprobs=r.input_logprobs,
                 input_top_logprobs=[_top_to_proto(t) for t in r.input_top_logprobs],
+                forced_ids=r.forced_ids,
             )
             for r in result.results
         ],
         forward_ms=result.forward_ms,
         copies_done=result.copies_done,
+        grammars_ready=[wpb.Constraint(kind=k, text=t) for k, t in result.grammars_ready],
+        grammars_failed=[
+            wpb.GrammarFailure(constraint=wpb.Constraint(kind=k, text=t), error=error)
+            for (k, t), error in result.grammars_failed
+        ],
     )
 
 
@@ -169,9 +177,12 @@ def result_from_proto(msg: wpb.ForwardResult) -> StepResult:
                 r.input_logprobs_start,
                 list(r.input_logprobs),
                 [_top_from_proto(t) for t in r.input_top_logprobs],
+                list(r.forced_ids),
             )
             for r in msg.results
         ],
         msg.forward_ms,
         list(msg.copies_done),
+        [(g.kind, g.text) for g in msg.grammars_ready],
+        [((f.constraint.kind, f.constraint.text), f.error) for f in msg.grammars_failed],
     )

@@ -135,20 +135,38 @@ class HostPool(_message.Message):
     def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., num_slots: _Optional[int] = ..., layout: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., page_size: _Optional[int] = ...) -> None: ...
 
 class ForwardBatch(_message.Message):
-    __slots__ = ("step", "new_requests", "entries", "release", "copies", "host_pool")
+    __slots__ = ("step", "new_requests", "entries", "release", "copies", "host_pool", "grammars")
     STEP_FIELD_NUMBER: _ClassVar[int]
     NEW_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
     COPIES_FIELD_NUMBER: _ClassVar[int]
     HOST_POOL_FIELD_NUMBER: _ClassVar[int]
+    GRAMMARS_FIELD_NUMBER: _ClassVar[int]
     step: int
     new_requests: _containers.RepeatedCompositeFieldContainer[NewRequest]
     entries: _containers.RepeatedCompositeFieldContainer[ForwardEntry]
     release: _containers.RepeatedScalarFieldContainer[str]
     copies: _containers.RepeatedCompositeFieldContainer[KVCopy]
     host_pool: HostPool
-    def __init__(self, step: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., entries: _Optional[_Iterable[_Union[ForwardEntry, _Mapping]]] = ..., release: _Optional[_Iterable[str]] = ..., copies: _Optional[_Iterable[_Union[KVCopy, _Mapping]]] = ..., host_pool: _Optional[_Union[HostPool, _Mapping]] = ...) -> None: ...
+    grammars: _containers.RepeatedCompositeFieldContainer[Constraint]
+    def __init__(self, step: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., entries: _Optional[_Iterable[_Union[ForwardEntry, _Mapping]]] = ..., release: _Optional[_Iterable[str]] = ..., copies: _Optional[_Iterable[_Union[KVCopy, _Mapping]]] = ..., host_pool: _Optional[_Union[HostPool, _Mapping]] = ..., grammars: _Optional[_Iterable[_Union[Constraint, _Mapping]]] = ...) -> None: ...
+
+class Constraint(_message.Message):
+    __slots__ = ("kind", "text")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    text: str
+    def __init__(self, kind: _Optional[str] = ..., text: _Optional[str] = ...) -> None: ...
+
+class GrammarFailure(_message.Message):
+    __slots__ = ("constraint", "error")
+    CONSTRAINT_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    constraint: Constraint
+    error: str
+    def __init__(self, constraint: _Optional[_Union[Constraint, _Mapping]] = ..., error: _Optional[str] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")
@@ -165,7 +183,7 @@ class TopLogprobs(_message.Message):
     def __init__(self, items: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class EntryResult(_message.Message):
-    __slots__ = ("rid", "token_id", "logprob", "top_logprobs", "input_logprobs_start", "input_logprobs", "input_top_logprobs")
+    __slots__ = ("rid", "token_id", "logprob", "top_logprobs", "input_logprobs_start", "input_logprobs", "input_top_logprobs", "forced_ids")
     RID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
@@ -173,6 +191,7 @@ class EntryResult(_message.Message):
     INPUT_LOGPROBS_START_FIELD_NUMBER: _ClassVar[int]
     INPUT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     INPUT_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    FORCED_IDS_FIELD_NUMBER: _ClassVar[int]
     rid: str
     token_id: int
     logprob: float
@@ -180,16 +199,21 @@ class EntryResult(_message.Message):
     input_logprobs_start: int
     input_logprobs: _containers.RepeatedScalarFieldContainer[float]
     input_top_logprobs: _containers.RepeatedCompositeFieldContainer[TopLogprobs]
-    def __init__(self, rid: _Optional[str] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Union[TopLogprobs, _Mapping]] = ..., input_logprobs_start: _Optional[int] = ..., input_logprobs: _Optional[_Iterable[float]] = ..., input_top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ...) -> None: ...
+    forced_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, rid: _Optional[str] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Union[TopLogprobs, _Mapping]] = ..., input_logprobs_start: _Optional[int] = ..., input_logprobs: _Optional[_Iterable[float]] = ..., input_top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ..., forced_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ForwardResult(_message.Message):
-    __slots__ = ("step", "results", "forward_ms", "copies_done")
+    __slots__ = ("step", "results", "forward_ms", "copies_done", "grammars_ready", "grammars_failed")
     STEP_FIELD_NUMBER: _ClassVar[int]
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     FORWARD_MS_FIELD_NUMBER: _ClassVar[int]
     COPIES_DONE_FIELD_NUMBER: _ClassVar[int]
+    GRAMMARS_READY_FIELD_NUMBER: _ClassVar[int]
+    GRAMMARS_FAILED_FIELD_NUMBER: _ClassVar[int]
     step: int
     results: _containers.RepeatedCompositeFieldContainer[EntryResult]
     forward_ms: float
     copies_done: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, step: _Optional[int] = ..., results: _Optional[_Iterable[_Union[EntryResult, _Mapping]]] = ..., forward_ms: _Optional[float] = ..., copies_done: _Optional[_Iterable[int]] = ...) -> None: ...
+    grammars_ready: _containers.RepeatedCompositeFieldContainer[Constraint]
+    grammars_failed: _containers.RepeatedCompositeFieldContainer[GrammarFailure]
+    def __init__(self, step: _Optional[int] = ..., results: _Optional[_Iterable[_Union[EntryResult, _Mapping]]] = ..., forward_ms: _Optional[float] = ..., copies_done: _Optional[_Iterable[int]] = ..., grammars_ready: _Optional[_Iterable[_Union[Constraint, _Mapping]]] = ..., grammars_failed: _Optional[_Iterable[_Union[GrammarFailure, _Mapping]]] = ...) -> None: ...

@@ -17,9 +17,9 @@ from typing import IO, Any
 
 from radixmesh.core.settings import (
     CachectlConfig,
+    DecodingSettings,
     DetokenizerConfig,
     DeviceSettings,
-    GrammarSettings,
     HiCacheSettings,
     HiCacheStorageSettings,
     KVSettings,
@@ -55,7 +55,7 @@ class MeshArgs(
     ServiceSettings,
     HiCacheSettings,
     HiCacheStorageSettings,
-    GrammarSettings,
+    DecodingSettings,
     ScheduleSettings,
     KVSettings,
     DeviceSettings,

@@ -9,13 +9,26 @@ With `host_slots`, it has a host pool too: loads copy host slots into device slo
 the step, and each backup copies its device slots to the host only `ack_delay` steps
 later (then reports it done), the latest a real worker may: a device slot the scheduler
 freed or reused before the acknowledgement would put the wrong KV in the host tier, and
-the load of it would fail the step's check."""
+the load of it would fail the step's check.
+
+With `jump`, it forces tokens after some sampled ones as the runner's jump-forward does:
+they come back with the sampled token, and the entry the scheduler had already scheduled
+for the request (no input_ids) feeds the sampled token without sampling.
+
+Constraints the scheduler asks for "compile" in `compile_steps` steps; those in `broken`
+fail."""
 
 from __future__ import annotations
 
-from radixmesh.core.step import EntryResult, KVCopy, StepBatch, StepResult
+from collections.abc import Callable
+
+from radixmesh.core.step import Constraint, EntryResult, KVCopy, StepBatch, StepResult
 
 VOCAB = 50
+
+# Jump-forward as a grammar would do it: the tokens forced after a sequence that ends with a
+# sampled token.
+Jump = Callable[[list[int]], list[int]]
 
 
 def next_token(tokens: list[int]) -> int:
@@ -29,7 +42,15 @@ def next_token(tokens: list[int]) -> int:
 class FakeWorker:
     """Mirrors the model runner's per-request state and checks every slot it reads."""
 
-    def __init__(self, num_slots: int, host_slots: int = 0, ack_delay: int = 0) -> None:
+    def __init__(
+        self, num_slots: int, host_slots: int = 0, ack_delay: int = 0, jump: Jump | None = None,
+        compile_steps: int = 0, broken: frozenset[Constraint] = frozenset(),
+    ) -> None:
+        self.jump = jump
+        self.compile_steps, self.broken = compile_steps, broken
+        self.compiling: list[tuple[int, Constraint]] = []  # (step it is done at, constraint)
+        self.sampled: dict[str, int] = {}  # tokens sampled per request (its first: admitted)
+        self.jumped: set[str] = set()  # requests whose forced tokens are not fed yet
         self.pool: list[tuple[int, int] | None] = [None] * num_slots
         self.host: list[tuple[int, int] | None] = [None] * host_slots
         self.reqs: dict[str, tuple[list[int], list[int], list[int]]] = {}  # ids, slots, last
@@ -42,6 +63,7 @@ class FakeWorker:
         self.steps += 1
         for rid in batch.release:
             del self.reqs[rid]
+            self.jumped.discard(rid)
         for new in batch.new_requests:
             assert new.rid not in self.reqs, f"{new.rid} admitted twice"
             # Prefix slots may be written by this very step (a prefix shared within the
@@ -54,9 +76,21 @@ class FakeWorker:
                     self.pool[dev] = self.host[host]
                 self.copied["to_device"] += len(copy.device_slots)
         result = StepResult(batch.step)
+        self.compiling.extend((self.steps + self.compile_steps, g) for g in batch.grammars)
+        for due, grammar in list(self.compiling):
+            if due <= self.steps:
+                self.compiling.remove((due, grammar))
+                if grammar in self.broken:
+                    result.grammars_failed.append((grammar, "broken"))
+                else:
+                    result.grammars_ready.append(grammar)
         written: set[int] = set()
+        void: set[str] = set()
         for entry in batch.entries:
             ids, slots, last = self.reqs[entry.rid]
+            if entry.rid in self.jumped and not entry.input_ids:
+                void.add(entry.rid)
+            self.jumped.discard(entry.rid)
             new_ids = entry.input_ids or [last[0]]
             assert new_ids[0] >= 0, f"{entry.rid}: decode before any token was sampled"
             assert len(entry.slots) == len(new_ids)
@@ -74,8 +108,13 @@ class FakeWorker:
                 )
             out = EntryResult(entry.rid)
             result.results.append(out)
-            if entry.sample:
+            if entry.sample and entry.rid not in void:
                 last[0] = out.token_id = next_token(ids)
+                self.sampled[entry.rid] = self.sampled.get(entry.rid, 0) + 1
+                if self.jump is not None:
+                    out.forced_ids = self.jump([*ids, out.token_id])
+                    if out.forced_ids:
+                        self.jumped.add(entry.rid)
         self.backups.extend((self.steps + self.ack_delay, c) for c in batch.copies if c.to_host)
         for due, copy in list(self.backups):
             if due <= self.steps:
@@ -88,7 +127,8 @@ class FakeWorker:
 
 
 def reference_output(
-    prompt: list[int], max_new_tokens: int, stop_ids: tuple[int, ...] = ()
+    prompt: list[int], max_new_tokens: int, stop_ids: tuple[int, ...] = (),
+    jump: Jump | None = None,
 ) -> list[int]:
     """What a request alone would produce with the fake model."""
     tokens, out = list(prompt), []
@@ -98,4 +138,9 @@ def reference_output(
         tokens.append(tok)
         if tok in stop_ids:
             break
+        for forced in jump(tokens) if jump is not None else []:
+            if len(out) == max_new_tokens:
+                break
+            out.append(forced)
+            tokens.append(forced)
     return out

@@ -196,18 +196,19 @@ def test_scheduler_counts_tokens_hits_batches_and_pool_state() -> None:
     assert value("radixmesh:num_retracted_requests_total", **labels) == 0
 
 
-def test_retractions_are_counted_once_each() -> None:
+def test_retractions_and_forced_tokens_are_counted_once_each() -> None:
     engine = unique("engine")
     labels = {"model_name": "m", "engine_id": engine}
     metrics = SchedulerMetrics(engine)
     metrics.start("m", 64)
     sched = Scheduler(SchedulerConfig(num_slots=64))
-    sched.num_retractions = 2
+    sched.num_retractions, sched.num_forced_tokens = 2, 10
     metrics.state(sched)
     metrics.state(sched)
-    sched.num_retractions = 3
+    sched.num_retractions, sched.num_forced_tokens = 3, 14
     metrics.state(sched)
     assert value("radixmesh:num_retracted_requests_total", **labels) == 3
+    assert value("radixmesh:jump_forward_tokens_total", **labels) == 14
 
 
 # ---- worker and detokenizer ---------------------------------------------------------------

@@ -217,3 +217,129 @@ def test_a_request_that_outgrows_the_pool_finishes_instead_of_spinning(overlap: 
     assert r.output_ids == reference_output(list(range(40)), len(r.output_ids))
     assert 20 <= len(r.output_ids) < 30
     assert sched.held_slots() == 0
+
+
+def forced_after_multiples_of_seven(tokens: list[int]) -> list[int]:
+    """A stand-in grammar: after a sampled token divisible by 7, three more are forced."""
+    last = tokens[-1]
+    return [(last + k) % 50 for k in (11, 12, 13)] if last % 7 == 0 else []
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_jump_forward_tokens_are_fed_once_in_order(overlap: bool, page_size: int) -> None:
+    """Forced tokens join the output with their sampled token, the step run ahead for the
+    request samples nothing, and the next decode feeds them all; the fake worker checks
+    every slot holds the right token at the right position."""
+    jump = forced_after_multiples_of_seven
+    cfg = SchedulerConfig(num_slots=4096, page_size=page_size, chunked_prefill_size=16)
+    sched, worker = Scheduler(cfg), FakeWorker(4096, jump=jump)
+    ps = prompts(16, seed=11, shared=8)
+    reqs = [make_req(f"r{i}", p, max_new=20 + i) for i, p in enumerate(ps)]
+    for r in reqs:
+        sched.add_request(r)
+    steps = run(sched, worker, overlap)
+    for r, p in zip(reqs, ps, strict=True):
+        assert r.output_ids == reference_output(p, r.params.max_new_tokens, jump=jump)
+        assert r.finish is not None and r.finish.kind is FinishKind.LENGTH
+    assert sched.num_forced_tokens > 30
+    assert sched.held_slots() == 0
+    assert not worker.reqs and not worker.jumped
+    # Fewer steps than without jumping: each forced run of three costs one step (two with
+    # overlap, whose step run ahead feeds only the sampled token).
+    plain = Scheduler(cfg)
+    for i, p in enumerate(ps):
+        plain.add_request(make_req(f"r{i}", p, max_new=20 + i))
+    assert steps < run(plain, FakeWorker(4096), overlap)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_jump_forward_under_memory_pressure_and_aborts(overlap: bool) -> None:
+    jump = forced_after_multiples_of_seven
+    rng = random.Random(3)
+    cfg = SchedulerConfig(num_slots=192, page_size=2, chunked_prefill_size=32,
+                          decode_reserve_ratio=0.0)
+    sched, worker = Scheduler(cfg), FakeWorker(192, jump=jump)
+    ps = prompts(14, seed=4)
+    reqs = [make_req(f"r{i}", p, max_new=30) for i, p in enumerate(ps)]
+    for r in reqs:
+        sched.add_request(r)
+    doomed = {r.rid for r in rng.sample(reqs, 3)}
+
+    def abort_some(step: int) -> None:
+        if step % 9 == 0 and doomed:
+            sched.abort(doomed.pop())
+
+    run(sched, worker, overlap, on_step=abort_some)
+    assert sched.num_retractions > 0
+    for r, p in zip(reqs, ps, strict=True):
+        assert r.finish is not None
+        if r.finish.kind is not FinishKind.ABORT:
+            assert r.output_ids == reference_output(p, 30, jump=jump)
+    assert sched.held_slots() == 0
+    assert not worker.reqs
+
+
+def test_forced_tokens_stop_at_max_new_tokens_and_stop_tokens() -> None:
+    jump = forced_after_multiples_of_seven
+    prompt = [3, 1, 4]
+    ref = reference_output(prompt, 200, jump=jump)
+    first_jump = next(i for i, t in enumerate(ref) if t % 7 == 0)
+    # max_new_tokens ends inside the first forced run: the output is cut there.
+    sched, worker = Scheduler(SchedulerConfig(num_slots=512)), FakeWorker(512, jump=jump)
+    cut = make_req("cut", prompt, max_new=first_jump + 2)
+    sched.add_request(cut)
+    run(sched, worker, overlap=True)
+    assert cut.output_ids == ref[: first_jump + 2]
+    assert cut.finish is not None and cut.finish.kind is FinishKind.LENGTH
+    # A forced token that is a stop token ends the request there.
+    stop = ref[first_jump + 2]
+    sched, worker = Scheduler(SchedulerConfig(num_slots=512)), FakeWorker(512, jump=jump)
+    r = Req("stop", prompt, SamplingParams(max_new_tokens=200, stop_token_ids=[stop]), seed=0)
+    sched.add_request(r)
+    run(sched, worker, overlap=True)
+    assert r.output_ids == ref[: ref.index(stop) + 1]
+    assert r.finish is not None and r.finish.kind is FinishKind.STOP
+    assert sched.held_slots() == 0 and not worker.reqs
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_constrained_request_waits_for_its_compile_alone(overlap: bool) -> None:
+    """A request is admitted once the worker reports its constraint compiled; free requests
+    run meanwhile, one compile serves every request with the same constraint, and a failed
+    compile ends its requests with the error."""
+    slow, broken = ("regex", "[0-9]+"), ("ebnf", "root ::= broken")
+    cfg = SchedulerConfig(num_slots=1024)
+    sched = Scheduler(cfg)
+    worker = FakeWorker(1024, compile_steps=6, broken=frozenset({broken}))
+    free = make_req("free", [1, 2, 3], max_new=12)
+    constrained = [
+        Req(f"c{i}", [4, 5, i], SamplingParams(max_new_tokens=4, regex=slow[1]), seed=0)
+        for i in range(2)
+    ]
+    bad = Req("bad", [6, 7], SamplingParams(max_new_tokens=4, ebnf=broken[1]), seed=0)
+    for r in [free, *constrained, bad]:
+        sched.add_request(r)
+    admitted_at: dict[str, int] = {}
+
+    def note(step: int) -> None:
+        for rid, n in worker.sampled.items():
+            if n:
+                admitted_at.setdefault(rid, worker.steps)
+
+    run(sched, worker, overlap, on_step=note)
+    assert admitted_at["free"] == 1
+    assert all(admitted_at[r.rid] > 6 for r in constrained)
+    for r in constrained:
+        assert r.output_ids == reference_output(r.input_ids, 4)
+    assert bad.finish is not None and bad.finish.kind is FinishKind.ABORT
+    assert bad.finish.message == "the ebnf could not be compiled: broken"
+    assert "bad" not in worker.sampled and not bad.output_ids
+    assert free.output_ids == reference_output([1, 2, 3], 12)
+    assert sched.held_slots() == 0 and not worker.reqs
+    # Compiled once: a later request with the same constraint is admitted at once.
+    again = Req("again", [8, 9], SamplingParams(max_new_tokens=2, regex=slow[1]), seed=0)
+    sched.add_request(again)
+    start = worker.steps
+    run(sched, worker, overlap)
+    assert worker.steps - start <= 3 and again.output_ids == reference_output([8, 9], 2)

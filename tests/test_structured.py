@@ -21,6 +21,17 @@ term ::= factor (("*" | "/") factor){0,2}
 factor ::= number | "(" expr ")"
 number ::= [1-9] [0-9]{0,3}
 """
+# Long fixed keys, short values: jump-forward appends most of its text.
+FORM = {
+    "type": "object",
+    "properties": {
+        "customer_account_is_currently_active": {"type": "boolean"},
+        "number_of_open_support_tickets": {"type": "integer", "minimum": 0, "maximum": 9},
+        "customer_subscription_tier_at_renewal": {"enum": ["basic", "plus", "premium"]},
+    },
+    "required": ["customer_account_is_currently_active", "number_of_open_support_tickets",
+                 "customer_subscription_tier_at_renewal"],
+}
 # A Python regex for the same language, without the parentheses' nesting limit.
 ARITHMETIC_FLAT = re.compile(r"[-+*/()0-9]+")
 SCHEMAS = [
@@ -186,8 +197,8 @@ def test_constrained_and_free_requests_share_a_batch_unchanged(engine):
 
 
 def test_overlap_scheduling_does_not_change_a_constrained_answer(engine):
-    params = [{**GREEDY, "json_schema": json.dumps(s)} for s in SCHEMAS]
-    prompts = [f"Answer {i} in JSON." for i in range(len(SCHEMAS))]
+    params = [{**GREEDY, "json_schema": json.dumps(s)} for s in [*SCHEMAS, FORM]]
+    prompts = [f"Answer {i} in JSON." for i in range(len(params))]
     overlapped = [o["text"] for o in engine.generate(prompts, params)]
     with Engine(dtype="float32", show_progress=False, max_total_tokens=8192,
                 disable_overlap_schedule=True) as plain:
@@ -215,3 +226,94 @@ def test_a_bad_constraint_is_refused_and_the_engine_goes_on(engine, params, mess
     with pytest.raises(ValueError, match=re.escape(message)):
         engine.generate("x", {"max_new_tokens": 2, **params})
     assert engine.generate("Call the pizza place at", {**GREEDY, "regex": PHONE})["text"]
+
+
+@pytest.mark.parametrize("backend", ["engine", "llg_engine"])
+def test_jump_forward_tokens_are_the_tokenizers_own_at_the_seam(backend, request):
+    """The tokens forced after a sampled one are those the tokenizer gives the two texts
+    together, less the last (left for the model to merge onward, as ` true`); where the
+    tokenizer would merge the sampled token with the forced text, nothing is forced."""
+    engine = request.getfixturevalue(backend)
+    grammars, raw = engine.runner.grammars, engine.tokenizer.raw
+    key = '"customer_account_is_currently_active": '
+    [brace] = raw.encode("{", add_special_tokens=False).ids
+    [brace_quote] = raw.encode('{"', add_special_tokens=False).ids
+    # `{` then `"customer...` tokenizes as `{"`, `customer`...: not this token's seam.
+    matcher = grammars.matcher(("json_schema", json.dumps(FORM)))
+    assert matcher.accept(brace)
+    assert matcher.forced_text() == key
+    assert grammars.forced_tokens(matcher, brace) == []
+    assert matcher.forced_text() == key  # the matcher took nothing
+    # After `{"` the rest of the key is forced, as `{"customer_account...": ` tokenizes.
+    matcher = grammars.matcher(("json_schema", json.dumps(FORM)))
+    assert matcher.accept(brace_quote)
+    forced = grammars.forced_tokens(matcher, brace_quote)
+    whole = raw.encode("{" + key, add_special_tokens=False).ids
+    assert whole[0] == brace_quote and forced == whole[1:-1] and len(forced) == 10
+    assert raw.decode(forced) == key[1:-1]
+    assert matcher.forced_text() == " "  # the matcher took them
+
+
+def test_jump_forward_takes_fewer_steps_for_a_valid_answer(engine):
+    params = [{"temperature": t, "max_new_tokens": 96, "json_schema": json.dumps(FORM),
+               "seed": i} for i, t in enumerate((0, 0.8, 0.8, 0.8))]
+    prompts = ["Fill in the customer record as JSON."] * len(params)
+    with Engine(dtype="float32", show_progress=False, max_total_tokens=8192,
+                disable_jump_forward=True) as stepping:
+        before = stepping.server_info()
+        plain = stepping.generate(prompts[:1], params[:1])[0]
+        plain_steps = stepping.server_info()["steps"] - before["steps"]
+        assert stepping.server_info()["forced_tokens"] == 0
+    before = engine.server_info()
+    jumped = engine.generate(prompts[:1], params[:1])[0]
+    info = engine.server_info()
+    forced = info["forced_tokens"] - before["forced_tokens"]
+    # The keys' tokens are appended, not decoded: at least 25 of them.
+    assert forced >= 25
+    assert info["steps"] - before["steps"] <= plain_steps - forced // 2
+    for out in [plain, jumped, *engine.generate(prompts[1:], params[1:])]:
+        assert out["meta_info"]["finish_reason"]["type"] == "stop", out
+        jsonschema.validate(json.loads(out["text"]), FORM)
+    assert info["held_slots"] == 0
+
+
+# ---- the llguidance backend -----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def llg_engine():
+    with Engine(dtype="float32", show_progress=False, max_total_tokens=8192,
+                grammar_backend="llguidance") as e:
+        yield e
+
+
+def test_llguidance_regex_schemas_and_ebnf_hold(llg_engine):
+    out = llg_engine.generate("Call the pizza place at", {**GREEDY, "regex": PHONE})
+    assert re.fullmatch(PHONE, out["text"]), out["text"]
+    out = llg_engine.generate("Write a sum:", {**GREEDY, "ebnf": ARITHMETIC})
+    assert out["meta_info"]["finish_reason"]["type"] == "stop"
+    assert ARITHMETIC_FLAT.fullmatch(out["text"]) and arithmetic(out["text"]), out["text"]
+    for schema in [SCHEMAS[1], SCHEMAS[3], FORM]:
+        params = {"temperature": 0.8, "max_new_tokens": 96, "json_schema": json.dumps(schema)}
+        outs = llg_engine.generate(["Answer in JSON."] * 8,
+                                   [{**params, "seed": s} for s in range(8)])
+        for out in outs:
+            assert out["meta_info"]["finish_reason"]["type"] == "stop", out
+            value = json.loads(out["text"])
+            jsonschema.validate(value, schema)
+            assert not re.search(r"\s\s|\n", out["text"])  # no free whitespace
+    assert llg_engine.server_info()["forced_tokens"] > 0
+    assert llg_engine.server_info()["held_slots"] == 0
+
+
+@pytest.mark.parametrize(("params", "message"), [
+    ({"json_schema": "{oops"}, "json_schema is not valid JSON"),
+    ({"json_schema": '{"type": "nope"}'}, "invalid json_schema"),
+    ({"regex": "(unclosed"}, "invalid regex"),
+    ({"ebnf": "root ::= missing_rule"}, "invalid ebnf"),
+])
+def test_llguidance_refuses_a_bad_constraint(llg_engine, params, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        llg_engine.generate("x", {"max_new_tokens": 2, **params})
+    assert re.fullmatch(PHONE, llg_engine.generate("Call the pizza place at",
+                                                   {**GREEDY, "regex": PHONE})["text"])

@@ -149,6 +149,8 @@ def test_json_schema_sampled_with_five_seeds_validates(client):
         # ": ", the properties in the schema's order, as json.dumps writes it.
         assert out["text"] == json.dumps(value, ensure_ascii=False)
     assert len({o["text"] for o in outs}) > 1  # the seeds sampled different answers
+    # The keys and punctuation were appended by jump-forward, not sampled.
+    assert client.get("/server_info").json()["internal_states"][0]["forced_tokens"] > 0
 
 
 def test_ebnf_arithmetic_grammar(client):

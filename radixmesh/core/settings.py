@@ -35,7 +35,7 @@ from radixmesh.core.hicache import (
 
 ENV_PREFIX = "RADIXMESH_"
 DTYPES = ("bfloat16", "float32")
-GRAMMAR_BACKENDS = ("xgrammar", "none")
+GRAMMAR_BACKENDS = ("xgrammar", "llguidance", "none")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs")
 EVICTION_POLICIES = ("lru", "lfu", "fifo", "priority")
@@ -156,8 +156,20 @@ class GrammarSettings(Settings):
     grammar_backend: str = setting(
         "xgrammar",
         choices=GRAMMAR_BACKENDS,
-        help="what compiles json_schema, regex and ebnf constraints: xgrammar; none: "
-        "requests that bring one are refused",
+        help="what compiles json_schema, regex and ebnf constraints: xgrammar or "
+        "llguidance; none: requests that bring one are refused",
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class DecodingSettings(GrammarSettings):
+    """Constrained decoding as the model runner does it."""
+
+    disable_jump_forward: bool = setting(
+        False,
+        help="sample every token of a constrained answer; by default the tokens its grammar "
+        "forces (a schema's keys and punctuation) are appended at once, computed in one "
+        "step instead of one step each",
     )
 
 
@@ -659,7 +671,7 @@ class DetokenizerSettings(Settings):
 
 
 @dataclass(frozen=True, kw_only=True)
-class RunnerSettings(KVSettings, DeviceSettings, GrammarSettings, ModelSettings):
+class RunnerSettings(KVSettings, DeviceSettings, DecodingSettings, ModelSettings):
     """What a model runner is built from: the model, its device and its KV pool."""
 
 

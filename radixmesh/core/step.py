@@ -15,6 +15,8 @@ from radixmesh.core.sampling_params import SamplingParams
 
 # A token's top alternatives: (token id, logprob), most likely first.
 TopLogprobs = list[tuple[int, float]]
+# An output constraint: (kind, text), as SamplingParams.grammar gives it.
+Constraint = tuple[str, str]
 
 
 @dataclass(slots=True)
@@ -38,7 +40,8 @@ class StepEntry:
 
     rid: str
     # Tokens whose KV this step computes. Empty for a decode: the runner feeds the token
-    # it sampled last for this request (so the scheduler can run a step ahead).
+    # it sampled last for this request (so the scheduler can run a step ahead). After a
+    # jump-forward, the sampled and forced tokens the scheduler knows to be still unfed.
     input_ids: list[int]
     slots: list[int]  # one KV slot per new token (one for a decode)
     sample: bool  # sample the next token after this entry (false for a non-final chunk)
@@ -70,6 +73,9 @@ class StepBatch:
     # A host pool to map from this step on (the first step with the host tier, or a new
     # segment after cachectl restarted); None: keep the one mapped.
     host_pool: HostPoolSpec | None = None
+    # Constraints to compile before the requests that carry them are admitted (each sent
+    # once); a step without entries waits a little for one to finish.
+    grammars: list[Constraint] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -85,6 +91,8 @@ class EntryResult:
     input_logprobs_start: int = 0
     input_logprobs: list[float] = field(default_factory=list)
     input_top_logprobs: list[TopLogprobs] = field(default_factory=list)
+    # Jump-forward: tokens the grammar forces after token_id (output too, KV not computed).
+    forced_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -95,3 +103,6 @@ class StepResult:
     results: list[EntryResult] = field(default_factory=list)
     forward_ms: float = 0.0
     copies_done: list[int] = field(default_factory=list)  # backups finished since the last result
+    # Constraints compiled since the last result, and those that failed with their error.
+    grammars_ready: list[Constraint] = field(default_factory=list)
+    grammars_failed: list[tuple[Constraint, str]] = field(default_factory=list)

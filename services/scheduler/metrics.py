@@ -42,6 +42,11 @@ CACHE_HIT_RATE = Gauge(
 GEN_THROUGHPUT = Gauge(
     "radixmesh:gen_throughput", "Output tokens per second since the previous status", _ENGINE
 )
+FORCED_TOKENS = Counter(
+    "radixmesh:jump_forward_tokens_total",
+    "Output tokens a grammar forced and jump-forward appended without sampling",
+    _ENGINE,
+)
 NUM_RETRACTED = Counter(
     "radixmesh:num_retracted_requests_total",
     "Running requests sent back to the queue for lack of KV slots",
@@ -170,6 +175,7 @@ class SchedulerMetrics:
         self._prompt_tokens = 0
         self._cached_tokens = 0
         self._retractions = 0
+        self._forced = 0
         self._host_copied = HostStats()
         self._host_lost = 0
         self._storage_counted = (0, 0)  # pages stored, queries: counted so far
@@ -232,6 +238,8 @@ class SchedulerMetrics:
         CACHE_TOKENS.labels(**labels, tier=DEVICE_TIER).set(sched.cache.total_size())
         NUM_RETRACTED.labels(**labels).inc(sched.num_retractions - self._retractions)
         self._retractions = sched.num_retractions
+        FORCED_TOKENS.labels(**labels).inc(sched.num_forced_tokens - self._forced)
+        self._forced = sched.num_forced_tokens
         self._host_state(sched)
 
     def host_tier(self, up: bool, lost: int) -> None:

@@ -44,6 +44,7 @@ class Req:
     admitted: bool = False
     on_worker: bool = False  # the worker holds state for it
     pending: int = 0  # sampling steps scheduled whose result has not come back
+    jumped: bool = False  # output has jump-forward tokens the next decode must feed
     finish: FinishReason | None = None
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)

@@ -92,7 +92,7 @@ class RequestTraces:
                     }, start_time=ended)
                     if load is not None:
                         self._loads.setdefault(batch.batch.step, []).append(load)
-            if entry.input_ids:
+            if entry.input_ids and req.rid not in batch.jumps:
                 n = len(entry.input_ids)
                 chunk = start_span("prefill chunk", spans.root, {
                     attr.RID: req.rid,

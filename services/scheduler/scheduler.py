@@ -4,13 +4,14 @@ the model runner's StepResult back into the requests."""
 from __future__ import annotations
 
 import dataclasses
+from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from radixmesh.core.hicache import HostPoolSpec, PageKeys
 from radixmesh.core.request import FinishKind, FinishReason
 from radixmesh.core.settings import ReplicaSettings
-from radixmesh.core.step import NewRequest, StepBatch, StepEntry, StepResult
+from radixmesh.core.step import Constraint, NewRequest, StepBatch, StepEntry, StepResult
 from radixmesh.services.scheduler.hicache import HostTier
 from radixmesh.services.scheduler.kv_allocator import KVAllocator
 from radixmesh.services.scheduler.radix_cache import RadixCache, TreeNode
@@ -75,12 +76,16 @@ class SchedulerConfig:
         )
 
 
+_GRAMMARS_KEPT = 512  # constraints remembered as compiled (the worker keeps as many)
+
+
 @dataclass
 class ScheduledBatch:
     """A batch on its way to the model runner, with the requests behind its entries."""
 
     batch: StepBatch
     reqs: list[Req] = field(default_factory=list)
+    jumps: set[str] = field(default_factory=set)  # decodes feeding jump-forward tokens
 
 
 class Scheduler:
@@ -103,8 +108,14 @@ class Scheduler:
         self._host_pool: HostPoolSpec | None = None  # to send with the next step
         self._release: list[str] = []
         self._updated: dict[str, Req] = {}
+        # Constraints: compiled on the worker (a request is admitted once its is), asked
+        # and not reported yet, and to ask for with the next step.
+        self._compiled: OrderedDict[Constraint, None] = OrderedDict()
+        self._compiling: set[Constraint] = set()
+        self._to_compile: list[Constraint] = []
         self._step = 0
         self.num_retractions = 0
+        self.num_forced_tokens = 0  # output tokens appended by jump-forward
 
     # ---- requests in and out -------------------------------------------------------
 
@@ -125,6 +136,12 @@ class Scheduler:
         self.waiting.append(req)
         if self.storage is not None:
             self.storage.ask(req)
+        grammar = req.params.grammar
+        if grammar in self._compiled:
+            self._compiled.move_to_end(grammar)
+        elif grammar is not None and grammar not in self._compiling:
+            self._compiling.add(grammar)
+            self._to_compile.append(grammar)
 
     def abort(self, rid: str, reason: FinishReason | None = None) -> bool:
         """Finish a request wherever it is; False if it is unknown or already finished."""
@@ -148,6 +165,7 @@ class Scheduler:
             or self.chunked
             or self._release
             or self._host_pool is not None
+            or self._compiling
             or (self.host is not None and self.host.has_copies())
             or self.cache.pending_backups() > 0
         )
@@ -167,6 +185,8 @@ class Scheduler:
             "running": self.num_running(),
             "waiting": len(self.waiting),
             "num_retractions": self.num_retractions,
+            "steps": self._step,
+            "forced_tokens": self.num_forced_tokens,
             **self._host_stats(),
         }
 
@@ -230,22 +250,26 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch | None:
         """The next step's batch: every decoding request, then prefill under the budget."""
-        batch = ScheduledBatch(StepBatch(self._step + 1, release=self._release))
-        self._release = []
+        batch = ScheduledBatch(StepBatch(self._step + 1))
         self._schedule_decodes(batch)
         self._schedule_prefills(batch)
         step = batch.batch
+        # Taken last: a request retracted by this very step may be readmitted by it too,
+        # and the runner forgets before it admits.
+        step.release, self._release = self._release, []
         if self.host is not None:
             step.copies = self.host.take_copies()
         step.host_pool, self._host_pool = self._host_pool, None
-        # Backups hold device slots until a step reports them done: an empty step still
-        # collects that report (and what waits for room gets it).
+        step.grammars, self._to_compile = self._to_compile, []
+        # Backups hold device slots until a step reports them done, and compiles end in a
+        # step's result: an empty step still collects those reports.
         if (
             not batch.reqs
             and not step.release
             and not step.copies
             and step.host_pool is None
             and not self.cache.pending_backups()
+            and not self._compiling
         ):
             return None
         self._step += 1  # steps count 1, 2, 3... so a worker can put them back in order
@@ -258,7 +282,11 @@ class Scheduler:
             if req.remaining_new_tokens() <= 0 or len(req.slots) >= self.config.context_length:
                 i += 1  # its last token is in flight; the result will finish it
                 continue
-            slots = self._grow(req, 1)
+            # Tokens known but not yet fed: after a jump-forward, the sampled token (unless
+            # the step in flight feeds it) and the forced ones. Otherwise only the token in
+            # flight or the last one sampled, which the runner feeds itself.
+            unfed = req.tokens[len(req.slots) :] if req.jumped else []
+            slots = self._grow(req, max(len(unfed), 1))
             if slots is None and self.cache.pending_backups():
                 # Backups pin device slots (and every prefix above them) for a step or two:
                 # wait for them rather than retract or cut a request short.
@@ -276,8 +304,11 @@ class Scheduler:
                 if victim is req:
                     break
                 continue
-            batch.batch.entries.append(StepEntry(req.rid, [], slots, True))
+            batch.batch.entries.append(StepEntry(req.rid, unfed, slots, True))
             batch.reqs.append(req)
+            if req.jumped:
+                batch.jumps.add(req.rid)
+                req.jumped = False
             req.pending += 1
             i += 1
 
@@ -293,6 +324,8 @@ class Scheduler:
                 break
             if req.pending:
                 continue  # retracted with a token still in flight; readmit once it lands
+            if req.params.grammar is not None and req.params.grammar not in self._compiled:
+                continue  # its constraint is still compiling
             if self.storage is not None and not req.admitted and self.storage.waits(req):
                 continue  # its prefix is on its way from storage
             used = self._admit(batch, req, budget)
@@ -341,6 +374,7 @@ class Scheduler:
             req.slots, req.cached_len, req.last_node = [], 0, None
             return 0
         self.waiting.remove(req)
+        req.jumped = False  # its prefill feeds every token it has
         if not req.admitted:
             req.admitted = True
             req.cached_tokens = cached
@@ -490,6 +524,7 @@ class Scheduler:
             backed_up = self.host.done(result.copies_done)
             if self.storage is not None:
                 self.storage.backed_up(backed_up)
+        self._compiles_ended(result)
         for req, out in zip(batch.reqs, result.results, strict=True):
             if out.input_logprobs:
                 req.input_logprobs.extend(out.input_logprobs)
@@ -509,8 +544,40 @@ class Scheduler:
                 req.output_top_logprobs.append(out.top_logprobs)
             self._updated[req.rid] = req
             reason = self._check_finish(req, out.token_id)
+            if out.forced_ids:
+                reason = reason or self._jump_forward(req, out.forced_ids)
             if reason is not None:
                 self._finish(req, reason)
+
+    def _compiles_ended(self, result: StepResult) -> None:
+        for grammar in result.grammars_ready:
+            self._compiling.discard(grammar)
+            self._compiled[grammar] = None
+            self._compiled.move_to_end(grammar)
+            if len(self._compiled) > _GRAMMARS_KEPT:
+                self._compiled.popitem(last=False)
+        for grammar, error in result.grammars_failed:
+            self._compiling.discard(grammar)
+            kind = grammar[0]
+            for req in [r for r in self.waiting if r.params.grammar == grammar]:
+                self._finish(req, FinishReason(
+                    FinishKind.ABORT, message=f"the {kind} could not be compiled: {error}"
+                ))
+
+    def _jump_forward(self, req: Req, forced: list[int]) -> FinishReason | None:
+        """Append the tokens the request's grammar forced after its sampled token; the
+        next decode feeds them all in one step. A step already in flight for it feeds the
+        sampled token and samples nothing (the runner knows), so it no longer counts."""
+        if req.pending:
+            req.pending -= 1
+        req.jumped = True
+        for token in forced:
+            req.output_ids.append(token)
+            self.num_forced_tokens += 1
+            reason = self._check_finish(req, token)
+            if reason is not None:
+                return reason
+        return None
 
     def _check_finish(self, req: Req, token: int) -> FinishReason | None:
         p = req.params

@@ -16,7 +16,7 @@ from radixmesh.core.tokenizer import Tokenizer
 from radixmesh.services.worker.attention import AttentionBackend, AttentionMetadata, SeqSpan
 from radixmesh.services.worker.attention_choice import check_runs_on, make_attention
 from radixmesh.services.worker.device import current, resolve_device
-from radixmesh.services.worker.grammar import Grammars, apply_masks, tokenizer_info
+from radixmesh.services.worker.grammar import Grammars, Matcher, Vocabulary, apply_masks
 from radixmesh.services.worker.host_copies import HostCopier
 from radixmesh.services.worker.kv_pool import KVPool
 from radixmesh.services.worker.memory import keep_freed_memory, release_free_memory
@@ -34,8 +34,6 @@ from radixmesh.services.worker.sampling import RequestSampler, sample
 from radixmesh.services.worker.torch_attention import TorchAttention
 
 if TYPE_CHECKING:
-    import xgrammar
-
     from radixmesh.services.worker.cuda_graphs import DecodeGraphs
 
 log = logging.getLogger("radixmesh.worker")
@@ -53,8 +51,12 @@ class _RequestState:
     ids: list[int]  # every token whose KV is in the pool, in order
     slots: torch.Tensor  # grown by doubling; the first len(ids) entries are live
     sampler: RequestSampler | None = None  # made at the first sample, once the prompt is known
-    matcher: xgrammar.GrammarMatcher | None = None  # with a constraint, from the first sample
+    matcher: Matcher | None = None  # with a constraint, from the first sample
     last_token: int = -1
+    # Jump-forward: tokens were forced after last_token. The step the scheduler already
+    # ran ahead for it (no input_ids) feeds last_token but must not sample: the forced
+    # tokens come first, in the request's next entry.
+    jumped: bool = False
     # log-softmax of the last computed position, kept for the first token of the next chunk
     carry_logprobs: torch.Tensor | None = None
 
@@ -150,9 +152,9 @@ class ModelRunner:
             req = _RequestState(spec, [], torch.empty(0, dtype=torch.long))
             req.append(spec.prefix_ids, spec.prefix_slots)
             self.requests[spec.rid] = req
-            if spec.params.grammar is not None and self._is_sampler():
-                self._grammars().prepare(spec.params.grammar)  # compiles while it prefills
         result = StepResult(batch.step)
+        if self._is_sampler():
+            self._compile_asked(batch, result)
         with current(self.device):
             if batch.host_pool is not None:
                 self.host_copies.map(batch.host_pool)
@@ -170,8 +172,12 @@ class ModelRunner:
         slots: list[int] = []
         spans: list[SeqSpan] = []
         reqs: list[_RequestState] = []
-        for entry in batch.entries:
+        void: set[int] = set()  # entries whose sample a jump-forward made void
+        for i, entry in enumerate(batch.entries):
             req = self.requests[entry.rid]
+            if req.jumped and not entry.input_ids and entry.sample:
+                void.add(i)
+            req.jumped = False
             new_ids = entry.input_ids or [req.last_token]
             start = len(req.ids)
             req.append(new_ids, entry.slots)
@@ -191,25 +197,41 @@ class ModelRunner:
             self.attention.prepare(meta)
             hidden = self.model.forward(input_ids, input_positions, self.attention, self.pool)
         outs = result.results = [EntryResult(e.rid) for e in batch.entries]
+        # Every rank broadcasts a token per sampling entry, void ones included (as -1).
+        sampling = [i for i, e in enumerate(batch.entries) if e.sample]
         if self.tp is not None and not self.tp.is_leader:
-            self._follow(self.tp, batch, reqs, outs)
+            self._follow(self.tp, sampling, reqs, outs)
             return
         for req, span, out in zip(reqs, spans, outs, strict=True):
             if req.spec.logprobs.return_logprob and req.spec.logprobs.logprob_start_len >= 0:
                 self._input_logprobs(req, span, hidden, out)
-        self._sample(batch, reqs, spans, hidden, outs)
+        self._sample(sampling, void, reqs, spans, hidden, outs)
 
     def _sample(
         self,
-        batch: StepBatch,
+        sampling: list[int],
+        void: set[int],
         reqs: list[_RequestState],
         spans: list[SeqSpan],
         hidden: torch.Tensor,
         outs: list[EntryResult],
     ) -> None:
-        picked = [i for i, e in enumerate(batch.entries) if e.sample]
-        if not picked:
-            return
+        picked = [i for i in sampling if i not in void]
+        tokens: list[int] = []
+        if picked:
+            tokens = self._sample_rows(picked, reqs, spans, hidden, outs)
+        if self.tp is not None:
+            by_entry = dict(zip(picked, tokens, strict=True))
+            self.tp.broadcast_tokens([by_entry.get(i, -1) for i in sampling])
+
+    def _sample_rows(
+        self,
+        picked: list[int],
+        reqs: list[_RequestState],
+        spans: list[SeqSpan],
+        hidden: torch.Tensor,
+        outs: list[EntryResult],
+    ) -> list[int]:
         rows = [spans[i].q_start + spans[i].q_len - 1 for i in picked]
         logits = self.model.logits(hidden[torch.tensor(rows, device=hidden.device)])
         samplers = [self._sampler(reqs[i]) for i in picked]
@@ -226,47 +248,69 @@ class ModelRunner:
         apply_masks(logits, matchers)
         sampled = sample(logits, samplers, top_n, with_logprobs=with_logprobs)
         tokens = sampled.token_ids
-        if self.tp is not None:
-            tokens = self.tp.broadcast_tokens(tokens)
         for j, i in enumerate(picked):
             token = tokens[j]
-            reqs[i].last_token = token
+            req, out = reqs[i], outs[i]
+            req.last_token = out.token_id = token
             samplers[j].record(token)
-            if matchers[j] is not None and not matchers[j].accept_token(token):
-                log.warning("request %s: token %d is outside its grammar", reqs[i].spec.rid,
-                            token)
-            out = outs[i]
-            out.token_id = token
             if wants[j].return_logprob:
                 out.logprob = sampled.logprobs[j]
                 out.top_logprobs = sampled.top_logprobs[j]
+            matcher = matchers[j]
+            if matcher is None:
+                continue
+            if not matcher.accept(token):
+                log.warning("request %s: token %d is outside its grammar", req.spec.rid, token)
+            elif not wants[j].return_logprob:  # a forced token has no logprob to report
+                out.forced_ids = self._grammars().forced_tokens(matcher, token)
+                for forced in out.forced_ids:
+                    samplers[j].record(forced)
+                req.jumped = bool(out.forced_ids)
+        return tokens
 
     @staticmethod
     def _follow(
         tp: TensorParallel,
-        batch: StepBatch,
+        sampling: list[int],
         reqs: list[_RequestState],
         outs: list[EntryResult],
     ) -> None:
         """A rank other than 0 takes rank 0's tokens instead of computing logits, so every
-        rank feeds the same tokens next step (sampling state lives on rank 0 only)."""
-        picked = [i for i, e in enumerate(batch.entries) if e.sample]
-        if not picked:
+        rank feeds the same tokens next step (sampling state lives on rank 0 only). Forced
+        tokens reach these ranks as the input_ids of the request's next entry."""
+        if not sampling:
             return
-        tokens = tp.broadcast_tokens([0] * len(picked))
-        for i, token in zip(picked, tokens, strict=True):
-            reqs[i].last_token = token
-            outs[i].token_id = token
+        tokens = tp.broadcast_tokens([0] * len(sampling))
+        for i, token in zip(sampling, tokens, strict=True):
+            if token >= 0:
+                reqs[i].last_token = token
+                outs[i].token_id = token
 
     def _is_sampler(self) -> bool:
         return self.tp is None or self.tp.is_leader
+
+    def _compile_asked(self, batch: StepBatch, result: StepResult) -> None:
+        """Start compiling the constraints the scheduler asks for; report those done (a step
+        with nothing to compute waits up to 50 ms for one)."""
+        if self.grammars is None:
+            result.grammars_failed = [
+                (c, "this worker has constrained decoding off (grammar_backend none)")
+                for c in batch.grammars
+            ]
+            return
+        for constraint in batch.grammars:
+            self.grammars.ask(constraint)
+        idle = not batch.entries and not batch.copies
+        result.grammars_ready, result.grammars_failed = self.grammars.finished(
+            0.05 if idle else 0.0
+        )
 
     def _grammars(self) -> Grammars:
         if self.grammars is None:
             raise ValueError("this worker was not given a vocabulary for constrained decoding")
         return self.grammars
 
-    def _matcher(self, req: _RequestState) -> xgrammar.GrammarMatcher | None:
+    def _matcher(self, req: _RequestState) -> Matcher | None:
         """The request's grammar matcher, made at its first sample and brought up to date
         with any output it had before (a retracted request's)."""
         constraint = req.spec.params.grammar
@@ -275,10 +319,10 @@ class ModelRunner:
         if req.matcher is None:
             req.matcher = self._grammars().matcher(constraint)
             for token in req.ids[req.spec.prompt_len :]:
-                req.matcher.accept_token(token)
+                req.matcher.accept(token)
         # Ended (its stop token accepted): a step the scheduler ran ahead past the finish
         # samples freely; that token is dropped.
-        return None if req.matcher.is_terminated() else req.matcher
+        return None if req.matcher.ended else req.matcher
 
     def _sampler(self, req: _RequestState) -> RequestSampler:
         if req.sampler is None:
@@ -380,12 +424,15 @@ def load_runner(
     release_free_memory()
     if settings.grammar_backend != "none":
         runner.grammars = Grammars(
-            lambda: _vocabulary(settings.model_path, runner.config.vocab_size, stop_ids)
+            lambda: _vocabulary(settings.model_path, runner.config.vocab_size, stop_ids),
+            backend=settings.grammar_backend,
+            jump_forward=not settings.disable_jump_forward,
         )
     return runner
 
 
-def _vocabulary(model_path: str | None, vocab_size: int, stop_ids: Sequence[int]
-                ) -> xgrammar.TokenizerInfo:
+def _vocabulary(model_path: str | None, vocab_size: int, stop_ids: Sequence[int]) -> Vocabulary:
     tokenizer = Tokenizer.from_path(model_path)
-    return tokenizer_info(tokenizer, vocab_size, [*stop_ids, *tokenizer.eos_token_ids])
+    return Vocabulary(
+        tokenizer, vocab_size, tuple(dict.fromkeys([*stop_ids, *tokenizer.eos_token_ids]))
+    )
