@@ -8,9 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import random
-import tempfile
 import threading
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
@@ -19,7 +17,7 @@ from dataclasses import asdict
 from typing import Any
 
 from radixmesh.core import grammar
-from radixmesh.core.hicache import DEFAULT_NATS_URL, KVGeometry
+from radixmesh.core.hicache import DEFAULT_NATS_URL, KVGeometry, shm_root
 from radixmesh.core.model_files import model_fingerprint, resolve_model_path
 from radixmesh.core.request import FinishKind, FinishReason, LogprobRequest
 from radixmesh.core.sampling_params import SamplingParams
@@ -121,7 +119,7 @@ class Engine:
                 loaded.num_layers, loaded.num_kv_heads, loaded.head_dim, a.dtype, a.page_size
             )
             self._streams.host_link = HostLink(
-                LocalCachectl(_shm_dir(), _storage_opener(a)), self.loop, in_process_engine_id(),
+                LocalCachectl(shm_root(), _storage_opener(a)), self.loop, in_process_engine_id(),
                 geometry,
                 self.runner.pool.num_slots, a,
             )
@@ -297,11 +295,6 @@ def _storage_opener(args: EngineArgs) -> Callable[[], Awaitable[StorageBackend]]
         return None
     config = args.storage_config
     return lambda: open_backend(name, config, DEFAULT_NATS_URL)
-
-
-def _shm_dir() -> str:
-    """Where the in-process host tier's segment lives: a tmpfs where there is one."""
-    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
 
 def _as_list(

@@ -3,6 +3,7 @@ NATS server unless one is given; stops them all on Ctrl-C or when one dies."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from radixmesh.core.hicache import shm_root
 from radixmesh.core.settings import (
     CachectlConfig,
     DecodingSettings,
@@ -36,7 +38,7 @@ from radixmesh.core.settings import (
     shared_values,
     to_flags,
 )
-from radixmesh.mesh.nats_server import EmbeddedNats, free_port
+from radixmesh.mesh.nats_server import EmbeddedNats, free_port, reserve_ports
 from radixmesh.tracing.config import exporter_env, instance_env
 from radixmesh.tracing.receiver import JsonlSink, SpanReceiver
 
@@ -85,6 +87,7 @@ class Mesh:
         self.nats_url = args.nats_url or ""
         self.http_urls: list[str] = []
         self.grpc_addrs: list[str] = []
+        self._front_ports: list[tuple[int, int]] = []  # each tokenizer's HTTP and gRPC port
         self.spans: SpanReceiver | None = None  # with trace_file: what every service sent
 
     @property
@@ -95,6 +98,7 @@ class Mesh:
     def start(self, timeout: float = 600.0) -> Mesh:
         """Start everything and wait until every service reports healthy."""
         try:
+            self._pick_front_ports()
             if not self.nats_url:
                 jetstream = self.args.hicache_storage_backend == "nats"
                 self.nats = EmbeddedNats(self.args.host, jetstream=jetstream).start()
@@ -113,6 +117,29 @@ class Mesh:
             raise
         return self
 
+    def _pick_front_ports(self) -> None:
+        """The tokenizers' ports: those configured (checked free now, and never handed to
+        another service) or free ones."""
+        a = self.args
+        configured: dict[int, str] = {}
+        for t in range(a.tokenizers):
+            if a.port:
+                configured[a.port + t] = "--port" if t == 0 else f"--port + {t}"
+            if a.grpc_port:
+                configured[a.grpc_port + t] = "--grpc-port" if t == 0 else f"--grpc-port + {t}"
+        reserve_ports(a.host, configured)
+        self._front_ports = [
+            (a.port + t if a.port else free_port(a.host),
+             a.grpc_port + t if a.grpc_port else free_port(a.host))
+            for t in range(a.tokenizers)
+        ]
+
+    def _shm_dir(self) -> Path:
+        """The host tiers' segments of this mesh: a directory of its own (named by its
+        first HTTP port, which no other running mesh on this host has), so another mesh's
+        engine e0 never touches this one's."""
+        return Path(shm_root()) / f"radixmesh-{self._front_ports[0][0]}"
+
     def _start_engine(self, e: int) -> None:
         a = self.args
         ports = [free_port(a.host) for _ in range(a.tp_size)]
@@ -126,7 +153,10 @@ class Mesh:
             # Before the engine's other processes: up when the scheduler asks for a segment,
             # and (stopped in reverse order) unlinking it only after they have gone.
             cachectl_port = free_port(a.host)
-            self._spawn(f"cachectl-{e}", "cachectl", {"port": cachectl_port})
+            # A directory of this mesh's own (named by its HTTP port, which no other running
+            # mesh on this host has): another mesh's engine e0 never touches this one's.
+            self._spawn(f"cachectl-{e}", "cachectl",
+                        {"port": cachectl_port, "shm_dir": str(self._shm_dir())})
             scheduler["cachectl_addr"] = f"{a.host}:{cachectl_port}"
         for rank, port in enumerate(ports):
             self._spawn(f"worker-{e}.{rank}", "worker", {
@@ -137,8 +167,7 @@ class Mesh:
 
     def _start_tokenizer(self, t: int) -> None:
         a = self.args
-        port = a.port + t if a.port else free_port(a.host)
-        grpc_port = a.grpc_port + t if a.grpc_port else free_port(a.host)
+        port, grpc_port = self._front_ports[t]
         self.http_urls.append(f"http://{a.host}:{port}")
         self.grpc_addrs.append(f"{a.host}:{grpc_port}")
         self._spawn(f"tokenizer-{t}", "tokenizer",
@@ -218,6 +247,9 @@ class Mesh:
             if c.log is not None:
                 c.log.close()
         self.children.clear()
+        if self.args.enable_hierarchical_cache and self._front_ports:
+            with contextlib.suppress(OSError):  # the cachectls unlinked their segments
+                self._shm_dir().rmdir()
         if self.nats is not None:
             self.nats.stop()
             self.nats = None
@@ -256,7 +288,7 @@ def serve(args: MeshArgs) -> int:
           f"{args.tokenizers} tokenizer(s), {args.detokenizers} detokenizer(s)", flush=True)
     try:
         mesh.start()
-    except (RuntimeError, TimeoutError) as exc:
+    except (RuntimeError, OSError) as exc:
         print(f"radixmesh: failed to start: {exc}", file=sys.stderr)
         return 1
     for url, addr in zip(mesh.http_urls, mesh.grpc_addrs, strict=True):

@@ -20,7 +20,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from process_helpers import service_process
 
-from radixmesh.core.hicache import HostPoolSpec, KVGeometry
+from radixmesh.core.hicache import HostPoolSpec, KVGeometry, shm_root
 from radixmesh.core.settings import CachectlConfig, parse_config, shared_values, to_flags
 from radixmesh.launcher import SERVICE_CONFIGS, Mesh, MeshArgs
 from radixmesh.mesh.nats_server import free_port
@@ -345,7 +345,8 @@ def test_the_process_serves_reports_and_cleans_up_on_sigterm(tmp_path):
 
 @pytest.mark.parametrize("hierarchical", [False, True])
 def test_up_starts_a_cachectl_per_engine_before_its_scheduler(monkeypatch, hierarchical):
-    mesh = Mesh(MeshArgs(dp_size=2, enable_hierarchical_cache=hierarchical))
+    mesh = Mesh(MeshArgs(dp_size=2, enable_hierarchical_cache=hierarchical, port=0))
+    mesh._pick_front_ports()
     spawned: list[tuple[str, str, dict]] = []
     monkeypatch.setattr(mesh, "_spawn", lambda name, service, own: spawned.append(
         (name, service, own)))
@@ -364,3 +365,5 @@ def test_up_starts_a_cachectl_per_engine_before_its_scheduler(monkeypatch, hiera
         values = {**shared_values(mesh.args, SERVICE_CONFIGS["cachectl"]), **cachectl}
         config = parse_config(CachectlConfig, to_flags(CachectlConfig, values))
         assert config.port == cachectl["port"]
+        # This mesh's own directory, named by its HTTP port: another mesh's e0 is elsewhere.
+        assert config.shm_dir == f"{shm_root()}/radixmesh-{mesh._front_ports[0][0]}"

@@ -446,6 +446,7 @@ def test_launcher_hands_every_service_the_settings_it_shares(monkeypatch) -> Non
         tp_size=2, port=0, grpc_port=0, nats_url="nats://bus:4222",
     )
     mesh = Mesh(args)
+    mesh._pick_front_ports()
     mesh._start_engine(0)
     mesh._spawn("detokenizer-0", "detokenizer", {"replica_id": "d0"})
     mesh._start_tokenizer(0)

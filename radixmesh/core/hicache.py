@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import struct
+import tempfile
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,11 @@ _STORAGE_KEYS = {"file": ("path",), "redis": ("url",), "nats": ("bucket", "url")
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_NATS_BUCKET = "radixmesh-kv"
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"  # the nats backend's, for an in-process engine
+
+
+def shm_root() -> str:
+    """Where host tier segments live by default: a tmpfs where there is one."""
+    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
 
 @dataclass(frozen=True)

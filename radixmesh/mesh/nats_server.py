@@ -37,6 +37,18 @@ _port_rng = random.Random()
 _handed_out: set[int] = set()
 
 
+def reserve_ports(host: str, ports: dict[int, str]) -> None:
+    """Keep free_port from handing out ports already spoken for (port -> what it is for);
+    OSError naming the first of them something else listens on."""
+    for port, purpose in ports.items():
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError as exc:
+                raise OSError(f"{purpose} {port} on {host} is taken ({exc.strerror})") from None
+        _handed_out.add(port)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port nothing listens on right now, outside the ephemeral range, and not handed
     out before by this process."""

@@ -95,6 +95,7 @@ class HostSegments:
 
     def __init__(self, shm_dir: str | Path, storage: StorageBackend | None = None) -> None:
         self.shm_dir = Path(shm_dir)
+        self.shm_dir.mkdir(parents=True, exist_ok=True)
         self.storage = storage
         self._segments: dict[str, _Segment] = {}
 

@@ -3,7 +3,8 @@
 bf16 weights go to the native GEMM (kernels/cpu/gemm.cpp), 1.2-3.7x faster than oneDNN at
 the batch sizes of decoding and as fast at prefill sizes (measured on 2-core AVX512-BF16
 machines); other weights are prepacked for oneDNN, 1.5-2x faster than torch's default CPU
-linear for small batches; elsewhere (no oneDNN, a GPU) torch's linear runs."""
+linear for small batches; elsewhere (no oneDNN, bf16 on a CPU without oneDNN's bf16
+instructions such as AVX2-only ones, a GPU) torch's linear runs."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ class Linear:
         if native.gemm_supported(weight):
             self.kind = "native"
             self.weight = native.pack_gemm_weight(weight)
-        elif weight.device.type == "cpu" and torch.backends.mkldnn.is_available():
+        elif weight.device.type == "cpu" and _onednn_packs(weight.dtype):
             self.kind = "onednn"
             # Packing for batch size 1 serves larger batches nearly as well (measured).
             self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
@@ -41,3 +42,10 @@ class Linear:
         else:
             out = F.linear(x, self.weight, self.bias)
         return out if residual is None else residual + out
+
+
+def _onednn_packs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN can prepack weights of this dtype on this CPU."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    return dtype != torch.bfloat16 or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
