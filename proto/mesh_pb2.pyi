@@ -50,16 +50,18 @@ class EngineRequest(_message.Message):
     def __init__(self, rid: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_worker_pb2.SamplingParams, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., cache_salt: _Optional[str] = ..., priority: _Optional[int] = ..., return_logprob: _Optional[bool] = ..., top_logprobs_num: _Optional[int] = ..., logprob_start_len: _Optional[int] = ..., reply_to: _Optional[str] = ..., detok: _Optional[_Union[DetokSpec, _Mapping]] = ..., detok_context: _Optional[int] = ...) -> None: ...
 
 class Finish(_message.Message):
-    __slots__ = ("kind", "token_id", "text", "message")
+    __slots__ = ("kind", "token_id", "text", "message", "engine_lost")
     KIND_FIELD_NUMBER: _ClassVar[int]
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_LOST_FIELD_NUMBER: _ClassVar[int]
     kind: str
     token_id: int
     text: str
     message: str
-    def __init__(self, kind: _Optional[str] = ..., token_id: _Optional[int] = ..., text: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+    engine_lost: bool
+    def __init__(self, kind: _Optional[str] = ..., token_id: _Optional[int] = ..., text: _Optional[str] = ..., message: _Optional[str] = ..., engine_lost: _Optional[bool] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("rid", "finish")
@@ -156,7 +158,7 @@ class TextChunks(_message.Message):
     def __init__(self, chunks: _Optional[_Iterable[_Union[TextChunk, _Mapping]]] = ...) -> None: ...
 
 class EngineStatus(_message.Message):
-    __slots__ = ("engine_id", "running", "waiting", "num_slots", "free_slots", "cached_tokens", "context_length", "vocab_size", "model_path", "uptime_s")
+    __slots__ = ("engine_id", "running", "waiting", "num_slots", "free_slots", "cached_tokens", "context_length", "vocab_size", "model_path", "uptime_s", "down")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -167,6 +169,7 @@ class EngineStatus(_message.Message):
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
+    DOWN_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     running: int
     waiting: int
@@ -177,7 +180,8 @@ class EngineStatus(_message.Message):
     vocab_size: int
     model_path: str
     uptime_s: float
-    def __init__(self, engine_id: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., num_slots: _Optional[int] = ..., free_slots: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., model_path: _Optional[str] = ..., uptime_s: _Optional[float] = ...) -> None: ...
+    down: bool
+    def __init__(self, engine_id: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., num_slots: _Optional[int] = ..., free_slots: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., model_path: _Optional[str] = ..., uptime_s: _Optional[float] = ..., down: _Optional[bool] = ...) -> None: ...
 
 class CacheEvent(_message.Message):
     __slots__ = ("engine_id", "inserted", "flushed")

@@ -59,16 +59,17 @@ class EngineBackend:
 class HttpBackend:
     """A running mesh, through its native /generate."""
 
-    def __init__(self, url: str, timeout: float = 300.0) -> None:
+    def __init__(self, url: str, timeout: float = 300.0, api_key: str = "") -> None:
         self.url = url.rstrip("/")
         self.timeout = timeout
+        self._headers = {"Content-Type": "application/json"}
+        if api_key:
+            self._headers["Authorization"] = f"Bearer {api_key}"
 
     def generate(self, texts: list[str], params: list[dict[str, Any]], **extra: Any
                  ) -> list[Answer]:
         body = json.dumps({"text": texts, "sampling_params": params, **extra}).encode()
-        request = urllib.request.Request(
-            self.url + "/generate", body, {"Content-Type": "application/json"}
-        )
+        request = urllib.request.Request(self.url + "/generate", body, self._headers)
         try:
             with urllib.request.urlopen(request, timeout=self.timeout) as reply:
                 outs = json.loads(reply.read())

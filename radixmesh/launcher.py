@@ -14,7 +14,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from radixmesh.core.hicache import shm_root
 from radixmesh.core.settings import (
@@ -22,6 +22,7 @@ from radixmesh.core.settings import (
     DecodingSettings,
     DetokenizerConfig,
     DeviceSettings,
+    FrontDoorSettings,
     HiCacheSettings,
     HiCacheStorageSettings,
     KVSettings,
@@ -35,10 +36,12 @@ from radixmesh.core.settings import (
     StatusSettings,
     TokenizerServiceConfig,
     WorkerConfig,
+    secrets_env,
     shared_values,
     to_flags,
 )
 from radixmesh.mesh.nats_server import EmbeddedNats, free_port, reserve_ports
+from radixmesh.supervisor import Process, Supervisor
 from radixmesh.tracing.config import exporter_env, instance_env
 from radixmesh.tracing.receiver import JsonlSink, SpanReceiver
 
@@ -54,6 +57,7 @@ SERVICE_CONFIGS: dict[str, type[Settings]] = {
 
 @dataclass(frozen=True, kw_only=True)
 class MeshArgs(
+    FrontDoorSettings,
     ServiceSettings,
     HiCacheSettings,
     HiCacheStorageSettings,
@@ -69,20 +73,13 @@ class MeshArgs(
     extra_env: dict[str, str] = field(default_factory=dict)  # more variables for every service
 
 
-@dataclass
-class _Child:
-    name: str
-    proc: subprocess.Popen[bytes]
-    health_url: str
-    log: IO[bytes] | None
-
-
 class Mesh:
     """Start with `start()`, stop with `stop()`; or `with Mesh(args) as mesh:`."""
 
     def __init__(self, args: MeshArgs) -> None:
         self.args = args
-        self.children: list[_Child] = []
+        self.children: list[Process] = []
+        self.supervisor: Supervisor | None = None
         self.nats: EmbeddedNats | None = None
         self.nats_url = args.nats_url or ""
         self.http_urls: list[str] = []
@@ -112,6 +109,8 @@ class Mesh:
             for t in range(self.args.tokenizers):
                 self._start_tokenizer(t)
             self._wait_healthy(timeout)
+            self.supervisor = Supervisor(self.children)
+            self.supervisor.start()
         except BaseException:
             self.stop()
             raise
@@ -162,7 +161,7 @@ class Mesh:
             self._spawn(f"worker-{e}.{rank}", "worker", {
                 "port": port, "tp_size": a.tp_size, "tp_rank": rank, "dist_init_addr": dist,
                 "num_threads": threads if processes > 1 else 0,
-            })
+            }, group=f"workers-{e}")
         self._spawn(f"scheduler-{e}", "scheduler", scheduler)
 
     def _start_tokenizer(self, t: int) -> None:
@@ -175,7 +174,8 @@ class Mesh:
                     health_port=port)
 
     def _spawn(
-        self, name: str, service: str, own: dict[str, Any], health_port: int | None = None
+        self, name: str, service: str, own: dict[str, Any], health_port: int | None = None,
+        group: str = "",
     ) -> None:
         """Start `service` with every setting it shares with the mesh as the mesh has it,
         then its settings of its own (`own`), NATS and its /health port."""
@@ -187,6 +187,7 @@ class Mesh:
         metrics_port = health_port or free_port(a.host)
         if issubclass(config, StatusSettings):
             values["metrics_port"] = metrics_port
+        values, secrets = secrets_env(config, values)  # never on a command line
         args = [sys.executable, "-m", f"radixmesh.services.{service}",
                 *to_flags(config, values)]
         nice = shutil.which("nice")
@@ -196,13 +197,18 @@ class Mesh:
         if a.log_dir:
             Path(a.log_dir).mkdir(parents=True, exist_ok=True)
             log = open(Path(a.log_dir) / f"{name}.log", "ab")  # noqa: SIM115 (closed in stop)
-        proc = subprocess.Popen(
-            args, stdout=log, stderr=subprocess.STDOUT if log else None,
-            env={**os.environ, **self._trace_env(name), **a.extra_env}, start_new_session=True,
-        )
-        self.children.append(
-            _Child(name, proc, f"http://{a.host}:{metrics_port}/health", log)
-        )
+        env = {**os.environ, **self._trace_env(name), **a.extra_env, **secrets}
+
+        def start() -> subprocess.Popen[bytes]:
+            return subprocess.Popen(
+                args, stdout=log, stderr=subprocess.STDOUT if log else None, env=env,
+                start_new_session=True,
+            )
+
+        self.children.append(Process(
+            name, service, group, start, start(), f"http://{a.host}:{metrics_port}/health",
+            log, required=service != "cachectl",
+        ))
 
     def _trace_env(self, name: str) -> dict[str, str]:
         """A child's tracing variables: its instance name, and the receiver when there is one."""
@@ -232,6 +238,9 @@ class Mesh:
 
     def stop(self, grace: float = 15.0) -> dict[str, int | None]:
         """SIGTERM every service (front doors first), wait, then kill stragglers; exit codes."""
+        if self.supervisor is not None:
+            self.supervisor.stop()
+            self.supervisor = None
         for c in reversed(self.children):
             if c.proc.poll() is None:
                 c.proc.send_signal(signal.SIGTERM)
@@ -274,7 +283,8 @@ def _healthy(url: str) -> bool:
 
 
 def serve(args: MeshArgs) -> int:
-    """Run the mesh in the foreground until Ctrl-C / SIGTERM or a service dies."""
+    """Run the mesh in the foreground until Ctrl-C / SIGTERM, or until a service it needs
+    cannot be kept running (the supervisor gave up on every replica of it)."""
     stopping = False
 
     def on_signal(*_: object) -> None:
@@ -299,10 +309,9 @@ def serve(args: MeshArgs) -> int:
               f"`radixmesh trace <request id> --file {args.trace_file}`", flush=True)
     code = 0
     while not stopping:
-        try:
-            mesh.check_alive()
-        except RuntimeError as exc:
-            print(f"radixmesh: {exc}; stopping", file=sys.stderr)
+        failed = mesh.supervisor.failed if mesh.supervisor is not None else None
+        if failed is not None:
+            print(f"radixmesh: {failed}; stopping", file=sys.stderr)
             code = 1
             break
         time.sleep(0.5)

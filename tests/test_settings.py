@@ -250,6 +250,8 @@ BAD_VALUES: dict[str, list[Any]] = {
     "worker_timeout": [-1.0],
     "engine_timeout": [-0.5],
     "shutdown_grace": [-1],
+    "stall_timeout": [-1],
+    "max_queued_requests": [-1, 1.5],
     "cache_threshold": [-0.1],
     "balance_abs_threshold": [-1],
     "balance_rel_threshold": [-1.5],

@@ -200,6 +200,26 @@ async def test_no_engine_is_503(mesh):
     assert info.value.status == 503
 
 
+async def test_past_max_queued_requests_is_503_with_retry_after_then_room_again(mesh):
+    """Requests without output yet count as queued; past the limit a new one is refused at
+    once, without reaching an engine, and the limit frees up as the queued ones start."""
+    engine = await mesh.add_engine("e", delay_s=0.5)  # each chunk half a second apart
+    mesh.client.max_queued = 2
+    waiting = [asyncio.create_task(_run(mesh.client, _request([1, 2], max_new_tokens=2)))
+               for _ in range(2)]
+    while mesh.client.queued < 2:
+        await asyncio.sleep(0.01)
+    with pytest.raises(GenerationError) as refused:
+        await _run(mesh.client, _request([3], max_new_tokens=2))
+    assert refused.value.status == 503 and refused.value.headers == {"Retry-After": "1"}
+    assert "2 requests are waiting for their first token (max_queued_requests 2)" in str(
+        refused.value)
+    assert len(engine.requests) == 2  # the refused one never reached the engine
+    assert [len(chunks) for chunks in await asyncio.gather(*waiting)] == [2, 2]
+    assert mesh.client.queued == 0
+    assert [c.output_ids for c in await _run(mesh.client, _request([3], max_new_tokens=1))] == [[3]]
+
+
 async def test_a_rid_already_running_is_refused(mesh):
     await mesh.add_engine("e", hold=True)
     gen = mesh.client.generate(_request([1], rid="dup", max_new_tokens=4))

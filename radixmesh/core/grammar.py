@@ -88,6 +88,14 @@ def _closed(schema: Any) -> Any:
     return closed
 
 
+def import_backend(backend: str) -> None:
+    """Import the backend's package now (it takes a second or more), e.g. at start-up."""
+    if backend == "llguidance":
+        import llguidance  # noqa: F401
+    else:
+        import xgrammar  # noqa: F401
+
+
 def check(constraint: tuple[str, str] | None, backend: str = "xgrammar") -> None:
     """Raise ValueError unless the (kind, text) constraint, if any, parses and `backend`
     (the grammar_backend setting) can run it."""

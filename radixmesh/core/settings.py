@@ -15,8 +15,10 @@ of the shared settings to a child process (`shared_values`, `to_flags`)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
+import re
 import socket
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -56,6 +58,7 @@ class Setting:
     flag: str | None = None  # the flag's name (no dashes in front) when not the field's
     aliases: tuple[str, ...] = ()  # more flag names
     env: tuple[str, ...] = ()  # more environment variables, read after RADIXMESH_<NAME>
+    secret: bool = False  # never shown: logs and /server_info say only whether it is set
 
 
 def setting(
@@ -69,9 +72,10 @@ def setting(
     flag: str | None = None,
     aliases: tuple[str, ...] = (),
     env: tuple[str, ...] = (),
+    secret: bool = False,
 ) -> Any:
     """A dataclass field declared as a setting (see the module's docstring)."""
-    spec = Setting(help, choices, minimum, check, flag, aliases, env)
+    spec = Setting(help, choices, minimum, check, flag, aliases, env, secret)
     return field(default=default, default_factory=default_factory, metadata={METADATA_KEY: spec})
 
 
@@ -604,6 +608,33 @@ class TokenizerSettings(Settings):
     shutdown_grace: float = setting(
         10.0, minimum=0, help="seconds in-flight requests get to finish on SIGTERM"
     )
+    stall_timeout: float = setting(
+        120.0,
+        minimum=0,
+        help="seconds a request may go without any output (waiting in a queue included) "
+        "before it ends with an error; 0: never",
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class FrontDoorSettings(Settings):
+    """Who may use the front doors, and how many requests may wait."""
+
+    TITLE: ClassVar[str] = "front doors"
+
+    api_key: str = setting(
+        "",
+        secret=True,
+        help="the key every HTTP request (Authorization: Bearer <key>, as OpenAI clients "
+        "send it) and gRPC call (authorization metadata) must carry, else 401; /health, "
+        "/metrics and the gRPC health service stay open; empty: no key",
+    )
+    max_queued_requests: int = setting(
+        0,
+        minimum=0,
+        help="requests a tokenizer replica lets wait for their first token; past it a new "
+        "one gets 503 with Retry-After (gRPC: UNAVAILABLE); 0: no limit",
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -705,8 +736,8 @@ class SchedulerServiceConfig(
 
 @dataclass(frozen=True, kw_only=True)
 class TokenizerServiceConfig(
-    NatsSettings, ServiceSettings, RouterSettings, TokenizerSettings, GrammarSettings,
-    ModelSettings,
+    NatsSettings, ServiceSettings, RouterSettings, FrontDoorSettings, TokenizerSettings,
+    GrammarSettings, ModelSettings,
 ):
     """A tokenizer replica: the HTTP and gRPC front doors, routing requests to engines."""
 
@@ -931,6 +962,30 @@ def shared_values(config: Settings, target: type[Settings]) -> dict[str, Any]:
     return {
         d.name: getattr(config, d.name) for d in _declared(target) if isinstance(config, d.owner)
     }
+
+
+def shown(config: Settings) -> dict[str, Any]:
+    """The config as logs and /server_info may show it: secrets only as set or not, and no
+    credentials in URLs."""
+    values = dataclasses.asdict(config)
+    for d in _declared(type(config)):
+        value = values[d.name]
+        if d.spec.secret:
+            values[d.name] = "<set>" if value else ""
+        elif isinstance(value, str) and "://" in value:
+            values[d.name] = re.sub(r"//[^/@]*@", "//", value)
+    return values
+
+
+def secrets_env(cls: type[Settings], values: Mapping[str, Any]) -> tuple[dict[str, Any],
+                                                                          dict[str, str]]:
+    """`values` without the secret settings, and those as environment variables: how a
+    launcher hands them to a child without putting them on its command line."""
+    secret = {d.name for d in _declared(cls) if d.spec.secret}
+    rest = {name: value for name, value in values.items() if name not in secret}
+    env = {env_name(name): _show(value) for name, value in values.items()
+           if name in secret and value}
+    return rest, env
 
 
 def to_flags(cls: type[Settings], values: Mapping[str, Any]) -> list[str]:

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import logging
 import signal
@@ -14,7 +13,7 @@ from typing import Any, TypeVar
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from radixmesh.core.settings import ServiceSettings, parse_config
+from radixmesh.core.settings import ServiceSettings, parse_config, shown
 from radixmesh.tracing import init_tracing
 
 C = TypeVar("C", bound=ServiceSettings)
@@ -31,7 +30,7 @@ def configure_service(config_cls: type[C], service: str, instance: Callable[[C],
     logging.basicConfig(
         level=config.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )
-    fields = dataclasses.asdict(config)
+    fields = shown(config)
     logging.getLogger(f"radixmesh.{service}").info(
         "%s starting with config %s", service, json.dumps(fields, default=str)
     )

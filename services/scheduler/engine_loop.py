@@ -10,13 +10,14 @@ is scheduled (simpler to debug, slower)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Future
 from typing import Any, Protocol
 
-from radixmesh.core.request import FinishReason
+from radixmesh.core.request import FinishKind, FinishReason
 from radixmesh.core.step import StepResult
 from radixmesh.services.scheduler.request import Req
 from radixmesh.services.scheduler.scheduler import ScheduledBatch, Scheduler
@@ -45,6 +46,15 @@ class Sink(Protocol):
 ScheduleHook = Callable[[ScheduledBatch, int, int], None]
 
 
+class ExecutorLost(Exception):
+    """The executor's model runners are gone (a worker died): what they held is lost."""
+
+
+# Called once every request has ended after an ExecutorLost; returns when the model
+# runners are back (fresh: no request, no cached KV).
+LostHook = Callable[[ExecutorLost], Awaitable[None]]
+
+
 class EngineLoop:
     """`run()` drives it on an event loop; add, abort, flush and info may be called from
     any thread and take effect between steps, in the order they were called."""
@@ -56,12 +66,14 @@ class EngineLoop:
         sink: Sink,
         overlap: bool = True,
         on_schedule: ScheduleHook | None = None,
+        on_lost: LostHook | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.executor = executor
         self.sink = sink
         self.overlap = overlap
         self._on_schedule = on_schedule
+        self._on_lost = on_lost
         self._inbox: deque[tuple[str, Any]] = deque()
         self._wake = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -88,6 +100,11 @@ class EngineLoop:
     def info(self) -> Future[dict[str, int]]:
         """Pool, cache and queue occupancy, read between steps."""
         return self._call("info")
+
+    def lose(self, lost: ExecutorLost) -> None:
+        """The model runners are gone, noticed between steps: start over as if a step had
+        failed (with an on_lost hook)."""
+        self._post("lost", lost)
 
     def wake(self) -> None:
         """Run an iteration soon, e.g. to publish a refusal the sink holds."""
@@ -143,6 +160,8 @@ class EngineLoop:
                 payload.set_result(sched.flush_cache())
             elif kind == "info":
                 payload.set_result(sched.stats())
+            elif kind == "lost":
+                raise payload
 
     # ---- the loop -------------------------------------------------------------------
 
@@ -158,17 +177,36 @@ class EngineLoop:
             if in_flight is None and (stalled or not sched.has_work()) and not self._inbox:
                 self._wake.clear()
                 await self._wake.wait()
-            self._drain_inbox()
-            batch = self._schedule() if not self._stopping else None
-            stalled = batch is None and in_flight is None
-            if self.overlap:
-                submitted = None if batch is None else (batch, self.executor.submit(batch))
-                if in_flight is not None:
-                    sched.process_result(in_flight[0], await in_flight[1])
-                in_flight = submitted
-            elif batch is not None:
-                sched.process_result(batch, await self.executor.submit(batch))
+            batch = submitted = None
+            try:
+                self._drain_inbox()
+                batch = self._schedule() if not self._stopping else None
+                stalled = batch is None and in_flight is None
+                if self.overlap:
+                    submitted = None if batch is None else (batch, self.executor.submit(batch))
+                    if in_flight is not None:
+                        sched.process_result(in_flight[0], await in_flight[1])
+                    in_flight = submitted
+                elif batch is not None:
+                    sched.process_result(batch, await self.executor.submit(batch))
+            except ExecutorLost as exc:
+                for step in [s[1] for s in (in_flight, submitted) if s]:
+                    with contextlib.suppress(Exception):  # fails too, or its result is void
+                        await step
+                if self._on_lost is None:
+                    raise
+                in_flight = None
+                await self._start_over(exc)
+                continue
             await self.sink.publish(sched.drain_updates())
+
+    async def _start_over(self, lost: ExecutorLost) -> None:
+        """The model runners are gone: end every request with the reason, forget every
+        cached prefix, and wait for the runners to come back."""
+        ended = self.scheduler.lose_all(FinishReason(FinishKind.ABORT, message=str(lost)))
+        await self.sink.publish(ended)
+        assert self._on_lost is not None
+        await self._on_lost(lost)
 
     def _schedule(self) -> ScheduledBatch | None:
         if self._on_schedule is None:

@@ -102,6 +102,11 @@ class HostLink:
             spec.nbytes / 1e9, spec.layout, spec.path, spec.storage or "none",
         )
 
+    def reopen(self) -> None:
+        """Open a fresh pool soon (the workers that mapped the old one are gone)."""
+        self.attached = False
+        self._drain()
+
     def _lost(self, exc: Exception) -> None:
         if not self.attached:
             return

@@ -96,6 +96,23 @@ class Scheduler:
             raise ValueError("num_slots must be a multiple of page_size")
         self.config = config
         self.page = config.page_size
+        self.num_retractions = 0
+        self.num_forced_tokens = 0  # output tokens appended by jump-forward
+        self.reset()
+
+    def lose_all(self, reason: FinishReason) -> list[Req]:
+        """The model runners are gone, and every request's KV with them: end each request
+        with `reason` and start over (reset). Returns the requests that ended."""
+        ended = [req for req in self.requests.values() if req.finish is None]
+        for req in ended:
+            req.finish = reason
+        self.reset()
+        return ended
+
+    def reset(self) -> None:
+        """Start over, as with fresh model runners: no request, no cached prefix, no host
+        tier (attach it again), no compiled constraint, steps counted from 1 again."""
+        config = self.config
         self.allocator = KVAllocator(config.num_slots, config.page_size)
         self.cache = RadixCache(self.allocator, config.page_size, config.eviction_policy)
         self.policy = SchedulePolicy(config.schedule_policy, self.cache)
@@ -114,8 +131,6 @@ class Scheduler:
         self._compiling: set[Constraint] = set()
         self._to_compile: list[Constraint] = []
         self._step = 0
-        self.num_retractions = 0
-        self.num_forced_tokens = 0  # output tokens appended by jump-forward
 
     # ---- requests in and out -------------------------------------------------------
 

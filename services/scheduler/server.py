@@ -10,6 +10,7 @@ import time
 from collections.abc import Awaitable
 from typing import Any
 
+import grpc
 import nats
 from nats.aio.msg import Msg
 
@@ -24,7 +25,7 @@ from radixmesh.mesh.service import StatusServer
 from radixmesh.proto import mesh_pb2 as mpb
 from radixmesh.proto import worker_pb2 as wpb
 from radixmesh.services.scheduler.cachectl_client import CachectlClient
-from radixmesh.services.scheduler.engine_loop import EngineLoop
+from radixmesh.services.scheduler.engine_loop import EngineLoop, ExecutorLost
 from radixmesh.services.scheduler.host_link import HostLink
 from radixmesh.services.scheduler.mesh_io import UpdateBuilder, abort_reason, request_from_proto
 from radixmesh.services.scheduler.metrics import SchedulerMetrics
@@ -36,6 +37,7 @@ from radixmesh.services.scheduler.worker_client import WorkerClient
 log = logging.getLogger("radixmesh.scheduler")
 
 HEARTBEAT_S = 0.5
+WORKER_PING_S = 1.0  # how often the workers are asked whether they are there
 
 
 class SchedulerService:
@@ -54,6 +56,7 @@ class SchedulerService:
         self.host_link: HostLink | None = None
         self.info: wpb.WorkerInfo | None = None
         self._refused: list[mpb.TokenUpdate] = []  # published with the next step
+        self._down = False  # lost its workers; waiting for them to come back
         self._started = time.monotonic()
         self._nc: nats.NATS | None = None
         self._status = StatusServer(config.host, config.metrics_port, self._health)
@@ -77,7 +80,8 @@ class SchedulerService:
             )
         )
         self.loop = EngineLoop(
-            self.scheduler, self, self, not self.config.disable_overlap_schedule, self._scheduled
+            self.scheduler, self, self, not self.config.disable_overlap_schedule, self._scheduled,
+            self._workers_lost,
         )
         await self._start_host_tier()
         self.metrics.start(served_name(model_path), self.info.num_slots)
@@ -119,6 +123,7 @@ class SchedulerService:
         """Serve until `stop` is set, then finish cleanly."""
         assert self.loop is not None
         heartbeat = asyncio.create_task(self._heartbeat_loop())
+        watch = asyncio.create_task(self._watch_workers())
         running = asyncio.create_task(self.loop.run())
         await asyncio.wait([running, asyncio.create_task(stop.wait())],
                            return_when=asyncio.FIRST_COMPLETED)
@@ -127,6 +132,7 @@ class SchedulerService:
             await running
         finally:
             heartbeat.cancel()
+            watch.cancel()
             await self._shutdown()
 
     async def _shutdown(self) -> None:
@@ -144,13 +150,65 @@ class SchedulerService:
 
     def _health(self) -> tuple[bool, dict[str, Any]]:
         ok = self.scheduler is not None and self._nc is not None and self._nc.is_connected
-        return ok, {"engine_id": self.engine_id}
+        return ok and not self._down, {"engine_id": self.engine_id, "down": self._down}
+
+    async def _watch_workers(self) -> None:
+        """An idle engine notices lost workers too, before a request finds out."""
+        assert self.loop is not None
+        while True:
+            await asyncio.sleep(WORKER_PING_S)
+            if self._down:
+                continue
+            try:
+                await self.workers.ping()
+            except grpc.aio.AioRpcError as exc:
+                if not self._down:
+                    self._down = True
+                    self._publish_status()
+                    self.loop.lose(ExecutorLost(
+                        f"engine {self.engine_id} lost its worker ({exc.code().name})"
+                    ))
+
+    async def _workers_lost(self, lost: ExecutorLost) -> None:
+        """Every request has ended: say so to the routers, then wait for the workers (the
+        supervisor restarts them) and start over with an empty cache."""
+        log.warning("engine %s lost its workers (%s); waiting for them", self.engine_id, lost)
+        if self._nc is not None:
+            event = mpb.CacheEvent(engine_id=self.engine_id, flushed=True)
+            await self._nc.publish(subjects.cache_events(self.engine_id),
+                                   event.SerializeToString())
+        if self.host_link is not None:
+            self.host_link.reopen()  # the new workers map a fresh host pool
+        while True:
+            try:
+                info = await self.workers.connect(self.config.worker_timeout)
+                break
+            except grpc.aio.AioRpcError as exc:
+                log.warning("engine %s: workers still away (%s)", self.engine_id, exc.code())
+        assert self.scheduler is not None
+        if info.num_slots != self.scheduler.config.num_slots:
+            raise RuntimeError(
+                f"the workers came back with {info.num_slots} KV slots instead of "
+                f"{self.scheduler.config.num_slots}: restart the engine"
+            )
+        self.info = info
+        self._down = False
+        self._publish_status()
+        log.info("engine %s: workers are back; serving with an empty prefix cache",
+                 self.engine_id)
 
     # ---- NATS callbacks: hand work to the engine loop ------------------------------------
 
     async def _on_request(self, msg: Msg) -> None:
         assert self.loop is not None
         request = mpb.EngineRequest.FromString(msg.data)
+        if self._down and self._nc is not None:  # sent before the routers heard: elsewhere
+            update = self.updates.rejection(request.rid, request.reply_to, request.detok,
+                                            f"engine {self.engine_id} is down (lost its workers)")
+            update.finish.engine_lost = True
+            await self._nc.publish(subjects.DETOK,
+                                   mpb.TokenStep(updates=[update]).SerializeToString())
+            return
         try:
             req = request_from_proto(request)
         except ValueError as exc:
@@ -197,7 +255,16 @@ class SchedulerService:
 
     async def _forward(self, batch: ScheduledBatch) -> StepResult:
         with self.metrics.forward_timer(), self.traces.forward(batch) as metadata:
-            return await self.workers.forward(batch.batch, metadata)
+            try:
+                return await self.workers.forward(batch.batch, metadata)
+            except grpc.aio.AioRpcError as exc:
+                # Down before the aborts go out, so routers send the retries elsewhere.
+                self._down = True
+                self._publish_status()
+                raise ExecutorLost(
+                    f"engine {self.engine_id} lost its worker ({exc.code().name}: "
+                    f"{exc.details()})"
+                ) from exc
 
     def _scheduled(self, batch: ScheduledBatch, started: int, ended: int) -> None:
         self.traces.scheduled(batch, started, ended)
@@ -232,6 +299,8 @@ class SchedulerService:
             )
             if update.seq == 0 and req.prefetch is not None:
                 self.metrics.prefetched(req.prefetch)
+            if self._down and update.HasField("finish"):
+                update.finish.engine_lost = True
             step.updates.append(update)
             if req.finish is not None:
                 cached.inserted.add(cache_salt=req.namespace or "", token_ids=req.tokens)
@@ -287,5 +356,6 @@ class SchedulerService:
             vocab_size=self.info.vocab_size,
             model_path=self.info.model_path,
             uptime_s=time.monotonic() - self._started,
+            down=self._down,
         )
         asyncio.ensure_future(self._nc.publish(subjects.ENGINES, status.SerializeToString()))

@@ -79,6 +79,11 @@ class WorkerClient:
                     raise
                 await asyncio.sleep(0.2)
 
+    async def ping(self, timeout: float = 2.0) -> None:
+        """Raise grpc.aio.AioRpcError unless every rank answers."""
+        await asyncio.gather(*(s.GetInfo(wpb.WorkerInfoRequest(), timeout=timeout)
+                               for s in self._stubs))
+
     async def forward(
         self, batch: StepBatch, metadata: tuple[tuple[str, str], ...] | None = None
     ) -> StepResult:

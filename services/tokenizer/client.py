@@ -14,6 +14,7 @@ import json
 import logging
 import math
 import random
+import time
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
@@ -95,11 +96,18 @@ class GenerationChunk:
 
 
 class GenerationError(Exception):
-    """A request the mesh could not serve; `status` is the HTTP status to answer with."""
+    """A request the mesh could not serve; `status` is the HTTP status to answer with, and
+    `retry_after` the seconds a client should wait before trying again (overload)."""
 
-    def __init__(self, message: str, status: int = 503) -> None:
+    def __init__(self, message: str, status: int = 503, retry_after: int | None = None) -> None:
         super().__init__(message)
         self.status = status
+        self.retry_after = retry_after
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """The HTTP headers of its answer."""
+        return {} if self.retry_after is None else {"Retry-After": str(self.retry_after)}
 
 
 class GenerationClient(Protocol):
@@ -376,6 +384,11 @@ class ChunkAssembler:
             self._early.clear()
         return ready
 
+    @property
+    def has_gap(self) -> bool:
+        """Chunks arrived past one that has not: held until it comes."""
+        return bool(self._early)
+
     def abort(self, message: str) -> GenerationChunk:
         """The last chunk of a request the mesh gave up on."""
         self.finished = True
@@ -452,6 +465,11 @@ class ChunkAssembler:
 # ---- the client over NATS --------------------------------------------------------------------
 
 
+# How long output may stay out of order before the missing part counts as lost (two
+# detokenizer replicas deliver out of order by milliseconds; a dead one never delivers).
+GAP_TIMEOUT_S = 5.0
+
+
 @dataclass
 class _InFlight:
     """One request this replica sent and is waiting on."""
@@ -459,6 +477,15 @@ class _InFlight:
     engine_id: str
     assembler: ChunkAssembler
     queue: asyncio.Queue[GenerationChunk]
+    last_output: float = field(default_factory=time.monotonic)  # sent, or its last chunk
+    gap_since: float | None = None  # since when a chunk is missing
+    lost: bool = False  # its engine went away or lost its workers
+
+    def end(self, message: str, lost: bool = False) -> None:
+        """End it with an abort (the mesh gave up on it; `lost`: with its engine)."""
+        if not self.assembler.finished:
+            self.lost = self.lost or lost
+            self.queue.put_nowait(self.assembler.abort(message))
 
 
 class MeshClient:
@@ -475,6 +502,8 @@ class MeshClient:
         engine_timeout_s: float = 3.0,
         control_timeout_s: float = 5.0,
         grammar_backend: str = "xgrammar",
+        max_queued: int = 0,
+        stall_timeout_s: float = 0.0,
     ) -> None:
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -487,6 +516,9 @@ class MeshClient:
         self._control_timeout_s = control_timeout_s
         self._reply_to = subjects.tokenizer_out(replica_id)
         self._in_flight: dict[str, _InFlight] = {}
+        self.max_queued = max_queued  # 0: no limit
+        self.stall_timeout_s = stall_timeout_s  # 0: a request may wait for output forever
+        self.queued = 0  # requests sent that have no output yet
         self._subs: list[Subscription] = []
         self._reaper: asyncio.Task[None] | None = None
         self._changed = asyncio.Condition()
@@ -515,7 +547,7 @@ class MeshClient:
         self._subs.clear()
         for rid, flight in list(self._in_flight.items()):
             if not flight.assembler.finished:
-                flight.queue.put_nowait(flight.assembler.abort("the tokenizer is shutting down"))
+                flight.end("the tokenizer is shutting down")
                 await self._abort(flight.engine_id, rid)
 
     # ---- what the front doors read -------------------------------------------------------
@@ -548,6 +580,13 @@ class MeshClient:
         """Run a request on an engine; closing the iterator early aborts it there."""
         if request.rid in self._in_flight:
             raise GenerationError(f"request id {request.rid!r} is already running", 400)
+        if self.max_queued and self.queued >= self.max_queued:
+            self.metrics.overloaded()
+            raise GenerationError(
+                f"the server is busy: {self.queued} requests are waiting for their first "
+                f"token (max_queued_requests {self.max_queued}); retry later", 503,
+                retry_after=1,
+            )
         trace = RequestTrace(request)
         try:
             route = trace.route(self.router, request)
@@ -562,24 +601,55 @@ class MeshClient:
         flight = _InFlight(route.engine_id, ChunkAssembler(request), asyncio.Queue())
         self._in_flight[request.rid] = flight
         observed = self.metrics.request(len(request.input_ids))
-        finished = False
+        finished = retried = False
+        waiting = True
+        self.queued += 1
         try:
             await self._nc.publish(
                 subjects.engine_generate(route.engine_id), payload, headers=trace.headers()
             )
             while not finished:
                 chunk = await flight.queue.get()
+                if not retried and await self._retry(flight, chunk, request, trace):
+                    retried = True  # once: on another engine, as if new
+                    continue
+                if waiting:
+                    waiting = False
+                    self.queued -= 1
                 observed.on_chunk(chunk)
                 finished = chunk.finish is not None
                 trace.chunk(chunk)
                 yield chunk
         finally:
+            if waiting:
+                self.queued -= 1
             del self._in_flight[request.rid]
             observed.close()
             if not finished and not flight.assembler.finished:
                 with trace.aborting("the caller stopped reading") as abort_headers:
-                    await self._abort(route.engine_id, request.rid, abort_headers)
+                    await self._abort(flight.engine_id, request.rid, abort_headers)
             trace.end()
+
+    async def _retry(self, flight: _InFlight, chunk: GenerationChunk,
+                     request: GenerationRequest, trace: RequestTrace) -> bool:
+        """Send a request its engine lost before any output to another engine; whether it
+        went (False: nothing to retry, or no other engine)."""
+        if chunk.finish is None or not flight.lost or flight.assembler.completion_tokens:
+            return False
+        lost = flight.engine_id
+        self.router.remove_engine(lost)  # until it says it is back
+        try:
+            route = trace.route(self.router, request)
+        except LookupError:
+            return False
+        log.warning("request %s: engine %s lost it before any output; retrying on %s",
+                    request.rid, lost, route.engine_id)
+        flight.engine_id, flight.lost = route.engine_id, False
+        flight.assembler = ChunkAssembler(request)
+        flight.last_output, flight.gap_since = time.monotonic(), None
+        await self._nc.publish(subjects.engine_generate(route.engine_id),
+                               self._engine_request(request, route), headers=trace.headers())
+        return True
 
     def _engine_request(self, request: GenerationRequest, route: Route) -> bytes:
         params = request.params
@@ -665,6 +735,12 @@ class MeshClient:
         status = mpb.EngineStatus.FromString(msg.data)
         if not status.engine_id:
             return
+        if status.down:  # lost its workers: it ends its requests itself, route around it
+            if self.engines.forget(status.engine_id):
+                log.warning("engine %s is down; routing around it", status.engine_id)
+                self.router.remove_engine(status.engine_id)
+                await self._membership_changed()
+            return
         self.router.update_engine(status.engine_id, status.running + status.waiting)
         if self.engines.heard(status):
             log.info("engine %s joined (context %d)", status.engine_id, status.context_length)
@@ -682,22 +758,50 @@ class MeshClient:
             flight = self._in_flight.get(chunk.rid)
             if flight is None:
                 continue  # a late chunk of a request that already ended
+            flight.last_output = time.monotonic()
+            if chunk.finish.engine_lost:
+                flight.lost = True
             for out in flight.assembler.add(chunk):
                 flight.queue.put_nowait(out)
+            if not flight.assembler.has_gap:
+                flight.gap_since = None
+            elif flight.gap_since is None:
+                flight.gap_since = flight.last_output
 
     async def _reap_loop(self) -> None:
+        period = min(self.engines.timeout_s / 4, 1.0)
         while True:
-            await asyncio.sleep(self.engines.timeout_s / 4)
+            slept = time.monotonic()
+            await asyncio.sleep(period)
+            if time.monotonic() - slept > 2 * period:
+                continue  # this loop was busy: heartbeats may be waiting to be read
             gone = self.engines.expire()
             for engine_id in gone:
                 log.warning("engine %s fell silent; dropping it", engine_id)
                 self.router.remove_engine(engine_id)
                 for flight in self._in_flight.values():
-                    if flight.engine_id == engine_id and not flight.assembler.finished:
-                        message = f"engine {engine_id} went away"
-                        flight.queue.put_nowait(flight.assembler.abort(message))
+                    if flight.engine_id == engine_id:
+                        flight.end(f"engine {engine_id} went away", lost=True)
             if gone:
                 await self._membership_changed()
+            await self._end_stalled()
+
+    async def _end_stalled(self) -> None:
+        """End requests whose output has a hole that is not filling (a detokenizer died
+        holding part of it), or that had no output for stall_timeout_s."""
+        now = time.monotonic()
+        for rid, flight in list(self._in_flight.items()):
+            if flight.assembler.finished:
+                continue
+            if flight.gap_since is not None and now - flight.gap_since > GAP_TIMEOUT_S:
+                message = "part of the output was lost on its way (a detokenizer went away)"
+            elif self.stall_timeout_s and now - flight.last_output > self.stall_timeout_s:
+                message = f"no output for {self.stall_timeout_s:g} s"
+            else:
+                continue
+            log.warning("request %s: %s; ending it", rid, message)
+            flight.end(message)
+            await self._abort(flight.engine_id, rid)
 
     async def _membership_changed(self) -> None:
         metrics.ENGINES.set(len(self.engines))

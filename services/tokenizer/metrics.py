@@ -52,6 +52,11 @@ NUM_ABORTED = Counter(
     "Requests ended by an abort: the client hung up, or an engine or the mesh gave up",
     _MODEL,
 )
+NUM_OVERLOADED = Counter(
+    "radixmesh:num_overloaded_requests_total",
+    "Requests refused with 503 because max_queued_requests were already waiting",
+    _MODEL,
+)
 TIME_TO_FIRST_TOKEN = Histogram(
     "radixmesh:time_to_first_token_seconds",
     "From sending a request to an engine to its first output token",
@@ -85,9 +90,14 @@ class TokenizerMetrics:
         self.cached_tokens = {t: CACHED_TOKENS.labels(**labels, tier=t) for t in _TIERS}
         self.num_requests = NUM_REQUESTS.labels(**labels)
         self.num_aborted = NUM_ABORTED.labels(**labels)
+        self.num_overloaded = NUM_OVERLOADED.labels(**labels)
         self.ttft = TIME_TO_FIRST_TOKEN.labels(**labels)
         self.itl = INTER_TOKEN_LATENCY.labels(**labels)
         self.e2e = E2E_LATENCY.labels(**labels)
+
+    def overloaded(self) -> None:
+        """A request refused for max_queued_requests."""
+        self.num_overloaded.inc()
 
     def request(self, prompt_tokens: int) -> RequestMetrics:
         """Start timing a request that is about to be sent to an engine."""

@@ -119,7 +119,7 @@ class NativeApi:
         try:
             await asyncio.gather(*tasks)
         except GenerationError as exc:
-            return error_response(str(exc), exc.status)
+            return error_response(str(exc), exc.status, exc.headers)
         finally:
             await _cancel(tasks)
         bodies = [out.body() for out in outputs]
@@ -146,7 +146,7 @@ class NativeApi:
                 index, event = await events.get()
                 if isinstance(event, GenerationError):
                     if response is None:  # nothing sent yet: a plain error answer
-                        return error_response(str(event), event.status)
+                        return error_response(str(event), event.status, event.headers)
                     await response.write(sse_event(error_body(str(event), event.status)))
                     break
                 if response is None:
@@ -252,9 +252,10 @@ def error_body(message: str, status: int = 400) -> dict[str, Any]:
     return {"error": {"message": message, "type": kind, "code": status}}
 
 
-def error_response(message: str, status: int = 400) -> web.Response:
+def error_response(message: str, status: int = 400, headers: dict[str, str] | None = None
+                   ) -> web.Response:
     """An error answer with `error_body`."""
-    return web.json_response(error_body(message, status), status=status)
+    return web.json_response(error_body(message, status), status=status, headers=headers)
 
 
 # ---- the /generate body ----------------------------------------------------------------------

@@ -61,9 +61,11 @@ def add_openai_routes(app: web.Application, client: GenerationClient) -> None:
     app.router.add_post("/v1/chat/completions", routes.chat_completions)
 
 
-def error_response(message: str, status: int = 400, param: str | None = None) -> web.Response:
+def error_response(message: str, status: int = 400, param: str | None = None,
+                   headers: dict[str, str] | None = None) -> web.Response:
     """An error answer in OpenAI's shape."""
-    return web.json_response(error_body(message, status, param), status=status)
+    return web.json_response(error_body(message, status, param), status=status,
+                             headers=headers)
 
 
 class OpenAIRoutes:
@@ -134,7 +136,7 @@ class OpenAIRoutes:
                     return await _stream(request, fanout, builder)
                 return await _complete(fanout, builder)
             except GenerationError as exc:
-                return error_response(str(exc), exc.status)
+                return error_response(str(exc), exc.status, headers=exc.headers)
             except ClientGone:
                 log.info("client of %s went away; its requests were aborted", parsed.id)
                 return web.Response(status=CLIENT_CLOSED)

@@ -294,6 +294,10 @@ class EngineRegistry:
         self._engines[status.engine_id] = EngineEntry(status, _now(now))
         return new
 
+    def forget(self, engine_id: str) -> bool:
+        """Drop an engine now (it said it is down); whether it was known."""
+        return self._engines.pop(engine_id, None) is not None
+
     def expire(self, now: float | None = None) -> list[str]:
         """Forget and return the engines silent for longer than the timeout."""
         cutoff = _now(now) - self.timeout_s

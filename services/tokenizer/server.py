@@ -5,9 +5,7 @@ engines over NATS."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
-import re
 from typing import Any
 
 import grpc
@@ -15,9 +13,11 @@ import nats
 from aiohttp import web
 from nats.aio.client import Client as NATS
 
+from radixmesh.core import grammar
 from radixmesh.core.model_files import resolve_model_path, served_name
-from radixmesh.core.settings import TokenizerServiceConfig
+from radixmesh.core.settings import TokenizerServiceConfig, shown
 from radixmesh.core.tokenizer import Tokenizer
+from radixmesh.services.tokenizer.auth import ApiKeyInterceptor, auth_middleware
 from radixmesh.services.tokenizer.client import MeshClient
 from radixmesh.services.tokenizer.grpc_api import TRACED_RPCS, PublicPort
 from radixmesh.services.tokenizer.http_util import metrics_middleware
@@ -31,10 +31,8 @@ log = logging.getLogger("radixmesh.tokenizer")
 
 
 def public_args(config: TokenizerServiceConfig) -> dict[str, Any]:
-    """The config as /server_info shows it: without credentials in the NATS address."""
-    args = dataclasses.asdict(config)
-    args["nats_url"] = re.sub(r"//[^/@]*@", "//", config.nats_url)
-    return args
+    """The config as /server_info shows it: no API key, no credentials in the NATS address."""
+    return shown(config)
 
 
 class TokenizerServer:
@@ -67,10 +65,19 @@ class TokenizerServer:
             Router(cfg),
             engine_timeout_s=cfg.engine_timeout,
             grammar_backend=cfg.grammar_backend,
+            max_queued=cfg.max_queued_requests,
+            stall_timeout_s=cfg.stall_timeout,
         )
         await client.start()
+        if cfg.grammar_backend != "none":
+            # Its import takes seconds: not on the event loop when the first constraint comes.
+            asyncio.get_running_loop().run_in_executor(None, grammar.import_backend,
+                                                       cfg.grammar_backend)
 
-        app = web.Application(middlewares=[tracing_middleware, metrics_middleware])
+        middlewares = [tracing_middleware, metrics_middleware]
+        if cfg.api_key:
+            middlewares.append(auth_middleware(cfg.api_key))
+        app = web.Application(middlewares=middlewares)
         NativeApi(client, str(model_path), public_args(cfg)).add_routes(app)
         add_openai_routes(app, client)
         # Cancelling the handler of a client that hung up closes its generation, which
@@ -83,15 +90,19 @@ class TokenizerServer:
         self.port = self._runner.addresses[0][1]
 
         if cfg.grpc_port >= 0:
-            self._grpc = grpc.aio.server(interceptors=tracing_interceptors(TRACED_RPCS))
+            interceptors = tracing_interceptors(TRACED_RPCS)
+            if cfg.api_key:
+                interceptors = [ApiKeyInterceptor(cfg.api_key), *interceptors]
+            self._grpc = grpc.aio.server(interceptors=interceptors)
             self._public = PublicPort(self._grpc, client)
             self.grpc_port = self._grpc.add_insecure_port(f"{cfg.host}:{cfg.grpc_port}")
             await self._public.serving()
             await self._grpc.start()
         log.info(
-            "tokenizer %s serving %s: HTTP on %s:%d, gRPC %s",
+            "tokenizer %s serving %s: HTTP on %s:%d, gRPC %s, %s",
             cfg.replica_id, client.model_name, cfg.host, self.port,
             f"on {cfg.host}:{self.grpc_port}" if self._grpc else "off",
+            "API key required" if cfg.api_key else "no API key",
         )
 
     async def stop(self) -> None:
