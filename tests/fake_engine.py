@@ -51,7 +51,9 @@ def _top(token_id: int, n: int) -> wpb.TopLogprobs:
 class FakeEngine:
     """Options: `reverse` sends a request's chunks last first; `extra_finish` sends a second,
     later finish that must be ignored; `hold` sends one chunk and waits for the abort;
-    `delay_s` spaces the chunks."""
+    `delay_s` spaces the chunks; `lose` ends each request at once as an engine that lost its
+    workers does; `gap` never sends a request's first chunk (as if a detokenizer died with
+    it). `down` makes its heartbeats say it is down."""
 
     def __init__(
         self,
@@ -65,6 +67,8 @@ class FakeEngine:
         extra_finish: bool = False,
         hold: bool = False,
         delay_s: float = 0.0,
+        lose: bool = False,
+        gap: bool = False,
     ) -> None:
         self.nc = nc
         self.engine_id = engine_id
@@ -75,6 +79,9 @@ class FakeEngine:
         self.extra_finish = extra_finish
         self.hold = hold
         self.delay_s = delay_s
+        self.lose = lose
+        self.gap = gap
+        self.down = False
         self.load = 0  # running + waiting it reports
         self.flush_ok = True
         self.requests: list[mpb.EngineRequest] = []
@@ -128,6 +135,7 @@ class FakeEngine:
             context_length=self.context_length,
             vocab_size=self.vocab_size,
             model_path="fake",
+            down=self.down,
         )
 
     async def _beat(self) -> None:
@@ -169,6 +177,13 @@ class FakeEngine:
 
     async def _answer(self, request: mpb.EngineRequest) -> None:
         chunks = self._chunks(request)
+        if self.lose:
+            lost = mpb.TextChunk(rid=request.rid, seq=0, prompt_tokens=len(request.input_ids))
+            lost.finish.CopyFrom(mpb.Finish(kind="abort", message=f"engine {self.engine_id} "
+                                            "lost its worker", engine_lost=True))
+            chunks = [lost]
+        elif self.gap:
+            chunks = chunks[1:]
         if self.hold:
             await self._send(request, chunks[:1])
             await self.wait_for("aborts", len(self.aborts) + 1, timeout_s=30)

@@ -37,6 +37,7 @@ from radixmesh.core.settings import TokenizerServiceConfig
 from radixmesh.proto import generate_pb2 as gpb
 from radixmesh.proto import generate_pb2_grpc as ggrpc
 from radixmesh.proto import mesh_pb2 as mpb
+from radixmesh.services.tokenizer import client as client_module
 from radixmesh.services.tokenizer.client import (
     ChunkAssembler,
     GenerationChunk,
@@ -218,6 +219,54 @@ async def test_past_max_queued_requests_is_503_with_retry_after_then_room_again(
     assert [len(chunks) for chunks in await asyncio.gather(*waiting)] == [2, 2]
     assert mesh.client.queued == 0
     assert [c.output_ids for c in await _run(mesh.client, _request([3], max_new_tokens=1))] == [[3]]
+
+
+async def test_a_down_engine_is_routed_around_at_once(mesh):
+    down = await mesh.add_engine("down")
+    up = await mesh.add_engine("up")
+    down.down = True
+    while down.engine_id in mesh.client.engines:
+        await asyncio.sleep(0.01)
+    assert mesh.client.engines.ids == [up.engine_id]
+    for i in range(4):
+        await _run(mesh.client, _request([i, 7, 7], max_new_tokens=1))
+    assert not down.requests and len(up.requests) == 4
+
+
+async def test_a_request_its_engine_lost_before_any_output_is_retried_once(mesh):
+    losing = await mesh.add_engine("losing", lose=True)
+    # Only the losing engine: the retry finds no other and the abort stands.
+    chunks = await _run(mesh.client, _request([1, 2], max_new_tokens=2))
+    assert [c.finish for c in chunks] == [{"type": "abort", "matched": None,
+                                           "message": f"engine {losing.engine_id} lost its worker"}]
+    # With a healthy engine too: the lost request runs there, as if new.
+    healthy = await mesh.add_engine("healthy")
+    healthy.load = 5  # busier: the losing engine is picked first
+    await asyncio.sleep(0.2)  # both heartbeats heard again
+    chunks = await _run(mesh.client, _request([1, 2], max_new_tokens=2))
+    assert [c.output_ids for c in chunks] == [[1], [2]]
+    assert chunks[-1].finish["type"] == "length"
+    assert len(losing.requests) == 2 and len(healthy.requests) == 1
+
+
+async def test_output_with_a_lasting_hole_ends_and_is_aborted(mesh, monkeypatch):
+    monkeypatch.setattr(client_module, "GAP_TIMEOUT_S", 0.3)
+    engine = await mesh.add_engine("e", gap=True)
+    chunks = await _run(mesh.client, _request([1, 2, 3], rid="holed", max_new_tokens=3))
+    assert chunks[-1].finish == {
+        "type": "abort", "matched": None,
+        "message": "part of the output was lost on its way (a detokenizer went away)"}
+    await engine.wait_for("aborts")
+    assert engine.aborts == ["holed"]
+
+
+async def test_a_request_without_output_for_stall_timeout_ends(mesh):
+    engine = await mesh.add_engine("e", delay_s=5.0)
+    mesh.client.stall_timeout_s = 0.3
+    chunks = await _run(mesh.client, _request([1], rid="stalled", max_new_tokens=2))
+    assert chunks[-1].finish == {"type": "abort", "matched": None,
+                                 "message": "no output for 0.3 s"}
+    await engine.wait_for("aborts")
 
 
 async def test_a_rid_already_running_is_refused(mesh):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import secrets
 import time
 from collections.abc import Awaitable
 from typing import Any
@@ -57,6 +58,7 @@ class SchedulerService:
         self.info: wpb.WorkerInfo | None = None
         self._refused: list[mpb.TokenUpdate] = []  # published with the next step
         self._down = False  # lost its workers; waiting for them to come back
+        self._instance = secrets.token_hex(8)
         self._started = time.monotonic()
         self._nc: nats.NATS | None = None
         self._status = StatusServer(config.host, config.metrics_port, self._health)
@@ -357,5 +359,6 @@ class SchedulerService:
             model_path=self.info.model_path,
             uptime_s=time.monotonic() - self._started,
             down=self._down,
+            instance=self._instance,
         )
         asyncio.ensure_future(self._nc.publish(subjects.ENGINES, status.SerializeToString()))

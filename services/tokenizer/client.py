@@ -741,8 +741,13 @@ class MeshClient:
                 self.router.remove_engine(status.engine_id)
                 await self._membership_changed()
             return
+        heard = self.engines.heard(status)
+        if heard == "restarted":  # the requests sent to the one before are lost
+            log.warning("engine %s restarted", status.engine_id)
+            self.router.remove_engine(status.engine_id)
+            self._engine_lost(status.engine_id, f"engine {status.engine_id} restarted")
         self.router.update_engine(status.engine_id, status.running + status.waiting)
-        if self.engines.heard(status):
+        if heard:
             log.info("engine %s joined (context %d)", status.engine_id, status.context_length)
             await self._membership_changed()
 
@@ -779,12 +784,17 @@ class MeshClient:
             for engine_id in gone:
                 log.warning("engine %s fell silent; dropping it", engine_id)
                 self.router.remove_engine(engine_id)
-                for flight in self._in_flight.values():
-                    if flight.engine_id == engine_id:
-                        flight.end(f"engine {engine_id} went away", lost=True)
+                self._engine_lost(engine_id, f"engine {engine_id} went away")
             if gone:
                 await self._membership_changed()
             await self._end_stalled()
+
+    def _engine_lost(self, engine_id: str, message: str) -> None:
+        """End the requests sent to an engine that is gone (retried when they had no
+        output yet)."""
+        for flight in self._in_flight.values():
+            if flight.engine_id == engine_id:
+                flight.end(message, lost=True)
 
     async def _end_stalled(self) -> None:
         """End requests whose output has a hole that is not filling (a detokenizer died

@@ -288,11 +288,14 @@ class EngineRegistry:
         """The engine's last heartbeat."""
         return self._engines[engine_id].status
 
-    def heard(self, status: mpb.EngineStatus, now: float | None = None) -> bool:
-        """Record a heartbeat; True when the engine is new."""
-        new = status.engine_id not in self._engines
+    def heard(self, status: mpb.EngineStatus, now: float | None = None) -> str:
+        """Record a heartbeat: "new" (an engine not known), "restarted" (another scheduler
+        process under a known id) or "" (known)."""
+        known = self._engines.get(status.engine_id)
         self._engines[status.engine_id] = EngineEntry(status, _now(now))
-        return new
+        if known is None:
+            return "new"
+        return "restarted" if known.status.instance != status.instance else ""
 
     def forget(self, engine_id: str) -> bool:
         """Drop an engine now (it said it is down); whether it was known."""

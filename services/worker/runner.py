@@ -146,6 +146,8 @@ class ModelRunner:
         """Run one step: forget released requests, admit new ones, load KV from the host
         pool, compute, sample, start backups to the host pool."""
         began = time.perf_counter()
+        if batch.step == 1:  # a scheduler (re)started: what the one before sent is gone
+            self.requests.clear()
         for rid in batch.release:
             self.requests.pop(rid, None)
         for spec in batch.new_requests:
