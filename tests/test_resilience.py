@@ -2,7 +2,8 @@
 model): SIGKILL a worker, a detokenizer, a scheduler and a tokenizer, each under load. No
 request hangs; those of the killed replica end with a clear error (or are retried, when
 they had no output yet); the others complete with their exact token counts; new requests
-succeed within 10 s; the supervisor restarts the replica and it serves again."""
+succeed within 10 s; the supervisor restarts the replica and it serves again. NATS stopped
+and started again under load: the same, every service reconnecting by itself."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import asyncio
 import os
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import httpx
 import pytest
@@ -62,9 +63,9 @@ def outcome(reply: httpx.Response) -> tuple[str, str | int]:
     return "ok", body["meta_info"]["completion_tokens"]
 
 
-def under_load(mesh: Mesh, victim: str, url: str | None = None, n: int = 8
-               ) -> list[tuple[str, str | int]]:
-    """n requests at once; the victim is killed once they are under way."""
+def under_load(mesh: Mesh, victim: str | Callable[[], None], url: str | None = None,
+               n: int = 8) -> list[tuple[str, str | int]]:
+    """n requests at once; the victim is killed (or called) once they are under way."""
     target = url or mesh.url
 
     async def run() -> list[tuple[str, str | int]]:
@@ -73,7 +74,10 @@ def under_load(mesh: Mesh, victim: str, url: str | None = None, n: int = 8
                 "/generate", json={"text": f"Story {i}: once upon a time", **BODY}))
                 for i in range(n)]
             await asyncio.sleep(1.5)
-            kill(mesh, victim)
+            if callable(victim):
+                await asyncio.to_thread(victim)
+            else:
+                kill(mesh, victim)
             replies = await asyncio.gather(*calls, return_exceptions=True)
         return [("error", f"{type(r).__name__}") if isinstance(r, BaseException)
                 else outcome(r) for r in replies]
@@ -132,3 +136,24 @@ def test_a_killed_tokenizer(mesh):
     assert serves(mesh.url)  # the other tokenizer never stopped
     wait_until(lambda: serves(second), 60, "the tokenizer back on its port")
     assert mesh.supervisor.restarts()["tokenizer-1"] == 1
+
+
+def test_nats_stopped_and_started_again(mesh):
+    assert mesh.nats is not None and mesh.supervisor is not None
+    restarts = sum(mesh.supervisor.restarts().values())
+
+    def outage() -> None:
+        mesh.nats.stop()
+        time.sleep(3)
+        mesh.nats.start()
+
+    results = under_load(mesh, outage)
+    back = time.monotonic()
+    for kind, message in results:
+        assert kind == "ok" or "message bus was interrupted" in message or "went away" in \
+            message, results
+    assert all(n == NEW_TOKENS for kind, n in results if kind == "ok"), results
+    wait_until(lambda: serves(mesh.url), 10, "a new request served after NATS is back")
+    assert time.monotonic() - back < 10
+    wait_until(lambda: len(engines(mesh.url)) == 2, 30, "both engines heard again")
+    assert sum(mesh.supervisor.restarts().values()) == restarts  # no service died of it

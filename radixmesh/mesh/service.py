@@ -1,5 +1,6 @@
 """The lifecycle every mesh service shares: one config line at start, /health and
-/metrics over HTTP, and a clean stop on SIGTERM or SIGINT."""
+/metrics over HTTP, a NATS connection that rides out NATS restarts, and a clean stop on
+SIGTERM or SIGINT."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ import signal
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
+import nats
 from aiohttp import web
+from nats.aio.client import Client as NATS
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from radixmesh.core.settings import ServiceSettings, parse_config, shown
@@ -36,6 +39,31 @@ def configure_service(config_cls: type[C], service: str, instance: Callable[[C],
     )
     init_tracing(service, instance(config))
     return config
+
+
+async def connect_bus(
+    url: str, name: str, on_reconnect: Callable[[], Awaitable[None]] | None = None
+) -> NATS:
+    """Connect to NATS as `name` (credentials in the URL are used), reconnecting forever
+    every second while it is away (logged); `on_reconnect` runs once it is back
+    (subscriptions come back by themselves)."""
+    bus = logging.getLogger("radixmesh.nats")
+
+    async def error(exc: Exception) -> None:
+        bus.warning("%s: NATS: %s", name, exc)
+
+    async def disconnected() -> None:
+        bus.warning("%s: NATS connection lost; reconnecting", name)
+
+    async def reconnected() -> None:
+        bus.info("%s: NATS connection back", name)
+        if on_reconnect is not None:
+            await on_reconnect()
+
+    return await nats.connect(
+        url, name=name, max_reconnect_attempts=-1, reconnect_time_wait=1.0,
+        error_cb=error, disconnected_cb=disconnected, reconnected_cb=reconnected,
+    )
 
 
 def stop_event() -> asyncio.Event:

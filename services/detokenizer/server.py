@@ -18,7 +18,7 @@ from radixmesh.core.model_files import resolve_model_path
 from radixmesh.core.settings import DetokenizerConfig
 from radixmesh.core.tokenizer import Tokenizer
 from radixmesh.mesh import subjects
-from radixmesh.mesh.service import StatusServer
+from radixmesh.mesh.service import StatusServer, connect_bus
 from radixmesh.proto import mesh_pb2 as mpb
 from radixmesh.services.detokenizer import metrics
 from radixmesh.services.detokenizer.step_trace import StepTrace
@@ -142,9 +142,6 @@ def step_replies(step: mpb.TokenStep, decode: DecodeFn) -> StepReplies:
     return StepReplies(chunks, aborts, stop_matches, errors)
 
 
-async def _log_nats_error(error: Exception) -> None:
-    log.warning("nats: %s", str(error) or type(error).__name__)
-
 
 class DetokenizerService:
     """One stateless replica in the detokenizer queue group."""
@@ -166,13 +163,8 @@ class DetokenizerService:
         if self.tokenizer is None:
             path = str(resolve_model_path(self.config.model_path))
             self.tokenizer = await asyncio.to_thread(Tokenizer.from_path, path)
-        self._nc = await nats.connect(
-            self.config.nats_url,
-            name=f"detokenizer-{self.config.replica_id}",
-            # A stateless replica rides out NATS restarts instead of exiting.
-            max_reconnect_attempts=-1,
-            error_cb=_log_nats_error,
-        )
+        self._nc = await connect_bus(self.config.nats_url,
+                                     f"detokenizer-{self.config.replica_id}")
         await self._nc.subscribe(subjects.DETOK, queue=subjects.DETOK_QUEUE, cb=self._on_step)
         await self._nc.flush()
         log.info(

@@ -14,6 +14,7 @@ from typing import Any
 import grpc
 import nats
 from nats.aio.msg import Msg
+from nats.errors import Error as NatsError
 
 from radixmesh.core.hicache import KVGeometry
 from radixmesh.core.model_files import model_fingerprint, resolve_model_path, served_name
@@ -22,7 +23,7 @@ from radixmesh.core.settings import SchedulerServiceConfig
 from radixmesh.core.step import StepResult
 from radixmesh.core.tokenizer import Tokenizer
 from radixmesh.mesh import subjects
-from radixmesh.mesh.service import StatusServer
+from radixmesh.mesh.service import StatusServer, connect_bus
 from radixmesh.proto import mesh_pb2 as mpb
 from radixmesh.proto import worker_pb2 as wpb
 from radixmesh.services.scheduler.cachectl_client import CachectlClient
@@ -87,7 +88,7 @@ class SchedulerService:
         )
         await self._start_host_tier()
         self.metrics.start(served_name(model_path), self.info.num_slots)
-        self._nc = await nats.connect(self.config.nats_url, name=f"scheduler-{self.engine_id}")
+        self._nc = await connect_bus(self.config.nats_url, f"scheduler-{self.engine_id}")
         nc = self._nc
         await nc.subscribe(
             subjects.engine_generate(self.engine_id),
@@ -310,12 +311,15 @@ class SchedulerService:
             self.host_link.report(sched)
         # Before publishing: once a client has its answer, the gauges already show it.
         self.metrics.state(sched)
-        if step.updates:
-            await self._nc.publish(subjects.DETOK, step.SerializeToString())
-        if cached.inserted:
-            await self._nc.publish(
-                subjects.cache_events(self.engine_id), cached.SerializeToString()
-            )
+        try:
+            if step.updates:
+                await self._nc.publish(subjects.DETOK, step.SerializeToString())
+            if cached.inserted:
+                await self._nc.publish(
+                    subjects.cache_events(self.engine_id), cached.SerializeToString()
+                )
+        except NatsError as exc:  # NATS away too long: the tokenizers end those requests
+            log.warning("engine %s: output not sent (%s)", self.engine_id, exc)
 
     # ---- status ------------------------------------------------------------------------
 

@@ -789,6 +789,14 @@ class MeshClient:
                 await self._membership_changed()
             await self._end_stalled()
 
+    async def bus_interrupted(self) -> None:
+        """NATS came back: output sent meanwhile is lost, so every request in flight ends
+        (aborted on its engine), with a clear error rather than a hole in its text."""
+        for rid, flight in list(self._in_flight.items()):
+            if not flight.assembler.finished:
+                flight.end("the connection to the mesh's message bus was interrupted")
+                await self._abort(flight.engine_id, rid)
+
     def _engine_lost(self, engine_id: str, message: str) -> None:
         """End the requests sent to an engine that is gone (retried when they had no
         output yet)."""

@@ -9,7 +9,6 @@ import logging
 from typing import Any
 
 import grpc
-import nats
 from aiohttp import web
 from nats.aio.client import Client as NATS
 
@@ -17,6 +16,7 @@ from radixmesh.core import grammar
 from radixmesh.core.model_files import resolve_model_path, served_name
 from radixmesh.core.settings import TokenizerServiceConfig, shown
 from radixmesh.core.tokenizer import Tokenizer
+from radixmesh.mesh.service import connect_bus
 from radixmesh.services.tokenizer.auth import ApiKeyInterceptor, auth_middleware
 from radixmesh.services.tokenizer.client import MeshClient
 from radixmesh.services.tokenizer.grpc_api import TRACED_RPCS, PublicPort
@@ -54,9 +54,8 @@ class TokenizerServer:
         cfg = self.config
         model_path = resolve_model_path(cfg.model_path)
         tokenizer = self._tokenizer or await asyncio.to_thread(Tokenizer.from_path, str(model_path))
-        self._nc = await nats.connect(
-            cfg.nats_url, name=f"tokenizer-{cfg.replica_id}", error_cb=_log_nats_error
-        )
+        self._nc = await connect_bus(cfg.nats_url, f"tokenizer-{cfg.replica_id}",
+                                     self._bus_back)
         client = self.client = MeshClient(
             self._nc,
             tokenizer,
@@ -105,6 +104,10 @@ class TokenizerServer:
             "API key required" if cfg.api_key else "no API key",
         )
 
+    async def _bus_back(self) -> None:
+        if self.client is not None:
+            await self.client.bus_interrupted()
+
     async def stop(self) -> None:
         """Turn gRPC health NOT_SERVING, stop accepting, let in-flight requests finish
         within the grace period (then abort them), and leave NATS."""
@@ -123,6 +126,3 @@ class TokenizerServer:
             await self._nc.drain()
         log.info("tokenizer %s stopped", self.config.replica_id)
 
-
-async def _log_nats_error(exc: Exception) -> None:
-    log.warning("NATS: %s", exc)
