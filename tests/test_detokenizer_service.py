@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import os
 import queue
 import re
 import signal
@@ -244,3 +245,27 @@ def test_sigterm_stops_the_process_cleanly(nats_url: str) -> None:
         assert re.search(r"/metrics on 127\.0\.0\.1:\d+", seen[-1])
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
+
+
+def test_nats_credentials_in_the_url_are_used_and_never_shown() -> None:
+    from radixmesh.mesh.nats_server import EmbeddedNats
+
+    with EmbeddedNats(user="rm", password="pw-7c1e9") as server:
+        for url, ok in [(server.url, True), (server.url.replace("pw-7c1e9", "wrong"), False)]:
+            env = {**os.environ, "RADIXMESH_NATS_URL": url}
+            with service_process("radixmesh.services.detokenizer", env=env) as proc:
+                lines: queue.Queue[str] = queue.Queue()
+                threading.Thread(target=_lines, args=(proc.stderr, lines), daemon=True).start()
+                if ok:
+                    seen = [lines.get(timeout=60)]
+                    while " ready: " not in seen[-1]:
+                        seen.append(lines.get(timeout=60))
+                    assert "nats://127.0.0.1:" in seen[0]  # the URL, less its credentials
+                    assert not any("pw-7c1e9" in line for line in seen)
+                    proc.send_signal(signal.SIGTERM)
+                    assert proc.wait(timeout=30) == 0
+                else:  # refused: it says why, and keeps trying (as for a server not up yet)
+                    seen = [lines.get(timeout=60)]
+                    while "uthorization" not in seen[-1]:
+                        seen.append(lines.get(timeout=60))
+                    assert not any(" ready: " in line for line in seen)

@@ -436,9 +436,10 @@ def test_boolean_flag_rejects_other_words(capsys) -> None:
 
 
 def test_launcher_hands_every_service_the_settings_it_shares(monkeypatch) -> None:
-    commands: list[list[str]] = []
+    commands: list[tuple[list[str], dict[str, str]]] = []
     monkeypatch.setattr(
-        "radixmesh.launcher.subprocess.Popen", lambda args, **_: commands.append(args)
+        "radixmesh.launcher.subprocess.Popen",
+        lambda args, env, **_: commands.append((args, env)),
     )
     args = MeshArgs(
         model_path="/models/m.gguf", dtype="float32", device="cpu", attention_backend="torch",
@@ -453,10 +454,14 @@ def test_launcher_hands_every_service_the_settings_it_shares(monkeypatch) -> Non
     mesh._spawn("detokenizer-0", "detokenizer", {"replica_id": "d0"})
     mesh._start_tokenizer(0)
     started: dict[str, list[Settings]] = {}
-    for command in commands:
+    for command, env in commands:
         at = command.index("-m")
         service = command[at + 1].rsplit(".", 1)[1]
-        config = parse_config(SERVICE_CONFIGS[service], command[at + 2:])
+        assert not any("nats://" in arg for arg in command)  # secrets go in the environment
+        with monkeypatch.context() as m:
+            for name, value in env.items():
+                m.setenv(name, value)
+            config = parse_config(SERVICE_CONFIGS[service], command[at + 2:])
         started.setdefault(service, []).append(config)
     assert {s: len(c) for s, c in started.items()} == {
         "worker": 2, "scheduler": 1, "detokenizer": 1, "tokenizer": 1

@@ -58,7 +58,9 @@ class Setting:
     flag: str | None = None  # the flag's name (no dashes in front) when not the field's
     aliases: tuple[str, ...] = ()  # more flag names
     env: tuple[str, ...] = ()  # more environment variables, read after RADIXMESH_<NAME>
-    secret: bool = False  # never shown: logs and /server_info say only whether it is set
+    # Never on a command line (a launcher passes it in the environment) and never shown
+    # whole: logs and /server_info show a URL without its credentials, else only "<set>".
+    secret: bool = False
 
 
 def setting(
@@ -457,7 +459,9 @@ class NatsSettings(Settings):
     nats_url: str = setting(
         "nats://127.0.0.1:4222",
         env=("NATS_URL",),
-        help="NATS server to connect to (nats://[user:password@]host:port)",
+        secret=True,
+        help="NATS server to connect to (nats://[user:password@]host:port or "
+        "nats://token@host:port)",
     )
 
 
@@ -970,10 +974,10 @@ def shown(config: Settings) -> dict[str, Any]:
     values = dataclasses.asdict(config)
     for d in _declared(type(config)):
         value = values[d.name]
-        if d.spec.secret:
-            values[d.name] = "<set>" if value else ""
-        elif isinstance(value, str) and "://" in value:
+        if isinstance(value, str) and "://" in value:
             values[d.name] = re.sub(r"//[^/@]*@", "//", value)
+        elif d.spec.secret:
+            values[d.name] = "<set>" if value else ""
     return values
 
 

@@ -80,21 +80,27 @@ def wait_for_port(host: str, port: int, timeout: float) -> None:
 
 
 class EmbeddedNats:
-    """Start with `start()`, connect to `url`, end with `stop()` (or use as a context)."""
+    """Start with `start()`, connect to `url`, end with `stop()` (or use as a context).
+    With `user` and `password`, clients must give them (the url carries them)."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, jetstream: bool = False) -> None:
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, jetstream: bool = False,
+                 user: str = "", password: str = "") -> None:
         self.host = host
         self.port = port or free_port(host)
         self.jetstream = jetstream
+        self.user, self.password = user, password
         self._proc: subprocess.Popen[bytes] | None = None
         self._store: tempfile.TemporaryDirectory[str] | None = None
 
     @property
     def url(self) -> str:
-        return f"nats://{self.host}:{self.port}"
+        auth = f"{self.user}:{self.password}@" if self.user else ""
+        return f"nats://{auth}{self.host}:{self.port}"
 
     def start(self, timeout: float = 10.0) -> EmbeddedNats:
         args = [nats_server_binary(), "-a", self.host, "-p", str(self.port)]
+        if self.user:
+            args += ["--user", self.user, "--pass", self.password]
         if self.jetstream:
             self._store = tempfile.TemporaryDirectory(prefix="radixmesh-nats-")
             args += ["-js", "-sd", self._store.name]
