@@ -15,6 +15,9 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import start_http_server
 
 from radixmesh.core.hicache import shm_root
 from radixmesh.core.settings import (
@@ -80,6 +83,8 @@ class Mesh:
         self.args = args
         self.children: list[Process] = []
         self.supervisor: Supervisor | None = None
+        self._metrics_server: WSGIServer | None = None
+        self.metrics_url = ""  # the supervisor's metrics, once started
         self.nats: EmbeddedNats | None = None
         self.nats_url = args.nats_url or ""
         self.http_urls: list[str] = []
@@ -111,6 +116,10 @@ class Mesh:
             self._wait_healthy(timeout)
             self.supervisor = Supervisor(self.children)
             self.supervisor.start()
+            # The supervisor's restart counters, on a port of the launcher's own.
+            port = free_port(self.args.host)
+            self._metrics_server = start_http_server(port, self.args.host)[0]
+            self.metrics_url = f"http://{self.args.host}:{port}/metrics"
         except BaseException:
             self.stop()
             raise
@@ -241,6 +250,9 @@ class Mesh:
         if self.supervisor is not None:
             self.supervisor.stop()
             self.supervisor = None
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
+            self._metrics_server = None
         for c in reversed(self.children):
             if c.proc.poll() is None:
                 c.proc.send_signal(signal.SIGTERM)
@@ -304,6 +316,7 @@ def serve(args: MeshArgs) -> int:
     for url, addr in zip(mesh.http_urls, mesh.grpc_addrs, strict=True):
         print(f"radixmesh: serving at {url} (OpenAI: {url}/v1, gRPC Generate: {addr})",
               flush=True)
+    print(f"radixmesh: restarts and replicas given up at {mesh.metrics_url}", flush=True)
     if args.trace_file:
         print(f"radixmesh: spans go to {args.trace_file}; see one request with "
               f"`radixmesh trace <request id> --file {args.trace_file}`", flush=True)

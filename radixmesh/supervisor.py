@@ -18,7 +18,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import IO
 
+from prometheus_client import Counter, Gauge
+
 log = logging.getLogger("radixmesh.supervisor")
+
+RESTARTS = Counter("radixmesh:service_restarts_total",
+                   "Times the supervisor started a service replica again", ("replica",))
+GIVEN_UP = Gauge("radixmesh:services_given_up",
+                 "Service replicas the supervisor stopped restarting")
 
 RESTART_LIMIT = 5  # restarts within RESTART_WINDOW_S before a replica is given up
 RESTART_WINDOW_S = 60.0
@@ -111,6 +118,7 @@ class Supervisor:
         recent = p.recent_restarts(now)
         if recent >= RESTART_LIMIT:
             p.given_up = True
+            GIVEN_UP.inc()
             log.error("%s failed %d times within %.0f s; giving up on it", p.name, recent + 1,
                       RESTART_WINDOW_S)
             return
@@ -120,6 +128,7 @@ class Supervisor:
         p.proc = p.start()
         p.restarts.append(now)
         p.died_at = None
+        RESTARTS.labels(p.name).inc()
         log.warning("%s restarted (restart %d)", p.name, len(p.restarts))
 
     def _failure(self) -> str | None:

@@ -112,6 +112,8 @@ def test_a_killed_worker(mesh):
     errors = [m for kind, m in results if kind == "error"]
     assert all("engine e1 lost its worker" in m for m in errors), errors
     check_recovery(mesh, "worker-1.0", results)
+    metrics = httpx.get(mesh.metrics_url, timeout=10).text
+    assert 'radixmesh:service_restarts_total{replica="worker-1.0"} 1.0' in metrics
 
 
 def test_a_killed_detokenizer(mesh):
