@@ -345,10 +345,11 @@ def test_the_process_serves_reports_and_cleans_up_on_sigterm(tmp_path):
 
 @pytest.mark.parametrize("hierarchical", [False, True])
 def test_up_starts_a_cachectl_per_engine_before_its_scheduler(monkeypatch, hierarchical):
-    mesh = Mesh(MeshArgs(dp_size=2, enable_hierarchical_cache=hierarchical, port=0))
+    mesh = Mesh(MeshArgs(dp_size=2, enable_hierarchical_cache=hierarchical, port=0,
+                         grpc_port=0))
     mesh._pick_front_ports()
     spawned: list[tuple[str, str, dict]] = []
-    monkeypatch.setattr(mesh, "_spawn", lambda name, service, own: spawned.append(
+    monkeypatch.setattr(mesh, "_spawn", lambda name, service, own, **_: spawned.append(
         (name, service, own)))
     for e in range(2):
         mesh._start_engine(e)

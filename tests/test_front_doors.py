@@ -31,7 +31,7 @@ MAX_QUEUED = 1
 
 @pytest.fixture(scope="module")
 def log_dir(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("api-key-logs")
+    return tmp_path_factory.mktemp("front-doors-logs")
 
 
 @pytest.fixture(scope="module")

@@ -23,13 +23,20 @@ def test_free_ports_are_distinct_bindable_and_below_the_ephemeral_range():
 
 
 def test_configured_ports_are_never_handed_to_another_service(monkeypatch):
-    picks = iter([25000, 25001, 25002, 25003])
-    monkeypatch.setattr(nats_server._port_rng, "randrange", lambda *_: next(picks))
-    mesh = Mesh(MeshArgs(port=25001, grpc_port=25003))
+    configured = []
+    for _ in range(2):  # two ports free now, from outside free_port's own range
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            configured.append(s.getsockname()[1])
+    real = nats_server._port_rng.randrange
+    picks = iter(configured)
+    monkeypatch.setattr(nats_server._port_rng, "randrange",
+                        lambda *a: next(picks, None) or real(*a))
+    mesh = Mesh(MeshArgs(port=configured[0], grpc_port=configured[1]))
     mesh._pick_front_ports()
-    assert mesh._front_ports == [(25001, 25003)]
-    # The random picks that hit the configured ports are skipped.
-    assert [free_port(), free_port()] == [25000, 25002]
+    assert mesh._front_ports == [tuple(configured)]
+    # free_port's random picks hit the configured ports first, and skip them.
+    assert not {free_port(), free_port()} & set(configured)
 
 
 def test_a_taken_configured_port_is_an_error_naming_it():

@@ -28,7 +28,10 @@ MAX_TOP_LOGPROBS = 20
 _UNSUPPORTED = ("logit_bias",)
 _COMPLETION_UNSUPPORTED = (*_UNSUPPORTED, "suffix")
 _CHAT_UNSUPPORTED = (*_UNSUPPORTED, "functions")
-_ANY_OBJECT: dict[str, Any] = {"type": "object"}
+# A function declared without parameters takes none (OpenAI: "omitting parameters defines a
+# function with an empty parameter list"): its arguments are {}.
+_NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {},
+                                  "additionalProperties": False}
 _PROMPT_SHAPES = "a string, a list of strings, a list of token ids or a list of token id lists"
 # OpenAI's newer "developer" role is its name for the system prompt.
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
@@ -257,7 +260,7 @@ def _tools(body: dict[str, Any]) -> tuple[list[dict[str, Any]], str | None]:
         ):
             raise OpenAIError(f"each tool must be {{'type': 'function', 'function': {{...}}}}, "
                               f"got {tool!r}", "tools")
-        name, params = spec.get("name"), spec.get("parameters", _ANY_OBJECT)
+        name, params = spec.get("name"), spec.get("parameters", _NO_PARAMETERS)
         if not isinstance(name, str) or not name:
             raise OpenAIError("every tool's function needs a name", "tools")
         if not isinstance(params, dict):
