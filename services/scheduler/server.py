@@ -166,11 +166,14 @@ class SchedulerService:
                 await self.workers.ping()
             except grpc.aio.AioRpcError as exc:
                 if not self._down:
-                    self._down = True
-                    self._publish_status()
-                    self.loop.lose(ExecutorLost(
-                        f"engine {self.engine_id} lost its worker ({exc.code().name})"
-                    ))
+                    self.loop.lose(self._going_down(exc.code().name))
+
+    def _going_down(self, why: str) -> ExecutorLost:
+        """Say the engine is down (before its requests' aborts go out, so routers send the
+        retries elsewhere); the loss to hand the engine loop."""
+        self._down = True
+        self._publish_status()
+        return ExecutorLost(f"engine {self.engine_id} lost its worker ({why})")
 
     async def _workers_lost(self, lost: ExecutorLost) -> None:
         """Every request has ended: say so to the routers, then wait for the workers (the
@@ -261,13 +264,7 @@ class SchedulerService:
             try:
                 return await self.workers.forward(batch.batch, metadata)
             except grpc.aio.AioRpcError as exc:
-                # Down before the aborts go out, so routers send the retries elsewhere.
-                self._down = True
-                self._publish_status()
-                raise ExecutorLost(
-                    f"engine {self.engine_id} lost its worker ({exc.code().name}: "
-                    f"{exc.details()})"
-                ) from exc
+                raise self._going_down(f"{exc.code().name}: {exc.details()}") from exc
 
     def _scheduled(self, batch: ScheduledBatch, started: int, ended: int) -> None:
         self.traces.scheduled(batch, started, ended)

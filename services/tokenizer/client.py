@@ -547,8 +547,7 @@ class MeshClient:
         self._subs.clear()
         for rid, flight in list(self._in_flight.items()):
             if not flight.assembler.finished:
-                flight.end("the tokenizer is shutting down")
-                await self._abort(flight.engine_id, rid)
+                await self._give_up(rid, flight, "the tokenizer is shutting down")
 
     # ---- what the front doors read -------------------------------------------------------
 
@@ -794,8 +793,13 @@ class MeshClient:
         (aborted on its engine), with a clear error rather than a hole in its text."""
         for rid, flight in list(self._in_flight.items()):
             if not flight.assembler.finished:
-                flight.end("the connection to the mesh's message bus was interrupted")
-                await self._abort(flight.engine_id, rid)
+                await self._give_up(rid, flight,
+                                    "the connection to the mesh's message bus was interrupted")
+
+    async def _give_up(self, rid: str, flight: _InFlight, message: str) -> None:
+        """End a request here with `message` and abort it on its engine."""
+        flight.end(message)
+        await self._abort(flight.engine_id, rid)
 
     def _engine_lost(self, engine_id: str, message: str) -> None:
         """End the requests sent to an engine that is gone (retried when they had no
@@ -818,8 +822,7 @@ class MeshClient:
             else:
                 continue
             log.warning("request %s: %s; ending it", rid, message)
-            flight.end(message)
-            await self._abort(flight.engine_id, rid)
+            await self._give_up(rid, flight, message)
 
     async def _membership_changed(self) -> None:
         metrics.ENGINES.set(len(self.engines))
