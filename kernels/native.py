@@ -63,6 +63,7 @@ def _build(compiler: str) -> Path:
             [compiler, *FLAGS, *map(str, SOURCES), "-o", tmp],
             check=True, capture_output=True, text=True,
         )
+        os.chmod(tmp, 0o755)  # mkstemp's 0600 would keep other users of the cache out
         os.replace(tmp, out)
     finally:
         if os.path.exists(tmp):

@@ -102,8 +102,9 @@ class Mesh:
         try:
             self._pick_front_ports()
             if not self.nats_url:
-                jetstream = self.args.hicache_storage_backend == "nats"
-                self.nats = EmbeddedNats(self.args.host, jetstream=jetstream).start()
+                # JetStream: the storage tier's objects and the workers found by schedulers
+                # started beside the mesh.
+                self.nats = EmbeddedNats(self.args.host, jetstream=True).start()
                 self.nats_url = self.nats.url
             if self.args.trace_file:
                 self.spans = SpanReceiver(JsonlSink(self.args.trace_file)).start()
@@ -170,6 +171,7 @@ class Mesh:
             self._spawn(f"worker-{e}.{rank}", "worker", {
                 "port": port, "tp_size": a.tp_size, "tp_rank": rank, "dist_init_addr": dist,
                 "num_threads": threads if processes > 1 else 0,
+                "announce": False,  # its scheduler is told where it is
             }, group=f"workers-{e}")
         self._spawn(f"scheduler-{e}", "scheduler", scheduler)
 

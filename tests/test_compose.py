@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 COMPOSE_FILE = ROOT / "compose.yaml"
 BINARY = Path(compose.__file__).parent / "docker-compose"
 MESH = ("cachectl", "worker", "scheduler", "detokenizer", "tokenizer")
-SCALABLE = ("tokenizer", "detokenizer")
+SCALABLE = ("tokenizer", "detokenizer", "scheduler", "worker")
 CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 
 
@@ -76,7 +76,8 @@ def test_expected_services(services):
 
 def test_mesh_services_share_one_image(services):
     builds = {json.dumps(services[name]["build"], sort_keys=True) for name in MESH}
-    assert builds == {json.dumps({"context": str(ROOT), "dockerfile": "Dockerfile"})}
+    assert builds == {json.dumps({"args": {"BASE_IMAGE": "python:3.11-slim"},
+                                  "context": str(ROOT), "dockerfile": "Dockerfile"})}
     assert len({services[name]["image"] for name in MESH}) == 1
     for name in MESH:
         assert module_of(services[name]) == f"radixmesh.services.{name}"
@@ -129,13 +130,16 @@ def test_scaling_out_the_front_validates(tmp_path):
     assert all(scaled[name]["scale"] == 2 for name in SCALABLE)
 
 
-def test_scheduler_points_at_nats_and_the_worker(services):
-    scheduler = services["scheduler"]
-    worker_port = services["worker"]["environment"]["RADIXMESH_PORT"]
-    assert scheduler["environment"]["RADIXMESH_WORKER_ADDRS"] == f"worker:{worker_port}"
-    assert scheduler["environment"]["RADIXMESH_ENGINE_ID"] == "0"
+def test_engines_find_their_workers_on_nats(services):
+    """No worker address and no engine id in the file: each scheduler claims a worker that
+    announced itself, and takes its container's name, so both scale without edits."""
+    scheduler, worker = services["scheduler"], services["worker"]
+    assert "RADIXMESH_WORKER_ADDRS" not in scheduler["environment"]
+    assert "RADIXMESH_ENGINE_ID" not in scheduler["environment"]
+    assert worker["environment"].get("RADIXMESH_ANNOUNCE", "true") == "true"
     for dependency in ("nats", "worker"):
         assert scheduler["depends_on"][dependency]["condition"] == "service_healthy"
+    assert worker["depends_on"]["nats"]["condition"] == "service_healthy"
 
 
 def test_cachectl_shares_its_shared_memory_with_the_worker(services):
@@ -182,20 +186,23 @@ def test_mesh_environment_reaches_nats_and_jaeger(services):
         assert (otlp.hostname, otlp.port) == ("jaeger", 4317)
         assert env["OTEL_SERVICE_NAME"] == f"radixmesh-{name}"
         assert env["RADIXMESH_HOST"] == "0.0.0.0"
-        if name not in ("worker", "cachectl"):
+        if name != "cachectl":
             assert services[name]["depends_on"]["nats"]["condition"] == "service_healthy"
     assert 4317 in {p["target"] for p in services["jaeger"]["ports"]}
     assert services["worker"]["environment"]["RADIXMESH_DTYPE"] == "bfloat16"
 
 
 def test_dockerfile_installs_cpu_torch_then_the_project():
+    """From PyPI's CPU index by default, from the wheelhouse alone when it has wheels."""
     text = (ROOT / "Dockerfile").read_text()
-    assert re.findall(r"^FROM (\S+)", text, re.MULTILINE)[-1] == "python:3.11-slim"
+    assert re.findall(r"^ARG BASE_IMAGE=(\S+)", text, re.MULTILINE) == ["python:3.11-slim"]
+    assert set(re.findall(r"^FROM (\S+)", text, re.MULTILINE)) == {"${BASE_IMAGE}"}
     torch_lines = [line for line in text.splitlines() if "torch==" in line]
     assert len(torch_lines) == 1
     assert "torch==2.13.0" in torch_lines[0].split()
     assert f"--index-url {CPU_INDEX}" in torch_lines[0]
-    assert text.index("torch==2.13.0") < text.index("pip install .")
+    assert text.index("torch==2.13.0") < text.index("pip install /src")
+    assert "pip install --no-index --find-links /wheelhouse /wheelhouse/*.whl" in text
     users = re.findall(r"^USER (\S+)", text, re.MULTILINE)
     assert users and users[-1] not in ("root", "0")
 

@@ -1,16 +1,39 @@
 """`radixmesh up --tp 3` on the real SmolLM2 (9 query / 3 KV heads): three worker ranks in
 one gloo group driven by one scheduler give the in-process engine's exact tokens, free and
-constrained (rank 0 samples and jumps forward; the other ranks follow)."""
+constrained (rank 0 samples and jumps forward; the other ranks follow). SIGKILL of one
+rank under load: the engine's requests end with a clear error, the supervisor restarts the
+whole group (the ranks share one collective group), and the engine serves the same exact
+tokens again."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
+import signal
+import time
 
 import httpx
 from process_helpers import running_mesh
 
 
-def test_tensor_parallel_mesh_matches_in_process_engine(tmp_path):
+def generate(url: str, text: str, params: dict) -> dict:
+    return httpx.post(url + "/generate", json={"text": text, "sampling_params": params},
+                      timeout=120).json()
+
+
+async def killed_under_load(url: str, pid: int, n: int) -> list[dict]:
+    """n long requests at once; the rank is killed once they are under way."""
+    body = {"sampling_params": {"temperature": 0, "max_new_tokens": 256, "ignore_eos": True}}
+    async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+        calls = [asyncio.create_task(client.post("/generate", json={"text": f"Tale {i}:", **body}))
+                 for i in range(n)]
+        await asyncio.sleep(2)
+        os.kill(pid, signal.SIGKILL)
+        return [r.json() for r in await asyncio.gather(*calls)]
+
+
+def test_tensor_parallel_mesh_matches_in_process_engine_and_survives_a_rank(tmp_path):
     from radixmesh.engine import Engine
 
     prompts = ["The three primary colors are", "Describe a customer as JSON."]
@@ -23,11 +46,30 @@ def test_tensor_parallel_mesh_matches_in_process_engine(tmp_path):
         expected = [o["output_ids"] for o in engine.generate(prompts, params)]
         assert engine.server_info()["forced_tokens"] > 0
     with running_mesh(tmp_path, tp_size=3, dtype="float32", max_total_tokens=1024) as mesh:
-        got = [
-            httpx.post(mesh.url + "/generate", json={"text": t, "sampling_params": p},
-                       timeout=120).json()["output_ids"]
-            for t, p in zip(prompts, params, strict=True)
-        ]
+        got = [generate(mesh.url, t, p)["output_ids"]
+               for t, p in zip(prompts, params, strict=True)]
         info = httpx.get(mesh.url + "/server_info").json()["internal_states"][0]
-    assert got == expected
-    assert info["tp_size"] == 3 and info["forced_tokens"] > 0
+        assert got == expected
+        assert info["tp_size"] == 3 and info["forced_tokens"] > 0
+
+        rank = next(c for c in mesh.children if c.name == "worker-0.1")
+        started = time.monotonic()
+        replies = asyncio.run(killed_under_load(mesh.url, rank.proc.pid, 3))
+        assert time.monotonic() - started < 30, "a request hung"
+        for reply in replies:
+            finish = reply["meta_info"]["finish_reason"]
+            assert finish["type"] == "abort", reply["meta_info"]
+            assert "engine e0 lost its worker" in finish["message"], finish
+        deadline = time.monotonic() + 120
+        while True:  # the engine is back once the group is: the same exact tokens
+            reply = generate(mesh.url, prompts[0], params[0])
+            if "output_ids" in reply:
+                break
+            assert time.monotonic() < deadline, reply
+            time.sleep(1)
+        assert reply["output_ids"] == expected[0]
+        restarts = mesh.supervisor.restarts()
+        assert all(restarts[f"worker-0.{r}"] == 1 for r in range(3)), restarts  # as a group
+        assert generate(mesh.url, prompts[1], params[1])["output_ids"] == expected[1]
+        assert httpx.get(mesh.url + "/server_info").json()["internal_states"][0][
+            "held_slots"] == 0

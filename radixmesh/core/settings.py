@@ -549,6 +549,11 @@ class WorkerSettings(Settings):
         None, help="tcp://host:port where the ranks of the group meet (needed when tp_size > 1)"
     )
     num_threads: int = setting(0, minimum=0, help="torch CPU threads; 0: torch's default")
+    announce: bool = setting(
+        True,
+        help="announce this rank on NATS, so that a scheduler without worker_addrs claims "
+        "it (at host:port, or this machine's address where host is 0.0.0.0)",
+    )
 
     def cross_check(self) -> None:
         super().cross_check()
@@ -565,10 +570,14 @@ class SchedulerSettings(Settings):
     TITLE: ClassVar[str] = "scheduler"
 
     engine_id: str = setting(
-        "0", help="this engine replica's name, in its NATS subjects, metrics and traces"
+        default_factory=_host_pid_replica_id,
+        help="this engine replica's name, in its NATS subjects, metrics and traces; "
+        "default: host name and process id (a container's own)",
     )
     worker_addrs: str = setting(
-        "127.0.0.1:50051", help="comma-separated host:port of the engine's worker ranks"
+        "",
+        help="comma-separated host:port of the engine's worker ranks; empty: claim a free "
+        "worker group announced on NATS",
     )
     worker_timeout: float = setting(
         600.0, minimum=0, help="seconds to wait at start for every worker to answer"
@@ -721,7 +730,8 @@ class EngineArgs(EngineSettings, ReplicaSettings, HiCacheStorageSettings, Runner
 
 
 @dataclass(frozen=True, kw_only=True)
-class WorkerConfig(StatusSettings, ServiceSettings, WorkerSettings, RunnerSettings):
+class WorkerConfig(StatusSettings, NatsSettings, ServiceSettings, WorkerSettings,
+                   RunnerSettings):
     """One worker rank: loads the model, holds the KV pool, runs Forward over gRPC."""
 
 

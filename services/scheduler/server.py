@@ -23,6 +23,7 @@ from radixmesh.core.settings import SchedulerServiceConfig
 from radixmesh.core.step import StepResult
 from radixmesh.core.tokenizer import Tokenizer
 from radixmesh.mesh import subjects
+from radixmesh.mesh.discovery import TTL_S, Claim, claim_workers, keep_claim
 from radixmesh.mesh.service import StatusServer, connect_bus
 from radixmesh.proto import mesh_pb2 as mpb
 from radixmesh.proto import worker_pb2 as wpb
@@ -62,6 +63,8 @@ class SchedulerService:
         self._instance = secrets.token_hex(8)
         self._started = time.monotonic()
         self._nc: nats.NATS | None = None
+        self._claim: Claim | None = None  # the worker group found on NATS, if not configured
+        self._keeping: asyncio.Task[None] | None = None
         self._status = StatusServer(config.host, config.metrics_port, self._health)
 
     # ---- lifecycle --------------------------------------------------------------------
@@ -69,7 +72,8 @@ class SchedulerService:
     async def start(self) -> None:
         """Connect to the workers and NATS, then start taking requests."""
         await self._status.start()
-        self.info = await self.workers.connect(self.config.worker_timeout)
+        self._nc = await connect_bus(self.config.nats_url, f"scheduler-{self.engine_id}")
+        self.info = await self._connect_workers()
         model_path = resolve_model_path(self.config.model_path)
         tokenizer = Tokenizer.from_path(str(model_path))
         self.scheduler = Scheduler(
@@ -88,7 +92,6 @@ class SchedulerService:
         )
         await self._start_host_tier()
         self.metrics.start(served_name(model_path), self.info.num_slots)
-        self._nc = await connect_bus(self.config.nats_url, f"scheduler-{self.engine_id}")
         nc = self._nc
         await nc.subscribe(
             subjects.engine_generate(self.engine_id),
@@ -103,6 +106,33 @@ class SchedulerService:
             self.workers.addrs,
             self.config.host, self._status.port,
         )
+
+    async def _connect_workers(self) -> wpb.WorkerInfo:
+        """The configured workers once they answer; without any configured, the first
+        group announced on NATS that is free (the one held before, when it is back)."""
+        if self.config.worker_list:
+            return await self.workers.connect(self.config.worker_timeout)
+        assert self._nc is not None
+        while True:
+            prefer = self._claim.group if self._claim is not None else None
+            claim = await claim_workers(self._nc, self.engine_id, prefer)
+            if self._claim is None or claim.group != self._claim.group:
+                await self._release()
+                self._claim = claim
+                self._keeping = asyncio.create_task(keep_claim(self._nc, claim, self.engine_id))
+            await self.workers.retarget(claim.addrs)
+            try:  # an announcement outlives a killed worker by up to TTL_S
+                return await self.workers.connect(2 * TTL_S)
+            except grpc.aio.AioRpcError as exc:
+                log.warning("engine %s: worker group %s does not answer (%s)", self.engine_id,
+                            claim.group, exc.code())
+
+    async def _release(self) -> None:
+        if self._keeping is not None:
+            self._keeping.cancel()
+            await asyncio.gather(self._keeping, return_exceptions=True)
+            self._keeping = None
+        self._claim = None
 
     async def _start_host_tier(self) -> None:
         config, info = self.config, self.info
@@ -145,6 +175,8 @@ class SchedulerService:
             for rid in list(self.scheduler.requests):
                 self.scheduler.abort(rid, stopped)
             await self.publish(self.scheduler.drain_updates())
+        await self._release()
+        if self._nc is not None:
             await self._nc.drain()
         if self.host_link is not None:
             await self.host_link.close()
@@ -187,7 +219,7 @@ class SchedulerService:
             self.host_link.reopen()  # the new workers map a fresh host pool
         while True:
             try:
-                info = await self.workers.connect(self.config.worker_timeout)
+                info = await self._connect_workers()
                 break
             except grpc.aio.AioRpcError as exc:
                 log.warning("engine %s: workers still away (%s)", self.engine_id, exc.code())

@@ -47,15 +47,25 @@ class WorkerClient:
     """Drives the worker ranks of one engine replica."""
 
     def __init__(self, addrs: list[str]) -> None:
-        if not addrs:
-            raise ValueError("at least one worker address is needed")
+        self._channels: list[grpc.aio.Channel] = []
+        self._open(addrs)
+
+    def _open(self, addrs: list[str]) -> None:
         self._channels = [grpc.aio.insecure_channel(a, options=_OPTIONS) for a in addrs]
         self._stubs = [wgrpc.WorkerStub(c) for c in self._channels]
         self.addrs = addrs
         self._backups = BackupTally(len(addrs))
 
+    async def retarget(self, addrs: list[str]) -> None:
+        """Drive the ranks at `addrs` from now on (a worker group found anew)."""
+        if addrs != self.addrs:
+            await self.close()
+            self._open(addrs)
+
     async def connect(self, timeout: float) -> wpb.WorkerInfo:
         """Wait for every rank to answer; rank 0's info (ranks are reordered by tp_rank)."""
+        if not self.addrs:
+            raise ValueError("at least one worker address is needed")
         deadline = time.monotonic() + timeout
         infos = await asyncio.gather(*(self._info(s, deadline) for s in self._stubs))
         order = sorted(range(len(infos)), key=lambda i: infos[i].tp_rank)

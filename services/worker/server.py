@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -16,6 +17,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from radixmesh.core.model_files import resolve_model_path, served_name
 from radixmesh.core.settings import WorkerConfig
 from radixmesh.kernels import native
+from radixmesh.mesh.discovery import Announcer, WorkerRank
 from radixmesh.mesh.service import StatusServer
 from radixmesh.proto import worker_pb2 as wpb
 from radixmesh.proto import worker_pb2_grpc as wgrpc
@@ -68,6 +70,7 @@ class WorkerService(wgrpc.WorkerServicer):
         self._status = StatusServer(config.host, config.metrics_port, self._check)
         self.metrics = WorkerMetrics(config.tp_rank)
         self._started = False
+        self._announcer: Announcer | None = None
         # Overlapped steps are in flight together and gRPC may hand them over in either
         # order; each must reach the torch thread after the step before it.
         self._order = asyncio.Condition()
@@ -105,6 +108,18 @@ class WorkerService(wgrpc.WorkerServicer):
         for name in ("", SERVICE_NAME):
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info("model %s loaded: %d KV slots", self.info.model_path, self.info.num_slots)
+        if c.announce:
+            self._announcer = Announcer(c.nats_url, self._rank())
+            self._announcer.start()
+
+    def _rank(self) -> WorkerRank:
+        """This rank as schedulers reach it. The ranks of a group share its meeting address."""
+        c = self.config
+        host = c.host if c.host not in ("0.0.0.0", "::", "") else socket.gethostbyname(
+            socket.gethostname())
+        addr = f"{host}:{self.port}"
+        group = c.dist_init_addr if c.tp_size > 1 and c.dist_init_addr else addr
+        return WorkerRank(group=group, rank=c.tp_rank, tp_size=c.tp_size, addr=addr)
 
     def _load(self) -> ModelRunner:
         """Load (and, with tp_size > 1, join the group and shard) on the torch thread."""
@@ -124,6 +139,8 @@ class WorkerService(wgrpc.WorkerServicer):
     async def stop(self) -> bool:
         """Stop serving and leave the rank group; False when the torch thread is still busy
         (a step stuck on a dead peer, or a load) after SETTLE_TIMEOUT_S."""
+        if self._announcer is not None:
+            await self._announcer.close()
         if self._started:
             await self._health.enter_graceful_shutdown()
             await self._server.stop(STOP_GRACE_S)
