@@ -1,9 +1,11 @@
 """The whole stack under Docker, as a user runs it where no registry is reachable: the image
 built offline (docker/offline-image.sh: a debootstrap base image and a wheelhouse), then
 `docker compose up` with compose.offline.yaml (NATS and a trace receiver from the project's
-own image) and two of every scalable service. A chat completion through each published
-tokenizer port with the openai client, requests landing on both engines, one trace per
-request with spans from every service, and `docker compose down` leaving nothing behind.
+own image), two of every scalable service, and the host KV tier on (both engines' workers
+map their segments from the one cachectl's shared memory). A chat completion through each
+published tokenizer port with the openai client, requests landing on both engines and
+backed up to their host tiers, one trace per request with spans from every service, and
+`docker compose down` leaving nothing behind.
 
 Docker: a running daemon is used as it is; otherwise, as root, the test starts dockerd
 itself (overlay2, or vfs where overlay2 does not mount), installing Debian's docker.io and
@@ -41,10 +43,14 @@ def run(*cmd: str, timeout: float = 600, check: bool = True) -> subprocess.Compl
     return done
 
 
+HOST_TIER_ON = ROOT / ".pytest_cache" / "compose.host-tier.yaml"
+
+
 def compose_cmd(*args: str, timeout: float = 600, check: bool = True
                 ) -> subprocess.CompletedProcess[str]:
-    return run(str(BINARY), "-p", PROJECT, "-f", "compose.yaml", "-f", "compose.offline.yaml",
-               *args, timeout=timeout, check=check)
+    files = ("compose.yaml", "compose.offline.yaml", str(HOST_TIER_ON))
+    return run(str(BINARY), "-p", PROJECT, *(a for f in files for a in ("-f", f)), *args,
+               timeout=timeout, check=check)
 
 
 def daemon_up() -> bool:
@@ -89,6 +95,9 @@ def docker(tmp_path_factory) -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def stack(docker) -> Iterator[None]:
+    HOST_TIER_ON.parent.mkdir(exist_ok=True)
+    HOST_TIER_ON.write_text("services:\n  scheduler:\n    environment:\n"
+                            '      RADIXMESH_ENABLE_HIERARCHICAL_CACHE: "true"\n')
     run("bash", "docker/offline-image.sh", timeout=1800)
     compose_cmd("down", "--volumes", "--remove-orphans", check=False)  # an earlier run's
     scale = [arg for name in SCALED for arg in ("--scale", f"{name}=2")]
@@ -139,6 +148,7 @@ def test_the_scaled_stack_serves_traces_and_stops(stack):
     states = httpx.get(urls[0] + "/server_info", timeout=10).json()["internal_states"]
     assert len(states) == 2 and all(s["steps"] > 0 for s in states), states
     assert all(s["held_slots"] == 0 for s in states)
+    assert all(s["host_slots"] > 0 and s["host_cached_tokens"] > 0 for s in states), states
 
     # One trace per request in the receiver, with spans from every mesh service.
     deadline = time.monotonic() + 60
