@@ -15,6 +15,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import start_http_server
@@ -171,7 +172,6 @@ class Mesh:
             self._spawn(f"worker-{e}.{rank}", "worker", {
                 "port": port, "tp_size": a.tp_size, "tp_rank": rank, "dist_init_addr": dist,
                 "num_threads": threads if processes > 1 else 0,
-                "announce": False,  # its scheduler is told where it is
             }, group=f"workers-{e}")
         self._spawn(f"scheduler-{e}", "scheduler", scheduler)
 
@@ -319,6 +319,9 @@ def serve(args: MeshArgs) -> int:
         print(f"radixmesh: serving at {url} (OpenAI: {url}/v1, gRPC Generate: {addr})",
               flush=True)
     print(f"radixmesh: restarts and replicas given up at {mesh.metrics_url}", flush=True)
+    bus = urlsplit(mesh.nats_url)  # its credentials, if any, stay out of the terminal
+    print(f"radixmesh: NATS at {bus.scheme}://{bus.hostname}:{bus.port} (services started by "
+          "hand join with NATS_URL)", flush=True)
     if args.trace_file:
         print(f"radixmesh: spans go to {args.trace_file}; see one request with "
               f"`radixmesh trace <request id> --file {args.trace_file}`", flush=True)

@@ -136,7 +136,7 @@ def test_engines_find_their_workers_on_nats(services):
     scheduler, worker = services["scheduler"], services["worker"]
     assert "RADIXMESH_WORKER_ADDRS" not in scheduler["environment"]
     assert "RADIXMESH_ENGINE_ID" not in scheduler["environment"]
-    assert worker["environment"].get("RADIXMESH_ANNOUNCE", "true") == "true"
+    assert worker["environment"]["RADIXMESH_ANNOUNCE"] == "true"
     for dependency in ("nats", "worker"):
         assert scheduler["depends_on"][dependency]["condition"] == "service_healthy"
     assert worker["depends_on"]["nats"]["condition"] == "service_healthy"

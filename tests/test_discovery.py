@@ -113,7 +113,8 @@ def test_an_engine_started_by_hand_joins_a_running_mesh(tmp_path):
     model = ["--dtype", "float32", "--max-total-tokens", "2048"]
     with running_mesh(tmp_path, dtype="float32", max_total_tokens=2048) as mesh:
         env = {**os.environ, "NATS_URL": mesh.nats_url}
-        with service_process("radixmesh.services.worker", *model, env=env):
+        with service_process("radixmesh.services.worker", *model, "--announce", "true",
+                             env=env):
             for engine in ("by-hand", "by-hand-again"):
                 with service_process("radixmesh.services.scheduler", "--engine-id", engine,
                                      env=env) as scheduler:

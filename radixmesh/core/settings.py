@@ -550,9 +550,10 @@ class WorkerSettings(Settings):
     )
     num_threads: int = setting(0, minimum=0, help="torch CPU threads; 0: torch's default")
     announce: bool = setting(
-        True,
-        help="announce this rank on NATS, so that a scheduler without worker_addrs claims "
-        "it (at host:port, or this machine's address where host is 0.0.0.0)",
+        False,
+        help="announce this rank on NATS once loaded, so that a scheduler without "
+        "worker_addrs claims it (at host:port, or this machine's address where host is "
+        "0.0.0.0); off: only a scheduler given its address drives it",
     )
 
     def cross_check(self) -> None:
