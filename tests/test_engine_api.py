@@ -6,6 +6,7 @@ checks that chunking changes nothing a caller can see."""
 
 from __future__ import annotations
 
+import gc
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
@@ -603,7 +604,7 @@ def test_flush_cache_drops_every_prefix(engine: Engine) -> None:
 # ---- shutdown and failures ----------------------------------------------------------------
 
 
-def test_a_failed_step_fails_requests_instead_of_hanging(chunked: Engine) -> None:
+def test_a_failed_step_fails_requests_instead_of_hanging(chunked: Engine, caplog) -> None:
     def broken(batch: Any) -> Any:
         raise RuntimeError("device lost")
 
@@ -617,6 +618,8 @@ def test_a_failed_step_fails_requests_instead_of_hanging(chunked: Engine) -> Non
         chunked.server_info()
     chunked.shutdown()
     chunked.shutdown()  # idempotent
+    gc.collect()  # the other step in flight failed too, and its failure was retrieved
+    assert "never retrieved" not in caplog.text
 
 
 def test_shutdown_fails_unfinished_requests() -> None:

@@ -189,11 +189,13 @@ class EngineLoop:
                     in_flight = submitted
                 elif batch is not None:
                     sched.process_result(batch, await self.executor.submit(batch))
-            except ExecutorLost as exc:
+            except Exception as exc:
+                # The other step fails too, or its result is void; awaited either way, so
+                # that no failure goes unretrieved.
                 for step in [s[1] for s in (in_flight, submitted) if s]:
-                    with contextlib.suppress(Exception):  # fails too, or its result is void
+                    with contextlib.suppress(Exception):
                         await step
-                if self._on_lost is None:
+                if not isinstance(exc, ExecutorLost) or self._on_lost is None:
                     raise
                 in_flight = None
                 await self._start_over(exc)
