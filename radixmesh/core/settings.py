@@ -581,7 +581,9 @@ class SchedulerSettings(Settings):
         "worker group announced on NATS",
     )
     worker_timeout: float = setting(
-        600.0, minimum=0, help="seconds to wait at start for every worker to answer"
+        600.0,
+        minimum=0,
+        help="seconds to wait at start for every worker in worker_addrs to answer",
     )
     cachectl_addr: str | None = setting(
         None,

@@ -115,8 +115,13 @@ class WorkerService(wgrpc.WorkerServicer):
     def _rank(self) -> WorkerRank:
         """This rank as schedulers reach it. The ranks of a group share its meeting address."""
         c = self.config
-        host = c.host if c.host not in ("0.0.0.0", "::", "") else socket.gethostbyname(
-            socket.gethostname())
+        host = c.host
+        if host in ("0.0.0.0", "::", ""):
+            try:  # in a container: its address on the compose network
+                host = socket.gethostbyname(socket.gethostname())
+            except OSError:
+                log.warning("this host's name does not resolve: announcing 127.0.0.1")
+                host = "127.0.0.1"
         addr = f"{host}:{self.port}"
         group = c.dist_init_addr if c.tp_size > 1 and c.dist_init_addr else addr
         return WorkerRank(group=group, rank=c.tp_rank, tp_size=c.tp_size, addr=addr)
