@@ -5,7 +5,8 @@ The library is cached under $RADIXMESH_CACHE (default ~/.cache/radixmesh), keyed
 sources, the compiler, the flags and this CPU's feature flags, so each machine builds it
 once. Without a compiler, or with RADIXMESH_NATIVE_KERNELS=0, `library()` is None and
 callers keep their torch path. It links OpenMP by soname, so it shares the runtime (and
-the thread pool) that torch has already loaded."""
+the thread pool) that torch has already loaded. RADIXMESH_NATIVE_MARCH (default native) is
+the -march it builds for, optionally followed by further -m flags ("haswell -mavxvnni")."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ log = logging.getLogger("radixmesh.kernels")
 
 SOURCES = sorted((Path(__file__).parent / "cpu").glob("*.cpp"))
 HEADERS = sorted((Path(__file__).parent / "cpu").glob("*.h"))
-FLAGS = ("-O3", "-march=native", "-std=c++17", "-fopenmp", "-shared", "-fPIC")
+FLAGS = ("-O3", "-std=c++17", "-fopenmp", "-shared", "-fPIC")
 _PTR, _INT, _FLOAT = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 _DECODE_ARGS = [_PTR] * 6 + [_INT] * 5 + [_FLOAT, _INT]
 
@@ -44,9 +45,15 @@ def _cache_dir() -> Path:
     return Path(root) / "kernels"
 
 
+def _arch_flags() -> list[str]:
+    march, *extra = (os.environ.get("RADIXMESH_NATIVE_MARCH") or "native").split()
+    return [f"-march={march}", *extra]
+
+
 def _build(compiler: str) -> Path:
+    flags = [*FLAGS, *_arch_flags()]
     digest = hashlib.sha256()
-    for part in (compiler, " ".join(FLAGS), platform.machine(), _cpu_flags()):
+    for part in (compiler, " ".join(flags), platform.machine(), _cpu_flags()):
         digest.update(part.encode())
     for src in (*SOURCES, *HEADERS):
         digest.update(src.read_bytes())
@@ -60,7 +67,7 @@ def _build(compiler: str) -> Path:
     os.close(fd)
     try:
         subprocess.run(
-            [compiler, *FLAGS, *map(str, SOURCES), "-o", tmp],
+            [compiler, *flags, *map(str, SOURCES), "-o", tmp],
             check=True, capture_output=True, text=True,
         )
         os.chmod(tmp, 0o755)  # mkstemp's 0600 would keep other users of the cache out

@@ -1,0 +1,434 @@
+// GEMM over weights kept in a GGUF block quantization: out[M, N] = x[M, K] @ w[N, K]^T
+// (+ bias) (+ residual[M, N], after rounding, as gemm.cpp adds it), every batch size.
+//
+// Each weight value is scale * (u - zero) + min: u an unsigned 4- or 8-bit integer, scale
+// and min per block of 16 or 32 inputs, zero a constant of the type (native_quant.py turns
+// each GGUF type into this form without loss). x is quantized per row and block of 32 inputs
+// to int8 with one float scale (quantize_rows_*), and the integer products of u and x run 64
+// at a time (AVX512-VNNI), 32 (AVX2) or one by one (any CPU). As in gemm.cpp, vector lanes
+// hold output features, so a block's sums need no horizontal add: each is taken off its zero
+// point in integers (symmetric types lose nothing there), scaled into a float accumulator,
+// and the min term uses x's exact float block sums.
+//
+// Packed weight, output features in groups of 16 (N padded with zero weights):
+//   q      [N/16][K/32][chunks][16][4] bytes. 8 bits: chunk c (0..7) holds inputs 4c..4c+3
+//          of the block; 4 bits: chunk c (0..3) holds inputs 4c..4c+3 in its low nibbles and
+//          4c+16..4c+19 in its high ones.
+//   scale  [N/16][K/block][16] floats; min likewise, or null when the type has none.
+// Each row of every tile is computed alone, in the same order at any M: a request's output
+// does not depend on the batch it runs in.
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "bf16.h"
+#include "entry.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define RM_QUANT_ISA 3
+#elif defined(__AVX2__) && defined(__AVXVNNI__)
+#define RM_QUANT_ISA 2
+#elif defined(__AVX2__) && defined(__FMA__)
+#define RM_QUANT_ISA 1
+#else
+#define RM_QUANT_ISA 0
+#endif
+
+#if RM_QUANT_ISA > 0
+#include <immintrin.h>
+#endif
+
+namespace {
+
+using radixmesh::load;
+using radixmesh::store;
+
+constexpr int kGroup = 16;  // output features per packed group
+constexpr int kBlock = 32;  // inputs per block of quantized x
+
+// x quantized: int8 values, a scale per 32 inputs, and per 16 inputs the sums of the int8
+// values and of the original floats.
+struct Rows {
+  int8_t* q;
+  float* d;
+  int32_t* isum;
+  float* fsum;
+  int m, k;
+
+  Rows(void* buf, int m_, int k_) : m(m_), k(k_) {
+    auto* p = static_cast<char*>(buf);
+    const int64_t n = static_cast<int64_t>(m) * k;
+    q = reinterpret_cast<int8_t*>(p);
+    d = reinterpret_cast<float*>(p + n);
+    isum = reinterpret_cast<int32_t*>(p + n + n / kBlock * 4);
+    fsum = reinterpret_cast<float*>(p + n + n / kBlock * 4 + n / 16 * 4);
+  }
+};
+
+// ---- instruction sets: lanes of int32 sums and float accumulators --------------------
+
+#if RM_QUANT_ISA == 3
+struct Isa {
+  static constexpr int L = 16;
+  static constexpr int kWideShift = 0;
+  using I = __m512i;
+  using F = __m512;
+  static I load(const uint8_t* p) { return _mm512_loadu_si512(p); }
+  static I low(I v) { return _mm512_and_si512(v, _mm512_set1_epi8(15)); }
+  static I high(I v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(15)); }
+  static I bcast(const int8_t* p) {
+    int32_t v;
+    std::memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
+  }
+  template <bool Wide>
+  static I dot(I acc, I u, I x) { return _mm512_dpbusd_epi32(acc, u, x); }
+  static I izero() { return _mm512_setzero_si512(); }
+  static I add(I a, I b) { return _mm512_add_epi32(a, b); }
+  static I sub(I a, int32_t b) { return _mm512_sub_epi32(a, _mm512_set1_epi32(b)); }
+  static F fzero() { return _mm512_setzero_ps(); }
+  static F to_f(I v) { return _mm512_cvtepi32_ps(v); }
+  static F loadf(const float* p) { return _mm512_loadu_ps(p); }
+  static F set(float v) { return _mm512_set1_ps(v); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static void storef(float* p, F v) { _mm512_storeu_ps(p, v); }
+};
+#elif RM_QUANT_ISA >= 1
+struct Isa {
+  static constexpr int L = 8;
+  // Without VNNI, wide bytes (above 127) go through the sign trick, which yields the sum
+  // of (u - 128) * x: the caller's zero point is shifted to match.
+  static constexpr int kWideShift = RM_QUANT_ISA == 2 ? 0 : 128;
+  using I = __m256i;
+  using F = __m256;
+  static I load(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const I*>(p)); }
+  static I low(I v) { return _mm256_and_si256(v, _mm256_set1_epi8(15)); }
+  static I high(I v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(15)); }
+  static I bcast(const int8_t* p) {
+    int32_t v;
+    std::memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+  }
+  template <bool Wide>
+  static I dot(I acc, I u, I x) {
+#if RM_QUANT_ISA == 2
+    return _mm256_dpbusd_avx_epi32(acc, u, x);
+#else
+    const I ones = _mm256_set1_epi16(1);
+    if constexpr (Wide) {
+      const I s = _mm256_xor_si256(u, _mm256_set1_epi8(static_cast<char>(0x80)));
+      const I pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(s, s), _mm256_sign_epi8(x, s));
+      return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, ones));
+    } else {  // u < 64: the 16-bit pair sums cannot saturate
+      return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), ones));
+    }
+#endif
+  }
+  static I izero() { return _mm256_setzero_si256(); }
+  static I add(I a, I b) { return _mm256_add_epi32(a, b); }
+  static I sub(I a, int32_t b) { return _mm256_sub_epi32(a, _mm256_set1_epi32(b)); }
+  static F fzero() { return _mm256_setzero_ps(); }
+  static F to_f(I v) { return _mm256_cvtepi32_ps(v); }
+  static F loadf(const float* p) { return _mm256_loadu_ps(p); }
+  static F set(float v) { return _mm256_set1_ps(v); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static void storef(float* p, F v) { _mm256_storeu_ps(p, v); }
+};
+#else
+struct Isa {  // one feature at a time: its four bytes of a chunk in a uint32
+  static constexpr int L = 1;
+  static constexpr int kWideShift = 0;
+  using I = int32_t;
+  using F = float;
+  static uint32_t load(const uint8_t* p) {
+    uint32_t v;
+    std::memcpy(&v, p, 4);
+    return v;
+  }
+  static uint32_t low(uint32_t v) { return v & 0x0f0f0f0fu; }
+  static uint32_t high(uint32_t v) { return (v >> 4) & 0x0f0f0f0fu; }
+  static const int8_t* bcast(const int8_t* p) { return p; }
+  template <bool Wide>
+  static I dot(I acc, uint32_t u, const int8_t* x) {
+    for (int i = 0; i < 4; ++i) acc += static_cast<int32_t>((u >> (8 * i)) & 0xff) * x[i];
+    return acc;
+  }
+  static I izero() { return 0; }
+  static I add(I a, I b) { return a + b; }
+  static I sub(I a, int32_t b) { return a - b; }
+  static F fzero() { return 0.0f; }
+  static F to_f(I v) { return static_cast<float>(v); }
+  static F loadf(const float* p) { return *p; }
+  static F set(float v) { return v; }
+  static F mul(F a, F b) { return a * b; }
+  static F fma(F a, F b, F c) { return std::fma(a, b, c); }
+  static void storef(float* p, F v) { *p = v; }
+};
+#endif
+
+constexpr int kTileRows = Isa::L == 16 ? 8 : 4;
+
+// ---- the weight and its formats -------------------------------------------------------
+
+}  // namespace
+
+extern "C" {
+struct QuantWeight {  // mirrors native_quant._QuantWeight
+  const uint8_t* q;
+  const float* scale;
+  const float* min;  // or null
+  int n, k;
+  int bits;   // 4 or 8
+  int block;  // inputs per scale: 16 or 32
+  int zero;   // subtracted from every u
+};
+}
+
+namespace {
+
+template <typename T>
+struct Epilogue {
+  const T* bias;      // [N] or null
+  const T* residual;  // [M, ldo] or null
+  T* out;             // [M, ldo]
+  int ldo;
+};
+
+// Rows m0..m0+R-1 of x against features h*L .. h*L+L-1 of group g.
+template <int R, int Bits, int Sub, bool Wide, bool Min, typename T>
+void tile(const QuantWeight& w, const Rows& x, int g, int h, int m0, const Epilogue<T>& ep) {
+  using I = typename Isa::I;
+  using F = typename Isa::F;
+  constexpr int L = Isa::L;
+  constexpr int kChunks = Bits == 4 ? 4 : 8;
+  constexpr int kSets = R <= 2 ? 2 : 1;  // independent integer chains for short tiles
+  const int kb = w.k / kBlock;
+  const int zero = w.zero - (Wide ? Isa::kWideShift : 0);
+  const uint8_t* q = w.q + static_cast<int64_t>(g) * kb * kChunks * 64 + h * L * 4;
+  const int64_t scale_at = static_cast<int64_t>(g) * kb * Sub * kGroup + h * L;
+  const float* sc = w.scale + scale_at;
+  const float* mn = Min ? w.min + scale_at : nullptr;
+  const int8_t* xq[R];
+  for (int r = 0; r < R; ++r) xq[r] = x.q + static_cast<int64_t>(m0 + r) * x.k;
+  F acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = Isa::fzero();
+  for (int j = 0; j < kb; ++j, q += kChunks * 64) {
+    for (int s = 0; s < Sub; ++s, sc += kGroup) {
+      I ia[kSets][R];
+      for (int t = 0; t < kSets; ++t)
+        for (int r = 0; r < R; ++r) ia[t][r] = Isa::izero();
+      if constexpr (Bits == 4) {
+        for (int c = 0; c < 4; ++c) {
+          const auto v = Isa::load(q + c * 64);
+          const auto lo = Isa::low(v), hi = Isa::high(v);
+          for (int r = 0; r < R; ++r) {
+            const int8_t* xb = xq[r] + j * kBlock + 4 * c;
+            ia[0][r] = Isa::template dot<false>(ia[0][r], lo, Isa::bcast(xb));
+            ia[kSets - 1][r] = Isa::template dot<false>(ia[kSets - 1][r], hi, Isa::bcast(xb + 16));
+          }
+        }
+      } else {
+        constexpr int kPer = kChunks / Sub;
+        for (int c = s * kPer; c < (s + 1) * kPer; ++c) {
+          const auto v = Isa::load(q + c * 64);
+          for (int r = 0; r < R; ++r) {
+            I& a = ia[c % kSets][r];
+            a = Isa::template dot<Wide>(a, v, Isa::bcast(xq[r] + j * kBlock + 4 * c));
+          }
+        }
+      }
+      const F scale = Isa::loadf(sc);
+      for (int r = 0; r < R; ++r) {
+        const int64_t at = static_cast<int64_t>(m0 + r) * (x.k / 16) + j * 2;
+        const int32_t isum = Sub == 2 ? x.isum[at + s] : x.isum[at] + x.isum[at + 1];
+        I total = kSets == 2 ? Isa::add(ia[0][r], ia[1][r]) : ia[0][r];
+        total = Isa::sub(total, zero * isum);
+        const float d = x.d[static_cast<int64_t>(m0 + r) * (x.k / kBlock) + j];
+        acc[r] = Isa::fma(Isa::to_f(total), Isa::mul(scale, Isa::set(d)), acc[r]);
+        if constexpr (Min) {
+          const float fsum = Sub == 2 ? x.fsum[at + s] : x.fsum[at] + x.fsum[at + 1];
+          acc[r] = Isa::fma(Isa::loadf(mn), Isa::set(fsum), acc[r]);
+        }
+      }
+      if constexpr (Min) mn += kGroup;
+    }
+  }
+  float lanes[L];
+  const int n0 = g * kGroup + h * L;
+  const int width = w.n - n0 < L ? w.n - n0 : L;
+  for (int r = 0; r < R; ++r) {
+    Isa::storef(lanes, acc[r]);
+    const int64_t row = static_cast<int64_t>(m0 + r) * ep.ldo + n0;
+    for (int f = 0; f < width; ++f) {
+      const float v = ep.bias == nullptr ? lanes[f] : lanes[f] + load(ep.bias[n0 + f]);
+      if (ep.residual == nullptr) {
+        store(ep.out + row + f, v);
+      } else {
+        T rounded;
+        store(&rounded, v);
+        store(ep.out + row + f, load(rounded) + load(ep.residual[row + f]));
+      }
+    }
+  }
+}
+
+template <int Bits, int Sub, bool Wide, bool Min, typename T>
+void features(const QuantWeight& w, const Rows& x, int g, const Epilogue<T>& ep) {
+  for (int h = 0; h < kGroup / Isa::L; ++h) {
+    int m0 = 0;
+    for (; m0 + kTileRows <= x.m; m0 += kTileRows) {
+      tile<kTileRows, Bits, Sub, Wide, Min>(w, x, g, h, m0, ep);
+    }
+    switch (x.m - m0) {
+      case 1: tile<1, Bits, Sub, Wide, Min>(w, x, g, h, m0, ep); break;
+      case 2: tile<2, Bits, Sub, Wide, Min>(w, x, g, h, m0, ep); break;
+      case 3: tile<3, Bits, Sub, Wide, Min>(w, x, g, h, m0, ep); break;
+#if RM_QUANT_ISA == 3
+      case 4: tile<4, Bits, Sub, Wide, Min>(w, x, g, h, m0, ep); break;
+      case 5: tile<5, Bits, Sub, Wide, Min>(w, x, g, h, m0, ep); break;
+      case 6: tile<6, Bits, Sub, Wide, Min>(w, x, g, h, m0, ep); break;
+      case 7: tile<7, Bits, Sub, Wide, Min>(w, x, g, h, m0, ep); break;
+#endif
+      default: break;
+    }
+  }
+}
+
+template <typename T>
+using GroupFn = void (*)(const QuantWeight&, const Rows&, int, const Epilogue<T>&);
+
+// The formats native_quant.py packs: 4 bits (Q4_0, Q4_1, Q4_K), 8 bits per 32 (Q8_0: wide;
+// Q5_0, Q5_1, Q5_K) and 8 bits per 16 (Q6_K).
+template <typename T>
+GroupFn<T> pick(const QuantWeight& w) {
+  const bool min = w.min != nullptr;
+  if (w.bits == 4) return min ? features<4, 1, false, true, T> : features<4, 1, false, false, T>;
+  if (w.block == 16) return features<8, 2, false, false, T>;
+  if (w.zero >= 128) return features<8, 1, true, false, T>;
+  return min ? features<8, 1, false, true, T> : features<8, 1, false, false, T>;
+}
+
+template <typename T>
+void gemm(const void* xbuf, int m, const QuantWeight* w, const T* bias, const T* residual,
+          T* out, int ldo, int threads) {
+  const Rows x(const_cast<void*>(xbuf), m, w->k);
+  const Epilogue<T> ep{bias, residual, out, ldo};
+  const GroupFn<T> fn = pick<T>(*w);
+  const int groups = (w->n + kGroup - 1) / kGroup;
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int g = 0; g < groups; ++g) fn(*w, x, g, ep);
+}
+
+// One row of 32-input blocks: int8 values rounded to nearest-even, the block's scale, and
+// the sums per 16.
+template <typename T>
+void quantize_row(const T* x, int k, int8_t* q, float* d, int32_t* isum, float* fsum) {
+  for (int b = 0; b < k / kBlock; ++b) {
+    float v[kBlock];
+    float amax = 0.0f;
+    for (int i = 0; i < kBlock; ++i) {
+      v[i] = load(x[b * kBlock + i]);
+      amax = std::fabs(v[i]) > amax ? std::fabs(v[i]) : amax;
+    }
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    d[b] = amax / 127.0f;
+    for (int half = 0; half < 2; ++half) {
+      int32_t is = 0;
+      float fs = 0.0f;
+      for (int i = half * 16; i < half * 16 + 16; ++i) {
+        const int8_t qi = static_cast<int8_t>(std::nearbyint(v[i] * inv));
+        q[b * kBlock + i] = qi;
+        is += qi;
+        fs += v[i];
+      }
+      isum[b * 2 + half] = is;
+      fsum[b * 2 + half] = fs;
+    }
+  }
+}
+
+template <typename T>
+void quantize_rows(const T* x, int m, int k, void* buf, int threads) {
+  const Rows rows(buf, m, k);
+  const int kb = k / kBlock;
+  const int used = static_cast<int64_t>(m) * k >= (1 << 16) ? threads : 1;
+#pragma omp parallel for schedule(static) num_threads(used)
+  for (int r = 0; r < m; ++r) {
+    quantize_row(x + static_cast<int64_t>(r) * k, k, rows.q + static_cast<int64_t>(r) * k,
+                 rows.d + static_cast<int64_t>(r) * kb, rows.isum + static_cast<int64_t>(r) * 2 * kb,
+                 rows.fsum + static_cast<int64_t>(r) * 2 * kb);
+  }
+}
+
+// Row n of the weight as floats (then rounded to T).
+template <typename T>
+void dequantize_rows(const QuantWeight* w, const int64_t* rows, int count, T* out, int threads) {
+  const int kb = w->k / kBlock, chunks = w->bits == 4 ? 4 : 8, sub = kBlock / w->block;
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int i = 0; i < count; ++i) {
+    const int64_t n = rows[i], g = n / kGroup, f = n % kGroup;
+    T* dst = out + static_cast<int64_t>(i) * w->k;
+    for (int j = 0; j < kb; ++j) {
+      const uint8_t* blk = w->q + (g * kb + j) * chunks * 64 + f * 4;
+      for (int e = 0; e < kBlock; ++e) {
+        int u;
+        if (w->bits == 4) {
+          const uint8_t byte = blk[(e % 16) / 4 * 64 + e % 4];
+          u = e < 16 ? byte & 15 : byte >> 4;
+        } else {
+          u = blk[e / 4 * 64 + e % 4];
+        }
+        const int64_t at = (g * kb * sub + j * sub + e / w->block) * kGroup + f;
+        float v = w->scale[at] * static_cast<float>(u - w->zero);
+        if (w->min != nullptr) v += w->min[at];
+        store(dst + j * kBlock + e, v);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// Which instruction set the quantized kernels were built for: 3 AVX512-VNNI, 2 AVX-VNNI,
+// 1 AVX2, 0 portable C++.
+int quant_isa() { return RM_QUANT_ISA; }
+
+// Bytes of the buffer quantize_rows_* fills for m rows of k inputs (k a multiple of 32).
+int64_t quant_rows_bytes(int m, int k) {
+  const int64_t n = static_cast<int64_t>(m) * k;
+  return n + n / kBlock * 4 + n / 16 * 8;
+}
+
+void quantize_rows_bf16(const uint16_t* x, int m, int k, void* buf, int threads) {
+  quantize_rows(x, m, k, buf, threads);
+}
+
+void quantize_rows_f32(const float* x, int m, int k, void* buf, int threads) {
+  quantize_rows(x, m, k, buf, threads);
+}
+
+void gemm_quant_bf16(const void* xbuf, int m, const QuantWeight* w, const uint16_t* bias,
+                     const uint16_t* residual, uint16_t* out, int ldo, int threads) {
+  gemm(xbuf, m, w, bias, residual, out, ldo, threads);
+}
+
+void gemm_quant_f32(const void* xbuf, int m, const QuantWeight* w, const float* bias,
+                    const float* residual, float* out, int ldo, int threads) {
+  gemm(xbuf, m, w, bias, residual, out, ldo, threads);
+}
+
+void dequantize_rows_bf16(const QuantWeight* w, const int64_t* rows, int count, uint16_t* out,
+                          int threads) {
+  dequantize_rows(w, rows, count, out, threads);
+}
+
+void dequantize_rows_f32(const QuantWeight* w, const int64_t* rows, int count, float* out,
+                         int threads) {
+  dequantize_rows(w, rows, count, out, threads);
+}
+
+}  // extern "C"
