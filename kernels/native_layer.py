@@ -1,5 +1,5 @@
 """The native decoder layer (cpu/layer.cpp): a bf16 model's layers run as one call each,
-over the kernels of native.py in the Python layer's order."""
+over the kernels of native.py and native_quant.py in the Python layer's order."""
 
 from __future__ import annotations
 
@@ -10,14 +10,22 @@ from collections.abc import Sequence
 import torch
 
 from radixmesh.kernels.native import check_rows, library
+from radixmesh.kernels.native_quant import QuantizedWeight, _QuantWeight
 
 _PTR, _INT, _FLOAT = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+# A projection's weight: packed by native.pack_gemm_weight, or quantized parts side by side.
+Projection = torch.Tensor | list[QuantizedWeight]
+_PROJECTIONS = ("qkv", "o", "gate_up", "down")
+
+
+class _Proj(ctypes.Structure):
+    _fields_ = [("packed", _PTR), ("parts", _PTR), ("num_parts", _INT)]
 
 
 class _LayerWeights(ctypes.Structure):
     _fields_ = [
-        (name, _PTR)
-        for name in ("input_norm", "post_norm", "qkv", "qkv_bias", "o", "gate_up", "down")
+        ("input_norm", _PTR), ("post_norm", _PTR), ("qkv", _Proj), ("qkv_bias", _PTR),
+        ("o", _Proj), ("gate_up", _Proj), ("down", _Proj),
     ]
 
 
@@ -49,12 +57,12 @@ class LayerStack:
     """The decoder layers of a bf16 model run natively, a call per layer (cpu/layer.cpp):
     the Python layer's kernels in its order, so the same bits.
 
-    Each entry of `layers` names a layer's tensors: input_norm, post_norm, qkv, qkv_bias
-    (or None), o, gate_up, down, the GEMM weights packed by `pack_gemm_weight`."""
+    Each entry of `layers` names a layer's tensors: input_norm, post_norm, qkv_bias (or
+    None), and its projections qkv, o, gate_up and down (each a `Projection`)."""
 
     def __init__(
         self,
-        layers: list[dict[str, torch.Tensor | None]],
+        layers: list[dict[str, torch.Tensor | list[QuantizedWeight] | None]],
         hidden: int,
         heads: int,
         kv_heads: int,
@@ -63,12 +71,27 @@ class LayerStack:
         eps: float,
     ) -> None:
         self._tensors = layers  # keeps every pointer below alive
-        self._weights = [
-            _LayerWeights(*(None if (t := w[f[0]]) is None else t.data_ptr()
-                            for f in _LayerWeights._fields_))
-            for w in layers
-        ]
+        self._parts: list[ctypes.Array[_QuantWeight]] = []
+        self._weights = []
+        for w in layers:
+            fields = {}
+            for name, _ in _LayerWeights._fields_:
+                value = w[name]
+                if name in _PROJECTIONS:
+                    fields[name] = self._projection(value)
+                else:
+                    assert value is None or isinstance(value, torch.Tensor)
+                    fields[name] = None if value is None else value.data_ptr()
+            self._weights.append(_LayerWeights(**fields))
         self._shape = (hidden, heads, kv_heads, head_dim, intermediate, eps)
+
+    def _projection(self, value: object) -> _Proj:
+        if isinstance(value, torch.Tensor):
+            return _Proj(value.data_ptr(), None, 0)
+        assert isinstance(value, list) and value
+        parts = (_QuantWeight * len(value))(*(p.struct for p in value))
+        self._parts.append(parts)
+        return _Proj(None, ctypes.addressof(parts), len(value))
 
     def forward(
         self,

@@ -226,19 +226,20 @@ class QuantizedWeight:
     @classmethod
     def quantize_q8_0(cls, weight: torch.Tensor) -> QuantizedWeight:
         """Float weight [n, k] (k a multiple of 32) -> Q8_0 as ggml quantizes it: per 32
-        inputs d = max|w| / 127 in float16 and int8 values round(w / d)."""
+        inputs d = max|w| / 127, values round(w / d) (halves away from zero), d kept in
+        float16."""
         n, k = weight.shape
         w = cls.empty(QUANT_TYPES[Q8_0], n, k)
         step = GROUP * 256
         for first in range(0, n, step):
-            x = weight[first : first + step].to(torch.float32).numpy().reshape(-1, k // BLOCK,
-                                                                              BLOCK)
-            d = (np.abs(x).max(axis=-1, keepdims=True) / 127).astype(np.float16)
-            d32 = d.astype(np.float32)
-            inv = np.divide(1.0, d32, out=np.zeros_like(d32), where=d32 > 0)
-            q = np.clip(np.rint(x * inv), -128, 127).astype(np.int16) + 128
+            x = weight[first : first + step].to(torch.float32).numpy()
             rows = x.shape[0]
-            w._fill(first, q.astype(np.uint8).reshape(rows, k), d32.reshape(rows, -1), None)
+            x = x.reshape(rows, k // BLOCK, BLOCK)
+            d = np.abs(x).max(axis=-1, keepdims=True) / np.float32(127)
+            inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d > 0)
+            q = np.trunc(x * inv + np.copysign(np.float32(0.5), x)).astype(np.int16) + 128
+            scale = d.astype(np.float16).astype(np.float32)
+            w._fill(first, q.astype(np.uint8).reshape(rows, k), scale.reshape(rows, -1), None)
         return w
 
     def narrow(self, dim: int, start: int, length: int) -> QuantizedWeight:

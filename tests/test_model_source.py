@@ -4,13 +4,11 @@ written here, and Hugging Face directories saved by transformers."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import gguf
-import numpy as np
 import pytest
 import torch
-from tiny_model import hf_config, random_hf_model
+from tiny_model import head_dim, hf_config, llama_cpp_permute, random_hf_model, write_tiny_gguf
 
 from radixmesh.core.gguf import read_gguf
 from radixmesh.core.model_files import resolve_model_path
@@ -111,7 +109,7 @@ def test_default_weights_equal_transformers_gguf_loader(smol, hf_smol_state):
 
 
 def test_progress_goes_to_stderr_only_when_asked(tmp_path, capsys):
-    path = _write_tiny_gguf(tmp_path, "llama", *_tiny_hf("llama")[:1])
+    path = write_tiny_gguf(tmp_path, "llama", *_tiny_hf("llama")[:1])
     load_model(str(path), progress=False)
     assert capsys.readouterr().err == ""
     load_model(str(path), progress=True)
@@ -136,107 +134,31 @@ def _tiny_hf(kind: str, tie: bool = False):
     return model, cfg
 
 
-def _head_dim(cfg) -> int:
-    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-
-
-_TO_GGUF = {
-    "input_layernorm": "attn_norm",
-    "post_attention_layernorm": "ffn_norm",
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "self_attn.q_norm": "attn_q_norm",
-    "self_attn.k_norm": "attn_k_norm",
-    "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-}
-
-
-def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
-    """The row order llama.cpp's converter writes q/k in (rope pairs interleaved)."""
-    half = w.shape[0] // n_head // 2
-    return w.reshape(n_head, 2, half, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def _write_tiny_gguf(tmp_path: Path, arch: str, model) -> Path:
-    """Write ``model`` the way llama.cpp would: names, permuted q/k for llama, Q8_0 embeddings."""
-    cfg = model.config
-    path = tmp_path / f"tiny-{arch}.gguf"
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_key_length(_head_dim(cfg))
-    w.add_value_length(_head_dim(cfg))
-    w.add_rope_freq_base(5000.0)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_bos_token_id(0)
-    w.add_eos_token_id(1)
-    for name, t in model.state_dict().items():
-        a = t.detach().float().numpy().copy()
-        if name == "lm_head.weight":
-            if cfg.tie_word_embeddings:
-                continue
-            gname = "output.weight"
-        elif name == "model.embed_tokens.weight":
-            w.add_tensor(
-                "token_embd.weight",
-                gguf.quants.quantize(a, gguf.GGMLQuantizationType.Q8_0),
-                raw_dtype=gguf.GGMLQuantizationType.Q8_0,
-            )
-            continue
-        elif name == "model.norm.weight":
-            gname = "output_norm.weight"
-        else:
-            _, _, layer, rest = name.split(".", 3)
-            module, kind = rest.rsplit(".", 1)
-            gname = f"blk.{layer}.{_TO_GGUF[module]}.{kind}"
-            if arch == "llama" and module == "self_attn.q_proj":
-                a = _llama_cpp_permute(a, cfg.num_attention_heads)
-            elif arch == "llama" and module == "self_attn.k_proj":
-                a = _llama_cpp_permute(a, cfg.num_key_value_heads)
-        if gname.endswith("ffn_up.weight"):
-            w.add_tensor(gname, a.astype(np.float16))  # exercise the F16 path
-        else:
-            w.add_tensor(gname, a)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
-
-
 def _q8_roundtrip(a: torch.Tensor) -> torch.Tensor:
     q = gguf.quants.quantize(a.numpy(), gguf.GGMLQuantizationType.Q8_0)
     return torch.from_numpy(gguf.quants.dequantize(q, gguf.GGMLQuantizationType.Q8_0).copy())
 
 
-def test_unpermute_inverts_llama_cpp_permute():
+def test_unpermute_invertsllama_cpp_permute():
     w = torch.arange(12 * 5, dtype=torch.float32).reshape(12, 5)
     for n_head in (1, 2, 3):
-        permuted = torch.from_numpy(_llama_cpp_permute(w.numpy(), n_head))
+        permuted = torch.from_numpy(llama_cpp_permute(w.numpy(), n_head))
         assert not torch.equal(permuted, w)
         assert torch.equal(unpermute_rows(permuted, n_head), w)
     b = torch.arange(12, dtype=torch.float32)
-    assert torch.equal(unpermute_rows(torch.from_numpy(_llama_cpp_permute(b.numpy(), 3)), 3), b)
+    assert torch.equal(unpermute_rows(torch.from_numpy(llama_cpp_permute(b.numpy(), 3)), 3), b)
 
 
 @pytest.mark.parametrize(("arch", "tie"), [("llama", False), ("qwen2", True), ("qwen3", False)])
 def test_tiny_gguf_roundtrip(tmp_path, arch, tie):
     model, cfg = _tiny_hf(arch, tie)
-    path = _write_tiny_gguf(tmp_path, arch, model)
+    path = write_tiny_gguf(tmp_path, arch, model)
     assert len(read_gguf(path).tensors) == len(model.state_dict()) - (1 if tie else 0)
     loaded = load_model(str(path), progress=False)
     c = loaded.config
     assert c.architecture == arch
     assert (c.num_layers, c.hidden_size, c.intermediate_size) == (2, 64, 80)
-    assert (c.num_heads, c.num_kv_heads, c.head_dim) == (4, 2, _head_dim(cfg))
+    assert (c.num_heads, c.num_kv_heads, c.head_dim) == (4, 2, head_dim(cfg))
     assert c.vocab_size == 96
     assert c.rope_theta == 5000.0 and c.rms_norm_eps == 1e-5
     assert c.max_position_embeddings == 512
@@ -280,7 +202,7 @@ def test_hf_dir_roundtrip(tmp_path, arch, tie, dtype, shard):
     c = loaded.config
     assert c.architecture == arch
     assert (c.num_layers, c.hidden_size, c.intermediate_size, c.vocab_size) == (2, 64, 80, 96)
-    assert (c.num_heads, c.num_kv_heads, c.head_dim) == (4, 2, _head_dim(cfg))
+    assert (c.num_heads, c.num_kv_heads, c.head_dim) == (4, 2, head_dim(cfg))
     assert c.tie_word_embeddings is tie
     assert c.attention_bias is (arch == "qwen2")
     assert c.qk_norm is (arch == "qwen3")

@@ -94,6 +94,7 @@ SHARED = {
     "model_path": [EngineArgs, MeshArgs, WorkerConfig, SchedulerServiceConfig,
                    TokenizerServiceConfig, DetokenizerConfig],
     "dtype": [EngineArgs, MeshArgs, WorkerConfig],
+    "quantization": [EngineArgs, MeshArgs, WorkerConfig],
     "device": [EngineArgs, MeshArgs, WorkerConfig],
     "attention_backend": [EngineArgs, MeshArgs, WorkerConfig],
     "cuda_graph_max_bs": [EngineArgs, MeshArgs, WorkerConfig],
@@ -227,6 +228,7 @@ def test_factory_defaults_stay_per_instance(monkeypatch) -> None:
 # One bad value per validated setting (a test below checks none is missing).
 BAD_VALUES: dict[str, list[Any]] = {
     "dtype": ["float16"],
+    "quantization": ["q4", "awq"],
     "device": ["gpu", "cuda:x"],
     "attention_backend": ["flash"],
     "cuda_graph_max_bs": [-1, "8"],

@@ -1,11 +1,14 @@
-"""A tiny random-weight Hugging Face model directory, a fixed run of StepBatches, and
-transformers configs and random models of any tiny size."""
+"""A tiny random-weight Hugging Face model directory, a fixed run of StepBatches,
+transformers configs and random models of any tiny size, and such a model written as a GGUF
+file (float or in a quantized type)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+import gguf
+import numpy as np
 import torch
 from safetensors.torch import save_file
 
@@ -131,3 +134,111 @@ def random_hf_model(config):
 
     torch.manual_seed(0)
     return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+def head_dim(cfg) -> int:
+    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
+_TO_GGUF = {
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """The row order llama.cpp's converter writes q/k in (rope pairs interleaved)."""
+    half = w.shape[0] // n_head // 2
+    return w.reshape(n_head, 2, half, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_tiny_gguf(
+    tmp_path: Path, arch: str, model, weight_type: gguf.GGMLQuantizationType | None = None
+) -> Path:
+    """Write ``model`` the way llama.cpp would: names, permuted q/k for llama, Q8_0 embeddings
+    and an F16 ffn_up. With `weight_type`, every matrix (embeddings and output included) is in
+    that type instead: quantized from the model's weights where the gguf package can, else
+    random blocks with small scales (the K-quants)."""
+    cfg = model.config
+    suffix = "" if weight_type is None else f"-{weight_type.name}"
+    path = tmp_path / f"tiny-{arch}{suffix}.gguf"
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_key_length(head_dim(cfg))
+    w.add_value_length(head_dim(cfg))
+    w.add_rope_freq_base(5000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_bos_token_id(0)
+    w.add_eos_token_id(1)
+    for name, t in model.state_dict().items():
+        a = t.detach().float().numpy().copy()
+        if name == "lm_head.weight":
+            if cfg.tie_word_embeddings:
+                continue
+            gname = "output.weight"
+        elif name == "model.embed_tokens.weight":
+            qtype = weight_type or gguf.GGMLQuantizationType.Q8_0
+            w.add_tensor("token_embd.weight", _quantized(a, qtype), raw_dtype=qtype)
+            continue
+        elif name == "model.norm.weight":
+            gname = "output_norm.weight"
+        else:
+            _, _, layer, rest = name.split(".", 3)
+            module, kind = rest.rsplit(".", 1)
+            gname = f"blk.{layer}.{_TO_GGUF[module]}.{kind}"
+            if arch == "llama" and module == "self_attn.q_proj":
+                a = llama_cpp_permute(a, cfg.num_attention_heads)
+            elif arch == "llama" and module == "self_attn.k_proj":
+                a = llama_cpp_permute(a, cfg.num_key_value_heads)
+        if weight_type is not None and a.ndim == 2:
+            w.add_tensor(gname, _quantized(a, weight_type), raw_dtype=weight_type)
+        elif gname.endswith("ffn_up.weight"):
+            w.add_tensor(gname, a.astype(np.float16))  # exercise the F16 path
+        else:
+            w.add_tensor(gname, a)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+
+# Byte offsets of the float16 scales (and mins) in each quantized type's blocks.
+_SCALES_AT = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,),
+              "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+
+
+def random_blocks(
+    qtype: gguf.GGMLQuantizationType, rows: int, cols: int, seed: int, scale: float = 0.002
+) -> np.ndarray:
+    """Random blocks of `qtype` for a [rows, cols] tensor ([rows, bytes] uint8): every bit
+    random but the float16 scales, drawn from +-[scale / 4, scale]."""
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+    for at in _SCALES_AT[qtype.name]:
+        value = rng.uniform(scale / 4, scale, raw.shape[:-1]) * rng.choice([-1, 1], raw.shape[:-1])
+        raw[..., at : at + 2] = value.astype(np.float16).view(np.uint8).reshape(*raw.shape[:-1], 2)
+    return raw.reshape(rows, -1)
+
+
+def _quantized(a: np.ndarray, qtype: gguf.GGMLQuantizationType) -> np.ndarray:
+    try:
+        return gguf.quants.quantize(a, qtype)
+    except NotImplementedError:  # the K-quants
+        return random_blocks(qtype, *a.shape, seed=a.size)

@@ -1,10 +1,21 @@
 // The bf16 entry points of the native kernels that cpu/layer.cpp composes; each kernel's
 // source includes this too, so a definition that drifts from its declaration fails to build.
+// QuantWeight is a quantized weight as cpu/quant.cpp packs it (native_quant._QuantWeight).
 #pragma once
 
 #include <cstdint>
 
 extern "C" {
+struct QuantWeight {
+  const uint8_t* q;
+  const float* scale;
+  const float* min;  // or null
+  int n, k;
+  int bits;   // 4 or 8
+  int block;  // inputs per scale: 16 or 32
+  int zero;   // subtracted from every packed value
+};
+
 void rms_norm_bf16(const uint16_t* x, const uint16_t* w, uint16_t* out, int rows, int dim,
                    float eps, int threads);
 void gemm_bf16(const uint16_t* x, const uint16_t* wp, const uint16_t* bias,
@@ -17,4 +28,8 @@ void decode_attention_bf16(const uint16_t* q, const uint16_t* k, const uint16_t*
                            int batch, int width, int hq, int hkv, int dim, float scale,
                            int threads);
 void silu_mul_bf16_rows(const uint16_t* x, uint16_t* out, int rows, int width, int threads);
+int64_t quant_rows_bytes(int m, int k);
+void quantize_rows_bf16(const uint16_t* x, int m, int k, void* buf, int threads);
+void gemm_quant_bf16(const void* xbuf, int m, const QuantWeight* w, const uint16_t* bias,
+                     const uint16_t* residual, uint16_t* out, int ldo, int threads);
 }

@@ -11,14 +11,20 @@
 
 namespace {
 
-struct LayerWeights {  // GEMM weights packed as native.pack_gemm_weight packs them
+// A linear layer's weight: bf16 packed as native.pack_gemm_weight packs it, or quantized
+// parts side by side in the output features (cpu/quant.cpp).
+struct Proj {
+  const uint16_t* packed;  // or null
+  const QuantWeight* parts;
+  int num_parts;
+};
+
+struct LayerWeights {
   const uint16_t* input_norm;
   const uint16_t* post_norm;
-  const uint16_t* qkv;
+  Proj qkv;
   const uint16_t* qkv_bias;  // or null
-  const uint16_t* o;
-  const uint16_t* gate_up;
-  const uint16_t* down;
+  Proj o, gate_up, down;
 };
 
 struct LayerShape {
@@ -50,14 +56,36 @@ struct Step {
   int threads;
 };
 
+// x [t, k] @ p^T (+ bias) (+ residual) -> out [t, n]; quantized weights first quantize x
+// into qbuf.
+void linear(const Proj& p, const uint16_t* x, const uint16_t* bias, const uint16_t* residual,
+            uint16_t* out, int t, int n, int k, void* qbuf, int th) {
+  if (p.packed != nullptr) {
+    gemm_bf16(x, p.packed, bias, residual, out, t, n, k, th);
+    return;
+  }
+  quantize_rows_bf16(x, t, k, qbuf, th);
+  for (int i = 0, at = 0; i < p.num_parts; at += p.parts[i].n, ++i) {
+    gemm_quant_bf16(qbuf, t, &p.parts[i], bias == nullptr ? nullptr : bias + at,
+                    residual == nullptr ? nullptr : residual + at, out + at, n, th);
+  }
+}
+
+int64_t activations(const LayerShape* s, int tokens) {  // bf16 elements before qbuf
+  const int64_t q = static_cast<int64_t>(s->heads) * s->head_dim;
+  const int64_t qkv = q + 2 * static_cast<int64_t>(s->kv_heads) * s->head_dim;
+  const int64_t elems = tokens * (s->hidden + qkv + 2 * q + 3 * static_cast<int64_t>(s->intermediate));
+  return (elems + 31) / 32 * 32;  // qbuf starts 64-byte aligned
+}
+
 }  // namespace
 
 extern "C" {
 
 int64_t decoder_layer_scratch(const LayerShape* s, int tokens) {
-  const int64_t q = static_cast<int64_t>(s->heads) * s->head_dim;
-  const int64_t qkv = q + 2 * static_cast<int64_t>(s->kv_heads) * s->head_dim;
-  return tokens * (s->hidden + qkv + 2 * q + 3 * static_cast<int64_t>(s->intermediate));
+  int k = s->hidden > s->heads * s->head_dim ? s->hidden : s->heads * s->head_dim;
+  k = k > s->intermediate ? k : s->intermediate;
+  return activations(s, tokens) + (quant_rows_bytes(tokens, k) + 1) / 2;
 }
 
 // hidden [T, hidden] is updated in place; k_pool/v_pool are this layer's [slots, Hkv, D].
@@ -72,9 +100,10 @@ void decoder_layer_bf16(uint16_t* hidden, uint16_t* k_pool, uint16_t* v_pool,
   uint16_t* att = q + static_cast<int64_t>(t) * q_size;    // [T, Hq, D]
   uint16_t* gate_up = att + static_cast<int64_t>(t) * q_size;  // [T, 2I]
   uint16_t* act = gate_up + static_cast<int64_t>(t) * 2 * s->intermediate;  // [T, I]
+  void* qbuf = step->scratch + activations(s, t);  // quantized x of quantized weights
 
   rms_norm_bf16(hidden, w->input_norm, x, t, h, s->eps, th);
-  gemm_bf16(x, w->qkv, w->qkv_bias, nullptr, qkv, t, qkv_size, h, th);
+  linear(w->qkv, x, w->qkv_bias, nullptr, qkv, t, qkv_size, h, qbuf, th);
   rotary_bf16(qkv, step->positions, step->cos, step->sin, t, s->heads + s->kv_heads, qkv_size,
               d, th);
   for (int i = 0; i < t; ++i) {
@@ -90,11 +119,11 @@ void decoder_layer_bf16(uint16_t* hidden, uint16_t* k_pool, uint16_t* v_pool,
     decode_attention_bf16(q + at, k_pool, v_pool, run.index, run.lens, att + at, run.count,
                           run.width, s->heads, s->kv_heads, d, s->scale, th);
   }
-  gemm_bf16(att, w->o, nullptr, hidden, hidden, t, h, q_size, th);  // + residual, in place
+  linear(w->o, att, nullptr, hidden, hidden, t, h, q_size, qbuf, th);  // + residual, in place
   rms_norm_bf16(hidden, w->post_norm, x, t, h, s->eps, th);
-  gemm_bf16(x, w->gate_up, nullptr, nullptr, gate_up, t, 2 * s->intermediate, h, th);
+  linear(w->gate_up, x, nullptr, nullptr, gate_up, t, 2 * s->intermediate, h, qbuf, th);
   silu_mul_bf16_rows(gate_up, act, t, s->intermediate, th);
-  gemm_bf16(act, w->down, nullptr, hidden, hidden, t, h, s->intermediate, th);
+  linear(w->down, act, nullptr, hidden, hidden, t, h, s->intermediate, qbuf, th);
 }
 
 }  // extern "C"

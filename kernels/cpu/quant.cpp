@@ -170,24 +170,6 @@ struct Isa {  // one feature at a time: its four bytes of a chunk in a uint32
 
 constexpr int kTileRows = Isa::L == 16 ? 8 : 4;
 
-// ---- the weight and its formats -------------------------------------------------------
-
-}  // namespace
-
-extern "C" {
-struct QuantWeight {  // mirrors native_quant._QuantWeight
-  const uint8_t* q;
-  const float* scale;
-  const float* min;  // or null
-  int n, k;
-  int bits;   // 4 or 8
-  int block;  // inputs per scale: 16 or 32
-  int zero;   // subtracted from every u
-};
-}
-
-namespace {
-
 template <typename T>
 struct Epilogue {
   const T* bias;      // [N] or null

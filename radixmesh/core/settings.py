@@ -37,6 +37,7 @@ from radixmesh.core.hicache import (
 
 ENV_PREFIX = "RADIXMESH_"
 DTYPES = ("bfloat16", "float32")
+QUANTIZATIONS = ("auto", "gguf", "bf16", "q8_0")
 GRAMMAR_BACKENDS = ("xgrammar", "llguidance", "none")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs")
@@ -199,7 +200,16 @@ class DeviceSettings(Settings):
     TITLE: ClassVar[str] = "device and precision"
 
     dtype: str = setting(
-        "bfloat16", choices=DTYPES, help="precision of the weights, activations and KV cache"
+        "bfloat16", choices=DTYPES, help="precision of the activations, the KV cache and the "
+        "weights that are not quantized"
+    )
+    quantization: str = setting(
+        "auto",
+        choices=QUANTIZATIONS,
+        help="weights in memory: gguf keeps a GGUF file's quantized tensors in their type "
+        "(Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K; native CPU kernels); bf16 "
+        "dequantizes them to --dtype at load; q8_0 also quantizes float weights (safetensors, "
+        "F16/BF16 GGUF) to Q8_0 at load; auto: gguf for a GGUF file on the CPU, else bf16",
     )
     device: str = setting(
         "auto",
@@ -226,6 +236,11 @@ class DeviceSettings(Settings):
             raise ValueError(
                 f"attention_backend='torch' runs on the CPU only; use 'triton' or 'auto' with "
                 f"device={self.device!r}"
+            )
+        if self.quantization in ("gguf", "q8_0") and self.device.startswith("cuda"):
+            raise ValueError(
+                f"quantization={self.quantization!r} runs on the CPU only; use 'bf16' or "
+                f"'auto' with device={self.device!r}"
             )
 
 

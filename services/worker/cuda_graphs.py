@@ -33,7 +33,7 @@ class DecodeGraphs:
         max_context: int,
         capture: bool | None = None,
     ) -> None:
-        device = model.embed.device
+        device = model.device
         self.model, self.attention, self.pool = model, attention, pool
         self.buckets = batch_buckets(max_batch)
         self.max_context = max_context

@@ -9,9 +9,10 @@ import torch.nn.functional as F
 
 from radixmesh.kernels import native
 from radixmesh.kernels.native_layer import LayerStack
+from radixmesh.kernels.native_quant import QuantizedWeight
 from radixmesh.services.worker.attention import AttentionBackend
 from radixmesh.services.worker.kv_pool import KVPool
-from radixmesh.services.worker.linear import Linear
+from radixmesh.services.worker.linear import Linear, Weight
 from radixmesh.services.worker.model_config import ModelConfig
 from radixmesh.services.worker.parallel import TensorParallel, row_parallel
 from radixmesh.services.worker.rope import RotaryEmbedding, RotaryStep
@@ -34,17 +35,29 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate).mul_(up)
 
 
-class _Cast(Mapping[str, torch.Tensor]):
+class _Cast(Mapping[str, Weight]):
     """Weights moved to the model's device and dtype one at a time as the model takes them,
-    so no second full copy is ever held (on the host or the device)."""
+    so no second full copy is ever held (on the host or the device). Quantized weights stay
+    as they are (CPU only)."""
 
     def __init__(
-        self, weights: Mapping[str, torch.Tensor], dtype: torch.dtype, device: torch.device
+        self, weights: Mapping[str, Weight], dtype: torch.dtype, device: torch.device
     ) -> None:
         self.weights, self.dtype, self.device = weights, dtype, device
 
-    def __getitem__(self, name: str) -> torch.Tensor:
-        return self.weights[name].to(device=self.device, dtype=self.dtype)
+    def __getitem__(self, name: str) -> Weight:
+        weight = self.weights[name]
+        if isinstance(weight, QuantizedWeight):
+            if self.device.type != "cpu":
+                raise ValueError(f"{name}: quantized weights run on the CPU only")
+            return weight
+        return weight.to(device=self.device, dtype=self.dtype)
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """A weight that is never quantized (norms, biases)."""
+        weight = self[name]
+        assert isinstance(weight, torch.Tensor), name
+        return weight
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.weights)
@@ -67,17 +80,19 @@ class DecoderLayer:
     ) -> None:
         attn = f"{prefix}.self_attn"
         self.cfg = cfg
-        self.input_norm = w[f"{prefix}.input_layernorm.weight"]
-        self.post_norm = w[f"{prefix}.post_attention_layernorm.weight"]
+        self.input_norm = w.tensor(f"{prefix}.input_layernorm.weight")
+        self.post_norm = w.tensor(f"{prefix}.post_attention_layernorm.weight")
         qkv_bias = (
-            torch.cat([w[f"{attn}.{p}_proj.bias"] for p in "qkv"]) if cfg.attention_bias else None
+            torch.cat([w.tensor(f"{attn}.{p}_proj.bias") for p in "qkv"])
+            if cfg.attention_bias
+            else None
         )
-        self.qkv = Linear(torch.cat([w[f"{attn}.{p}_proj.weight"] for p in "qkv"]), qkv_bias)
+        self.qkv = Linear([w[f"{attn}.{p}_proj.weight"] for p in "qkv"], qkv_bias)
         self.o = row_parallel(w[f"{attn}.o_proj.weight"], tp)
-        self.q_norm = w.get(f"{attn}.q_norm.weight") if cfg.qk_norm else None
-        self.k_norm = w.get(f"{attn}.k_norm.weight") if cfg.qk_norm else None
+        self.q_norm = w.tensor(f"{attn}.q_norm.weight") if cfg.qk_norm else None
+        self.k_norm = w.tensor(f"{attn}.k_norm.weight") if cfg.qk_norm else None
         mlp = f"{prefix}.mlp"
-        self.gate_up = Linear(torch.cat([w[f"{mlp}.gate_proj.weight"], w[f"{mlp}.up_proj.weight"]]))
+        self.gate_up = Linear([w[f"{mlp}.gate_proj.weight"], w[f"{mlp}.up_proj.weight"]])
         self.down = row_parallel(w[f"{mlp}.down_proj.weight"], tp)
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
@@ -119,17 +134,18 @@ class CausalLM:
     def __init__(
         self,
         cfg: ModelConfig,
-        weights: Mapping[str, torch.Tensor],
+        weights: Mapping[str, Weight],
         dtype: torch.dtype,
         tp: TensorParallel | None = None,
         device: torch.device | str = "cpu",
     ) -> None:
-        w = _Cast(weights, dtype, torch.device(device))
+        self.device = torch.device(device)
+        w = _Cast(weights, dtype, self.device)
         self.cfg = cfg
         self.dtype = dtype
         self.embed = w["model.embed_tokens.weight"]
         self.lm_head = Linear(self.embed if cfg.tie_word_embeddings else w["lm_head.weight"])
-        self.norm = w["model.norm.weight"]
+        self.norm = w.tensor("model.norm.weight")
         self.layers = [DecoderLayer(cfg, w, f"model.layers.{i}", tp) for i in range(cfg.num_layers)]
         self.native_layers = self._native_layers(tp)
         self.rope = RotaryEmbedding(
@@ -138,7 +154,7 @@ class CausalLM:
             cfg.rope_theta,
             dtype,
             cfg.rope_scaling,
-            device=self.embed.device,
+            device=self.device,
         )
 
     def forward(
@@ -149,7 +165,10 @@ class CausalLM:
         pool: KVPool,
     ) -> torch.Tensor:
         """Token ids [T] at positions [T] -> final hidden states [T, hidden]."""
-        hidden = self.embed[input_ids]
+        if isinstance(self.embed, QuantizedWeight):
+            hidden = self.embed.rows(input_ids, self.dtype)
+        else:
+            hidden = self.embed[input_ids]
         if self.native_layers is not None and (plan := attn.native_plan()) is not None:
             self.native_layers.forward(
                 hidden, pool.k, pool.v, positions, self.rope.cos, self.rope.sin,
@@ -163,21 +182,23 @@ class CausalLM:
 
     def _native_layers(self, tp: TensorParallel | None) -> LayerStack | None:
         """Every layer as one native call, where each of its parts runs natively here (bf16
-        on an AVX512-BF16 CPU, no q/k norm, one rank) and the attention backend plans it."""
-        cfg, first = self.cfg, self.layers[0]
-        parts = [first.qkv, first.o, first.gate_up, first.down]
-        # A "native" Linear means bf16 on the CPU with the library built.
-        if tp is not None or cfg.qk_norm or any(p.kind != "native" for p in parts):
+        activations, weights in bf16 on an AVX512-BF16 CPU or quantized, no q/k norm, one
+        rank) and the attention backend plans it."""
+        cfg = self.cfg
+        if tp is not None or cfg.qk_norm or self.dtype != torch.bfloat16:
             return None
+        stack: list[dict[str, torch.Tensor | list[QuantizedWeight] | None]] = []
+        for layer in self.layers:
+            projections = {
+                name: getattr(layer, name).native_weight()
+                for name in ("qkv", "o", "gate_up", "down")
+            }
+            if any(p is None for p in projections.values()):
+                return None
+            stack.append({"input_norm": layer.input_norm, "post_norm": layer.post_norm,
+                          "qkv_bias": layer.qkv.bias, **projections})
         return LayerStack(
-            [
-                {
-                    "input_norm": layer.input_norm, "post_norm": layer.post_norm,
-                    "qkv": layer.qkv.weight, "qkv_bias": layer.qkv.bias, "o": layer.o.weight,
-                    "gate_up": layer.gate_up.weight, "down": layer.down.weight,
-                }
-                for layer in self.layers
-            ],
+            stack,
             cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
             cfg.intermediate_size, cfg.rms_norm_eps,
         )

@@ -13,7 +13,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from radixmesh.services.worker.linear import Linear
+from radixmesh.services.worker.linear import Linear, Weight
 from radixmesh.services.worker.model_config import ModelConfig
 
 # Projections split by output rows (column-parallel) and by input columns (row-parallel).
@@ -51,7 +51,7 @@ class TensorParallel:
 class RowParallelLinear(Linear):
     """A Linear over this rank's slice of the input features, summed over the group."""
 
-    def __init__(self, weight: torch.Tensor, tp: TensorParallel) -> None:
+    def __init__(self, weight: Weight, tp: TensorParallel) -> None:
         super().__init__(weight)
         self.tp = tp
 
@@ -60,7 +60,7 @@ class RowParallelLinear(Linear):
         return out if residual is None else residual + out
 
 
-def row_parallel(weight: torch.Tensor, tp: TensorParallel | None) -> Linear:
+def row_parallel(weight: Weight, tp: TensorParallel | None) -> Linear:
     """A plain Linear without tensor parallelism, else its row-parallel form."""
     return Linear(weight) if tp is None else RowParallelLinear(weight, tp)
 
@@ -108,9 +108,7 @@ def local_config(config: ModelConfig, size: int) -> ModelConfig:
     )
 
 
-def shard_weights(
-    config: ModelConfig, weights: dict[str, torch.Tensor], rank: int, size: int
-) -> None:
+def shard_weights(config: ModelConfig, weights: dict[str, Weight], rank: int, size: int) -> None:
     """Replace each split weight in `weights` by this rank's slice, in place, so the full
     tensors are freed one by one."""
     check_divisible(config, size)
@@ -120,7 +118,8 @@ def shard_weights(
             continue
         full = weights[name]
         part = full.shape[dim] // size
-        weights[name] = full.narrow(dim, rank * part, part).clone()
+        shard = full.narrow(dim, rank * part, part)
+        weights[name] = shard.clone() if isinstance(shard, torch.Tensor) else shard
 
 
 def _split_dim(name: str) -> int | None:

@@ -402,7 +402,8 @@ def load_runner(
     where = resolve_device(settings.device, tp_rank)
     if where.type == "cuda":
         torch.cuda.set_device(where)
-    loaded = load_model(settings.model_path, progress=progress)
+    loaded = load_model(settings.model_path, progress=progress,
+                        quantization=settings.quantization, device=where.type)
     tp: TensorParallel | None = None
     if tp_size > 1:
         if not dist_init_addr:

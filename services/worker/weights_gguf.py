@@ -1,22 +1,27 @@
-"""Loading GGUF weights: a ModelConfig from the metadata, and tensors as float32 under
-Hugging Face names. Dequantization of quantized tensors is delegated to
-``gguf.quants.dequantize``.
+"""Loading GGUF weights: a ModelConfig from the metadata, and tensors under Hugging Face
+names, each either kept in its quantized type (packed for the native kernels) or as float32.
+Dequantization to float32 is delegated to ``gguf.quants.dequantize``.
 """
 
 from __future__ import annotations
 
 import mmap
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
 from radixmesh.core.gguf import GGUFFile, GGUFTensorInfo, gguf_eos_token_ids, read_gguf
+from radixmesh.kernels.native_quant import QUANT_TYPES, QuantizedWeight
 from radixmesh.services.worker.model_config import ModelConfig
 
 if TYPE_CHECKING:
     import torch
 
+    from radixmesh.services.worker.linear import Weight
+
+_Rows = TypeVar("_Rows", np.ndarray, "torch.Tensor")
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
 # ggml tensor types whose float32 conversion needs no block decoding.
@@ -132,7 +137,7 @@ def dequantize_tensor(mm: Any, info: GGUFTensorInfo) -> np.ndarray:
     return arr.reshape(info.shape)
 
 
-def unpermute_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
+def unpermute_rows(w: _Rows, n_head: int) -> _Rows:
     """Undo llama.cpp's q/k row permutation (interleaved rope pairs -> HF rotate_half halves).
 
     llama.cpp stores, within each head, row ``2*j + p`` = HF row ``p*half + j``.
@@ -140,31 +145,52 @@ def unpermute_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
     rows = w.shape[0]
     half = rows // n_head // 2
     rest = w.shape[1:]
-    return w.reshape(n_head, half, 2, *rest).transpose(1, 2).reshape(rows, *rest).contiguous()
+    return w.reshape(n_head, half, 2, *rest).swapaxes(1, 2).reshape(w.shape)
 
 
 def load_gguf(
-    path: str | Path, progress: bool = True, name: str | None = None
-) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Read a GGUF model: its ModelConfig and float32 weights under Hugging Face names."""
+    path: str | Path,
+    progress: bool = True,
+    name: str | None = None,
+    keep_quantized: bool = False,
+    convert: Callable[[str, torch.Tensor], Weight] | None = None,
+) -> tuple[ModelConfig, dict[str, Weight]]:
+    """Read a GGUF model: its ModelConfig and weights under Hugging Face names. Quantized
+    2-D tensors of a type the native kernels take stay quantized with `keep_quantized`
+    (read straight from the file into their packed form); every other tensor is float32,
+    passed through `convert` (name, tensor) if given."""
     import torch
     from tqdm import tqdm
 
     gf = read_gguf(path)
     config = config_from_gguf(gf, name=name)
     permuted = config.architecture == "llama"
-    weights: dict[str, torch.Tensor] = {}
+    weights: dict[str, Weight] = {}
     with open(gf.path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
         infos = [i for i in gf.tensors.values() if i.name not in _IGNORED]
         for info in tqdm(
             infos, desc=f"loading {gf.path.name}", unit="tensor", disable=not progress
         ):
-            tensor = torch.from_numpy(dequantize_tensor(mm, info))
             parts = info.name.split(".")
+            n_head = None
             if permuted and len(parts) == 4 and parts[2] in ("attn_q", "attn_k"):
                 n_head = config.num_heads if parts[2] == "attn_q" else config.num_kv_heads
-                tensor = unpermute_rows(tensor, n_head)
-            weights[hf_name(info.name)] = tensor
+            if keep_quantized and info.ggml_type in QUANT_TYPES and len(info.shape) == 2:
+                raw = np.frombuffer(mm, np.uint8, count=info.nbytes, offset=info.offset)
+                raw = raw.reshape(info.shape[0], -1)
+                if n_head is not None:  # whole rows of blocks move
+                    raw = unpermute_rows(raw, n_head)
+                weights[hf_name(info.name)] = QuantizedWeight.from_gguf(
+                    raw, info.ggml_type, *info.shape
+                )
+                del raw  # a view of the map, which cannot close while one is alive
+                continue
+            array = dequantize_tensor(mm, info)
+            if n_head is not None:
+                array = unpermute_rows(array, n_head)
+            tensor = torch.from_numpy(array)
+            key = hf_name(info.name)
+            weights[key] = tensor if convert is None else convert(key, tensor)
     if config.tie_word_embeddings:
         weights.pop("lm_head.weight", None)
     return config, weights

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -11,6 +12,8 @@ from radixmesh.services.worker.model_config import ModelConfig
 
 if TYPE_CHECKING:
     import torch
+
+    from radixmesh.services.worker.linear import Weight
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 # Buffers some checkpoints carry that are not parameters.
@@ -54,9 +57,12 @@ def safetensors_files(model_dir: Path) -> list[Path]:
 
 
 def load_hf_dir(
-    model_dir: str | Path, progress: bool = True
-) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Read config and weights from a Hugging Face directory; weights converted to float32."""
+    model_dir: str | Path,
+    progress: bool = True,
+    convert: Callable[[str, torch.Tensor], Weight] | None = None,
+) -> tuple[ModelConfig, dict[str, Weight]]:
+    """Read config and weights from a Hugging Face directory; weights converted to float32,
+    then passed through `convert` (name, tensor) one by one if given."""
     import torch
     from safetensors import safe_open
     from tqdm import tqdm
@@ -64,7 +70,7 @@ def load_hf_dir(
     model_dir = Path(model_dir)
     config = config_from_hf_dir(model_dir)
     files = safetensors_files(model_dir)
-    weights: dict[str, torch.Tensor] = {}
+    weights: dict[str, Weight] = {}
     bar = tqdm(desc=f"loading {model_dir.name}", unit="tensor", disable=not progress)
     with bar:
         for file in files:
@@ -76,7 +82,8 @@ def load_hf_dir(
                     if key.endswith(_DROPPED_SUFFIXES):
                         continue
                     t = fh.get_tensor(key)
-                    weights[key] = t.to(torch.float32).contiguous()
+                    t = t.to(torch.float32).contiguous()
+                    weights[key] = t if convert is None else convert(key, t)
                     bar.update()
     if config.tie_word_embeddings:
         weights.pop("lm_head.weight", None)
