@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cradixmesh/proto/worker.proto\x12\x10radixmesh.worker\"\x13\n\x11WorkerInfoRequest\"\xec\x01\n\nWorkerInfo\x12\x11\n\tnum_slots\x18\x01 \x01(\x05\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x1f\n\x17max_position_embeddings\x18\x03 \x01(\x05\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x12\n\nmodel_path\x18\x05 \x01(\t\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x0f\n\x07tp_rank\x18\x07 \x01(\x05\x12\x0f\n\x07tp_size\x18\x08 \x01(\x05\x12\x12\n\nnum_layers\x18\t \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\n \x01(\x05\x12\x10\n\x08head_dim\x18\x0b \x01(\x05\"\xa7\x02\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x05 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x07 \x01(\x02\x12\x16\n\x0emin_new_tokens\x18\x08 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\t \x03(\x05\x12\x0c\n\x04seed\x18\n \x01(\x04\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x13\n\x0bjson_schema\x18\x0c \x01(\t\x12\r\n\x05regex\x18\r \x01(\t\x12\x0c\n\x04\x65\x62nf\x18\x0e \x01(\t\"\xd8\x01\n\nNewRequest\x12\x0b\n\x03rid\x18\x01 \x01(\t\x12\x12\n\nprefix_ids\x18\x02 \x03(\x05\x12\x14\n\x0cprefix_slots\x18\x03 \x03(\x05\x12\x12\n\nprompt_len\x18\x04 \x01(\x05\x12\x32\n\x08sampling\x18\x05 \x01(\x0b\x32 .radixmesh.worker.SamplingParams\x12\x18\n\x10top_logprobs_num\x18\x06 \x01(\x05\x12\x16\n\x0ereturn_logprob\x18\x07 \x01(\x08\x12\x19\n\x11logprob_start_len\x18\x08 \x01(\x05\"M\n\x0c\x46orwardEntry\x12\x0b\n\x03rid\x18\x01 \x01(\t\x12\x11\n\tinput_ids\x18\x02 \x03(\x05\x12\r\n\x05slots\x18\x03 \x03(\x05\x12\x0e\n\x06sample\x18\x04 \x01(\x08\"T\n\x06KVCopy\x12\x0f\n\x07\x63opy_id\x18\x01 \x01(\x04\x12\x0f\n\x07to_host\x18\x02 \x01(\x08\x12\x14\n\x0c\x64\x65vice_slots\x18\x03 \x03(\x05\x12\x12\n\nhost_slots\x18\x04 \x03(\x03\"\xa7\x01\n\x08HostPool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x11\n\tnum_slots\x18\x03 \x01(\x03\x12\x0e\n\x06layout\x18\x04 \x01(\t\x12\x12\n\nnum_layers\x18\x05 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x06 \x01(\x05\x12\x10\n\x08head_dim\x18\x07 \x01(\x05\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12\x11\n\tpage_size\x18\t \x01(\x05\"\x9b\x02\n\x0c\x46orwardBatch\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x32\n\x0cnew_requests\x18\x02 \x03(\x0b\x32\x1c.radixmesh.worker.NewRequest\x12/\n\x07\x65ntries\x18\x03 \x03(\x0b\x32\x1e.radixmesh.worker.ForwardEntry\x12\x0f\n\x07release\x18\x04 \x03(\t\x12(\n\x06\x63opies\x18\x05 \x03(\x0b\x32\x18.radixmesh.worker.KVCopy\x12-\n\thost_pool\x18\x06 \x01(\x0b\x32\x1a.radixmesh.worker.HostPool\x12.\n\x08grammars\x18\x07 \x03(\x0b\x32\x1c.radixmesh.worker.Constraint\"(\n\nConstraint\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\"Q\n\x0eGrammarFailure\x12\x30\n\nconstraint\x18\x01 \x01(\x0b\x32\x1c.radixmesh.worker.Constraint\x12\r\n\x05\x65rror\x18\x02 \x01(\t\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"<\n\x0bTopLogprobs\x12-\n\x05items\x18\x01 \x03(\x0b\x32\x1e.radixmesh.worker.TokenLogprob\"\xf7\x01\n\x0b\x45ntryResult\x12\x0b\n\x03rid\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\x05\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12\x33\n\x0ctop_logprobs\x18\x04 \x01(\x0b\x32\x1d.radixmesh.worker.TopLogprobs\x12\x1c\n\x14input_logprobs_start\x18\x05 \x01(\x05\x12\x16\n\x0einput_logprobs\x18\x06 \x03(\x02\x12\x39\n\x12input_top_logprobs\x18\x07 \x03(\x0b\x32\x1d.radixmesh.worker.TopLogprobs\x12\x12\n\nforced_ids\x18\x08 \x03(\x05\"\xe7\x01\n\rForwardResult\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12.\n\x07results\x18\x02 \x03(\x0b\x32\x1d.radixmesh.worker.EntryResult\x12\x12\n\nforward_ms\x18\x03 \x01(\x02\x12\x13\n\x0b\x63opies_done\x18\x04 \x03(\x04\x12\x34\n\x0egrammars_ready\x18\x05 \x03(\x0b\x32\x1c.radixmesh.worker.Constraint\x12\x39\n\x0fgrammars_failed\x18\x06 \x03(\x0b\x32 .radixmesh.worker.GrammarFailure2\xa2\x01\n\x06Worker\x12J\n\x07\x46orward\x12\x1e.radixmesh.worker.ForwardBatch\x1a\x1f.radixmesh.worker.ForwardResult\x12L\n\x07GetInfo\x12#.radixmesh.worker.WorkerInfoRequest\x1a\x1c.radixmesh.worker.WorkerInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cradixmesh/proto/worker.proto\x12\x10radixmesh.worker\"\x13\n\x11WorkerInfoRequest\"\x82\x02\n\nWorkerInfo\x12\x11\n\tnum_slots\x18\x01 \x01(\x05\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x1f\n\x17max_position_embeddings\x18\x03 \x01(\x05\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x12\n\nmodel_path\x18\x05 \x01(\t\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x0f\n\x07tp_rank\x18\x07 \x01(\x05\x12\x0f\n\x07tp_size\x18\x08 \x01(\x05\x12\x12\n\nnum_layers\x18\t \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\n \x01(\x05\x12\x10\n\x08head_dim\x18\x0b \x01(\x05\x12\x14\n\x0cquantization\x18\x0c \x01(\t\"\xa7\x02\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x05 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x07 \x01(\x02\x12\x16\n\x0emin_new_tokens\x18\x08 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\t \x03(\x05\x12\x0c\n\x04seed\x18\n \x01(\x04\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x13\n\x0bjson_schema\x18\x0c \x01(\t\x12\r\n\x05regex\x18\r \x01(\t\x12\x0c\n\x04\x65\x62nf\x18\x0e \x01(\t\"\xd8\x01\n\nNewRequest\x12\x0b\n\x03rid\x18\x01 \x01(\t\x12\x12\n\nprefix_ids\x18\x02 \x03(\x05\x12\x14\n\x0cprefix_slots\x18\x03 \x03(\x05\x12\x12\n\nprompt_len\x18\x04 \x01(\x05\x12\x32\n\x08sampling\x18\x05 \x01(\x0b\x32 .radixmesh.worker.SamplingParams\x12\x18\n\x10top_logprobs_num\x18\x06 \x01(\x05\x12\x16\n\x0ereturn_logprob\x18\x07 \x01(\x08\x12\x19\n\x11logprob_start_len\x18\x08 \x01(\x05\"M\n\x0c\x46orwardEntry\x12\x0b\n\x03rid\x18\x01 \x01(\t\x12\x11\n\tinput_ids\x18\x02 \x03(\x05\x12\r\n\x05slots\x18\x03 \x03(\x05\x12\x0e\n\x06sample\x18\x04 \x01(\x08\"T\n\x06KVCopy\x12\x0f\n\x07\x63opy_id\x18\x01 \x01(\x04\x12\x0f\n\x07to_host\x18\x02 \x01(\x08\x12\x14\n\x0c\x64\x65vice_slots\x18\x03 \x03(\x05\x12\x12\n\nhost_slots\x18\x04 \x03(\x03\"\xa7\x01\n\x08HostPool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x11\n\tnum_slots\x18\x03 \x01(\x03\x12\x0e\n\x06layout\x18\x04 \x01(\t\x12\x12\n\nnum_layers\x18\x05 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x06 \x01(\x05\x12\x10\n\x08head_dim\x18\x07 \x01(\x05\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12\x11\n\tpage_size\x18\t \x01(\x05\"\x9b\x02\n\x0c\x46orwardBatch\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x32\n\x0cnew_requests\x18\x02 \x03(\x0b\x32\x1c.radixmesh.worker.NewRequest\x12/\n\x07\x65ntries\x18\x03 \x03(\x0b\x32\x1e.radixmesh.worker.ForwardEntry\x12\x0f\n\x07release\x18\x04 \x03(\t\x12(\n\x06\x63opies\x18\x05 \x03(\x0b\x32\x18.radixmesh.worker.KVCopy\x12-\n\thost_pool\x18\x06 \x01(\x0b\x32\x1a.radixmesh.worker.HostPool\x12.\n\x08grammars\x18\x07 \x03(\x0b\x32\x1c.radixmesh.worker.Constraint\"(\n\nConstraint\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\"Q\n\x0eGrammarFailure\x12\x30\n\nconstraint\x18\x01 \x01(\x0b\x32\x1c.radixmesh.worker.Constraint\x12\r\n\x05\x65rror\x18\x02 \x01(\t\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"<\n\x0bTopLogprobs\x12-\n\x05items\x18\x01 \x03(\x0b\x32\x1e.radixmesh.worker.TokenLogprob\"\xf7\x01\n\x0b\x45ntryResult\x12\x0b\n\x03rid\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\x05\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12\x33\n\x0ctop_logprobs\x18\x04 \x01(\x0b\x32\x1d.radixmesh.worker.TopLogprobs\x12\x1c\n\x14input_logprobs_start\x18\x05 \x01(\x05\x12\x16\n\x0einput_logprobs\x18\x06 \x03(\x02\x12\x39\n\x12input_top_logprobs\x18\x07 \x03(\x0b\x32\x1d.radixmesh.worker.TopLogprobs\x12\x12\n\nforced_ids\x18\x08 \x03(\x05\"\xe7\x01\n\rForwardResult\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12.\n\x07results\x18\x02 \x03(\x0b\x32\x1d.radixmesh.worker.EntryResult\x12\x12\n\nforward_ms\x18\x03 \x01(\x02\x12\x13\n\x0b\x63opies_done\x18\x04 \x03(\x04\x12\x34\n\x0egrammars_ready\x18\x05 \x03(\x0b\x32\x1c.radixmesh.worker.Constraint\x12\x39\n\x0fgrammars_failed\x18\x06 \x03(\x0b\x32 .radixmesh.worker.GrammarFailure2\xa2\x01\n\x06Worker\x12J\n\x07\x46orward\x12\x1e.radixmesh.worker.ForwardBatch\x1a\x1f.radixmesh.worker.ForwardResult\x12L\n\x07GetInfo\x12#.radixmesh.worker.WorkerInfoRequest\x1a\x1c.radixmesh.worker.WorkerInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,31 +34,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_WORKERINFOREQUEST']._serialized_start=50
   _globals['_WORKERINFOREQUEST']._serialized_end=69
   _globals['_WORKERINFO']._serialized_start=72
-  _globals['_WORKERINFO']._serialized_end=308
-  _globals['_SAMPLINGPARAMS']._serialized_start=311
-  _globals['_SAMPLINGPARAMS']._serialized_end=606
-  _globals['_NEWREQUEST']._serialized_start=609
-  _globals['_NEWREQUEST']._serialized_end=825
-  _globals['_FORWARDENTRY']._serialized_start=827
-  _globals['_FORWARDENTRY']._serialized_end=904
-  _globals['_KVCOPY']._serialized_start=906
-  _globals['_KVCOPY']._serialized_end=990
-  _globals['_HOSTPOOL']._serialized_start=993
-  _globals['_HOSTPOOL']._serialized_end=1160
-  _globals['_FORWARDBATCH']._serialized_start=1163
-  _globals['_FORWARDBATCH']._serialized_end=1446
-  _globals['_CONSTRAINT']._serialized_start=1448
-  _globals['_CONSTRAINT']._serialized_end=1488
-  _globals['_GRAMMARFAILURE']._serialized_start=1490
-  _globals['_GRAMMARFAILURE']._serialized_end=1571
-  _globals['_TOKENLOGPROB']._serialized_start=1573
-  _globals['_TOKENLOGPROB']._serialized_end=1622
-  _globals['_TOPLOGPROBS']._serialized_start=1624
-  _globals['_TOPLOGPROBS']._serialized_end=1684
-  _globals['_ENTRYRESULT']._serialized_start=1687
-  _globals['_ENTRYRESULT']._serialized_end=1934
-  _globals['_FORWARDRESULT']._serialized_start=1937
-  _globals['_FORWARDRESULT']._serialized_end=2168
-  _globals['_WORKER']._serialized_start=2171
-  _globals['_WORKER']._serialized_end=2333
+  _globals['_WORKERINFO']._serialized_end=330
+  _globals['_SAMPLINGPARAMS']._serialized_start=333
+  _globals['_SAMPLINGPARAMS']._serialized_end=628
+  _globals['_NEWREQUEST']._serialized_start=631
+  _globals['_NEWREQUEST']._serialized_end=847
+  _globals['_FORWARDENTRY']._serialized_start=849
+  _globals['_FORWARDENTRY']._serialized_end=926
+  _globals['_KVCOPY']._serialized_start=928
+  _globals['_KVCOPY']._serialized_end=1012
+  _globals['_HOSTPOOL']._serialized_start=1015
+  _globals['_HOSTPOOL']._serialized_end=1182
+  _globals['_FORWARDBATCH']._serialized_start=1185
+  _globals['_FORWARDBATCH']._serialized_end=1468
+  _globals['_CONSTRAINT']._serialized_start=1470
+  _globals['_CONSTRAINT']._serialized_end=1510
+  _globals['_GRAMMARFAILURE']._serialized_start=1512
+  _globals['_GRAMMARFAILURE']._serialized_end=1593
+  _globals['_TOKENLOGPROB']._serialized_start=1595
+  _globals['_TOKENLOGPROB']._serialized_end=1644
+  _globals['_TOPLOGPROBS']._serialized_start=1646
+  _globals['_TOPLOGPROBS']._serialized_end=1706
+  _globals['_ENTRYRESULT']._serialized_start=1709
+  _globals['_ENTRYRESULT']._serialized_end=1956
+  _globals['_FORWARDRESULT']._serialized_start=1959
+  _globals['_FORWARDRESULT']._serialized_end=2190
+  _globals['_WORKER']._serialized_start=2193
+  _globals['_WORKER']._serialized_end=2355
 # @@protoc_insertion_point(module_scope)

@@ -184,10 +184,11 @@ class Engine:
         return done.result()
 
     def server_info(self) -> dict[str, Any]:
-        """Pool and cache occupancy, read consistently between steps."""
+        """Pool and cache occupancy, read consistently between steps, and how the weights
+        are held (quantization)."""
         with self._open():
             done = self.loop.info()
-        return dict(done.result())
+        return {**done.result(), "quantization": self.runner.quantization}
 
     def shutdown(self) -> None:
         """Stop the scheduler thread and the worker; unfinished requests raise RuntimeError."""

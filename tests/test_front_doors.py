@@ -149,6 +149,8 @@ def test_the_key_is_never_shown(mesh, log_dir):
     info = httpx.get(mesh.url + "/server_info", timeout=10,
                      headers={"Authorization": f"Bearer {KEY}"}).json()
     assert KEY not in str(info)
+    # The default mesh serves the bundled GGUF in its own quantized types.
+    assert [e["quantization"] for e in info["internal_states"]] == ["gguf"]
     for log in log_dir.iterdir():
         assert KEY not in log.read_text(errors="replace"), log.name
     for child in mesh.children:

@@ -162,6 +162,8 @@ def test_mixed_parts_run_dequantized():
 
 def test_quantization_resolves():
     assert resolve_quantization("auto", True, "cpu") == "gguf"
+    assert resolve_quantization("auto", True, "cpu", "float32") == "bf16"
+    assert resolve_quantization("gguf", True, "cpu", "float32") == "gguf"
     assert resolve_quantization("auto", False, "cpu") == "bf16"
     assert resolve_quantization("auto", True, "cuda") == "bf16"
     assert resolve_quantization("q8_0", False, "cpu") == "q8_0"

@@ -209,7 +209,9 @@ class DeviceSettings(Settings):
         help="weights in memory: gguf keeps a GGUF file's quantized tensors in their type "
         "(Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K; native CPU kernels); bf16 "
         "dequantizes them to --dtype at load; q8_0 also quantizes float weights (safetensors, "
-        "F16/BF16 GGUF) to Q8_0 at load; auto: gguf for a GGUF file on the CPU, else bf16",
+        "F16/BF16 GGUF) to Q8_0 at load; auto: gguf for a GGUF file run in bfloat16 on the "
+        "CPU, else bf16 (the quantized kernels round activations to int8, which float32 "
+        "asks not to)",
     )
     device: str = setting(
         "auto",

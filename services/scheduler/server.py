@@ -363,6 +363,7 @@ class SchedulerService:
             "schedule_policy": s.config.schedule_policy,
             "model_path": self.info.model_path,
             "dtype": self.info.dtype,
+            "quantization": self.info.quantization,
             "tp_size": self.info.tp_size,
         }
 

@@ -27,12 +27,17 @@ class LoadedModel(NamedTuple):
     quantization: str  # what `quantization` resolved to
 
 
-def resolve_quantization(quantization: str, gguf: bool, device: str) -> str:
-    """auto -> gguf for a GGUF file on the CPU where the native kernels build, else bf16;
-    gguf and q8_0 need both. `device` is a device type: cpu or cuda."""
+def resolve_quantization(
+    quantization: str, gguf: bool, device: str, dtype: str = "bfloat16"
+) -> str:
+    """auto -> gguf for a GGUF file run in bfloat16 on the CPU where the native kernels
+    build, else bf16 (float32 asks for exact arithmetic: the quantized kernels round
+    activations to int8); gguf and q8_0 need the CPU and the kernels. `device` is a device
+    type: cpu or cuda."""
     cpu = device == "cpu"
     if quantization == "auto":
-        return "gguf" if gguf and cpu and native_quant.supported() else "bf16"
+        fits = gguf and cpu and dtype == "bfloat16" and native_quant.supported()
+        return "gguf" if fits else "bf16"
     if quantization in ("gguf", "q8_0"):
         if not cpu:
             raise ValueError(f"quantization={quantization!r} runs on the CPU only; use bf16 "
@@ -51,14 +56,18 @@ def _to_q8_0(name: str, tensor: torch.Tensor) -> Weight:
 
 
 def load_model(
-    path: str | None, progress: bool = True, quantization: str = "bf16", device: str = "cpu"
+    path: str | None,
+    progress: bool = True,
+    quantization: str = "bf16",
+    device: str = "cpu",
+    dtype: str = "bfloat16",
 ) -> LoadedModel:
     """Load a model's config and weights, keyed by Hugging Face parameter names: float32
     tensors, and quantized weights where `quantization` (auto, gguf, bf16 or q8_0) keeps or
     makes them."""
     resolved = resolve_model_path(path)
     gguf = is_gguf(resolved)
-    quantization = resolve_quantization(quantization, gguf, device)
+    quantization = resolve_quantization(quantization, gguf, device, dtype)
     convert = _to_q8_0 if quantization == "q8_0" else None
     if gguf:
         from radixmesh.services.worker.weights_gguf import load_gguf

@@ -123,6 +123,8 @@ class ModelRunner:
         self.requests: dict[str, _RequestState] = {}
         # Constrained decoding; load_runner gives the model's vocabulary to compile against.
         self.grammars: Grammars | None = None
+        # How load_runner loaded the weights (see DeviceSettings.quantization).
+        self.quantization = "bf16"
 
     def _decode_graphs(self, max_batch: int, eager: bool, num_slots: int) -> DecodeGraphs | None:
         if max_batch == 0 or isinstance(self.attention, TorchAttention):
@@ -403,7 +405,8 @@ def load_runner(
     if where.type == "cuda":
         torch.cuda.set_device(where)
     loaded = load_model(settings.model_path, progress=progress,
-                        quantization=settings.quantization, device=where.type)
+                        quantization=settings.quantization, device=where.type,
+                        dtype=settings.dtype)
     tp: TensorParallel | None = None
     if tp_size > 1:
         if not dist_init_addr:
@@ -422,6 +425,7 @@ def load_runner(
         page_size=settings.page_size,
         cuda_graph_max_bs=settings.cuda_graph_max_bs,
     )
+    runner.quantization = loaded.quantization
     stop_ids = loaded.config.eos_token_ids
     del loaded
     release_free_memory()

@@ -103,6 +103,7 @@ class WorkerService(wgrpc.WorkerServicer):
             num_layers=self.runner.config.num_layers,
             num_kv_heads=self.runner.config.num_kv_heads,
             head_dim=self.runner.config.head_dim,
+            quantization=self.runner.quantization,
         )
         self.metrics.loaded(served_name(resolve_model_path(c.model_path)), self.info.num_slots)
         for name in ("", SERVICE_NAME):
