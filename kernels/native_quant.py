@@ -2,7 +2,7 @@
 
 Every supported type is unpacked, without loss, into one form: value = scale * (u - zero)
 + min, with u an unsigned 4-bit (Q4_0, Q4_1, Q4_K) or 8-bit (Q5_0, Q5_1, Q5_K, Q6_K, Q8_0)
-integer and a float scale (and min, for the asymmetric types) per block of 32 inputs (16 for
+integer and a scale (and min, for the asymmetric types) per block of 32 inputs (16 for
 Q6_K), then packed as the kernel reads it. `QuantizedWeight.from_gguf` does that from a
 tensor's raw blocks, `QuantizedWeight.quantize_q8_0` quantizes float weights at load, and
 `linear` runs x @ W^T over one or more weights side by side in the output features."""
@@ -35,18 +35,19 @@ class QuantType:
     scale_block: int  # inputs per scale: 16 or 32
     zero: int
     has_min: bool
+    half_scales: bool  # scale and min are the file's float16 values (not products)
 
 
 # ggml type ids (gguf.GGMLQuantizationType) of the types the kernels take.
 QUANT_TYPES = {
-    2: QuantType("Q4_0", 32, 18, 4, 32, 8, False),
-    3: QuantType("Q4_1", 32, 20, 4, 32, 0, True),
-    6: QuantType("Q5_0", 32, 22, 8, 32, 16, False),
-    7: QuantType("Q5_1", 32, 24, 8, 32, 0, True),
-    8: QuantType("Q8_0", 32, 34, 8, 32, 128, False),
-    12: QuantType("Q4_K", 256, 144, 4, 32, 0, True),
-    13: QuantType("Q5_K", 256, 176, 8, 32, 0, True),
-    14: QuantType("Q6_K", 256, 210, 8, 16, 32, False),
+    2: QuantType("Q4_0", 32, 18, 4, 32, 8, False, True),
+    3: QuantType("Q4_1", 32, 20, 4, 32, 0, True, True),
+    6: QuantType("Q5_0", 32, 22, 8, 32, 16, False, True),
+    7: QuantType("Q5_1", 32, 24, 8, 32, 0, True, True),
+    8: QuantType("Q8_0", 32, 34, 8, 32, 128, False, True),
+    12: QuantType("Q4_K", 256, 144, 4, 32, 0, True, False),
+    13: QuantType("Q5_K", 256, 176, 8, 32, 0, True, False),
+    14: QuantType("Q6_K", 256, 210, 8, 16, 32, False, False),
 }
 Q8_0 = 8
 
@@ -54,7 +55,7 @@ Q8_0 = 8
 class _QuantWeight(ctypes.Structure):
     _fields_ = [
         ("q", _PTR), ("scale", _PTR), ("min", _PTR),
-        *((name, _INT) for name in ("n", "k", "bits", "block", "zero")),
+        *((name, _INT) for name in ("n", "k", "bits", "block", "zero", "half_scales")),
     ]
 
 
@@ -166,7 +167,7 @@ class QuantizedWeight:
         self.q, self.scale, self.min = q, scale, min_
         self.struct = _QuantWeight(
             q.data_ptr(), scale.data_ptr(), None if min_ is None else min_.data_ptr(),
-            n, k, qtype.bits, qtype.scale_block, qtype.zero,
+            n, k, qtype.bits, qtype.scale_block, qtype.zero, int(qtype.half_scales),
         )
 
     @property
@@ -186,11 +187,12 @@ class QuantizedWeight:
         groups = -(-n // GROUP)
         chunk_bytes = (4 if qtype.bits == 4 else 8) * 64
         scales = (groups, k // qtype.scale_block, GROUP)
+        dtype = torch.float16 if qtype.half_scales else torch.float32
         return cls(
             qtype, n, k,
             torch.zeros(groups, k // BLOCK, chunk_bytes, dtype=torch.uint8),
-            torch.zeros(scales, dtype=torch.float32),
-            torch.zeros(scales, dtype=torch.float32) if qtype.has_min else None,
+            torch.zeros(scales, dtype=dtype),
+            torch.zeros(scales, dtype=dtype) if qtype.has_min else None,
         )
 
     def _fill(

@@ -8,12 +8,13 @@
 extern "C" {
 struct QuantWeight {
   const uint8_t* q;
-  const float* scale;
-  const float* min;  // or null
+  const void* scale;  // float16 (half_scales) or float
+  const void* min;    // likewise, or null
   int n, k;
   int bits;   // 4 or 8
   int block;  // inputs per scale: 16 or 32
   int zero;   // subtracted from every packed value
+  int half_scales;
 };
 
 void rms_norm_bf16(const uint16_t* x, const uint16_t* w, uint16_t* out, int rows, int dim,

@@ -14,7 +14,9 @@
 //   q      [N/16][K/32][chunks][16][4] bytes. 8 bits: chunk c (0..7) holds inputs 4c..4c+3
 //          of the block; 4 bits: chunk c (0..3) holds inputs 4c..4c+3 in its low nibbles and
 //          4c+16..4c+19 in its high ones.
-//   scale  [N/16][K/block][16] floats; min likewise, or null when the type has none.
+//   scale  [N/16][K/block][16] float16 (types whose scales are float16 in the file) or float
+//          (the K-quants, whose scales are products); min likewise, or null when the type
+//          has none.
 // Each row of every tile is computed alone, in the same order at any M: a request's output
 // does not depend on the batch it runs in.
 #include <cmath>
@@ -42,6 +44,34 @@ namespace {
 
 using radixmesh::load;
 using radixmesh::store;
+
+// IEEE float16 -> float32, exact (subnormals, infinities and NaN included).
+inline float half(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t exp = (h >> 10) & 0x1f, man = h & 0x3ffu;
+  uint32_t bits;
+  if (exp == 0x1f) {
+    bits = sign | 0x7f800000u | (man << 13);
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112) << 23) | (man << 13);
+  } else if (man == 0) {
+    bits = sign;
+  } else {  // subnormal: man * 2^-24, normalized
+    int shift = 0;
+    uint32_t m = man;
+    while ((m & 0x400u) == 0) {
+      m <<= 1;
+      ++shift;
+    }
+    bits = sign | ((113 - shift) << 23) | ((m & 0x3ffu) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+inline float scalar(float v) { return v; }
+inline float scalar(uint16_t v) { return half(v); }
 
 constexpr int kGroup = 16;  // output features per packed group
 constexpr int kBlock = 32;  // inputs per block of quantized x
@@ -89,6 +119,9 @@ struct Isa {
   static F fzero() { return _mm512_setzero_ps(); }
   static F to_f(I v) { return _mm512_cvtepi32_ps(v); }
   static F loadf(const float* p) { return _mm512_loadu_ps(p); }
+  static F loadf(const uint16_t* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
   static F set(float v) { return _mm512_set1_ps(v); }
   static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
   static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
@@ -131,6 +164,9 @@ struct Isa {
   static F fzero() { return _mm256_setzero_ps(); }
   static F to_f(I v) { return _mm256_cvtepi32_ps(v); }
   static F loadf(const float* p) { return _mm256_loadu_ps(p); }
+  static F loadf(const uint16_t* p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
   static F set(float v) { return _mm256_set1_ps(v); }
   static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
   static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
@@ -161,6 +197,7 @@ struct Isa {  // one feature at a time: its four bytes of a chunk in a uint32
   static F fzero() { return 0.0f; }
   static F to_f(I v) { return static_cast<float>(v); }
   static F loadf(const float* p) { return *p; }
+  static F loadf(const uint16_t* p) { return half(*p); }
   static F set(float v) { return v; }
   static F mul(F a, F b) { return a * b; }
   static F fma(F a, F b, F c) { return std::fma(a, b, c); }
@@ -179,7 +216,7 @@ struct Epilogue {
 };
 
 // Rows m0..m0+R-1 of x against features h*L .. h*L+L-1 of group g.
-template <int R, int Bits, int Sub, bool Wide, bool Min, typename T>
+template <int R, int Bits, int Sub, bool Wide, bool Min, typename S, typename T>
 void tile(const QuantWeight& w, const Rows& x, int g, int h, int m0, const Epilogue<T>& ep) {
   using I = typename Isa::I;
   using F = typename Isa::F;
@@ -190,8 +227,8 @@ void tile(const QuantWeight& w, const Rows& x, int g, int h, int m0, const Epilo
   const int zero = w.zero - (Wide ? Isa::kWideShift : 0);
   const uint8_t* q = w.q + static_cast<int64_t>(g) * kb * kChunks * 64 + h * L * 4;
   const int64_t scale_at = static_cast<int64_t>(g) * kb * Sub * kGroup + h * L;
-  const float* sc = w.scale + scale_at;
-  const float* mn = Min ? w.min + scale_at : nullptr;
+  const S* sc = static_cast<const S*>(w.scale) + scale_at;
+  const S* mn = Min ? static_cast<const S*>(w.min) + scale_at : nullptr;
   const int8_t* xq[R];
   for (int r = 0; r < R; ++r) xq[r] = x.q + static_cast<int64_t>(m0 + r) * x.k;
   F acc[R];
@@ -256,22 +293,22 @@ void tile(const QuantWeight& w, const Rows& x, int g, int h, int m0, const Epilo
   }
 }
 
-template <int Bits, int Sub, bool Wide, bool Min, typename T>
+template <int Bits, int Sub, bool Wide, bool Min, typename S, typename T>
 void features(const QuantWeight& w, const Rows& x, int g, const Epilogue<T>& ep) {
   for (int h = 0; h < kGroup / Isa::L; ++h) {
     int m0 = 0;
     for (; m0 + kTileRows <= x.m; m0 += kTileRows) {
-      tile<kTileRows, Bits, Sub, Wide, Min>(w, x, g, h, m0, ep);
+      tile<kTileRows, Bits, Sub, Wide, Min, S>(w, x, g, h, m0, ep);
     }
     switch (x.m - m0) {
-      case 1: tile<1, Bits, Sub, Wide, Min>(w, x, g, h, m0, ep); break;
-      case 2: tile<2, Bits, Sub, Wide, Min>(w, x, g, h, m0, ep); break;
-      case 3: tile<3, Bits, Sub, Wide, Min>(w, x, g, h, m0, ep); break;
+      case 1: tile<1, Bits, Sub, Wide, Min, S>(w, x, g, h, m0, ep); break;
+      case 2: tile<2, Bits, Sub, Wide, Min, S>(w, x, g, h, m0, ep); break;
+      case 3: tile<3, Bits, Sub, Wide, Min, S>(w, x, g, h, m0, ep); break;
 #if RM_QUANT_ISA == 3
-      case 4: tile<4, Bits, Sub, Wide, Min>(w, x, g, h, m0, ep); break;
-      case 5: tile<5, Bits, Sub, Wide, Min>(w, x, g, h, m0, ep); break;
-      case 6: tile<6, Bits, Sub, Wide, Min>(w, x, g, h, m0, ep); break;
-      case 7: tile<7, Bits, Sub, Wide, Min>(w, x, g, h, m0, ep); break;
+      case 4: tile<4, Bits, Sub, Wide, Min, S>(w, x, g, h, m0, ep); break;
+      case 5: tile<5, Bits, Sub, Wide, Min, S>(w, x, g, h, m0, ep); break;
+      case 6: tile<6, Bits, Sub, Wide, Min, S>(w, x, g, h, m0, ep); break;
+      case 7: tile<7, Bits, Sub, Wide, Min, S>(w, x, g, h, m0, ep); break;
 #endif
       default: break;
     }
@@ -282,14 +319,21 @@ template <typename T>
 using GroupFn = void (*)(const QuantWeight&, const Rows&, int, const Epilogue<T>&);
 
 // The formats native_quant.py packs: 4 bits (Q4_0, Q4_1, Q4_K), 8 bits per 32 (Q8_0: wide;
-// Q5_0, Q5_1, Q5_K) and 8 bits per 16 (Q6_K).
+// Q5_0, Q5_1, Q5_K) and 8 bits per 16 (Q6_K), with float16 or float scales.
+template <typename S, typename T>
+GroupFn<T> pick_scales(const QuantWeight& w) {
+  const bool min = w.min != nullptr;
+  if (w.bits == 4) {
+    return min ? features<4, 1, false, true, S, T> : features<4, 1, false, false, S, T>;
+  }
+  if (w.block == 16) return features<8, 2, false, false, S, T>;
+  if (w.zero >= 128) return features<8, 1, true, false, S, T>;
+  return min ? features<8, 1, false, true, S, T> : features<8, 1, false, false, S, T>;
+}
+
 template <typename T>
 GroupFn<T> pick(const QuantWeight& w) {
-  const bool min = w.min != nullptr;
-  if (w.bits == 4) return min ? features<4, 1, false, true, T> : features<4, 1, false, false, T>;
-  if (w.block == 16) return features<8, 2, false, false, T>;
-  if (w.zero >= 128) return features<8, 1, true, false, T>;
-  return min ? features<8, 1, false, true, T> : features<8, 1, false, false, T>;
+  return w.half_scales ? pick_scales<uint16_t, T>(w) : pick_scales<float, T>(w);
 }
 
 template <typename T>
@@ -344,6 +388,10 @@ void quantize_rows(const T* x, int m, int k, void* buf, int threads) {
   }
 }
 
+inline float scale_of(const QuantWeight& w, const void* p, int64_t at) {
+  return w.half_scales ? half(static_cast<const uint16_t*>(p)[at]) : static_cast<const float*>(p)[at];
+}
+
 // Row n of the weight as floats (then rounded to T).
 template <typename T>
 void dequantize_rows(const QuantWeight* w, const int64_t* rows, int count, T* out, int threads) {
@@ -363,8 +411,8 @@ void dequantize_rows(const QuantWeight* w, const int64_t* rows, int count, T* ou
           u = blk[e / 4 * 64 + e % 4];
         }
         const int64_t at = (g * kb * sub + j * sub + e / w->block) * kGroup + f;
-        float v = w->scale[at] * static_cast<float>(u - w->zero);
-        if (w->min != nullptr) v += w->min[at];
+        float v = scale_of(*w, w->scale, at) * static_cast<float>(u - w->zero);
+        if (w->min != nullptr) v += scale_of(*w, w->min, at);
         store(dst + j * kBlock + e, v);
       }
     }
