@@ -1,14 +1,18 @@
-"""The in-process radixmesh Engine against Hugging Face transformers `generate`.
+"""The in-process radixmesh Engine against Hugging Face transformers `generate`, and against
+itself with the GGUF file's weights dequantized.
 
-Both sides run the same model (default: the bundled SmolLM2-135M-Instruct GGUF) in the same
+Every side runs the same model (default: the bundled SmolLM2-135M-Instruct GGUF) in the same
 precision on the same token-id prompts, each in its own subprocess (so that each has its own
-peak RSS and its own torch thread pool). The parent prints a table with the ratio radixmesh/HF.
+peak RSS and its own torch thread pool). Sides: radixmesh (quantization auto: in bfloat16 on
+the CPU, the file's own quantized types), radixmesh-bf16 (quantization=bf16: dequantized at
+load) and hf. The parent prints a table with the ratios of radixmesh to each other side.
 
 Usage:
     python benchmarks/bench_engine.py                      # full sizes, bfloat16
     python benchmarks/bench_engine.py --quick              # smoke run, small sizes
     python benchmarks/bench_engine.py --dtype float32 --repeats 5 --json out.json
     python benchmarks/bench_engine.py --sides radixmesh    # one side only
+    python benchmarks/bench_engine.py --sides radixmesh,radixmesh-bf16   # quantized vs not
 
 Figures (greedy, exact output lengths: ignore_eos on radixmesh, min_new_tokens on HF):
   1. batch: N concurrent requests x M new tokens -> aggregate output tok/s
@@ -50,7 +54,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
-SIDES = ("radixmesh", "hf")
+SIDES = ("radixmesh", "radixmesh-bf16", "hf")
 SEED = 1234
 # Ordinary lower-case word tokens with a leading space: prompts of them are plain word salad.
 WORD_TOKEN = re.compile(r"^Ġ[a-z]{3,12}$")
@@ -167,19 +171,21 @@ def greedy(new_tokens: int) -> dict[str, Any]:
 class RadixmeshSide:
     name = "radixmesh"
 
-    def __init__(self, dtype: str, sizes: Sizes) -> None:
+    def __init__(self, dtype: str, sizes: Sizes, quantization: str = "auto") -> None:
         from radixmesh.engine import Engine
 
         self.kv_tokens = sizes.kv_tokens()
         self.engine = Engine(
-            dtype=dtype, max_total_tokens=self.kv_tokens, show_progress=False, random_seed=0
+            dtype=dtype, max_total_tokens=self.kv_tokens, show_progress=False, random_seed=0,
+            quantization=quantization,
         )
 
     def info(self) -> dict[str, Any]:
         layer = self.engine.runner.model.layers[0].qkv
         return {
             "kv_pool_tokens": self.kv_tokens,
-            "weight_dtype": str(self.engine.runner.model.dtype),
+            "dtype": str(self.engine.runner.model.dtype),
+            "quantization": self.engine.runner.quantization,
             "linear_kernel": layer.kind,
         }
 
@@ -327,7 +333,8 @@ def run_side(name: str, dtype: str, threads: int | None, prompts: dict[str, Any]
     log(name, f"loading the model ({dtype}, {torch.get_num_threads()} torch threads)")
     with timer() as t_load:
         side: RadixmeshSide | HFSide = (
-            RadixmeshSide(dtype, sizes) if name == "radixmesh" else HFSide(dtype, sizes)
+            HFSide(dtype, sizes) if name == "hf"
+            else RadixmeshSide(dtype, sizes, "bf16" if name == "radixmesh-bf16" else "auto")
         )
     res: dict[str, Any] = {"side": name, "load_s": t_load[0], "info": side.info()}
 
@@ -414,7 +421,7 @@ def greedy_match(results: dict[str, dict[str, Any]]) -> None:
     """The share of stream tokens radixmesh decodes like HF before the first difference.
 
     1.0 in float32; in bfloat16 near-ties on these word-salad prompts can flip an argmax."""
-    if set(results) != set(SIDES):
+    if not {"radixmesh", "hf"} <= set(results):
         return
     ours, ref = results["radixmesh"]["stream_ids"], results["hf"]["stream_ids"]
     same = [
@@ -435,17 +442,22 @@ def print_table(results: dict[str, dict[str, Any]], sizes: Sizes) -> None:
         f"{s.prefix_requests} requests, {s.prefix_len}-token system prompt + {s.question_len}"
         f"-token question, {s.prefix_new_tokens} new tokens"
     )
-    rm, hf = results.get("radixmesh", {}), results.get("hf", {})
-    header = f"{'figure':<36} {'radixmesh':>11} {'HF':>11} {'rm/HF':>8}"
+    names = list(results)
+    others = [n for n in names if n != "radixmesh"] if "radixmesh" in results else []
+    short = {"radixmesh": "rm", "radixmesh-bf16": "rm-bf16", "hf": "HF"}
+    header = f"{'figure':<36}" + "".join(f" {n:>14}" for n in names)
+    header += "".join(f" {'rm/' + short[n]:>10}" for n in others)
     print(header + "\n" + "-" * len(header))
     for key, label, fmt in ROWS:
-        if key not in rm and key not in hf:
+        values = [results[n].get(key) for n in names]
+        if all(v is None for v in values):
             continue
-        a, b = rm.get(key), hf.get(key)
-        ratio = f"{a / b:.2f}x" if a is not None and b else "-"
-        cell_a = fmt.format(a) if a is not None else "-"
-        cell_b = fmt.format(b) if b is not None else "-"
-        print(f"{label:<36} {cell_a:>11} {cell_b:>11} {ratio:>8}")
+        cells = "".join(f" {fmt.format(v) if v is not None else '-':>14}" for v in values)
+        mine = results["radixmesh"].get(key) if others else None
+        for n in others:
+            theirs = results[n].get(key)
+            cells += f" {f'{mine / theirs:.2f}x' if mine is not None and theirs else '-':>10}"
+        print(f"{label:<36}{cells}")
     for name, res in results.items():
         print(f"# {name}: {res['info']}")
 

@@ -46,15 +46,19 @@ def run_script(runner: ModelRunner) -> tuple[list[StepResult], torch.Tensor]:
     return results, logits
 
 
-def _rank_main(rank: int, size: int, addr: str, model_dirs: list[str], out_dir: str) -> None:
+def _rank_main(
+    rank: int, size: int, addr: str, model_dirs: list[str], out_dir: str,
+    quantization: str = "bf16",
+) -> None:
     """One rank of the group: run the script on every model, save what it got."""
     torch.set_num_threads(1)
     tp = init_tensor_parallel(addr, rank, size)
     try:
         for i, model_dir in enumerate(model_dirs):
-            loaded = load_model(model_dir, progress=False)
+            loaded = load_model(model_dir, progress=False, quantization=quantization)
             shard_weights(loaded.config, loaded.weights, rank, size)
             runner = ModelRunner(loaded.config, loaded.weights, torch.float32, 256, tp=tp)
+            assert (runner.model.layers[0].down.kind == "quant") == (quantization == "q8_0")
             results, logits = run_script(runner)
             saved = {
                 "results": [result_to_proto(r).SerializeToString() for r in results],
@@ -116,12 +120,15 @@ def test_one_rank_keeps_the_plain_layers(model_dirs) -> None:
     assert sharded.pool.k[0].shape[1] == KV_HEADS // 2
 
 
-def test_two_ranks_match_one_process(model_dirs, tmp_path) -> None:
+@pytest.mark.parametrize("quantization", ["bf16", "q8_0"])
+def test_two_ranks_match_one_process(model_dirs, tmp_path, quantization) -> None:
+    """Also with Q8_0 weights: each rank's shards are whole blocks, so its int8 inputs are
+    the one process's; only the order of the final sums differs."""
     ctx = multiprocessing.get_context("spawn")
     addr = f"tcp://127.0.0.1:{free_port()}"
     dirs = [str(d) for d in model_dirs]
     procs = [
-        ctx.Process(target=_rank_main, args=(rank, 2, addr, dirs, str(tmp_path)))
+        ctx.Process(target=_rank_main, args=(rank, 2, addr, dirs, str(tmp_path), quantization))
         for rank in range(2)
     ]
     for p in procs:
@@ -130,7 +137,7 @@ def test_two_ranks_match_one_process(model_dirs, tmp_path) -> None:
         p.join(timeout=120)
     assert [p.exitcode for p in procs] == [0, 0]
     for i, model_dir in enumerate(model_dirs):
-        loaded = load_model(str(model_dir), progress=False)
+        loaded = load_model(str(model_dir), progress=False, quantization=quantization)
         ref_results, ref_logits = run_script(
             ModelRunner(loaded.config, loaded.weights, torch.float32, 256)
         )
