@@ -21,6 +21,7 @@ from radixmesh.services.worker.kv_pool import KVPool
 from radixmesh.services.worker.linear import Linear
 from radixmesh.services.worker.model import CausalLM
 from radixmesh.services.worker.model_source import load_model, resolve_quantization
+from radixmesh.services.worker.parallel import shard_weights
 from radixmesh.services.worker.torch_attention import TorchAttention
 
 TYPES = sorted(nq.QUANT_TYPES)
@@ -147,6 +148,23 @@ def test_shards_are_slices():
         w.narrow(0, 8, 16)
     with pytest.raises(ValueError, match="whole 32s"):
         w.narrow(1, 16, 256)
+
+
+def test_the_bundled_model_shards_over_three_ranks():
+    """SmolLM2 (9 heads, 3 KV heads) over 3 ranks in its own Q4_1: every split falls on a
+    block, and the shards are slices of the whole."""
+    full = load_model(None, progress=False, quantization="gguf")
+    for rank in range(3):
+        part = load_model(None, progress=False, quantization="gguf")
+        shard_weights(part.config, part.weights, rank, 3)
+        for name in ("self_attn.k_proj", "self_attn.o_proj", "mlp.down_proj"):
+            key = f"model.layers.7.{name}.weight"
+            whole, shard = full.weights[key], part.weights[key]
+            assert isinstance(whole, nq.QuantizedWeight) and isinstance(shard, nq.QuantizedWeight)
+            dim = 1 if name.endswith(("o_proj", "down_proj")) else 0
+            size = whole.shape[dim] // 3
+            expected = whole.dequantize().narrow(dim, rank * size, size)
+            assert shard.dequantize().equal(expected), key
 
 
 def test_mixed_parts_run_dequantized():
