@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -213,16 +214,26 @@ class QuantizedWeight:
             self.min[g0:g1].numpy()[:] = _pack_scales(min_)
 
     @classmethod
-    def from_gguf(cls, raw: np.ndarray, ggml_type: int, n: int, k: int) -> QuantizedWeight:
-        """A weight [n, k] from its GGUF blocks (raw bytes, n rows of k inputs)."""
+    def from_gguf(
+        cls,
+        raw: np.ndarray,
+        ggml_type: int,
+        n: int,
+        k: int,
+        done: Callable[[np.ndarray], None] | None = None,
+    ) -> QuantizedWeight:
+        """A weight [n, k] from its GGUF blocks (raw bytes, n rows of k inputs), a few
+        thousand rows at a time; `done` is given each part of `raw` once it is packed."""
         qt = QUANT_TYPES[ggml_type]
         if k % qt.block_inputs:
             raise ValueError(f"{qt.name} rows of {k} inputs are not whole blocks")
         blocks = raw.reshape(n, k // qt.block_inputs, qt.block_bytes)
         w = cls.empty(qt, n, k)
-        step = GROUP * 256  # rows unpacked at a time: bounded temporaries
+        step = GROUP * 64  # rows unpacked at a time: temporaries of a few MB
         for first in range(0, n, step):
             w._fill(first, *unpack_blocks(blocks[first : first + step], qt))
+            if done is not None:
+                done(raw[first : first + step])
         return w
 
     @classmethod

@@ -148,6 +148,28 @@ def unpermute_rows(w: _Rows, n_head: int) -> _Rows:
     return w.reshape(n_head, half, 2, *rest).swapaxes(1, 2).reshape(w.shape)
 
 
+class _Pages:
+    """Drops the file's pages from this process's memory as tensors are read in file order:
+    a file the size of the weights is not held twice while loading. Everything before the
+    read position goes each time (the kernel maps pages around each one read, behind it
+    too)."""
+
+    def __init__(self, mm: mmap.mmap) -> None:
+        self.mm = mm
+        view = np.frombuffer(mm, np.uint8, count=1)
+        self.base = view.ctypes.data
+        del view
+
+    def drop(self, part: np.ndarray) -> None:
+        """Drop the pages up to the end of `part`, if it is a view of the map."""
+        start = part.ctypes.data - self.base
+        if 0 <= start < len(self.mm):
+            self.drop_to(start + part.nbytes)
+
+    def drop_to(self, end: int) -> None:
+        self.mm.madvise(mmap.MADV_DONTNEED, 0, min(len(self.mm), end))
+
+
 def load_gguf(
     path: str | Path,
     progress: bool = True,
@@ -167,6 +189,7 @@ def load_gguf(
     permuted = config.architecture == "llama"
     weights: dict[str, Weight] = {}
     with open(gf.path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        pages = _Pages(mm)
         infos = [i for i in gf.tensors.values() if i.name not in _IGNORED]
         for info in tqdm(
             infos, desc=f"loading {gf.path.name}", unit="tensor", disable=not progress
@@ -178,19 +201,20 @@ def load_gguf(
             if keep_quantized and info.ggml_type in QUANT_TYPES and len(info.shape) == 2:
                 raw = np.frombuffer(mm, np.uint8, count=info.nbytes, offset=info.offset)
                 raw = raw.reshape(info.shape[0], -1)
-                if n_head is not None:  # whole rows of blocks move
+                if n_head is not None:  # whole rows of blocks move (a copy)
                     raw = unpermute_rows(raw, n_head)
                 weights[hf_name(info.name)] = QuantizedWeight.from_gguf(
-                    raw, info.ggml_type, *info.shape
+                    raw, info.ggml_type, *info.shape, done=pages.drop
                 )
                 del raw  # a view of the map, which cannot close while one is alive
-                continue
-            array = dequantize_tensor(mm, info)
-            if n_head is not None:
-                array = unpermute_rows(array, n_head)
-            tensor = torch.from_numpy(array)
-            key = hf_name(info.name)
-            weights[key] = tensor if convert is None else convert(key, tensor)
+            else:
+                array = dequantize_tensor(mm, info)
+                if n_head is not None:
+                    array = unpermute_rows(array, n_head)
+                tensor = torch.from_numpy(array)
+                key = hf_name(info.name)
+                weights[key] = tensor if convert is None else convert(key, tensor)
+            pages.drop_to(info.offset + info.nbytes)
     if config.tie_word_embeddings:
         weights.pop("lm_head.weight", None)
     return config, weights
