@@ -129,6 +129,7 @@ def test_worker_serves_forward(model_dir, reference) -> None:
             num_layers=LAYERS,
             num_kv_heads=KV_HEADS,
             head_dim=HEAD_DIM,
+            quantization="bf16",  # a safetensors model, not asked to quantize
         )
         got = [result_from_proto(worker.stub.Forward(batch_to_proto(b))) for b in forward_script()]
         assert_same_results(got, reference)
