@@ -66,16 +66,34 @@ def _build(compiler: str) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        subprocess.run(
-            [compiler, *flags, *map(str, SOURCES), "-o", tmp],
-            check=True, capture_output=True, text=True,
-        )
+        with tempfile.TemporaryDirectory(dir=out.parent) as objects:
+            _compile_all(compiler, flags, Path(objects), tmp)
         os.chmod(tmp, 0o755)  # mkstemp's 0600 would keep other users of the cache out
         os.replace(tmp, out)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return out
+
+
+def _compile_all(compiler: str, flags: list[str], objects: Path, target: str) -> None:
+    """Compile every source to an object at once (one process each), then link."""
+    compile_flags = [f for f in flags if f != "-shared"]
+    jobs = [
+        (subprocess.Popen([compiler, *compile_flags, "-c", str(src), "-o", str(obj)],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True), obj)
+        for src in SOURCES
+        for obj in [objects / f"{src.stem}.o"]
+    ]
+    errors = []
+    for proc, _ in jobs:
+        _, err = proc.communicate()
+        if proc.returncode:
+            errors.append(err)
+    if errors:
+        raise subprocess.CalledProcessError(1, compiler, stderr="".join(errors))
+    subprocess.run([compiler, *flags, *(str(obj) for _, obj in jobs), "-o", target],
+                   check=True, capture_output=True, text=True)
 
 
 @functools.cache

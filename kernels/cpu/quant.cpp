@@ -207,17 +207,45 @@ struct Isa {  // one feature at a time: its four bytes of a chunk in a uint32
 
 constexpr int kTileRows = Isa::L == 16 ? 8 : 4;
 
-template <typename T>
+// Where a tile's sums go: out = (sum + bias), rounded to the output type, + residual
+// (rounded again), bf16 or float32 alike.
 struct Epilogue {
-  const T* bias;      // [N] or null
-  const T* residual;  // [M, ldo] or null
-  T* out;             // [M, ldo]
+  const void* bias;      // [N] or null
+  const void* residual;  // [M, ldo] or null
+  void* out;             // [M, ldo]
   int ldo;
+  bool bf16;
+
+  template <typename T>
+  void store_row(const float* sums, int64_t at, int n0, int width) const {
+    const T* b = static_cast<const T*>(bias);
+    const T* res = static_cast<const T*>(residual);
+    T* o = static_cast<T*>(out);
+    for (int f = 0; f < width; ++f) {
+      const float v = b == nullptr ? sums[f] : sums[f] + load(b[n0 + f]);
+      if (res == nullptr) {
+        store(o + at + f, v);
+      } else {
+        T rounded;
+        store(&rounded, v);
+        store(o + at + f, load(rounded) + load(res[at + f]));
+      }
+    }
+  }
+
+  void row(const float* sums, int m, int n0, int width) const {
+    const int64_t at = static_cast<int64_t>(m) * ldo + n0;
+    if (bf16) {
+      store_row<uint16_t>(sums, at, n0, width);
+    } else {
+      store_row<float>(sums, at, n0, width);
+    }
+  }
 };
 
 // Rows m0..m0+R-1 of x against features h*L .. h*L+L-1 of group g.
-template <int R, int Bits, int Sub, bool Wide, bool Min, typename S, typename T>
-void tile(const QuantWeight& w, const Rows& x, int g, int h, int m0, const Epilogue<T>& ep) {
+template <int R, int Bits, int Sub, bool Wide, bool Min, typename S>
+void tile(const QuantWeight& w, const Rows& x, int g, int h, int m0, const Epilogue& ep) {
   using I = typename Isa::I;
   using F = typename Isa::F;
   constexpr int L = Isa::L;
@@ -279,69 +307,46 @@ void tile(const QuantWeight& w, const Rows& x, int g, int h, int m0, const Epilo
   const int width = w.n - n0 < L ? w.n - n0 : L;
   for (int r = 0; r < R; ++r) {
     Isa::storef(lanes, acc[r]);
-    const int64_t row = static_cast<int64_t>(m0 + r) * ep.ldo + n0;
-    for (int f = 0; f < width; ++f) {
-      const float v = ep.bias == nullptr ? lanes[f] : lanes[f] + load(ep.bias[n0 + f]);
-      if (ep.residual == nullptr) {
-        store(ep.out + row + f, v);
-      } else {
-        T rounded;
-        store(&rounded, v);
-        store(ep.out + row + f, load(rounded) + load(ep.residual[row + f]));
-      }
-    }
+    ep.row(lanes, m0 + r, n0, width);
   }
 }
 
-template <int Bits, int Sub, bool Wide, bool Min, typename S, typename T>
-void features(const QuantWeight& w, const Rows& x, int g, const Epilogue<T>& ep) {
+// Every row against group g: tiles of kTileRows rows, then of 4, 2 and 1.
+template <int Bits, int Sub, bool Wide, bool Min, typename S>
+void features(const QuantWeight& w, const Rows& x, int g, const Epilogue& ep) {
   for (int h = 0; h < kGroup / Isa::L; ++h) {
     int m0 = 0;
     for (; m0 + kTileRows <= x.m; m0 += kTileRows) {
       tile<kTileRows, Bits, Sub, Wide, Min, S>(w, x, g, h, m0, ep);
     }
-    switch (x.m - m0) {
-      case 1: tile<1, Bits, Sub, Wide, Min, S>(w, x, g, h, m0, ep); break;
-      case 2: tile<2, Bits, Sub, Wide, Min, S>(w, x, g, h, m0, ep); break;
-      case 3: tile<3, Bits, Sub, Wide, Min, S>(w, x, g, h, m0, ep); break;
-#if RM_QUANT_ISA == 3
-      case 4: tile<4, Bits, Sub, Wide, Min, S>(w, x, g, h, m0, ep); break;
-      case 5: tile<5, Bits, Sub, Wide, Min, S>(w, x, g, h, m0, ep); break;
-      case 6: tile<6, Bits, Sub, Wide, Min, S>(w, x, g, h, m0, ep); break;
-      case 7: tile<7, Bits, Sub, Wide, Min, S>(w, x, g, h, m0, ep); break;
-#endif
-      default: break;
+    if (kTileRows > 4 && m0 + 4 <= x.m) {
+      tile<4, Bits, Sub, Wide, Min, S>(w, x, g, h, m0, ep);
+      m0 += 4;
     }
+    if (m0 + 2 <= x.m) {
+      tile<2, Bits, Sub, Wide, Min, S>(w, x, g, h, m0, ep);
+      m0 += 2;
+    }
+    if (m0 < x.m) tile<1, Bits, Sub, Wide, Min, S>(w, x, g, h, m0, ep);
   }
 }
 
-template <typename T>
-using GroupFn = void (*)(const QuantWeight&, const Rows&, int, const Epilogue<T>&);
+using GroupFn = void (*)(const QuantWeight&, const Rows&, int, const Epilogue&);
 
 // The formats native_quant.py packs: 4 bits (Q4_0, Q4_1, Q4_K), 8 bits per 32 (Q8_0: wide;
 // Q5_0, Q5_1, Q5_K) and 8 bits per 16 (Q6_K), with float16 or float scales.
-template <typename S, typename T>
-GroupFn<T> pick_scales(const QuantWeight& w) {
+template <typename S>
+GroupFn pick_scales(const QuantWeight& w) {
   const bool min = w.min != nullptr;
-  if (w.bits == 4) {
-    return min ? features<4, 1, false, true, S, T> : features<4, 1, false, false, S, T>;
-  }
-  if (w.block == 16) return features<8, 2, false, false, S, T>;
-  if (w.zero >= 128) return features<8, 1, true, false, S, T>;
-  return min ? features<8, 1, false, true, S, T> : features<8, 1, false, false, S, T>;
+  if (w.bits == 4) return min ? features<4, 1, false, true, S> : features<4, 1, false, false, S>;
+  if (w.block == 16) return features<8, 2, false, false, S>;
+  if (w.zero >= 128) return features<8, 1, true, false, S>;
+  return min ? features<8, 1, false, true, S> : features<8, 1, false, false, S>;
 }
 
-template <typename T>
-GroupFn<T> pick(const QuantWeight& w) {
-  return w.half_scales ? pick_scales<uint16_t, T>(w) : pick_scales<float, T>(w);
-}
-
-template <typename T>
-void gemm(const void* xbuf, int m, const QuantWeight* w, const T* bias, const T* residual,
-          T* out, int ldo, int threads) {
+void gemm(const void* xbuf, int m, const QuantWeight* w, const Epilogue& ep, int threads) {
   const Rows x(const_cast<void*>(xbuf), m, w->k);
-  const Epilogue<T> ep{bias, residual, out, ldo};
-  const GroupFn<T> fn = pick<T>(*w);
+  const GroupFn fn = w->half_scales ? pick_scales<uint16_t>(*w) : pick_scales<float>(*w);
   const int groups = (w->n + kGroup - 1) / kGroup;
 #pragma omp parallel for schedule(static) num_threads(threads)
   for (int g = 0; g < groups; ++g) fn(*w, x, g, ep);
@@ -443,12 +448,12 @@ void quantize_rows_f32(const float* x, int m, int k, void* buf, int threads) {
 
 void gemm_quant_bf16(const void* xbuf, int m, const QuantWeight* w, const uint16_t* bias,
                      const uint16_t* residual, uint16_t* out, int ldo, int threads) {
-  gemm(xbuf, m, w, bias, residual, out, ldo, threads);
+  gemm(xbuf, m, w, Epilogue{bias, residual, out, ldo, true}, threads);
 }
 
 void gemm_quant_f32(const void* xbuf, int m, const QuantWeight* w, const float* bias,
                     const float* residual, float* out, int ldo, int threads) {
-  gemm(xbuf, m, w, bias, residual, out, ldo, threads);
+  gemm(xbuf, m, w, Epilogue{bias, residual, out, ldo, false}, threads);
 }
 
 void dequantize_rows_bf16(const QuantWeight* w, const int64_t* rows, int count, uint16_t* out,
