@@ -281,13 +281,13 @@ class QuantizedWeight:
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows `ids` dequantized to `dtype` (an embedding lookup)."""
+        if dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError(f"no dequantization to {dtype}")
         lib = _quant_library()
         ids = ids.to(torch.int64).contiguous()
         check_rows("token id", ids, self.n)
         out = torch.empty(ids.numel(), self.k, dtype=dtype)
         fn = lib.dequantize_rows_bf16 if dtype == torch.bfloat16 else lib.dequantize_rows_f32
-        if dtype not in (torch.bfloat16, torch.float32):
-            raise ValueError(f"no dequantization to {dtype}")
         fn(ctypes.byref(self.struct), ids.data_ptr(), ids.numel(), out.data_ptr(),
            torch.get_num_threads())
         return out
