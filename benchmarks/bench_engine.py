@@ -5,7 +5,8 @@ Every side runs the same model (default: the bundled SmolLM2-135M-Instruct GGUF)
 precision on the same token-id prompts, each in its own subprocess (so that each has its own
 peak RSS and its own torch thread pool). Sides: radixmesh (quantization auto: in bfloat16 on
 the CPU, the file's own quantized types), radixmesh-bf16 (quantization=bf16: dequantized at
-load) and hf. The parent prints a table with the ratios of radixmesh to each other side.
+load) and hf. The parent prints a table with the ratios of the first radixmesh side to each
+other side.
 
 Usage:
     python benchmarks/bench_engine.py                      # full sizes, bfloat16
@@ -13,6 +14,7 @@ Usage:
     python benchmarks/bench_engine.py --dtype float32 --repeats 5 --json out.json
     python benchmarks/bench_engine.py --sides radixmesh    # one side only
     python benchmarks/bench_engine.py --sides radixmesh,radixmesh-bf16   # quantized vs not
+    python benchmarks/bench_engine.py --sides radixmesh-bf16,hf   # the same weights as HF
 
 Figures (greedy, exact output lengths: ignore_eos on radixmesh, min_new_tokens on HF):
   1. batch: N concurrent requests x M new tokens -> aggregate output tok/s
@@ -421,15 +423,21 @@ def greedy_match(results: dict[str, dict[str, Any]]) -> None:
     """The share of stream tokens radixmesh decodes like HF before the first difference.
 
     1.0 in float32; in bfloat16 near-ties on these word-salad prompts can flip an argmax."""
-    if not {"radixmesh", "hf"} <= set(results):
+    lead = _lead(results)
+    if lead is None or "hf" not in results:
         return
-    ours, ref = results["radixmesh"]["stream_ids"], results["hf"]["stream_ids"]
+    ours, ref = results[lead]["stream_ids"], results["hf"]["stream_ids"]
     same = [
         next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
         for a, b in zip(ours, ref, strict=True)
     ]
-    results["radixmesh"]["stream_same_as_hf"] = sum(same) / sum(len(a) for a in ours)
-    results["radixmesh"]["stream_same_as_hf_per_run"] = same
+    results[lead]["stream_same_as_hf"] = sum(same) / sum(len(a) for a in ours)
+    results[lead]["stream_same_as_hf_per_run"] = same
+
+
+def _lead(results: dict[str, dict[str, Any]]) -> str | None:
+    """The radixmesh side the others are compared with: the first one run."""
+    return next((name for name in results if name.startswith("radixmesh")), None)
 
 
 def print_table(results: dict[str, dict[str, Any]], sizes: Sizes) -> None:
@@ -443,17 +451,19 @@ def print_table(results: dict[str, dict[str, Any]], sizes: Sizes) -> None:
         f"-token question, {s.prefix_new_tokens} new tokens"
     )
     names = list(results)
-    others = [n for n in names if n != "radixmesh"] if "radixmesh" in results else []
+    lead = _lead(results)
+    others = [n for n in names if n != lead] if lead is not None else []
     short = {"radixmesh": "rm", "radixmesh-bf16": "rm-bf16", "hf": "HF"}
     header = f"{'figure':<36}" + "".join(f" {n:>14}" for n in names)
-    header += "".join(f" {'rm/' + short[n]:>10}" for n in others)
+    mine_label = short[lead] if lead is not None else ""
+    header += "".join(f" {mine_label + '/' + short[n]:>10}" for n in others)
     print(header + "\n" + "-" * len(header))
     for key, label, fmt in ROWS:
         values = [results[n].get(key) for n in names]
         if all(v is None for v in values):
             continue
         cells = "".join(f" {fmt.format(v) if v is not None else '-':>14}" for v in values)
-        mine = results["radixmesh"].get(key) if others else None
+        mine = results[lead].get(key) if lead is not None else None
         for n in others:
             theirs = results[n].get(key)
             cells += f" {f'{mine / theirs:.2f}x' if mine is not None and theirs else '-':>10}"
