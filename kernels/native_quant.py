@@ -23,6 +23,7 @@ from radixmesh.kernels.native import check_rows, library
 _PTR, _INT = ctypes.c_void_p, ctypes.c_int
 GROUP = 16  # output features per packed group (kGroup in cpu/quant.cpp)
 BLOCK = 32  # inputs per block of the packed form and of quantized x
+_CHUNK = GROUP * 64  # rows packed at a time while loading: temporaries of a few MB
 
 
 @dataclass(frozen=True)
@@ -229,11 +230,10 @@ class QuantizedWeight:
             raise ValueError(f"{qt.name} rows of {k} inputs are not whole blocks")
         blocks = raw.reshape(n, k // qt.block_inputs, qt.block_bytes)
         w = cls.empty(qt, n, k)
-        step = GROUP * 64  # rows unpacked at a time: temporaries of a few MB
-        for first in range(0, n, step):
-            w._fill(first, *unpack_blocks(blocks[first : first + step], qt))
+        for first in range(0, n, _CHUNK):
+            w._fill(first, *unpack_blocks(blocks[first : first + _CHUNK], qt))
             if done is not None:
-                done(raw[first : first + step])
+                done(raw[first : first + _CHUNK])
         return w
 
     @classmethod
@@ -243,9 +243,8 @@ class QuantizedWeight:
         float16."""
         n, k = weight.shape
         w = cls.empty(QUANT_TYPES[Q8_0], n, k)
-        step = GROUP * 256
-        for first in range(0, n, step):
-            x = weight[first : first + step].to(torch.float32).numpy()
+        for first in range(0, n, _CHUNK):
+            x = weight[first : first + _CHUNK].to(torch.float32).numpy()
             rows = x.shape[0]
             x = x.reshape(rows, k // BLOCK, BLOCK)
             d = np.abs(x).max(axis=-1, keepdims=True) / np.float32(127)

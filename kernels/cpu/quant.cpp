@@ -70,9 +70,6 @@ inline float half(uint16_t h) {
   return f;
 }
 
-inline float scalar(float v) { return v; }
-inline float scalar(uint16_t v) { return half(v); }
-
 constexpr int kGroup = 16;  // output features per packed group
 constexpr int kBlock = 32;  // inputs per block of quantized x
 
