@@ -23,12 +23,12 @@ import argparse
 import statistics
 import time
 
+from radixmesh.core.finish import FinishKind, FinishReason
 from radixmesh.core.model_files import resolve_model_path
-from radixmesh.core.request import FinishKind, FinishReason
 from radixmesh.core.sampling_params import SamplingParams
 from radixmesh.core.tokenizer import Tokenizer
+from radixmesh.engine.request import Req
 from radixmesh.request_output import RequestStream
-from radixmesh.services.scheduler.request import Req
 
 ANSWER = """\
 Sure! Here is a short overview of how a radix prefix cache works, followed by an example.

@@ -174,7 +174,7 @@ class RadixmeshSide:
     name = "radixmesh"
 
     def __init__(self, dtype: str, sizes: Sizes, quantization: str = "auto") -> None:
-        from radixmesh.engine import Engine
+        from radixmesh.api import Engine
 
         self.kv_tokens = sizes.kv_tokens()
         self.engine = Engine(

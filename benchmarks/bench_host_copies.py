@@ -1,5 +1,5 @@
 """Host (L2) KV tier copy bandwidth: backups (device -> host pool) and loads (host pool ->
-device) of N tokens through the worker's copy code (services/worker/host_copies.py), beside a
+device) of N tokens through the worker's copy code (radixmesh/engine/model/host_copies.py), beside a
 plain copy of the same bytes as one contiguous tensor on the same machine.
 
 Usage:
@@ -28,8 +28,8 @@ import torch
 
 from radixmesh.core.hicache import DTYPE_BYTES, HostPoolSpec, KVGeometry
 from radixmesh.core.step import KVCopy
-from radixmesh.services.worker.host_copies import HostCopier
-from radixmesh.services.worker.kv_pool import KVPool
+from radixmesh.engine.model.host_copies import HostCopier
+from radixmesh.engine.model.kv_pool import KVPool
 
 PAGE = 16  # tokens per page in the "pages" runs
 

@@ -47,6 +47,8 @@ import triton
 
 from radixmesh.core.sampling_params import SamplingParams
 from radixmesh.core.step import NewRequest, StepBatch, StepEntry
+from radixmesh.engine.model.model_config import ModelConfig
+from radixmesh.engine.model.runner import ModelRunner
 from radixmesh.kernels.activation import silu_and_mul, silu_and_mul_reference
 from radixmesh.kernels.decode_attention import decode_attention, decode_attention_reference
 from radixmesh.kernels.extend_attention import extend_attention, extend_attention_reference
@@ -55,8 +57,6 @@ from radixmesh.kernels.paging import page_table
 from radixmesh.kernels.rms_norm import fused_add_rms_norm, fused_add_rms_norm_reference
 from radixmesh.kernels.rotary import rotary_embedding, rotary_embedding_reference
 from radixmesh.kernels.token_bitmask import apply_token_bitmask_, apply_token_bitmask_reference_
-from radixmesh.services.worker.model_config import ModelConfig
-from radixmesh.services.worker.runner import ModelRunner
 
 BF16, F32 = torch.bfloat16, torch.float32
 TOL = {F32: 1e-4, BF16: 2e-2}

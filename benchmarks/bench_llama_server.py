@@ -127,7 +127,7 @@ def run_llama(args: argparse.Namespace, data: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_radixmesh(args: argparse.Namespace, data: dict[str, Any], quantization: str) -> dict:
-    from radixmesh.engine import Engine
+    from radixmesh.api import Engine
 
     engine = Engine(max_total_tokens=args.context, show_progress=False,
                     quantization=quantization)

@@ -71,7 +71,7 @@ def summarize(started: float, streams: list[list[tuple[float, int]]]) -> dict[st
 
 
 def run_engine(work: list[list[int]], new_tokens: int, dtype: str) -> dict[str, float]:
-    from radixmesh.engine import Engine
+    from radixmesh.api import Engine
 
     params = {"max_new_tokens": new_tokens, "ignore_eos": True, "temperature": 0}
     with Engine(dtype=dtype, show_progress=False) as engine:

@@ -28,7 +28,7 @@ import statistics
 import time
 from dataclasses import dataclass
 
-from radixmesh.engine import Engine
+from radixmesh.api import Engine
 
 SCHEMA = {
     "type": "object",

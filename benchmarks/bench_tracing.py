@@ -49,7 +49,7 @@ def run_side(traced: bool, work: list[list[int]], new_tokens: int, dtype: str) -
 def hook_cost(n: int = 20000, chunks: int = 16) -> dict[str, float]:
     """Microseconds per request of the tokenizer's and scheduler's hooks, tracing off."""
     from radixmesh.core.sampling_params import SamplingParams
-    from radixmesh.services.scheduler.request import Req
+    from radixmesh.engine.request import Req
     from radixmesh.services.scheduler.request_traces import RequestTraces
     from radixmesh.services.tokenizer.client import (
         GenerationChunk,
@@ -101,11 +101,11 @@ def step_cost(traced: bool, requests: int = 8, new_tokens: int = 32, rounds: int
     )
 
     from radixmesh.core.sampling_params import SamplingParams
+    from radixmesh.engine.request import Req
+    from radixmesh.engine.scheduler import Scheduler, SchedulerConfig
     from radixmesh.proto import mesh_pb2 as mpb
     from radixmesh.services.scheduler.mesh_io import UpdateBuilder
-    from radixmesh.services.scheduler.request import Req
     from radixmesh.services.scheduler.request_traces import RequestTraces
-    from radixmesh.services.scheduler.scheduler import Scheduler, SchedulerConfig
     from radixmesh.tracing import install
 
     class Encoding(SpanExporter):

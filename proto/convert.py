@@ -6,8 +6,7 @@ see protobuf."""
 from __future__ import annotations
 
 from radixmesh.core.hicache import HostPoolSpec, KVGeometry
-from radixmesh.core.request import LogprobRequest
-from radixmesh.core.sampling_params import GRAMMAR_KINDS, SamplingParams
+from radixmesh.core.sampling_params import GRAMMAR_KINDS, LogprobRequest, SamplingParams
 from radixmesh.core.step import (
     EntryResult,
     KVCopy,

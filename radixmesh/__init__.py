@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from radixmesh.engine import Engine
+    from radixmesh.api import Engine
 
 __all__ = ["Engine"]
 
@@ -13,7 +13,7 @@ __all__ = ["Engine"]
 def __getattr__(name: str) -> Any:
     # Lazy, so services that never run a model do not import torch through the package.
     if name == "Engine":
-        from radixmesh.engine import Engine
+        from radixmesh.api import Engine
 
         return Engine
     raise AttributeError(f"module 'radixmesh' has no attribute {name!r}")

@@ -16,7 +16,7 @@ from radixmesh.tracing.cli import add_trace_command
 
 def _generate(args: argparse.Namespace) -> int:
     engine_args = from_args(EngineArgs, args)  # bad values fail here, before torch loads
-    from radixmesh.engine import Engine
+    from radixmesh.api import Engine
 
     sampling = json.loads(args.sampling_params)
     sampling.setdefault("max_new_tokens", args.max_new_tokens)

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from radixmesh.engine import Engine
+    from radixmesh.api import Engine
 
 Answer = tuple[str, dict[str, Any]]  # generated text and its meta_info
 _LOOK_BACK = 4  # prompt tokens before a choice compared for the merge at the boundary

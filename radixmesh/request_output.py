@@ -9,10 +9,10 @@ from collections.abc import Iterator
 from typing import Any
 
 from radixmesh.core.detokenize import RequestText, TextRules
+from radixmesh.core.finish import FinishKind
 from radixmesh.core.meta_info import CachedTokens, LogprobLists, meta_info
-from radixmesh.core.request import FinishKind
 from radixmesh.core.tokenizer import Tokenizer
-from radixmesh.services.scheduler.request import Req
+from radixmesh.engine.request import Req
 
 
 class RequestStream:

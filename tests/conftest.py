@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 @pytest.fixture(scope="session")
 def smollm2():
     """Config and float32 weights of the bundled SmolLM2-135M-Instruct."""
-    from radixmesh.services.worker.model_source import load_model
+    from radixmesh.engine.model.model_source import load_model
 
     return load_model(None, progress=False)
 

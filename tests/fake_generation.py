@@ -8,11 +8,11 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from radixmesh.core.meta_info import TokenLogprob
+from radixmesh.core.request import GenerationRequest, ModelLimits
 from radixmesh.core.tokenizer import Tokenizer
 from radixmesh.services.tokenizer.client import (
     GenerationChunk,
     GenerationError,
-    GenerationRequest,
 )
 
 REPLY = " The answer is 42. Have a nice day!"
@@ -61,6 +61,10 @@ class FakeGenerationClient:
     @property
     def vocab_size(self) -> int:
         return self.tokenizer.vocab_size
+
+    @property
+    def limits(self) -> ModelLimits:
+        return ModelLimits(self.context_length, self.vocab_size, self.grammar_backend)
 
     def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
         self.requests.append(request)

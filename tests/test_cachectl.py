@@ -22,16 +22,16 @@ from process_helpers import service_process
 
 from radixmesh.core.hicache import HostPoolSpec, KVGeometry, shm_root
 from radixmesh.core.settings import CachectlConfig, parse_config, shared_values, to_flags
-from radixmesh.launcher import SERVICE_CONFIGS, Mesh, MeshArgs
-from radixmesh.mesh.nats_server import free_port
-from radixmesh.services.cachectl import host_pool
-from radixmesh.services.cachectl.host_pool import (
+from radixmesh.engine.tiers import host_pool
+from radixmesh.engine.tiers.host_pool import (
     SEGMENT_PREFIX,
     HostSegments,
     LocalCachectl,
     NoSegment,
     escaped_engine_id,
 )
+from radixmesh.launcher import SERVICE_CONFIGS, Mesh, MeshArgs
+from radixmesh.mesh.nats_server import free_port
 from radixmesh.services.cachectl.server import SERVICE_NAME, CachectlService
 from radixmesh.services.scheduler.cachectl_client import (
     CachectlClient,

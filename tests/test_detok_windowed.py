@@ -19,11 +19,11 @@ from radixmesh.core.detokenize import (
     detok_context_size,
     window_text,
 )
-from radixmesh.core.request import FinishKind, FinishReason
+from radixmesh.core.finish import FinishKind, FinishReason
 from radixmesh.core.sampling_params import SamplingParams
 from radixmesh.core.tokenizer import Tokenizer, _bytes_to_unicode
+from radixmesh.engine.request import Req
 from radixmesh.request_output import RequestStream
-from radixmesh.services.scheduler.request import Req
 
 EOS = 2  # <|im_end|>, the stop token
 SPECIALS = range(17)

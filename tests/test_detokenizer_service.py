@@ -15,16 +15,16 @@ import aiohttp
 import nats
 from process_helpers import service_process
 
-from radixmesh.core.request import FinishKind, FinishReason
+from radixmesh.core.finish import FinishKind, FinishReason
 from radixmesh.core.sampling_params import SamplingParams
 from radixmesh.core.settings import DetokenizerConfig
 from radixmesh.core.tokenizer import Tokenizer
+from radixmesh.engine.request import Req
 from radixmesh.mesh import subjects
 from radixmesh.proto import mesh_pb2 as mpb
 from radixmesh.proto import worker_pb2 as wpb
 from radixmesh.services.detokenizer.server import DetokenizerService, step_replies
 from radixmesh.services.scheduler.mesh_io import UpdateBuilder
-from radixmesh.services.scheduler.request import Req
 
 OWNER_A = subjects.tokenizer_out("a")
 OWNER_B = subjects.tokenizer_out("b")

@@ -14,11 +14,11 @@ from typing import Any
 
 import pytest
 
-from radixmesh.core.request import FinishKind, FinishReason
+from radixmesh.api import Engine
+from radixmesh.core.finish import FinishKind, FinishReason
 from radixmesh.core.sampling_params import SamplingParams
-from radixmesh.engine import Engine
+from radixmesh.engine.request import Req
 from radixmesh.request_output import RequestStream
-from radixmesh.services.scheduler.request import Req
 
 PROMPT = "The capital of France is"
 # Greedy SmolLM2 answers this in a few tokens and then emits <|im_end|> (eos id 2).
@@ -405,8 +405,9 @@ def test_input_logprobs_from_an_offset(engine: Engine, prompt_logprobs: Result) 
         )
         assert "input_top_logprobs" not in meta
         assert out["output_ids"] == prompt_logprobs["output_ids"][:1]
-    beyond = logprobs_from(engine, n)
-    assert beyond["meta_info"]["input_token_logprobs"] == []
+    # as every front door of the mesh refuses it
+    with pytest.raises(ValueError, match=rf"logprob_start_len \({n}\) must be less than"):
+        logprobs_from(engine, n)
 
 
 def test_chunked_prefill_changes_nothing(chunked: Engine, prompt_logprobs: Result) -> None:

@@ -10,12 +10,12 @@ from collections.abc import Awaitable
 import pytest
 from fake_worker import FakeWorker, reference_output
 
-from radixmesh.core.request import FinishKind
+from radixmesh.core.finish import FinishKind
 from radixmesh.core.sampling_params import SamplingParams
 from radixmesh.core.step import StepResult
-from radixmesh.services.scheduler.engine_loop import EngineLoop, ExecutorLost
-from radixmesh.services.scheduler.request import Req
-from radixmesh.services.scheduler.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from radixmesh.engine.loop import EngineLoop, ExecutorLost
+from radixmesh.engine.request import Req
+from radixmesh.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 
 SLOTS = 512
 

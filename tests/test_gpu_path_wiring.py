@@ -19,19 +19,18 @@ from tiny_model import VOCAB, save_tiny_model, tokens
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from radixmesh import cli
-from radixmesh.core.request import LogprobRequest
-from radixmesh.core.sampling_params import SamplingParams
+from radixmesh.api import Engine
+from radixmesh.core.sampling_params import LogprobRequest, SamplingParams
 from radixmesh.core.settings import EngineArgs, WorkerConfig, parse_config
 from radixmesh.core.step import NewRequest, StepBatch, StepEntry, StepResult
-from radixmesh.engine import Engine
+from radixmesh.engine.model.attention_choice import check_runs_on
+from radixmesh.engine.model.device import resolve_device
+from radixmesh.engine.model.model_source import load_model
+from radixmesh.engine.model.runner import ModelRunner
+from radixmesh.engine.model.torch_attention import TorchAttention
+from radixmesh.engine.model.triton_attention import TritonAttention
 from radixmesh.launcher import Mesh, MeshArgs
-from radixmesh.services.worker.attention_choice import check_runs_on
-from radixmesh.services.worker.device import resolve_device
-from radixmesh.services.worker.model_source import load_model
-from radixmesh.services.worker.runner import ModelRunner
 from radixmesh.services.worker.server import WorkerService
-from radixmesh.services.worker.torch_attention import TorchAttention
-from radixmesh.services.worker.triton_attention import TritonAttention
 
 GREEDY = SamplingParams(temperature=0)
 REGION = 40  # pool slots reserved per request in the workload

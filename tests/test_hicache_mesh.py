@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 from process_helpers import running_mesh
 
-from radixmesh.engine import Engine
+from radixmesh.api import Engine
 
 GREEDY = {"temperature": 0, "max_new_tokens": 8}
 

@@ -24,17 +24,17 @@ import tokenizers
 from tiny_model import EOS, HEAD_DIM, KV_HEADS, LAYERS, VOCAB, save_tiny_model
 from tokenizers import models, pre_tokenizers
 
-import radixmesh.engine as engine_module
+import radixmesh.api as engine_module
 from radixmesh import Engine
 from radixmesh.core.hicache import KVGeometry, PageKeys
 from radixmesh.core.model_files import model_fingerprint
-from radixmesh.services.cachectl import host_pool, page_mover
-from radixmesh.services.cachectl.host_pool import HostSegments
-from radixmesh.services.cachectl.page_mover import PREFETCH_AHEAD, PageMover
-from radixmesh.services.cachectl.storage import CorruptPage, FileBackend
-from radixmesh.services.scheduler.kv_allocator import KVAllocator
-from radixmesh.services.scheduler.radix_cache import RadixCache
-from radixmesh.services.scheduler.scheduler import Scheduler
+from radixmesh.engine.kv_allocator import KVAllocator
+from radixmesh.engine.radix_cache import RadixCache
+from radixmesh.engine.scheduler import Scheduler
+from radixmesh.engine.tiers import host_pool, page_mover
+from radixmesh.engine.tiers.host_pool import HostSegments
+from radixmesh.engine.tiers.page_mover import PREFETCH_AHEAD, PageMover
+from radixmesh.engine.tiers.storage import CorruptPage, FileBackend
 
 # ---- page keys ----------------------------------------------------------------------------
 

@@ -25,8 +25,8 @@ from process_helpers import redis_server, running_mesh
 from radixmesh.core.gguf import read_gguf
 from radixmesh.core.hicache import KVGeometry, PageKeys
 from radixmesh.core.model_files import model_fingerprint, resolve_model_path
+from radixmesh.engine.model.weights_gguf import config_from_gguf
 from radixmesh.launcher import Mesh
-from radixmesh.services.worker.weights_gguf import config_from_gguf
 
 GREEDY = {"temperature": 0, "max_new_tokens": 8}
 PAGE = 64  # hicache_storage_page_size's default

@@ -15,8 +15,7 @@ import torch
 from tiny_model import HEAD_DIM, KV_HEADS, LAYERS, save_tiny_model
 
 from radixmesh.core.hicache import HostPoolSpec, KVGeometry
-from radixmesh.core.request import LogprobRequest
-from radixmesh.core.sampling_params import SamplingParams
+from radixmesh.core.sampling_params import LogprobRequest, SamplingParams
 from radixmesh.core.step import (
     EntryResult,
     KVCopy,
@@ -25,6 +24,13 @@ from radixmesh.core.step import (
     StepEntry,
     StepResult,
 )
+from radixmesh.engine.model.model_source import load_model
+from radixmesh.engine.model.parallel import (
+    destroy_tensor_parallel,
+    init_tensor_parallel,
+    shard_weights,
+)
+from radixmesh.engine.model.runner import ModelRunner
 from radixmesh.mesh.nats_server import free_port
 from radixmesh.proto import worker_pb2 as wpb
 from radixmesh.proto.convert import (
@@ -34,13 +40,6 @@ from radixmesh.proto.convert import (
     result_to_proto,
 )
 from radixmesh.services.scheduler.worker_client import BackupTally, WorkerClient
-from radixmesh.services.worker.model_source import load_model
-from radixmesh.services.worker.parallel import (
-    destroy_tensor_parallel,
-    init_tensor_parallel,
-    shard_weights,
-)
-from radixmesh.services.worker.runner import ModelRunner
 
 GREEDY = SamplingParams(temperature=0)
 PROMPT = [(13 * i + 7) % 250 for i in range(12)]

@@ -1,11 +1,17 @@
-"""The import rules that keep the services apart, read from every module's source.
+"""The import rules that keep the engine library and the services apart, read from every
+module's source.
 
-- A service imports the shared core, the shared infrastructure (mesh helpers, tracing,
-  protobuf, kernels) and its own folder: never another service, the in-process engine,
-  the launcher or the CLI.
+- The engine package (`radixmesh.engine`) imports the shared core, the kernels and itself:
+  no service, no transport, no protobuf, no front door. The one exception is the storage
+  backends' module, a client of the stores it names (the NATS object store among them).
+- A service imports the engine package, the shared core, the shared infrastructure (mesh
+  helpers, tracing, protobuf, kernels) and its own folder: never another service, the
+  in-process engine, the launcher or the CLI.
+- Nothing under radixmesh/ imports a service: the in-process Engine and the scheduler
+  service drive the same engine package.
 - The shared core imports only itself: no transport, no service.
 - Protobuf is imported by transport modules only: the ones listed here, each a gRPC or
-  NATS edge that converts messages to the core's types and back.
+  NATS edge that converts messages to the engine's and the core's types and back.
 """
 
 from __future__ import annotations
@@ -23,8 +29,9 @@ PACKAGE_DIRS = {
     "radixmesh.kernels": ROOT / "kernels",
     "radixmesh.services": ROOT / "services",
 }
+ENGINE = "radixmesh.engine"
 SHARED = ("radixmesh.core", "radixmesh.mesh", "radixmesh.tracing", "radixmesh.proto",
-          "radixmesh.kernels")
+          "radixmesh.kernels", ENGINE)
 TRANSPORT = ("grpc", "nats", "aiohttp", "google.protobuf", "radixmesh.proto", "radixmesh.mesh")
 # Every module that may import generated protobuf code: the transport edges.
 PROTOBUF_MODULES = {
@@ -88,7 +95,8 @@ def test_the_walk_sees_every_service_and_the_core():
     services = {n.split(".")[2] for n in MODULES if n.startswith("radixmesh.services.")}
     assert {"tokenizer", "scheduler", "worker", "detokenizer", "cachectl"} <= services
     assert "radixmesh.core.step" in MODULES
-    assert "radixmesh.services.scheduler.engine_loop" in MODULES
+    assert "radixmesh.engine.loop" in MODULES
+    assert "radixmesh.engine.model.runner" in MODULES
 
 
 @pytest.mark.parametrize(
@@ -100,6 +108,31 @@ def test_a_service_imports_only_the_shared_code_and_its_own_folder(module):
         name for name in IMPORTS[module]
         if name.startswith("radixmesh") and not _under(name, (*SHARED, own))
     )
+    assert not bad, f"{module} imports {bad}"
+
+
+# What an engine module may import beyond the core, the kernels and itself.
+STORE_CLIENTS = {"radixmesh.engine.tiers.storage": ("nats",)}
+
+
+@pytest.mark.parametrize("module", sorted(n for n in MODULES if _under(n, (ENGINE,))))
+def test_the_engine_imports_only_the_core_the_kernels_and_itself(module):
+    allowed = STORE_CLIENTS.get(module, ())
+    bad = sorted(
+        name for name in IMPORTS[module]
+        if (_under(name, TRANSPORT) and not _under(name, allowed)) or (
+            name.startswith("radixmesh")
+            and not _under(name, ("radixmesh.core", "radixmesh.kernels", ENGINE))
+        )
+    )
+    assert not bad, f"{module} imports {bad}"
+
+
+@pytest.mark.parametrize(
+    "module", sorted(n for n in MODULES if not n.startswith("radixmesh.services"))
+)
+def test_nothing_outside_the_services_imports_a_service(module):
+    bad = sorted(name for name in IMPORTS[module] if name.startswith("radixmesh.services"))
     assert not bad, f"{module} imports {bad}"
 
 
@@ -123,16 +156,16 @@ def test_only_transport_modules_import_protobuf():
 
 
 @pytest.mark.parametrize("module", [
-    "radixmesh.services.scheduler.scheduler",
-    "radixmesh.services.scheduler.radix_cache",
-    "radixmesh.services.scheduler.kv_allocator",
-    "radixmesh.services.scheduler.eviction",
-    "radixmesh.services.scheduler.schedule_policy",
-    "radixmesh.services.scheduler.request",
-    "radixmesh.services.scheduler.engine_loop",
-    "radixmesh.services.worker.runner",
-    "radixmesh.services.worker.sampling",
-    "radixmesh.services.cachectl.host_pool",
+    "radixmesh.engine.scheduler",
+    "radixmesh.engine.radix_cache",
+    "radixmesh.engine.kv_allocator",
+    "radixmesh.engine.eviction",
+    "radixmesh.engine.schedule_policy",
+    "radixmesh.engine.request",
+    "radixmesh.engine.loop",
+    "radixmesh.engine.model.runner",
+    "radixmesh.engine.model.sampling",
+    "radixmesh.engine.tiers.host_pool",
 ])
 def test_domain_logic_imports_no_transport(module):
     bad = sorted(name for name in IMPORTS[module] if _under(name, TRANSPORT))

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from radixmesh.engine import Engine
+from radixmesh.api import Engine
 
 GREEDY = {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}
 WORDS = [

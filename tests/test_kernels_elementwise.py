@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from radixmesh.engine.model.rope import RotaryEmbedding, apply_rotary
 from radixmesh.kernels.activation import silu_and_mul, silu_and_mul_reference
 from radixmesh.kernels.kv_store import store_kv, store_kv_reference
 from radixmesh.kernels.paging import page_table, table_slots
@@ -27,7 +28,6 @@ from radixmesh.kernels.rms_norm import (
 )
 from radixmesh.kernels.rotary import rotary_embedding, rotary_embedding_reference
 from radixmesh.kernels.token_bitmask import apply_token_bitmask_, apply_token_bitmask_reference_
-from radixmesh.services.worker.rope import RotaryEmbedding, apply_rotary
 
 DTYPES = [torch.float32, torch.bfloat16]
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}

@@ -2,7 +2,7 @@
 
 import pytest
 
-from radixmesh.services.scheduler.kv_allocator import KVAllocator
+from radixmesh.engine.kv_allocator import KVAllocator
 
 
 def test_alloc_hands_out_ascending_slots_then_none_when_short():

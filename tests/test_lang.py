@@ -10,7 +10,7 @@ import pytest
 from process_helpers import running_mesh
 
 from radixmesh import lang
-from radixmesh.engine import Engine
+from radixmesh.api import Engine
 
 PHONE = r"\(\d{3}\) \d{3}-\d{4}"
 

@@ -60,7 +60,7 @@ def sse_events(response: httpx.Response) -> list[dict]:
 
 
 def test_mesh_output_equals_in_process_engine(client):
-    from radixmesh.engine import Engine
+    from radixmesh.api import Engine
 
     prompts = ["The capital of France is", "def fibonacci(n):"]
     with Engine(dtype="float32", max_total_tokens=4096, show_progress=False) as engine:

@@ -34,7 +34,7 @@ async def killed_under_load(url: str, pid: int, n: int) -> list[dict]:
 
 
 def test_tensor_parallel_mesh_matches_in_process_engine_and_survives_a_rank(tmp_path):
-    from radixmesh.engine import Engine
+    from radixmesh.api import Engine
 
     prompts = ["The three primary colors are", "Describe a customer as JSON."]
     schema = {"type": "object", "required": ["customer_full_legal_name", "years_as_customer"],

@@ -9,12 +9,12 @@ from fake_worker import FakeWorker
 from prometheus_client import REGISTRY
 
 from radixmesh.core.sampling_params import SamplingParams
+from radixmesh.engine.request import Req
+from radixmesh.engine.scheduler import Scheduler, SchedulerConfig
 from radixmesh.proto import mesh_pb2 as mpb
 from radixmesh.proto import worker_pb2 as wpb
 from radixmesh.services.detokenizer import metrics as detok_metrics
 from radixmesh.services.scheduler.metrics import SchedulerMetrics, ThroughputMeter
-from radixmesh.services.scheduler.request import Req
-from radixmesh.services.scheduler.scheduler import Scheduler, SchedulerConfig
 from radixmesh.services.tokenizer.client import GenerationChunk
 from radixmesh.services.tokenizer.metrics import TokenizerMetrics
 from radixmesh.services.worker.metrics import WorkerMetrics, batch_tokens

@@ -12,8 +12,8 @@ from tiny_model import head_dim, hf_config, llama_cpp_permute, random_hf_model, 
 
 from radixmesh.core.gguf import read_gguf
 from radixmesh.core.model_files import resolve_model_path
-from radixmesh.services.worker.model_source import LoadedModel, load_model
-from radixmesh.services.worker.weights_gguf import unpermute_rows
+from radixmesh.engine.model.model_source import LoadedModel, load_model
+from radixmesh.engine.model.weights_gguf import unpermute_rows
 
 transformers = pytest.importorskip("transformers")
 

@@ -18,9 +18,9 @@ from tiny_model import (
 from radixmesh.core.model_files import default_model_path
 from radixmesh.core.sampling_params import SamplingParams
 from radixmesh.core.step import NewRequest, StepBatch, StepEntry
-from radixmesh.services.worker.model_config import ModelConfig
-from radixmesh.services.worker.model_source import load_model
-from radixmesh.services.worker.runner import ModelRunner
+from radixmesh.engine.model.model_config import ModelConfig
+from radixmesh.engine.model.model_source import load_model
+from radixmesh.engine.model.runner import ModelRunner
 
 transformers = pytest.importorskip("transformers")
 
@@ -49,7 +49,7 @@ def greedy(runner: ModelRunner, prompt_ids: list[int], steps: int) -> list[int]:
 
 def runner_logits(runner: ModelRunner, ids: list[int]) -> torch.Tensor:
     """Logits of every position of a prompt, computed by the runner's model."""
-    from radixmesh.services.worker.attention import AttentionMetadata, SeqSpan
+    from radixmesh.engine.model.attention import AttentionMetadata, SeqSpan
 
     slots = torch.arange(len(ids))
     runner.attention.prepare(AttentionMetadata(slots, (SeqSpan(0, len(ids), slots),)))

@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from radixmesh.engine.model.attention import AttentionMetadata, SeqSpan
+from radixmesh.engine.model.kv_pool import KVPool
+from radixmesh.engine.model.linear import Linear
+from radixmesh.engine.model.rope import RotaryEmbedding, apply_rotary
+from radixmesh.engine.model.torch_attention import TorchAttention
 from radixmesh.kernels import native
-from radixmesh.services.worker.attention import AttentionMetadata, SeqSpan
-from radixmesh.services.worker.kv_pool import KVPool
-from radixmesh.services.worker.linear import Linear
-from radixmesh.services.worker.rope import RotaryEmbedding, apply_rotary
-from radixmesh.services.worker.torch_attention import TorchAttention
 
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
 

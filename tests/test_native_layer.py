@@ -7,12 +7,12 @@ import pytest
 import torch
 from tiny_model import save_tiny_model
 
+from radixmesh.engine.model.attention import AttentionMetadata, SeqSpan
+from radixmesh.engine.model.kv_pool import KVPool
+from radixmesh.engine.model.model import CausalLM
+from radixmesh.engine.model.torch_attention import TorchAttention
+from radixmesh.engine.model.weights_hf import load_hf_dir
 from radixmesh.kernels import native
-from radixmesh.services.worker.attention import AttentionMetadata, SeqSpan
-from radixmesh.services.worker.kv_pool import KVPool
-from radixmesh.services.worker.model import CausalLM
-from radixmesh.services.worker.torch_attention import TorchAttention
-from radixmesh.services.worker.weights_hf import load_hf_dir
 
 
 def step_meta(parts: list[tuple[int, int]], seed: int):

@@ -1,10 +1,13 @@
 """Ports handed to child services: free, below the ephemeral range, never handed out twice
 (a child may not have bound its port yet when the next one is picked), never one the user
-configured; a configured port that is taken stops `radixmesh up` at once, named."""
+configured; a configured port that is taken stops `radixmesh up` at once, named; a port
+whose server stopped a moment ago is not taken, so the mesh starts again on it at once."""
 
 from __future__ import annotations
 
+import json
 import socket
+import urllib.request
 
 import pytest
 
@@ -48,3 +51,43 @@ def test_a_taken_configured_port_is_an_error_naming_it():
         with pytest.raises(OSError, match=f"--grpc-port {port} on 127.0.0.1 is taken"):
             mesh.start(timeout=5)
         assert not mesh.children
+
+
+def _time_wait_on(port: int) -> None:
+    """Leave a connection of a server on `port` in TIME_WAIT, as a stopped server does: the
+    server side closes first, then the listener goes."""
+    with socket.socket() as listener:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", port))
+        listener.listen()
+        with socket.create_connection(("127.0.0.1", port)) as client:
+            served, _ = listener.accept()
+            served.close()
+            client.recv(1)  # the server's FIN arrived: the client side closes second
+
+
+def test_a_port_whose_server_just_stopped_is_free_to_reserve():
+    port = free_port()
+    _time_wait_on(port)
+    with socket.socket() as plain, pytest.raises(OSError):
+        plain.bind(("127.0.0.1", port))  # what made the port look taken
+    nats_server.reserve_ports("127.0.0.1", {port: "--port"})
+
+
+def test_the_mesh_starts_again_on_its_ports_right_after_serving(tmp_path):
+    port, grpc_port = free_port(), free_port()
+    args = MeshArgs(port=port, grpc_port=grpc_port, log_dir=str(tmp_path), max_total_tokens=2048)
+    body = json.dumps({"text": "Hello", "sampling_params": {"max_new_tokens": 2}}).encode()
+
+    def generate(mesh: Mesh) -> dict:
+        request = urllib.request.Request(f"{mesh.url}/generate", body,
+                                         {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as resp:  # Connection: close
+            return json.load(resp)
+
+    with Mesh(args).start(timeout=300) as mesh:
+        assert mesh.url == f"http://127.0.0.1:{port}"
+        first = [generate(mesh) for _ in range(3)]
+    with Mesh(args).start(timeout=300) as mesh:
+        assert mesh.url == f"http://127.0.0.1:{port}"
+        assert generate(mesh)["text"] == first[0]["text"]

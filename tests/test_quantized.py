@@ -15,14 +15,14 @@ import pytest
 import torch
 from tiny_model import hf_config, random_blocks, random_hf_model, save_tiny_model, write_tiny_gguf
 
+from radixmesh.engine.model.attention import AttentionMetadata, SeqSpan
+from radixmesh.engine.model.kv_pool import KVPool
+from radixmesh.engine.model.linear import Linear
+from radixmesh.engine.model.model import CausalLM
+from radixmesh.engine.model.model_source import load_model, resolve_quantization
+from radixmesh.engine.model.parallel import shard_weights
+from radixmesh.engine.model.torch_attention import TorchAttention
 from radixmesh.kernels import native_quant as nq
-from radixmesh.services.worker.attention import AttentionMetadata, SeqSpan
-from radixmesh.services.worker.kv_pool import KVPool
-from radixmesh.services.worker.linear import Linear
-from radixmesh.services.worker.model import CausalLM
-from radixmesh.services.worker.model_source import load_model, resolve_quantization
-from radixmesh.services.worker.parallel import shard_weights
-from radixmesh.services.worker.torch_attention import TorchAttention
 
 TYPES = sorted(nq.QUANT_TYPES)
 QT = gguf.GGMLQuantizationType

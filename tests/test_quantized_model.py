@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from radixmesh.engine import Engine
+from radixmesh.api import Engine
 
 TEXT = (Path(__file__).parent / "data" / "perplexity.txt").read_text()
 PROMPTS = [
@@ -56,7 +56,7 @@ def test_the_default_keeps_the_files_types(engines):
 LOAD = """
 import torch
 from radixmesh.kernels.native_quant import QuantizedWeight
-from radixmesh.services.worker.model_source import load_model
+from radixmesh.engine.model.model_source import load_model
 def vm():
     fields = [ln.split() for ln in open("/proc/self/status") if ln.startswith("Vm")]
     return {f[0][:-1]: int(f[1]) // 1024 for f in fields}

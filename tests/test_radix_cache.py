@@ -14,8 +14,8 @@ from hypothesis.stateful import (
     rule,
 )
 
-from radixmesh.services.scheduler.kv_allocator import KVAllocator
-from radixmesh.services.scheduler.radix_cache import RadixCache, TreeNode
+from radixmesh.engine.kv_allocator import KVAllocator
+from radixmesh.engine.radix_cache import RadixCache, TreeNode
 
 
 class FakeClock:

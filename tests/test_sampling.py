@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from radixmesh.core.sampling_params import SamplingParams
-from radixmesh.services.worker.sampling import RequestSampler, sample
+from radixmesh.engine.model.sampling import RequestSampler, sample
 
 # ---------------------------------------------------------------- SamplingParams
 

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from radixmesh.core.sampling_params import SamplingParams
-from radixmesh.services.scheduler.kv_allocator import KVAllocator
-from radixmesh.services.scheduler.radix_cache import RadixCache
-from radixmesh.services.scheduler.request import Req
-from radixmesh.services.scheduler.schedule_policy import CACHE_AWARE_QUEUE_LIMIT, SchedulePolicy
+from radixmesh.engine.kv_allocator import KVAllocator
+from radixmesh.engine.radix_cache import RadixCache
+from radixmesh.engine.request import Req
+from radixmesh.engine.schedule_policy import CACHE_AWARE_QUEUE_LIMIT, SchedulePolicy
 
 
 def req(rid: str, tokens: list[int]) -> Req:

@@ -7,10 +7,10 @@ import random
 import pytest
 from fake_worker import FakeWorker, reference_output
 
-from radixmesh.core.request import FinishKind
+from radixmesh.core.finish import FinishKind
 from radixmesh.core.sampling_params import SamplingParams
-from radixmesh.services.scheduler.request import Req
-from radixmesh.services.scheduler.scheduler import Scheduler, SchedulerConfig
+from radixmesh.engine.request import Req
+from radixmesh.engine.scheduler import Scheduler, SchedulerConfig
 
 
 def make_req(rid: str, prompt: list[int], max_new: int = 8, **kw: object) -> Req:

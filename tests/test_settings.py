@@ -29,8 +29,8 @@ from radixmesh.core.settings import (
     parse_config,
     setting,
 )
+from radixmesh.engine import eviction, schedule_policy
 from radixmesh.launcher import SERVICE_CONFIGS, Mesh, MeshArgs
-from radixmesh.services.scheduler import eviction, schedule_policy
 
 CONFIGS: list[type[Settings]] = [
     EngineArgs,
@@ -361,7 +361,7 @@ def test_service_with_a_bad_value_exits_2(capsys) -> None:
 
 
 def test_engine_keywords_are_validated_before_loading() -> None:
-    from radixmesh.engine import Engine
+    from radixmesh.api import Engine
 
     with pytest.raises(ValueError, match="chunked_prefill_size"):
         Engine(chunked_prefill_size=0)

@@ -18,9 +18,8 @@ import redis.asyncio
 from nats.js.object_store import ObjectStore
 from process_helpers import redis_server
 
-from radixmesh.mesh.nats_server import EmbeddedNats, free_port
-from radixmesh.services.cachectl import storage
-from radixmesh.services.cachectl.storage import (
+from radixmesh.engine.tiers import storage
+from radixmesh.engine.tiers.storage import (
     HEADER,
     REDIS_PREFIX,
     CorruptPage,
@@ -32,6 +31,7 @@ from radixmesh.services.cachectl.storage import (
     open_backend,
     unframe,
 )
+from radixmesh.mesh.nats_server import EmbeddedNats, free_port
 
 PAGE_BYTES = 3 << 20
 BACKENDS = ["file", "redis", "nats"]

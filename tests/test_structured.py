@@ -11,7 +11,7 @@ import re
 import jsonschema
 import pytest
 
-from radixmesh.engine import Engine
+from radixmesh.api import Engine
 
 PHONE = r"\(\d{3}\) \d{3}-\d{4}"
 ARITHMETIC = """

@@ -10,13 +10,10 @@ import torch
 from tiny_model import HEADS, INTERMEDIATE, KV_HEADS, forward_script, save_tiny_model, tokens
 
 from radixmesh.core.step import StepResult
-from radixmesh.mesh.nats_server import free_port
-from radixmesh.proto import worker_pb2 as wpb
-from radixmesh.proto.convert import result_from_proto, result_to_proto
-from radixmesh.services.worker.attention import AttentionMetadata, SeqSpan
-from radixmesh.services.worker.linear import Linear
-from radixmesh.services.worker.model_source import load_model
-from radixmesh.services.worker.parallel import (
+from radixmesh.engine.model.attention import AttentionMetadata, SeqSpan
+from radixmesh.engine.model.linear import Linear
+from radixmesh.engine.model.model_source import load_model
+from radixmesh.engine.model.parallel import (
     RowParallelLinear,
     TensorParallel,
     check_divisible,
@@ -25,7 +22,10 @@ from radixmesh.services.worker.parallel import (
     local_config,
     shard_weights,
 )
-from radixmesh.services.worker.runner import ModelRunner
+from radixmesh.engine.model.runner import ModelRunner
+from radixmesh.mesh.nats_server import free_port
+from radixmesh.proto import worker_pb2 as wpb
+from radixmesh.proto.convert import result_from_proto, result_to_proto
 
 KINDS = ("llama", "qwen2", "qwen3")
 LOGIT_IDS = [(5 * i + 1) % 256 for i in range(10)]

@@ -31,8 +31,8 @@ from process_helpers import service_process
 
 from radixmesh.core.detokenize import detok_context_size
 from radixmesh.core.meta_info import CachedTokens
-from radixmesh.core.request import LogprobRequest
-from radixmesh.core.sampling_params import SamplingParams
+from radixmesh.core.request import GenerationRequest
+from radixmesh.core.sampling_params import LogprobRequest, SamplingParams
 from radixmesh.core.settings import TokenizerServiceConfig
 from radixmesh.proto import generate_pb2 as gpb
 from radixmesh.proto import generate_pb2_grpc as ggrpc
@@ -42,7 +42,6 @@ from radixmesh.services.tokenizer.client import (
     ChunkAssembler,
     GenerationChunk,
     GenerationError,
-    GenerationRequest,
     MeshClient,
 )
 from radixmesh.services.tokenizer.server import TokenizerServer, public_args

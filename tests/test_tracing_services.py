@@ -10,18 +10,18 @@ from fake_worker import FakeWorker
 from opentelemetry.trace import SpanKind, StatusCode
 from tracing_helpers import by_name, one, traced
 
-from radixmesh.core.request import FinishKind, FinishReason
+from radixmesh.core.finish import FinishKind, FinishReason
+from radixmesh.core.request import GenerationRequest
 from radixmesh.core.sampling_params import SamplingParams
+from radixmesh.engine.request import Req
+from radixmesh.engine.scheduler import Scheduler, SchedulerConfig
 from radixmesh.proto import mesh_pb2 as mpb
 from radixmesh.services.detokenizer.server import StepReplies
 from radixmesh.services.detokenizer.step_trace import StepTrace
 from radixmesh.services.scheduler.mesh_io import UpdateBuilder
-from radixmesh.services.scheduler.request import Req
 from radixmesh.services.scheduler.request_traces import RequestTraces
-from radixmesh.services.scheduler.scheduler import Scheduler, SchedulerConfig
 from radixmesh.services.tokenizer.client import (
     GenerationChunk,
-    GenerationRequest,
     RequestTrace,
     encode_traced,
 )

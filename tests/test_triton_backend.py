@@ -17,15 +17,15 @@ import pytest
 import torch
 from tiny_model import forward_script, save_tiny_model, tokens
 
-from radixmesh.services.worker.attention import AttentionMetadata, SeqSpan
-from radixmesh.services.worker.attention_choice import make_attention
-from radixmesh.services.worker.cuda_graphs import DecodeGraphs, batch_buckets
-from radixmesh.services.worker.kv_pool import KVPool
-from radixmesh.services.worker.model import CausalLM
-from radixmesh.services.worker.model_source import load_model
-from radixmesh.services.worker.runner import ModelRunner
-from radixmesh.services.worker.torch_attention import TorchAttention
-from radixmesh.services.worker.triton_attention import TritonAttention
+from radixmesh.engine.model.attention import AttentionMetadata, SeqSpan
+from radixmesh.engine.model.attention_choice import make_attention
+from radixmesh.engine.model.cuda_graphs import DecodeGraphs, batch_buckets
+from radixmesh.engine.model.kv_pool import KVPool
+from radixmesh.engine.model.model import CausalLM
+from radixmesh.engine.model.model_source import load_model
+from radixmesh.engine.model.runner import ModelRunner
+from radixmesh.engine.model.torch_attention import TorchAttention
+from radixmesh.engine.model.triton_attention import TritonAttention
 
 Q_HEADS, KV_HEADS, DIM = 8, 2, 64
 

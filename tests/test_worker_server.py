@@ -27,12 +27,12 @@ from tiny_model import (
 )
 
 from radixmesh.core.step import StepResult
+from radixmesh.engine.model.model_source import load_model
+from radixmesh.engine.model.runner import ModelRunner
 from radixmesh.mesh.nats_server import free_port
 from radixmesh.proto import worker_pb2 as wpb
 from radixmesh.proto import worker_pb2_grpc as wgrpc
 from radixmesh.proto.convert import batch_to_proto, result_from_proto
-from radixmesh.services.worker.model_source import load_model
-from radixmesh.services.worker.runner import ModelRunner
 from radixmesh.services.worker.server import SERVICE_NAME
 
 _LISTENING = re.compile(r"gRPC on (\S+):(\d+), /metrics on (\S+):(\d+)")

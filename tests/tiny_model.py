@@ -12,8 +12,7 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from radixmesh.core.request import LogprobRequest
-from radixmesh.core.sampling_params import SamplingParams
+from radixmesh.core.sampling_params import LogprobRequest, SamplingParams
 from radixmesh.core.step import NewRequest, StepBatch, StepEntry, StepResult
 
 VOCAB, HIDDEN, INTERMEDIATE, LAYERS, HEADS, KV_HEADS, HEAD_DIM = 256, 64, 128, 2, 4, 2, 16

@@ -1,6 +1,6 @@
 """Output constraints (a JSON schema, a regex or an EBNF grammar) read and checked without
 any model, by either grammar backend: what the front doors run to refuse a bad one with a
-400, and what the worker compiles against its vocabulary (services/worker/grammar.py).
+400, and what the worker compiles against its vocabulary (radixmesh/engine/model/grammar_mask.py).
 
 Both backends read the same texts. An EBNF grammar is written as SGLang's and xgrammar's
 (GBNF: `root ::= ...`); llguidance gets it translated to its Lark dialect. A JSON schema

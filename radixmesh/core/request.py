@@ -1,43 +1,178 @@
-"""What a request asks for besides sampling, and how it ends: shared by every service."""
+"""The request a front door builds: one prompt, tokenized and checked against the served
+model, ready for an engine.
+
+Every front door (SGLang's /generate, the OpenAI routes, gRPC Generate, the in-process
+`Engine` and so the frontend language) builds it through `build_request`: the same bounds
+and the same error text, naming each field as that door's clients write it (`FieldNames`).
+A refused request raises RequestError (a ValueError) and costs the engine nothing."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from enum import StrEnum
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from radixmesh.core import grammar
+from radixmesh.core.sampling_params import GRAMMAR_KINDS, LogprobRequest, SamplingParams
+
+# Alternatives per position a client may ask for; each costs a sort over the vocabulary.
+MAX_TOP_LOGPROBS = 1024
 
 
-class FinishKind(StrEnum):
-    """Why a request stopped, named as the APIs report it."""
+class RequestError(ValueError):
+    """A request refused before it runs; `field` names the offending field as the door's
+    client wrote it, when there is one."""
 
-    STOP = "stop"
-    LENGTH = "length"
-    ABORT = "abort"
-
-
-@dataclass(frozen=True)
-class FinishReason:
-    """The kind of finish and what matched (a stop token id or stop string), if anything."""
-
-    kind: FinishKind
-    matched: int | str | None = None
-    message: str | None = None
-
-    def to_dict(self) -> dict[str, object]:
-        """The finish_reason object of SGLang's meta_info."""
-        out: dict[str, object] = {"type": self.kind.value}
-        if self.kind is FinishKind.LENGTH:
-            out["length"] = self.matched
-        else:
-            out["matched"] = self.matched
-        if self.message:
-            out["message"] = self.message
-        return out
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 @dataclass(frozen=True)
-class LogprobRequest:
-    """Which logprobs a request wants back."""
+class ModelLimits:
+    """What requests are checked against: the served model and how it is served."""
 
-    return_logprob: bool = False
-    top_logprobs_num: int = 0
-    logprob_start_len: int = -1  # first prompt position whose token logprob is wanted; -1: none
+    context_length: int  # 0 while unknown (no engine seen yet): lengths are left to the engine
+    vocab_size: int
+    grammar_backend: str = "xgrammar"  # "none": constraints are refused
+
+
+@dataclass(frozen=True)
+class FieldNames:
+    """How a door's clients name the fields that errors speak of (SGLang's names by
+    default); `constraint`, when set, is where every grammar came from."""
+
+    prompt: str = "input_ids"
+    max_new_tokens: str = "max_new_tokens"
+    min_new_tokens: str = "min_new_tokens"
+    constraint: str | None = None
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One prompt, tokenized and validated, ready to route to an engine."""
+
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams
+    logprobs: LogprobRequest = field(default_factory=LogprobRequest)
+    cache_salt: str | None = None
+    priority: int = 0
+
+
+def is_int(value: object) -> bool:
+    """True for JSON integers (bool is an int subclass in Python, not in JSON)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_length(prompt_tokens: int, max_new_tokens: int, context_length: int) -> None:
+    """Raise ValueError when a prompt, or prompt plus the requested output, cannot fit."""
+    if prompt_tokens >= context_length:
+        raise ValueError(
+            f"the prompt has {prompt_tokens} tokens; the model's context length is "
+            f"{context_length}"
+        )
+    if prompt_tokens + max_new_tokens > context_length:
+        raise ValueError(
+            f"prompt ({prompt_tokens} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
+            f"the model's context length of {context_length}"
+        )
+
+
+def build_request(
+    limits: ModelLimits,
+    rid: str,
+    input_ids: list[int],
+    sampling: Mapping[str, Any] | None = None,
+    logprobs: LogprobRequest | None = None,
+    cache_salt: str | None = None,
+    priority: int = 0,
+    names: FieldNames = FieldNames(),
+) -> GenerationRequest:
+    """The one check of a request: its prompt ids, its sampling dict (SGLang's names; a
+    missing max_new_tokens shrinks to what fits), the logprobs it wants and its length
+    against the context. Raises RequestError naming the field as `names` says."""
+    _check_input_ids(input_ids, limits.vocab_size, names.prompt)
+    if sampling is not None and not isinstance(sampling, Mapping):
+        raise RequestError(
+            f"sampling_params must be an object, got {type(sampling).__name__}",
+            "sampling_params",
+        )
+    raw = dict(sampling or {})
+    try:
+        params = _sampling_params(raw, len(input_ids), limits)
+    except ValueError as exc:
+        raise _named(str(exc), names) from None
+    if limits.context_length:
+        try:
+            check_length(len(input_ids), params.max_new_tokens, limits.context_length)
+        except ValueError as exc:
+            too_long = len(input_ids) >= limits.context_length
+            message = str(exc).replace("max_new_tokens", names.max_new_tokens)
+            raise RequestError(
+                message, names.prompt if too_long else names.max_new_tokens
+            ) from None
+    wanted = _logprob_request(logprobs or LogprobRequest(), len(input_ids))
+    return GenerationRequest(rid, list(input_ids), params, wanted, cache_salt, priority)
+
+
+def _check_input_ids(input_ids: list[int], vocab_size: int, name: str) -> None:
+    """A non-empty list of token ids inside the vocabulary."""
+    if not input_ids:
+        raise RequestError(f"{name}: the prompt is empty", name)
+    for token_id in input_ids:
+        if not is_int(token_id):
+            raise RequestError(f"{name} must hold integers, got {token_id!r}", name)
+        if not 0 <= token_id < vocab_size:
+            raise RequestError(
+                f"{name} entries must be in [0, {vocab_size}), got {token_id}", name
+            )
+
+
+def _sampling_params(raw: dict[str, Any], prompt_tokens: int, limits: ModelLimits
+                     ) -> SamplingParams:
+    params = SamplingParams.from_dict(raw)
+    if "max_new_tokens" not in raw and limits.context_length:
+        room = max(limits.context_length - prompt_tokens, 0)
+        params = replace(params, max_new_tokens=min(SamplingParams.max_new_tokens, room),
+                         min_new_tokens=min(params.min_new_tokens, room))
+    # What needs the model: stop token ids in the vocabulary, top_k, the grammar backend.
+    vocab = limits.vocab_size
+    params.validate(vocab)
+    if params.top_k > vocab:
+        raise ValueError(f"top_k must be <= the vocabulary size {vocab}, got {params.top_k}")
+    if params.seed is not None and not 0 <= params.seed < 2**64:
+        raise ValueError(f"seed must be in [0, 2**64), got {params.seed}")
+    grammar.check(params.grammar, limits.grammar_backend)
+    return params
+
+
+def _named(message: str, names: FieldNames) -> RequestError:
+    """A sampling error (whose message starts with the field) in the door's own words."""
+    constraint = next((kind for kind in GRAMMAR_KINDS if kind in message), None)
+    if constraint is not None:
+        return RequestError(message, names.constraint or constraint)
+    for ours, theirs in (("max_new_tokens", names.max_new_tokens),
+                         ("min_new_tokens", names.min_new_tokens)):
+        message = message.replace(ours, theirs)
+    return RequestError(message, message.split(" ", 1)[0])
+
+
+def _logprob_request(wanted: LogprobRequest, prompt_tokens: int) -> LogprobRequest:
+    """Which logprobs to send back; a start past the prompt's end is refused."""
+    top, start = wanted.top_logprobs_num, wanted.logprob_start_len
+    if not is_int(top) or not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise RequestError(
+            f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}], got {top!r}",
+            "top_logprobs_num",
+        )
+    if not is_int(start) or start < -1:
+        raise RequestError(f"logprob_start_len must be >= -1, got {start!r}",
+                           "logprob_start_len")
+    if start >= prompt_tokens:
+        raise RequestError(
+            f"logprob_start_len ({start}) must be less than the prompt length "
+            f"({prompt_tokens})",
+            "logprob_start_len",
+        )
+    return wanted if wanted.return_logprob else LogprobRequest()

@@ -1,4 +1,5 @@
-"""Per-request sampling parameters, with SGLang's names and defaults."""
+"""What a request asks of generation: sampling parameters (SGLang's names and defaults) and
+the logprobs it wants back."""
 
 from __future__ import annotations
 
@@ -155,3 +156,12 @@ def _as_list(value: object) -> object:
     if isinstance(value, tuple):
         return list(value)
     return value
+
+
+@dataclass(frozen=True)
+class LogprobRequest:
+    """Which logprobs a request wants back."""
+
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    logprob_start_len: int = -1  # first prompt position whose token logprob is wanted; -1: none

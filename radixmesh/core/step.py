@@ -10,8 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from radixmesh.core.hicache import HostPoolSpec
-from radixmesh.core.request import LogprobRequest
-from radixmesh.core.sampling_params import SamplingParams
+from radixmesh.core.sampling_params import LogprobRequest, SamplingParams
 
 # A token's top alternatives: (token id, logprob), most likely first.
 TopLogprobs = list[tuple[int, float]]

@@ -39,9 +39,12 @@ _handed_out: set[int] = set()
 
 def reserve_ports(host: str, ports: dict[int, str]) -> None:
     """Keep free_port from handing out ports already spoken for (port -> what it is for);
-    OSError naming the first of them something else listens on."""
+    OSError naming the first of them something else listens on. The check binds as the
+    services' servers do, with SO_REUSEADDR: connections of a server stopped a moment ago,
+    still in TIME_WAIT, do not make its port look taken."""
     for port, purpose in ports.items():
         with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 s.bind((host, port))
             except OSError as exc:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import Counter, Gauge, Histogram
 
 if TYPE_CHECKING:
-    from radixmesh.services.cachectl.host_pool import HostSegments
+    from radixmesh.engine.tiers.host_pool import HostSegments
 
 _ENGINE = ("engine_id",)
 
@@ -72,10 +72,18 @@ STORAGE_QUEUE_BYTES = Gauge(
 )
 
 
-def storage_pages(backend: str, outcome: str, count: int = 1) -> None:
-    if count:
-        STORAGE_PAGES.labels(backend, outcome).inc(count)
+class StorageMetrics:
+    """The storage tier's counts (a page mover's StorageStats) as Prometheus metrics."""
 
+    def pages(self, backend: str, outcome: str, count: int = 1) -> None:
+        if count:
+            STORAGE_PAGES.labels(backend, outcome).inc(count)
 
-def storage_bytes(backend: str, direction: str, count: int) -> None:
-    STORAGE_BYTES.labels(backend, direction).inc(count)
+    def bytes(self, backend: str, direction: str, count: int) -> None:
+        STORAGE_BYTES.labels(backend, direction).inc(count)
+
+    def queued(self, nbytes: int) -> None:
+        STORAGE_QUEUE_BYTES.set(nbytes)
+
+    def call(self, backend: str, op: str, seconds: float) -> None:
+        STORAGE_SECONDS.labels(backend, op).observe(seconds)

@@ -17,12 +17,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from radixmesh.core.hicache import HostPoolSpec, KVGeometry
 from radixmesh.core.settings import CachectlConfig
+from radixmesh.engine.tiers.host_pool import CLOSE_FLUSH_S, HostSegments, NoSegment
+from radixmesh.engine.tiers.storage import StorageBackend, open_backend
 from radixmesh.mesh.service import StatusServer
 from radixmesh.proto import cache_pb2 as cpb
 from radixmesh.proto import cache_pb2_grpc as cgrpc
 from radixmesh.services.cachectl import metrics
-from radixmesh.services.cachectl.host_pool import CLOSE_FLUSH_S, HostSegments, NoSegment
-from radixmesh.services.cachectl.storage import StorageBackend, open_backend
 
 log = logging.getLogger("radixmesh.cachectl")
 
@@ -63,7 +63,7 @@ class CachectlService(cgrpc.CachectlServicer):
 
     def __init__(self, config: CachectlConfig) -> None:
         self.config = config
-        self.segments = HostSegments(config.shm_dir)
+        self.segments = HostSegments(config.shm_dir, stats=metrics.StorageMetrics())
         self.port = 0
         self._health = health.aio.HealthServicer()
         self._server = grpc.aio.server()

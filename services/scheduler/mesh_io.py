@@ -7,12 +7,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from radixmesh.core.request import FinishKind, FinishReason, LogprobRequest
+from radixmesh.core.finish import FinishKind, FinishReason
+from radixmesh.core.sampling_params import LogprobRequest
 from radixmesh.core.step import TopLogprobs
+from radixmesh.engine.request import Req
 from radixmesh.proto import mesh_pb2 as mpb
 from radixmesh.proto import worker_pb2 as wpb
 from radixmesh.proto.convert import sampling_from_proto
-from radixmesh.services.scheduler.request import Req
 
 
 def request_from_proto(msg: mpb.EngineRequest) -> Req:

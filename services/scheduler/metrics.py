@@ -14,9 +14,9 @@ from typing import Any
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from radixmesh.services.scheduler.hicache import HostStats
-from radixmesh.services.scheduler.scheduler import Scheduler
-from radixmesh.services.scheduler.storage_tier import PrefetchOutcome
+from radixmesh.engine.host_tier import HostStats
+from radixmesh.engine.scheduler import Scheduler
+from radixmesh.engine.storage_tier import PrefetchOutcome
 
 Clock = Callable[[], float]
 

@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 
 from opentelemetry.trace import Link, Span, SpanKind, get_current_span
 
-from radixmesh.core.request import FinishKind, FinishReason
-from radixmesh.services.scheduler.request import Req
-from radixmesh.services.scheduler.scheduler import ScheduledBatch
+from radixmesh.core.finish import FinishKind, FinishReason
+from radixmesh.engine.request import Req
+from radixmesh.engine.scheduler import ScheduledBatch
 from radixmesh.tracing import attributes as attr
 from radixmesh.tracing.propagation import context_from_headers, grpc_metadata, traceparent
 from radixmesh.tracing.provider import tracer

@@ -16,25 +16,25 @@ import nats
 from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 
+from radixmesh.core.finish import FinishKind, FinishReason
 from radixmesh.core.hicache import KVGeometry
 from radixmesh.core.model_files import model_fingerprint, resolve_model_path, served_name
-from radixmesh.core.request import FinishKind, FinishReason
 from radixmesh.core.settings import SchedulerServiceConfig
 from radixmesh.core.step import StepResult
 from radixmesh.core.tokenizer import Tokenizer
+from radixmesh.engine.host_link import HostLink
+from radixmesh.engine.loop import EngineLoop, ExecutorLost
+from radixmesh.engine.request import Req
+from radixmesh.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from radixmesh.mesh import subjects
 from radixmesh.mesh.discovery import TTL_S, Claim, claim_workers, keep_claim
 from radixmesh.mesh.service import StatusServer, connect_bus
 from radixmesh.proto import mesh_pb2 as mpb
 from radixmesh.proto import worker_pb2 as wpb
 from radixmesh.services.scheduler.cachectl_client import CachectlClient
-from radixmesh.services.scheduler.engine_loop import EngineLoop, ExecutorLost
-from radixmesh.services.scheduler.host_link import HostLink
 from radixmesh.services.scheduler.mesh_io import UpdateBuilder, abort_reason, request_from_proto
 from radixmesh.services.scheduler.metrics import SchedulerMetrics
-from radixmesh.services.scheduler.request import Req
 from radixmesh.services.scheduler.request_traces import RequestTraces
-from radixmesh.services.scheduler.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from radixmesh.services.scheduler.worker_client import WorkerClient
 
 log = logging.getLogger("radixmesh.scheduler")

@@ -16,7 +16,7 @@ import math
 import random
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from google.protobuf.json_format import MessageToDict
@@ -26,11 +26,10 @@ from nats.aio.subscription import Subscription
 from nats.errors import Error as NatsError
 from opentelemetry.trace import Span, SpanKind, get_current_span
 
-from radixmesh.core import grammar
 from radixmesh.core.detokenize import detok_context_size
+from radixmesh.core.finish import FinishKind, FinishReason
 from radixmesh.core.meta_info import CachedTokens, TokenLogprob
-from radixmesh.core.request import FinishKind, FinishReason, LogprobRequest
-from radixmesh.core.sampling_params import SamplingParams
+from radixmesh.core.request import GenerationRequest, ModelLimits
 from radixmesh.core.tokenizer import Tokenizer
 from radixmesh.mesh import subjects
 from radixmesh.proto import mesh_pb2 as mpb
@@ -44,25 +43,11 @@ from radixmesh.tracing.spans import current_span, end_span, start_span
 
 log = logging.getLogger("radixmesh.tokenizer.mesh")
 
-# Alternatives per position a client may ask for; each costs a sort over the vocabulary.
-_MAX_TOP_LOGPROBS = 1024
 _PROMPT_TAIL = 4  # prompt tokens the detokenizer gets as left context for the first output
 _KINDS = frozenset(kind.value for kind in FinishKind)
 
 
 # ---- what the front doors send and get back --------------------------------------------------
-
-
-@dataclass(frozen=True)
-class GenerationRequest:
-    """One prompt, tokenized and validated, ready to route to an engine."""
-
-    rid: str
-    input_ids: list[int]
-    params: SamplingParams
-    logprobs: LogprobRequest = field(default_factory=LogprobRequest)
-    cache_salt: str | None = None
-    priority: int = 0
 
 
 @dataclass
@@ -125,109 +110,14 @@ class GenerationClient(Protocol):
     def vocab_size(self) -> int:
         """Vocabulary size of the served model."""
 
+    @property
+    def limits(self) -> ModelLimits:
+        """What requests are checked against (build_request)."""
+
     def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
         """Run a request; closing the iterator (or cancelling its task) early aborts it
         and its KV slots return to the pool. Raises GenerationError when no engine can
         take it."""
-
-
-# ---- checks every front door applies ---------------------------------------------------------
-# Each raises ValueError with a message that names the offending field.
-
-
-def is_int(value: object) -> bool:
-    """True for JSON integers (bool is an int subclass in Python, not in JSON)."""
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def check_length(prompt_tokens: int, max_new_tokens: int, context_length: int) -> None:
-    """Raise ValueError when a prompt, or prompt plus the requested output, cannot fit."""
-    if prompt_tokens >= context_length:
-        raise ValueError(
-            f"the prompt has {prompt_tokens} tokens; the model's context length is "
-            f"{context_length}"
-        )
-    if prompt_tokens + max_new_tokens > context_length:
-        raise ValueError(
-            f"prompt ({prompt_tokens} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
-            f"the model's context length of {context_length}"
-        )
-
-
-def _check_input_ids(input_ids: list[int], vocab_size: int, field: str = "input_ids") -> None:
-    """A non-empty list of token ids inside the vocabulary."""
-    if not input_ids:
-        raise ValueError(f"{field}: the prompt is empty")
-    for token_id in input_ids:
-        if not is_int(token_id):
-            raise ValueError(f"{field} must hold integers, got {token_id!r}")
-        if not 0 <= token_id < vocab_size:
-            raise ValueError(f"{field} entries must be in [0, {vocab_size}), got {token_id}")
-
-
-def _sampling_params(
-    raw: dict[str, Any],
-    prompt_tokens: int,
-    context_length: int,
-    vocab_size: int,
-    grammar_backend: str,
-) -> SamplingParams:
-    """SamplingParams from a client's dict; a missing max_new_tokens shrinks to what fits."""
-    params = SamplingParams.from_dict(raw)
-    if "max_new_tokens" not in raw and context_length:
-        room = max(context_length - prompt_tokens, 0)
-        params = replace(params, max_new_tokens=min(SamplingParams.max_new_tokens, room),
-                         min_new_tokens=min(params.min_new_tokens, room))
-    # What needs the model: stop token ids in the vocabulary, top_k, the length limit.
-    params.validate(vocab_size)
-    if params.top_k > vocab_size:
-        raise ValueError(f"top_k must be <= the vocabulary size {vocab_size}, got {params.top_k}")
-    if params.seed is not None and not 0 <= params.seed < 2**64:
-        raise ValueError(f"seed must be in [0, 2**64), got {params.seed}")
-    grammar.check(params.grammar, grammar_backend)
-    if context_length:
-        check_length(prompt_tokens, params.max_new_tokens, context_length)
-    return params
-
-
-def _logprob_request(
-    return_logprob: bool, logprob_start_len: int, top_logprobs_num: int, prompt_tokens: int
-) -> LogprobRequest:
-    """Which logprobs to send back; a start past the prompt's end is refused."""
-    if not 0 <= top_logprobs_num <= _MAX_TOP_LOGPROBS:
-        raise ValueError(
-            f"top_logprobs_num must be in [0, {_MAX_TOP_LOGPROBS}], got {top_logprobs_num}"
-        )
-    if logprob_start_len < -1:
-        raise ValueError(f"logprob_start_len must be >= -1, got {logprob_start_len}")
-    if logprob_start_len >= prompt_tokens:
-        raise ValueError(
-            f"logprob_start_len ({logprob_start_len}) must be less than the prompt length "
-            f"({prompt_tokens})"
-        )
-    if not return_logprob:
-        return LogprobRequest()
-    return LogprobRequest(True, top_logprobs_num, logprob_start_len)
-
-
-def build_request(
-    client: GenerationClient,
-    rid: str,
-    input_ids: list[int],
-    sampling: dict[str, Any],
-    logprobs: tuple[bool, int, int] = (False, -1, 0),
-    cache_salt: str | None = None,
-    priority: int = 0,
-    field: str = "input_ids",
-) -> GenerationRequest:
-    """A checked request from a prompt's ids, its sampling dict and (return_logprob,
-    logprob_start_len, top_logprobs_num); `field` names where the prompt came from."""
-    vocab, context = client.vocab_size, client.context_length
-    _check_input_ids(input_ids, vocab, field)
-    params = _sampling_params(sampling, len(input_ids), context, vocab, client.grammar_backend)
-    return_logprob, start, top = logprobs
-    wanted = _logprob_request(return_logprob, start, top, len(input_ids))
-    return GenerationRequest(rid, input_ids, params, wanted, cache_salt, priority)
 
 
 # ---- tracing: tokenize (in the front doors), then generate with route, stream out, abort -----
@@ -560,6 +450,10 @@ class MeshClient:
     def vocab_size(self) -> int:
         """The engines' vocabulary size, else the tokenizer's."""
         return self.engines.vocab_size or self.tokenizer.vocab_size
+
+    @property
+    def limits(self) -> ModelLimits:
+        return ModelLimits(self.context_length, self.vocab_size, self.grammar_backend)
 
     @property
     def in_flight(self) -> int:

@@ -15,6 +15,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from radixmesh.core.meta_info import TokenLogprob
+from radixmesh.core.request import FieldNames, GenerationRequest, build_request
+from radixmesh.core.sampling_params import LogprobRequest
 from radixmesh.proto import generate_pb2 as gpb
 from radixmesh.proto import generate_pb2_grpc as ggrpc
 from radixmesh.services.tokenizer import metrics
@@ -22,8 +24,6 @@ from radixmesh.services.tokenizer.client import (
     GenerationChunk,
     GenerationClient,
     GenerationError,
-    GenerationRequest,
-    build_request,
     encode_traced,
 )
 
@@ -138,14 +138,14 @@ class GenerateService(ggrpc.GenerateServicer):
         # Unset means "none" unless logprobs were asked for, where it means "from the start".
         start = request.logprob_start_len if request.return_logprob else -1
         return build_request(
-            self.client,
+            self.client.limits,
             rid,
             ids,
             sampling_dict(request.sampling_params),
-            (request.return_logprob, start, request.top_logprobs_num),
+            LogprobRequest(request.return_logprob, request.top_logprobs_num, start),
             request.cache_salt or None,
             request.priority,
-            field,
+            FieldNames(prompt=field),
         )
 
 

@@ -22,16 +22,14 @@ from typing import Any
 from aiohttp import web
 
 from radixmesh.core.meta_info import CachedTokens, LogprobLists, TokenLogprob, TokenText, meta_info
-from radixmesh.core.sampling_params import SamplingParams
+from radixmesh.core.request import FieldNames, GenerationRequest, build_request, is_int
+from radixmesh.core.sampling_params import LogprobRequest, SamplingParams
 from radixmesh.mesh.service import health_handler, metrics_response
 from radixmesh.services.tokenizer.client import (
     GenerationChunk,
     GenerationError,
-    GenerationRequest,
     MeshClient,
-    build_request,
     encode_traced,
-    is_int,
 )
 from radixmesh.services.tokenizer.http_util import SSE_DONE, sse_event
 
@@ -98,9 +96,10 @@ class NativeApi:
             ids, field = item.input_ids, "input_ids"
         else:
             ids, field = encode_traced(self.client.tokenizer, item.text or "", item.rid), "text"
-        logprobs = (item.return_logprob, item.logprob_start_len, item.top_logprobs_num)
-        return build_request(self.client, item.rid, ids, item.sampling, logprobs,
-                             item.cache_salt, item.priority, field)
+        logprobs = LogprobRequest(item.return_logprob, item.top_logprobs_num,
+                                  item.logprob_start_len)
+        return build_request(self.client.limits, item.rid, ids, item.sampling, logprobs,
+                             item.cache_salt, item.priority, FieldNames(prompt=field))
 
     def _token_text(self) -> TokenText:
         decode = self.client.tokenizer.decode

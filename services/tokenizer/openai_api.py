@@ -16,12 +16,12 @@ from typing import Any
 
 from aiohttp import web
 
+from radixmesh.core.request import GenerationRequest
 from radixmesh.core.tokenizer import Tokenizer
 from radixmesh.services.tokenizer.client import (
     GenerationChunk,
     GenerationClient,
     GenerationError,
-    GenerationRequest,
     tokenize_span,
 )
 from radixmesh.services.tokenizer.http_util import CLIENT_CLOSED, SSE_DONE, sse_event

@@ -15,11 +15,16 @@ from typing import Any, NamedTuple
 
 from jinja2 import TemplateError
 
-from radixmesh.core import grammar
-from radixmesh.core.request import LogprobRequest
-from radixmesh.core.sampling_params import GRAMMAR_KINDS, SamplingParams
+from radixmesh.core.request import (
+    FieldNames,
+    GenerationRequest,
+    ModelLimits,
+    RequestError,
+    build_request,
+    is_int,
+)
+from radixmesh.core.sampling_params import LogprobRequest, SamplingParams
 from radixmesh.core.tokenizer import Tokenizer
-from radixmesh.services.tokenizer.client import GenerationRequest, check_length, is_int
 
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_N = 128
@@ -93,6 +98,10 @@ class ServedModel(NamedTuple):
     vocab_size: int
     grammar_backend: str = "xgrammar"  # "none": constraints are refused
 
+    @property
+    def limits(self) -> ModelLimits:
+        return ModelLimits(self.context_length, self.vocab_size, self.grammar_backend)
+
 
 @dataclass(frozen=True)
 class OpenAIRequest:
@@ -138,16 +147,15 @@ def parse_completion(
         raise OpenAIError("best_of other than n is not supported", "best_of")
     max_tokens = _get_int(body, "max_tokens", minimum=0)
     max_tokens = COMPLETION_MAX_TOKENS if max_tokens is None else max_tokens
-    params = _sampling_params(body, max_tokens, "max_tokens", model)
+    sampling = _sampling_fields(body, max_tokens)
     prompts = _completion_prompts(body.get("prompt"), tokenizer, model.vocab_size)
-    for ids, _ in prompts:
-        _check_length(len(ids), max_tokens, model, "prompt", "max_tokens")
     # Echoed prompts with logprobs need the prompt's own logprobs, from its first token.
     logprobs = _logprob_request(top_logprobs, prompt_logprobs=echo)
-    inputs = [(ids, params) for ids, _ in prompts]
+    names = _names(body, "prompt", "max_tokens")
+    built = [_build(body, model, request_id, ids, sampling, logprobs, names) for ids, _ in prompts]
     return OpenAIRequest(
         id=request_id,
-        requests=_generation_requests(body, request_id, inputs, n, logprobs),
+        requests=_samples(request_id, built, n),
         n=n,
         stream=stream,
         include_usage=include_usage,
@@ -184,12 +192,13 @@ def parse_chat(
     max_tokens = _get_int(body, max_param, minimum=0)
     if max_tokens is None:
         max_tokens = _room_left(len(ids), model)
-    _check_length(len(ids), max_tokens, model, "messages", max_param)
-    params = _sampling_params(body, max_tokens, max_param, model)
     top = (top_logprobs or 0) if want_logprobs else None
+    names = _names(body, "messages", max_param)
+    built = _build(body, model, request_id, ids, _sampling_fields(body, max_tokens),
+                   _logprob_request(top), names)
     return OpenAIRequest(
         id=request_id,
-        requests=_generation_requests(body, request_id, [(ids, params)], n, _logprob_request(top)),
+        requests=_samples(request_id, [built], n),
         n=n,
         stream=stream,
         include_usage=include_usage,
@@ -314,19 +323,6 @@ def _room_left(prompt_tokens: int, model: ServedModel) -> int:
     return max(model.context_length - prompt_tokens, 0)
 
 
-def _check_length(
-    prompt_tokens: int, max_tokens: int, model: ServedModel, prompt_param: str, max_param: str
-) -> None:
-    if not model.context_length:
-        return
-    try:
-        check_length(prompt_tokens, max_tokens, model.context_length)
-    except ValueError as exc:
-        too_long = prompt_tokens >= model.context_length
-        message = str(exc).replace("max_new_tokens", max_param)
-        raise OpenAIError(message, prompt_param if too_long else max_param) from None
-
-
 def _completion_prompts(
     prompt: Any, tokenizer: Tokenizer, vocab_size: int
 ) -> list[tuple[list[int], str | None]]:
@@ -365,32 +361,44 @@ def _logprob_request(top_logprobs: int | None, prompt_logprobs: bool = False) ->
     return LogprobRequest(True, top_logprobs, 0 if prompt_logprobs else -1)
 
 
-def _generation_requests(
+def _names(body: dict[str, Any], prompt: str, max_param: str) -> FieldNames:
+    """The fields errors name, as OpenAI's clients wrote them."""
+    constraint = "response_format" if body.get("response_format") else None
+    return FieldNames(prompt, max_param, "min_tokens", constraint)
+
+
+def _build(
     body: dict[str, Any],
+    model: ServedModel,
     request_id: str,
-    inputs: list[tuple[list[int], SamplingParams]],
-    n: int,
+    ids: list[int],
+    sampling: dict[str, Any],
     logprobs: LogprobRequest,
-) -> list[GenerationRequest]:
+    names: FieldNames,
+) -> GenerationRequest:
+    """One prompt's request, through the check every front door shares."""
     cache_salt = _get_str(body, "cache_salt")
     priority = _get_int(body, "priority") or 0
+    try:
+        return build_request(model.limits, request_id, ids, sampling, logprobs, cache_salt,
+                             priority, names)
+    except RequestError as exc:
+        raise OpenAIError(str(exc), exc.field) from None
+
+
+def _samples(request_id: str, prompts: list[GenerationRequest], n: int
+             ) -> list[GenerationRequest]:
+    """n samples of each prompt, prompt-major, each with its own id."""
     requests = []
-    for ids, params in inputs:
+    for prompt in prompts:
         for sample in range(n):
             # One seed for all n samples would make them identical; each takes the next one.
-            seeded = params
+            params = prompt.params
             if params.seed is not None and sample:
-                seeded = dataclasses.replace(params, seed=params.seed + sample)
-            requests.append(
-                GenerationRequest(
-                    rid=f"{request_id}-{len(requests)}",
-                    input_ids=ids,
-                    params=seeded,
-                    logprobs=logprobs,
-                    cache_salt=cache_salt,
-                    priority=priority,
-                )
-            )
+                params = dataclasses.replace(params, seed=params.seed + sample)
+            requests.append(dataclasses.replace(
+                prompt, rid=f"{request_id}-{len(requests)}", params=params
+            ))
     return requests
 
 
@@ -449,10 +457,8 @@ def _content(content: Any, role: str, where: str) -> str:
 # ---- sampling fields (OpenAI's and SGLang's extras) ------------------------------------------
 
 
-def _sampling_params(
-    body: dict[str, Any], max_tokens: int, max_param: str, model: ServedModel
-) -> SamplingParams:
-    """The sampling fields of a request (OpenAI's and SGLang's) as SamplingParams."""
+def _sampling_fields(body: dict[str, Any], max_tokens: int) -> dict[str, Any]:
+    """The sampling fields of a request (OpenAI's and SGLang's), by SGLang's names."""
     fields: dict[str, Any] = {"max_new_tokens": max_tokens}
     optional = {
         "temperature": _get_number(body, "temperature", 0, 2),
@@ -466,22 +472,7 @@ def _sampling_params(
         "json_schema": body.get("json_schema"),
     }
     fields.update({name: value for name, value in optional.items() if value is not None})
-    try:
-        params = SamplingParams.from_dict(fields)
-        params.validate(model.vocab_size or None)
-        grammar.check(params.grammar, model.grammar_backend)
-    except ValueError as exc:
-        constraint = next((kind for kind in GRAMMAR_KINDS if kind in str(exc)), None)
-        if constraint is not None:
-            given = "response_format" if body.get("response_format") else constraint
-            raise OpenAIError(str(exc), given) from None
-        # SamplingParams names the field first; speak of it by the request's name for it.
-        renames = {"max_new_tokens": max_param, "min_new_tokens": "min_tokens"}
-        message = str(exc)
-        for ours, theirs in renames.items():
-            message = message.replace(ours, theirs)
-        raise OpenAIError(message, message.split(" ", 1)[0]) from None
-    return params
+    return fields
 
 
 # ---- typed reads of a request body's optional fields -----------------------------------------

@@ -16,6 +16,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from radixmesh.core.model_files import resolve_model_path, served_name
 from radixmesh.core.settings import WorkerConfig
+from radixmesh.engine.model.parallel import destroy_tensor_parallel
+from radixmesh.engine.model.runner import ModelRunner, load_runner
 from radixmesh.kernels import native
 from radixmesh.mesh.discovery import Announcer, WorkerRank
 from radixmesh.mesh.service import StatusServer
@@ -24,8 +26,6 @@ from radixmesh.proto import worker_pb2_grpc as wgrpc
 from radixmesh.proto.convert import batch_from_proto, result_to_proto
 from radixmesh.services.worker.forward_trace import TRACED_RPCS, note_forward
 from radixmesh.services.worker.metrics import WorkerMetrics
-from radixmesh.services.worker.parallel import destroy_tensor_parallel
-from radixmesh.services.worker.runner import ModelRunner, load_runner
 from radixmesh.tracing.grpc_server import tracing_interceptors
 
 log = logging.getLogger("radixmesh.worker")

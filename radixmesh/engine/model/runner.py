@@ -13,28 +13,28 @@ import torch
 from radixmesh.core.settings import RunnerSettings
 from radixmesh.core.step import EntryResult, NewRequest, StepBatch, StepResult
 from radixmesh.core.tokenizer import Tokenizer
-from radixmesh.services.worker.attention import AttentionBackend, AttentionMetadata, SeqSpan
-from radixmesh.services.worker.attention_choice import check_runs_on, make_attention
-from radixmesh.services.worker.device import current, resolve_device
-from radixmesh.services.worker.grammar import Grammars, Matcher, Vocabulary, apply_masks
-from radixmesh.services.worker.host_copies import HostCopier
-from radixmesh.services.worker.kv_pool import KVPool
-from radixmesh.services.worker.memory import keep_freed_memory, release_free_memory
-from radixmesh.services.worker.model import CausalLM
-from radixmesh.services.worker.model_config import ModelConfig
-from radixmesh.services.worker.model_source import load_model
-from radixmesh.services.worker.parallel import (
+from radixmesh.engine.model.attention import AttentionBackend, AttentionMetadata, SeqSpan
+from radixmesh.engine.model.attention_choice import check_runs_on, make_attention
+from radixmesh.engine.model.device import current, resolve_device
+from radixmesh.engine.model.grammar_mask import Grammars, Matcher, Vocabulary, apply_masks
+from radixmesh.engine.model.host_copies import HostCopier
+from radixmesh.engine.model.kv_pool import KVPool
+from radixmesh.engine.model.memory import keep_freed_memory, release_free_memory
+from radixmesh.engine.model.model import CausalLM
+from radixmesh.engine.model.model_config import ModelConfig
+from radixmesh.engine.model.model_source import load_model
+from radixmesh.engine.model.parallel import (
     TensorParallel,
     check_divisible,
     init_tensor_parallel,
     local_config,
     shard_weights,
 )
-from radixmesh.services.worker.sampling import RequestSampler, sample
-from radixmesh.services.worker.torch_attention import TorchAttention
+from radixmesh.engine.model.sampling import RequestSampler, sample
+from radixmesh.engine.model.torch_attention import TorchAttention
 
 if TYPE_CHECKING:
-    from radixmesh.services.worker.cuda_graphs import DecodeGraphs
+    from radixmesh.engine.model.cuda_graphs import DecodeGraphs
 
 log = logging.getLogger("radixmesh.worker")
 
@@ -132,8 +132,8 @@ class ModelRunner:
         if self.device.type != "cuda" and not eager:
             return None
         # Imported here: both import triton, which a CPU-only install may lack.
-        from radixmesh.services.worker.cuda_graphs import DecodeGraphs
-        from radixmesh.services.worker.triton_attention import TritonAttention
+        from radixmesh.engine.model.cuda_graphs import DecodeGraphs
+        from radixmesh.engine.model.triton_attention import TritonAttention
 
         if not isinstance(self.attention, TritonAttention):
             return None

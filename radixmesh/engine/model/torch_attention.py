@@ -5,14 +5,14 @@ from __future__ import annotations
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from radixmesh.kernels import native
-from radixmesh.services.worker.attention import (
+from radixmesh.engine.model.attention import (
     AttentionBackend,
     AttentionMetadata,
     AttentionRun,
     NativePlan,
 )
-from radixmesh.services.worker.kv_pool import KVPool
+from radixmesh.engine.model.kv_pool import KVPool
+from radixmesh.kernels import native
 
 # Gathered K elements up to which decode attention computes in float32 (see _decode).
 _SMALL_DECODE = 1 << 17

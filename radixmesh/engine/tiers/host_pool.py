@@ -24,8 +24,8 @@ from typing import NamedTuple
 import numpy as np
 
 from radixmesh.core.hicache import DTYPE_BYTES, LAYOUTS, HostPoolSpec, KVGeometry
-from radixmesh.services.cachectl.page_mover import PageMover
-from radixmesh.services.cachectl.storage import StorageBackend
+from radixmesh.engine.tiers.page_mover import PageMover, StorageStats
+from radixmesh.engine.tiers.storage import StorageBackend
 
 log = logging.getLogger("radixmesh.cachectl")
 
@@ -91,12 +91,18 @@ class _Segment:
 
 class HostSegments:
     """The segments of the engines one cachectl serves, under `shm_dir`, and the storage
-    tier they share (`storage`, when there is one)."""
+    tier they share (`storage`, when there is one), counting what storage did in `stats`."""
 
-    def __init__(self, shm_dir: str | Path, storage: StorageBackend | None = None) -> None:
+    def __init__(
+        self,
+        shm_dir: str | Path,
+        storage: StorageBackend | None = None,
+        stats: StorageStats | None = None,
+    ) -> None:
         self.shm_dir = Path(shm_dir)
         self.shm_dir.mkdir(parents=True, exist_ok=True)
         self.storage = storage
+        self.storage_stats = stats
         self._segments: dict[str, _Segment] = {}
 
     def open(
@@ -131,7 +137,8 @@ class HostSegments:
         mover = None
         if spec.storage:
             assert self.storage is not None
-            mover = PageMover(engine_id, spec, self.storage, storage_page_tokens)
+            mover = PageMover(engine_id, spec, self.storage, storage_page_tokens,
+                              stats=self.storage_stats)
         self._segments[engine_id] = _Segment(spec, np.zeros(num_slots, dtype=bool), mover)
         log.info("engine %s: host segment %s, %d slots (%.2f GB, %s), storage %s",
                  engine_id, spec.path, num_slots, spec.nbytes / 1e9, layout,

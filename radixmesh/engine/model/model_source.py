@@ -7,13 +7,13 @@ import logging
 from typing import TYPE_CHECKING, NamedTuple
 
 from radixmesh.core.model_files import is_gguf, resolve_model_path
+from radixmesh.engine.model.model_config import ModelConfig
 from radixmesh.kernels import native_quant
-from radixmesh.services.worker.model_config import ModelConfig
 
 if TYPE_CHECKING:
     import torch
 
-    from radixmesh.services.worker.linear import Weight
+    from radixmesh.engine.model.linear import Weight
 
 log = logging.getLogger("radixmesh.worker")
 
@@ -70,14 +70,14 @@ def load_model(
     quantization = resolve_quantization(quantization, gguf, device, dtype)
     convert = _to_q8_0 if quantization == "q8_0" else None
     if gguf:
-        from radixmesh.services.worker.weights_gguf import load_gguf
+        from radixmesh.engine.model.weights_gguf import load_gguf
 
         config, weights = load_gguf(
             resolved, progress=progress, keep_quantized=quantization in ("gguf", "q8_0"),
             convert=convert,
         )
     else:
-        from radixmesh.services.worker.weights_hf import load_hf_dir
+        from radixmesh.engine.model.weights_hf import load_hf_dir
 
         config, weights = load_hf_dir(resolved, progress=progress, convert=convert)
     if quantization != "bf16":

@@ -21,13 +21,12 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from functools import partial
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 import numpy as np
 
 from radixmesh.core.hicache import HostPoolSpec
-from radixmesh.services.cachectl import metrics
-from radixmesh.services.cachectl.storage import CorruptPage, StorageBackend
+from radixmesh.engine.tiers.storage import CorruptPage, StorageBackend
 
 log = logging.getLogger("radixmesh.cachectl")
 
@@ -37,6 +36,39 @@ _ELEMENT = {2: np.uint16, 4: np.uint32}  # bytes per element -> a type that copi
 QUEUE_BYTES = 512 << 20  # pages queued for storage at most
 PREFETCH_AHEAD = 4  # pages read from storage at once
 PAGE_TIMEOUT_S = 10.0  # for one storage call; a slower store counts as unreachable
+
+
+class StorageStats(Protocol):
+    """Where a mover counts what storage did (cachectl's Prometheus metrics)."""
+
+    def pages(self, backend: str, outcome: str, count: int = 1) -> None:
+        """Pages by outcome: hit, miss, corrupt, read_error, written, already_stored,
+        write_error, dropped."""
+
+    def bytes(self, backend: str, direction: str, count: int) -> None:
+        """Bytes read ("read") or written ("write")."""
+
+    def queued(self, nbytes: int) -> None:
+        """Bytes of pages waiting to be written."""
+
+    def call(self, backend: str, op: str, seconds: float) -> None:
+        """How long one storage call (get, put, exists) took."""
+
+
+class NoStats:
+    """Counts nothing: the in-process engine serves no metrics."""
+
+    def pages(self, backend: str, outcome: str, count: int = 1) -> None:
+        pass
+
+    def bytes(self, backend: str, direction: str, count: int) -> None:
+        pass
+
+    def queued(self, nbytes: int) -> None:
+        pass
+
+    def call(self, backend: str, op: str, seconds: float) -> None:
+        pass
 
 
 class PageMover:
@@ -49,6 +81,7 @@ class PageMover:
         backend: StorageBackend,
         page_tokens: int,
         queue_bytes: int = QUEUE_BYTES,
+        stats: StorageStats | None = None,
     ) -> None:
         g = spec.geometry
         if page_tokens < 1 or page_tokens % g.page_size:
@@ -60,6 +93,7 @@ class PageMover:
         self.backend = backend
         self.page_tokens = page_tokens
         self.queue_bytes = queue_bytes
+        self.stats = stats or NoStats()
         element = _ELEMENT[g.token_bytes // (2 * g.num_layers * g.num_kv_heads * g.head_dim)]
         fd = os.open(spec.path, os.O_RDWR)
         try:
@@ -118,12 +152,12 @@ class PageMover:
             self._check_slots(slots, 1)
             data = self.read_page(slots).tobytes()
             if self._queued_bytes + len(data) > self.queue_bytes:
-                metrics.storage_pages(self.backend.name, "dropped", len(pages) - taken)
+                self.stats.pages(self.backend.name, "dropped", len(pages) - taken)
                 break
             self._queue.append((key, data))
             self._queued_bytes += len(data)
             taken += 1
-        metrics.STORAGE_QUEUE_BYTES.set(self._queued_bytes)
+        self.stats.queued(self._queued_bytes)
         self._wake.set()
         return taken
 
@@ -138,25 +172,25 @@ class PageMover:
                     if key not in self._corrupt and (
                         await self._timed("exists", partial(self.backend.exists, [key]))
                     )[0]:
-                        metrics.storage_pages(name, "already_stored")
+                        self.stats.pages(name, "already_stored")
                     else:
                         await self._timed("put", partial(self.backend.put, key, data))
                         self._corrupt.discard(key)
-                        metrics.storage_pages(name, "written")
-                        metrics.storage_bytes(name, "write", len(data))
+                        self.stats.pages(name, "written")
+                        self.stats.bytes(name, "write", len(data))
                 except (OSError, CorruptPage) as exc:
-                    metrics.storage_pages(name, "write_error")
+                    self.stats.pages(name, "write_error")
                     log.warning("engine %s: storage write of page %s failed: %s",
                                 self.engine_id, key, exc)
                 except Exception:  # a backend's surprise must not stop every later write
-                    metrics.storage_pages(name, "write_error")
+                    self.stats.pages(name, "write_error")
                     log.exception("engine %s: storage write of page %s failed",
                                   self.engine_id, key)
                 if self._closed:
                     return  # close() emptied the queue meanwhile
                 self._queue.popleft()
                 self._queued_bytes -= len(data)
-                metrics.STORAGE_QUEUE_BYTES.set(self._queued_bytes)
+                self.stats.queued(self._queued_bytes)
 
     async def flush(self, timeout: float) -> None:
         """Wait (at most `timeout` s) until every queued page was written or failed."""
@@ -173,7 +207,7 @@ class PageMover:
         try:
             present = await self._timed("exists", partial(self.backend.exists, keys))
         except (OSError, CorruptPage) as exc:
-            metrics.storage_pages(self.backend.name, "read_error")
+            self.stats.pages(self.backend.name, "read_error")
             log.warning("engine %s: storage query failed: %s", self.engine_id, exc)
             return 0
         hits = next((i for i, there in enumerate(present) if not there), len(present))
@@ -197,29 +231,29 @@ class PageMover:
                     data = await ahead.popleft()
                 except CorruptPage as exc:
                     self._corrupt.add(keys[arrived])
-                    metrics.storage_pages(name, "corrupt")
+                    self.stats.pages(name, "corrupt")
                     log.warning("engine %s: %s", self.engine_id, exc)
                     return
                 except OSError as exc:
-                    metrics.storage_pages(name, "read_error")
+                    self.stats.pages(name, "read_error")
                     log.warning("engine %s: storage read failed: %s", self.engine_id, exc)
                     return
                 if data is None:
-                    metrics.storage_pages(name, "miss")
+                    self.stats.pages(name, "miss")
                     return
                 if self._closed:
                     return
                 page = np.frombuffer(data, dtype=self._pool.dtype)
                 if page.size != int(np.prod(self._page_shape())):
                     self._corrupt.add(keys[arrived])
-                    metrics.storage_pages(name, "corrupt")
+                    self.stats.pages(name, "corrupt")
                     log.warning("engine %s: storage page %s has %d bytes, not a page",
                                 self.engine_id, keys[arrived], len(data))
                     return
                 at = arrived * p
                 self.write_page(slots[at : at + p], page.reshape(self._page_shape()))
-                metrics.storage_pages(name, "hit")
-                metrics.storage_bytes(name, "read", len(data))
+                self.stats.pages(name, "hit")
+                self.stats.bytes(name, "read", len(data))
                 arrived += 1
                 yield arrived
         finally:
@@ -238,9 +272,7 @@ class PageMover:
         except TimeoutError as exc:
             raise TimeoutError(f"storage {op} took over {PAGE_TIMEOUT_S:g} s") from exc
         finally:
-            metrics.STORAGE_SECONDS.labels(self.backend.name, op).observe(
-                time.perf_counter() - start
-            )
+            self.stats.call(self.backend.name, op, time.perf_counter() - start)
 
     def close(self) -> None:
         """Stop writing (what is still queued is dropped) and unmap the segment; a prefetch
@@ -248,7 +280,7 @@ class PageMover:
         self._closed = True
         self._writer.cancel()
         if self._queue:
-            metrics.storage_pages(self.backend.name, "dropped", len(self._queue))
+            self.stats.pages(self.backend.name, "dropped", len(self._queue))
         self._queue.clear()
         self._queued_bytes = 0
         del self._pool  # the last view of the mapping, so that it can close

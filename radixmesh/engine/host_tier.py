@@ -15,8 +15,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from radixmesh.core.step import KVCopy
-from radixmesh.services.scheduler.kv_allocator import KVAllocator
-from radixmesh.services.scheduler.radix_cache import RadixCache, TreeNode
+from radixmesh.engine.kv_allocator import KVAllocator
+from radixmesh.engine.radix_cache import RadixCache, TreeNode
 
 
 class _TrackedAllocator(KVAllocator):

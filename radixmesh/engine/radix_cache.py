@@ -12,8 +12,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
-from radixmesh.services.scheduler.eviction import eviction_key
-from radixmesh.services.scheduler.kv_allocator import KVAllocator
+from radixmesh.engine.eviction import eviction_key
+from radixmesh.engine.kv_allocator import KVAllocator
 
 # First token of an edge when page_size == 1, else its first page of tokens.
 ChildKey = int | tuple[int, ...]

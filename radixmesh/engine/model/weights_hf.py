@@ -8,12 +8,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from radixmesh.services.worker.model_config import ModelConfig
+from radixmesh.engine.model.model_config import ModelConfig
 
 if TYPE_CHECKING:
     import torch
 
-    from radixmesh.services.worker.linear import Weight
+    from radixmesh.engine.model.linear import Weight
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 # Buffers some checkpoints carry that are not parameters.

@@ -26,10 +26,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from radixmesh.core.hicache import PageKeys
-from radixmesh.services.scheduler.hicache import HostTier
-from radixmesh.services.scheduler.radix_cache import RadixCache, TreeNode
-from radixmesh.services.scheduler.request import Req
-from radixmesh.services.scheduler.schedule_policy import match_key
+from radixmesh.engine.host_tier import HostTier
+from radixmesh.engine.radix_cache import RadixCache, TreeNode
+from radixmesh.engine.request import Req
+from radixmesh.engine.schedule_policy import match_key
 
 _SENT_KEYS = 1 << 20  # keys remembered as written; beyond that the oldest are forgotten
 

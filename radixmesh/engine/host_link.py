@@ -16,9 +16,9 @@ from collections.abc import Callable
 
 from radixmesh.core.hicache import HostTierClient, KVGeometry, host_pool_slots
 from radixmesh.core.settings import HiCacheSettings
-from radixmesh.services.scheduler.engine_loop import EngineLoop
-from radixmesh.services.scheduler.scheduler import Scheduler
-from radixmesh.services.scheduler.storage_tier import PrefetchOp, QueryOp, StorageTier, StoreOp
+from radixmesh.engine.loop import EngineLoop
+from radixmesh.engine.scheduler import Scheduler
+from radixmesh.engine.storage_tier import PrefetchOp, QueryOp, StorageTier, StoreOp
 
 log = logging.getLogger("radixmesh.hicache")
 

@@ -6,12 +6,12 @@ from dataclasses import dataclass
 
 import torch
 
+from radixmesh.engine.model.attention import AttentionBackend, AttentionMetadata, SeqSpan
+from radixmesh.engine.model.kv_pool import KVPool
 from radixmesh.kernels.decode_attention import decode_attention
 from radixmesh.kernels.extend_attention import extend_attention
 from radixmesh.kernels.kv_store import store_kv
 from radixmesh.kernels.paging import page_table
-from radixmesh.services.worker.attention import AttentionBackend, AttentionMetadata, SeqSpan
-from radixmesh.services.worker.kv_pool import KVPool
 
 
 @dataclass(frozen=True)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from radixmesh.services.worker.attention import AttentionMetadata
-from radixmesh.services.worker.kv_pool import KVPool
-from radixmesh.services.worker.model import CausalLM
-from radixmesh.services.worker.triton_attention import DecodeTables, TritonAttention
+from radixmesh.engine.model.attention import AttentionMetadata
+from radixmesh.engine.model.kv_pool import KVPool
+from radixmesh.engine.model.model import CausalLM
+from radixmesh.engine.model.triton_attention import DecodeTables, TritonAttention
 
 
 def batch_buckets(max_batch: int) -> list[int]:

@@ -17,10 +17,10 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import Future
 from typing import Any, Protocol
 
-from radixmesh.core.request import FinishKind, FinishReason
+from radixmesh.core.finish import FinishKind, FinishReason
 from radixmesh.core.step import StepResult
-from radixmesh.services.scheduler.request import Req
-from radixmesh.services.scheduler.scheduler import ScheduledBatch, Scheduler
+from radixmesh.engine.request import Req
+from radixmesh.engine.scheduler import ScheduledBatch, Scheduler
 
 
 class Executor(Protocol):

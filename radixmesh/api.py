@@ -16,22 +16,22 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from typing import Any
 
-from radixmesh.core import grammar
+from radixmesh.core.finish import FinishKind, FinishReason
 from radixmesh.core.hicache import DEFAULT_NATS_URL, KVGeometry, shm_root
 from radixmesh.core.model_files import model_fingerprint, resolve_model_path
-from radixmesh.core.request import FinishKind, FinishReason, LogprobRequest
-from radixmesh.core.sampling_params import SamplingParams
+from radixmesh.core.request import FieldNames, ModelLimits, build_request
+from radixmesh.core.sampling_params import LogprobRequest
 from radixmesh.core.settings import EngineArgs
 from radixmesh.core.step import StepResult
 from radixmesh.core.tokenizer import Tokenizer
+from radixmesh.engine.host_link import HostLink
+from radixmesh.engine.loop import EngineLoop
+from radixmesh.engine.model.runner import ModelRunner, load_runner
+from radixmesh.engine.request import Req
+from radixmesh.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from radixmesh.engine.tiers.host_pool import LocalCachectl, in_process_engine_id
+from radixmesh.engine.tiers.storage import StorageBackend, open_backend
 from radixmesh.request_output import RequestStream
-from radixmesh.services.cachectl.host_pool import LocalCachectl, in_process_engine_id
-from radixmesh.services.cachectl.storage import StorageBackend, open_backend
-from radixmesh.services.scheduler.engine_loop import EngineLoop
-from radixmesh.services.scheduler.host_link import HostLink
-from radixmesh.services.scheduler.request import Req
-from radixmesh.services.scheduler.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
-from radixmesh.services.worker.runner import ModelRunner, load_runner
 
 log = logging.getLogger("radixmesh.engine")
 
@@ -108,6 +108,7 @@ class Engine:
             )
         )
         self.context_length = self.scheduler.config.context_length
+        self.limits = ModelLimits(self.context_length, loaded.vocab_size, a.grammar_backend)
         self._rng = random.Random(a.random_seed)
         self._streams = _Streams(self.scheduler)
         self.loop = EngineLoop(
@@ -161,7 +162,7 @@ class Engine:
             raise ValueError("sampling_params and rid lists must match the number of prompts")
         if stream and batched:
             raise ValueError("stream=True takes a single prompt")
-        logprobs = _logprob_request(return_logprob, logprob_start_len, top_logprobs_num)
+        logprobs = LogprobRequest(return_logprob, top_logprobs_num, logprob_start_len)
         reqs = [
             self._make_req(p, sp, logprobs, cache_salt, priority, r)
             for p, sp, r in zip(prompts, params, rids, strict=True)
@@ -215,36 +216,15 @@ class Engine:
         priority: int,
         rid: str | None,
     ) -> Req:
+        """The engine's request, checked as every front door of the mesh checks it."""
         if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt must not be empty")
-            ids = self.tokenizer.encode(prompt)
+            ids, names = self.tokenizer.encode(prompt), FieldNames(prompt="text")
         else:
-            ids = list(prompt)
-            vocab = self.model_config.vocab_size
-            if not ids:
-                raise ValueError("input_ids must not be empty")
-            if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
-                raise ValueError(f"input_ids must be token ids in [0, {vocab})")
-        if sampling is not None and not isinstance(sampling, dict):
-            raise ValueError("sampling_params must be a dict")
-        params = SamplingParams.from_dict(sampling or {})
-        params.validate(self.model_config.vocab_size)
-        grammar.check(params.grammar, self.args.grammar_backend)
-        if len(ids) >= self.context_length:
-            raise ValueError(
-                f"prompt has {len(ids)} tokens; the context length is {self.context_length}"
-            )
-        seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
-        return Req(
-            rid=rid or uuid.uuid4().hex,
-            input_ids=ids,
-            params=params,
-            seed=seed,
-            namespace=cache_salt,
-            priority=priority,
-            logprobs=logprobs,
-        )
+            ids, names = list(prompt), FieldNames()
+        request = build_request(self.limits, rid or uuid.uuid4().hex, ids, sampling, logprobs,
+                                cache_salt, priority, names)
+        seed = request.params.seed
+        return Req.from_request(request, self._rng.getrandbits(63) if seed is None else seed)
 
     def _submit(self, req: Req, streaming: bool) -> RequestStream:
         stream = RequestStream(req, self.tokenizer, streaming)
@@ -310,11 +290,3 @@ def _as_list(
         return items
     assert input_ids is not None
     return list(input_ids) if batched else [input_ids]
-
-
-def _logprob_request(return_logprob: bool, start: int, top_n: int) -> LogprobRequest:
-    if not isinstance(top_n, int) or top_n < 0:
-        raise ValueError("top_logprobs_num must be a non-negative integer")
-    if not isinstance(start, int) or start < -1:
-        raise ValueError("logprob_start_len must be an integer >= -1")
-    return LogprobRequest(bool(return_logprob), top_n, start)

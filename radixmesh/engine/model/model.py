@@ -7,15 +7,15 @@ from collections.abc import Iterator, Mapping
 import torch
 import torch.nn.functional as F
 
+from radixmesh.engine.model.attention import AttentionBackend
+from radixmesh.engine.model.kv_pool import KVPool
+from radixmesh.engine.model.linear import Linear, Weight
+from radixmesh.engine.model.model_config import ModelConfig
+from radixmesh.engine.model.parallel import TensorParallel, row_parallel
+from radixmesh.engine.model.rope import RotaryEmbedding, RotaryStep
 from radixmesh.kernels import native
 from radixmesh.kernels.native_layer import LayerStack
 from radixmesh.kernels.native_quant import QuantizedWeight
-from radixmesh.services.worker.attention import AttentionBackend
-from radixmesh.services.worker.kv_pool import KVPool
-from radixmesh.services.worker.linear import Linear, Weight
-from radixmesh.services.worker.model_config import ModelConfig
-from radixmesh.services.worker.parallel import TensorParallel, row_parallel
-from radixmesh.services.worker.rope import RotaryEmbedding, RotaryStep
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -28,7 +28,7 @@ import torch
 
 from radixmesh.core.hicache import DTYPE_BYTES, LAYOUTS, HostPoolSpec
 from radixmesh.core.step import KVCopy
-from radixmesh.services.worker.kv_pool import KVPool
+from radixmesh.engine.model.kv_pool import KVPool
 
 # Widest first: 16, 8, 4 and 2 bytes.
 _WORDS = (torch.complex128, torch.int64, torch.int32, torch.int16)

@@ -6,12 +6,13 @@ import itertools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from radixmesh.core.request import FinishReason, LogprobRequest
-from radixmesh.core.sampling_params import SamplingParams
-from radixmesh.services.scheduler.radix_cache import TreeNode
+from radixmesh.core.finish import FinishReason
+from radixmesh.core.request import GenerationRequest
+from radixmesh.core.sampling_params import LogprobRequest, SamplingParams
+from radixmesh.engine.radix_cache import TreeNode
 
 if TYPE_CHECKING:
-    from radixmesh.services.scheduler.storage_tier import PrefetchOutcome
+    from radixmesh.engine.storage_tier import PrefetchOutcome
 
 _arrivals = itertools.count()
 
@@ -50,6 +51,19 @@ class Req:
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     input_logprobs: list[float] = field(default_factory=list)
     input_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+
+    @classmethod
+    def from_request(cls, request: GenerationRequest, seed: int) -> Req:
+        """The engine's request for a front door's checked one, sampling from `seed`."""
+        return cls(
+            rid=request.rid,
+            input_ids=request.input_ids,
+            params=request.params,
+            seed=seed,
+            namespace=request.cache_salt,
+            priority=request.priority,
+            logprobs=request.logprobs,
+        )
 
     @property
     def tokens(self) -> list[int]:

@@ -8,16 +8,16 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from radixmesh.core.finish import FinishKind, FinishReason
 from radixmesh.core.hicache import HostPoolSpec, PageKeys
-from radixmesh.core.request import FinishKind, FinishReason
 from radixmesh.core.settings import ReplicaSettings
 from radixmesh.core.step import Constraint, NewRequest, StepBatch, StepEntry, StepResult
-from radixmesh.services.scheduler.hicache import HostTier
-from radixmesh.services.scheduler.kv_allocator import KVAllocator
-from radixmesh.services.scheduler.radix_cache import RadixCache, TreeNode
-from radixmesh.services.scheduler.request import Req
-from radixmesh.services.scheduler.schedule_policy import SchedulePolicy, match_key
-from radixmesh.services.scheduler.storage_tier import StorageTier
+from radixmesh.engine.host_tier import HostTier
+from radixmesh.engine.kv_allocator import KVAllocator
+from radixmesh.engine.radix_cache import RadixCache, TreeNode
+from radixmesh.engine.request import Req
+from radixmesh.engine.schedule_policy import SchedulePolicy, match_key
+from radixmesh.engine.storage_tier import StorageTier
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from radixmesh.services.worker.linear import Linear, Weight
-from radixmesh.services.worker.model_config import ModelConfig
+from radixmesh.engine.model.linear import Linear, Weight
+from radixmesh.engine.model.model_config import ModelConfig
 
 # Projections split by output rows (column-parallel) and by input columns (row-parallel).
 _ROW_SPLIT = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")

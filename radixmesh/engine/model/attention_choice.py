@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from radixmesh.core.settings import ATTENTION_BACKENDS
-from radixmesh.services.worker.attention import AttentionBackend
-from radixmesh.services.worker.torch_attention import TorchAttention
+from radixmesh.engine.model.attention import AttentionBackend
+from radixmesh.engine.model.torch_attention import TorchAttention
 
 
 def make_attention(
@@ -20,7 +20,7 @@ def make_attention(
     if name == "torch":
         return TorchAttention(scale)
     # Imported here: triton is an optional dependency that a CPU-only install may lack.
-    from radixmesh.services.worker.triton_attention import TritonAttention
+    from radixmesh.engine.model.triton_attention import TritonAttention
 
     return TritonAttention(scale, page_size, device)
 

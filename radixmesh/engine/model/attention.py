@@ -8,7 +8,7 @@ from typing import NamedTuple
 
 import torch
 
-from radixmesh.services.worker.kv_pool import KVPool
+from radixmesh.engine.model.kv_pool import KVPool
 
 
 @dataclass(frozen=True)

@@ -13,13 +13,13 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import numpy as np
 
 from radixmesh.core.gguf import GGUFFile, GGUFTensorInfo, gguf_eos_token_ids, read_gguf
+from radixmesh.engine.model.model_config import ModelConfig
 from radixmesh.kernels.native_quant import QUANT_TYPES, QuantizedWeight
-from radixmesh.services.worker.model_config import ModelConfig
 
 if TYPE_CHECKING:
     import torch
 
-    from radixmesh.services.worker.linear import Weight
+    from radixmesh.engine.model.linear import Weight
 
 _Rows = TypeVar("_Rows", np.ndarray, "torch.Tensor")
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from radixmesh.services.scheduler.radix_cache import RadixCache, TreeNode
-from radixmesh.services.scheduler.request import Req
+from radixmesh.engine.radix_cache import RadixCache, TreeNode
+from radixmesh.engine.request import Req
 
 POLICIES = ("lpm", "dfs-weight", "fcfs")
 
