@@ -48,14 +48,12 @@ def run_side(traced: bool, work: list[list[int]], new_tokens: int, dtype: str) -
 
 def hook_cost(n: int = 20000, chunks: int = 16) -> dict[str, float]:
     """Microseconds per request of the tokenizer's and scheduler's hooks, tracing off."""
+    from radixmesh.core.request import GenerationRequest
     from radixmesh.core.sampling_params import SamplingParams
     from radixmesh.engine.request import Req
     from radixmesh.services.scheduler.request_traces import RequestTraces
-    from radixmesh.services.tokenizer.client import (
-        GenerationChunk,
-        GenerationRequest,
-        RequestTrace,
-    )
+    from radixmesh.services.tokenizer.generation import GenerationChunk
+    from radixmesh.services.tokenizer.request_trace import RequestTrace
     from radixmesh.services.tokenizer.router import Router
 
     router = Router()

@@ -10,10 +10,7 @@ from typing import Any
 from radixmesh.core.meta_info import TokenLogprob
 from radixmesh.core.request import GenerationRequest, ModelLimits
 from radixmesh.core.tokenizer import Tokenizer
-from radixmesh.services.tokenizer.client import (
-    GenerationChunk,
-    GenerationError,
-)
+from radixmesh.services.tokenizer.generation import GenerationChunk, GenerationError
 
 REPLY = " The answer is 42. Have a nice day!"
 EOS_ID = 2

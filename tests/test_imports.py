@@ -46,6 +46,7 @@ PROTOBUF_MODULES = {
     "radixmesh.services.detokenizer.step_trace",
     "radixmesh.services.cachectl.server",
     "radixmesh.services.tokenizer.client",
+    "radixmesh.services.tokenizer.assembler",
     "radixmesh.services.tokenizer.grpc_api",
     "radixmesh.services.tokenizer.router",
 }

@@ -14,6 +14,8 @@ import openai
 import pytest
 from process_helpers import running_mesh
 
+from radixmesh import lang
+from radixmesh.api import Engine
 from radixmesh.launcher import Mesh
 from radixmesh.proto import generate_pb2 as gpb
 from radixmesh.proto import generate_pb2_grpc as ggrpc
@@ -59,12 +61,15 @@ def sse_events(response: httpx.Response) -> list[dict]:
     return [json.loads(line[len("data: "):]) for line in lines[:-1]]
 
 
-def test_mesh_output_equals_in_process_engine(client):
-    from radixmesh.api import Engine
+@pytest.fixture(scope="module")
+def engine() -> Iterator[Engine]:
+    with Engine(dtype="float32", max_total_tokens=4096, show_progress=False) as e:
+        yield e
 
+
+def test_mesh_output_equals_in_process_engine(client, engine):
     prompts = ["The capital of France is", "def fibonacci(n):"]
-    with Engine(dtype="float32", max_total_tokens=4096, show_progress=False) as engine:
-        expected = engine.generate(prompts, GREEDY)
+    expected = engine.generate(prompts, GREEDY)
     got = client.post("/generate", json={"text": prompts, "sampling_params": GREEDY}).json()
     for g, e in zip(got, expected, strict=True):
         assert g["output_ids"] == e["output_ids"]
@@ -237,3 +242,99 @@ def test_bad_input_is_a_400_naming_the_problem(client, path, body, needle):
     assert needle in r.json()["error"]["message"].lower()
     ok = client.post("/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 2}})
     assert ok.status_code == 200
+
+
+# ---- one check of a request, whatever the door ----------------------------------------------
+# Each case: SGLang's sampling fields, the error every door gives (None: whatever the native
+# door says), with {max} for the output limit's field as that door's clients name it, and the
+# field an OpenAI error names.
+PROMPT_IDS = [504, 3153, 314]  # three tokens of the vocabulary
+REFUSED = {
+    "over the context": ({"max_new_tokens": 8192},
+                         "prompt (3 tokens) + {max} (8192) exceeds the model's context "
+                         "length of 8192", "max_tokens"),
+    "top_k over the vocabulary": ({"top_k": 60000, "max_new_tokens": 4},
+                                  "top_k must be <= the vocabulary size 49152, got 60000",
+                                  "top_k"),
+    "a stop token outside the vocabulary": ({"stop_token_ids": [60000], "max_new_tokens": 4},
+                                            None, "stop_token_ids"),
+    "a regex that does not parse": ({"regex": "(ab", "max_new_tokens": 4}, None, "regex"),
+}
+
+
+def _native(client: httpx.Client, sampling: dict, **prompt) -> str:
+    answer = client.post("/generate", json={**prompt, "sampling_params": sampling})
+    assert answer.status_code == 400, answer.text
+    return answer.json()["error"]["message"]
+
+
+def _openai(client: httpx.Client, sampling: dict, route: str, **prompt) -> tuple[str, str]:
+    fields = {("max_tokens" if k == "max_new_tokens" else k): v for k, v in sampling.items()}
+    answer = client.post(route, json={**prompt, **fields})
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    return error["message"], error["param"]
+
+
+def _grpc(mesh: Mesh, sampling: dict, input_ids: list[int]) -> str:
+    async def run() -> grpc.aio.AioRpcError:
+        async with grpc.aio.insecure_channel(mesh.grpc_addrs[0]) as channel:
+            request = gpb.GenerateRequest(
+                input_ids=gpb.TokenIds(ids=input_ids),
+                sampling_params=gpb.ClientSamplingParams(**sampling),
+            )
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                [r async for r in ggrpc.GenerateStub(channel).Generate(request)]
+            return refused.value
+
+    error = asyncio.run(run())
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    return error.details()
+
+
+def _engine(engine: Engine, sampling: dict, **prompt) -> str:
+    with pytest.raises(ValueError) as refused:
+        engine.generate(sampling_params=sampling, **prompt)
+    return str(refused.value)
+
+
+@pytest.mark.parametrize("case", REFUSED)
+def test_every_front_door_refuses_a_bad_request_for_the_same_reason(mesh, client, engine,
+                                                                    case):
+    sampling, expected, openai_param = REFUSED[case]
+    native = _native(client, sampling, input_ids=PROMPT_IDS)
+    if expected is not None:
+        assert native == expected.format(max="max_new_tokens")
+    assert _engine(engine, sampling, input_ids=PROMPT_IDS) == native
+    assert _grpc(mesh, sampling, input_ids=PROMPT_IDS) == native
+    message, param = _openai(client, sampling, "/v1/completions", prompt=PROMPT_IDS)
+    assert message == native.replace("max_new_tokens", "max_tokens")
+    assert param == openai_param
+    if "max_new_tokens (" not in native:  # a chat's prompt is the rendered template's length
+        chat = [{"role": "user", "content": "Hi"}]
+        assert _openai(client, sampling, "/v1/chat/completions", messages=chat)[0] == native
+    # the frontend language, in process and over HTTP
+    if set(sampling) <= {"max_new_tokens", "regex"}:
+        @lang.function
+        def program(s):
+            s += "Hello"
+            s += lang.gen("x", max_tokens=sampling["max_new_tokens"], regex=sampling.get("regex"))
+
+        said = _native(client, {**sampling, "temperature": 0.0}, text="Hello")
+        with pytest.raises(ValueError) as refused:
+            program.run(backend=lang.EngineBackend(engine))
+        assert str(refused.value) == said
+        with pytest.raises(ValueError) as refused:
+            program.run(backend=lang.HttpBackend(mesh.url))
+        assert json.dumps(said)[1:-1] in str(refused.value)
+    assert wait_idle(client)["held_slots"] == 0
+
+
+def test_a_prompt_outside_the_vocabulary_is_named_as_each_door_calls_it(mesh, client, engine):
+    ids = [*PROMPT_IDS, 60000]
+    expected = "{} entries must be in [0, 49152), got 60000"
+    assert _native(client, {}, input_ids=ids) == expected.format("input_ids")
+    assert _engine(engine, {}, input_ids=ids) == expected.format("input_ids")
+    assert _grpc(mesh, {}, input_ids=ids) == expected.format("input_ids")
+    assert _openai(client, {}, "/v1/completions", prompt=ids) == (expected.format("prompt"),
+                                                                   "prompt")

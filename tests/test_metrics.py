@@ -15,7 +15,7 @@ from radixmesh.proto import mesh_pb2 as mpb
 from radixmesh.proto import worker_pb2 as wpb
 from radixmesh.services.detokenizer import metrics as detok_metrics
 from radixmesh.services.scheduler.metrics import SchedulerMetrics, ThroughputMeter
-from radixmesh.services.tokenizer.client import GenerationChunk
+from radixmesh.services.tokenizer.generation import GenerationChunk
 from radixmesh.services.tokenizer.metrics import TokenizerMetrics
 from radixmesh.services.worker.metrics import WorkerMetrics, batch_tokens
 

@@ -24,7 +24,7 @@ from fake_generation import (
 from openai import AsyncOpenAI
 
 from radixmesh.core.tokenizer import Tokenizer
-from radixmesh.services.tokenizer.client import GenerationError
+from radixmesh.services.tokenizer.generation import GenerationError
 from radixmesh.services.tokenizer.openai_api import add_openai_routes
 
 MODEL = "fake/SmolLM2"

@@ -10,7 +10,7 @@ import pytest
 from fake_generation import FakeGenerationClient
 
 from radixmesh.core.tokenizer import Tokenizer
-from radixmesh.services.tokenizer.client import GenerationChunk, GenerationError
+from radixmesh.services.tokenizer.generation import GenerationChunk, GenerationError
 from radixmesh.services.tokenizer.openai_api import ClientGone, GenerationFanout
 from radixmesh.services.tokenizer.openai_protocol import (
     OpenAIError,

@@ -38,12 +38,9 @@ from radixmesh.proto import generate_pb2 as gpb
 from radixmesh.proto import generate_pb2_grpc as ggrpc
 from radixmesh.proto import mesh_pb2 as mpb
 from radixmesh.services.tokenizer import client as client_module
-from radixmesh.services.tokenizer.client import (
-    ChunkAssembler,
-    GenerationChunk,
-    GenerationError,
-    MeshClient,
-)
+from radixmesh.services.tokenizer.assembler import ChunkAssembler
+from radixmesh.services.tokenizer.client import MeshClient
+from radixmesh.services.tokenizer.generation import GenerationChunk, GenerationError
 from radixmesh.services.tokenizer.server import TokenizerServer, public_args
 
 pytestmark = pytest.mark.anyio

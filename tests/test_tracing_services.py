@@ -20,11 +20,8 @@ from radixmesh.services.detokenizer.server import StepReplies
 from radixmesh.services.detokenizer.step_trace import StepTrace
 from radixmesh.services.scheduler.mesh_io import UpdateBuilder
 from radixmesh.services.scheduler.request_traces import RequestTraces
-from radixmesh.services.tokenizer.client import (
-    GenerationChunk,
-    RequestTrace,
-    encode_traced,
-)
+from radixmesh.services.tokenizer.generation import GenerationChunk
+from radixmesh.services.tokenizer.request_trace import RequestTrace, encode_traced
 from radixmesh.services.tokenizer.router import Router
 from radixmesh.tracing import attributes as attr
 from radixmesh.tracing.propagation import (

@@ -1,10 +1,11 @@
-"""The generation client: what the tokenizer's front doors (HTTP, gRPC) ask of the mesh, and
-the NATS client that does it.
+"""The mesh client: the tokenizer's NATS client that runs what its front doors ask.
 
 A front door checks and tokenizes a prompt into a GenerationRequest (`build_request`), then
-iterates `MeshClient.generate`: the request is routed to an engine, sent as an EngineRequest,
-and the TextChunks that come back on this replica's own subject are put in order and turned
-into GenerationChunks. Each step is traced as spans of the request."""
+iterates `MeshClient.generate`: the request is admitted, routed to an engine, sent as an
+EngineRequest, and the TextChunks that come back on this replica's own subject are put in
+order (`assembler.py`) as GenerationChunks. The client also retries a request its engine lost
+before any output, ends requests whose output stalls, and makes the control calls
+(server_info, flush_cache)."""
 
 from __future__ import annotations
 
@@ -12,349 +13,33 @@ import asyncio
 import contextlib
 import json
 import logging
-import math
 import random
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from google.protobuf.json_format import MessageToDict
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.errors import Error as NatsError
-from opentelemetry.trace import Span, SpanKind, get_current_span
 
 from radixmesh.core.detokenize import detok_context_size
-from radixmesh.core.finish import FinishKind, FinishReason
-from radixmesh.core.meta_info import CachedTokens, TokenLogprob
 from radixmesh.core.request import GenerationRequest, ModelLimits
 from radixmesh.core.tokenizer import Tokenizer
 from radixmesh.mesh import subjects
 from radixmesh.proto import mesh_pb2 as mpb
-from radixmesh.proto import worker_pb2 as wpb
 from radixmesh.proto.convert import sampling_to_proto
 from radixmesh.services.tokenizer import metrics
+from radixmesh.services.tokenizer.assembler import ChunkAssembler
+from radixmesh.services.tokenizer.generation import GenerationChunk, GenerationError
+from radixmesh.services.tokenizer.request_trace import RequestTrace
 from radixmesh.services.tokenizer.router import EngineRegistry, Route, Router
-from radixmesh.tracing import attributes as attr
-from radixmesh.tracing.propagation import headers
-from radixmesh.tracing.spans import current_span, end_span, start_span
 
 log = logging.getLogger("radixmesh.tokenizer.mesh")
 
 _PROMPT_TAIL = 4  # prompt tokens the detokenizer gets as left context for the first output
-_KINDS = frozenset(kind.value for kind in FinishKind)
-
-
-# ---- what the front doors send and get back --------------------------------------------------
-
-
-@dataclass
-class GenerationChunk:
-    """What one request produced since its previous chunk; the last one has `finish`."""
-
-    rid: str
-    text: str  # new text, stop strings applied
-    output_ids: list[int]  # new output token ids
-    prompt_tokens: int
-    completion_tokens: int  # output tokens so far, counting these
-    cached_tokens: int  # prompt tokens found in a prefix cache, all tiers
-    # SGLang's finish_reason object ({"type": "stop", "matched": ...}), None while running.
-    finish: dict[str, Any] | None = None
-    # Logprobs of `output_ids` and their alternatives (when the request asked).
-    output_token_logprobs: list[TokenLogprob] = field(default_factory=list)
-    output_top_logprobs: list[list[TokenLogprob]] = field(default_factory=list)
-    # Prompt logprobs from logprob_start_len on, complete on the last chunk only.
-    input_token_logprobs: list[TokenLogprob] = field(default_factory=list)
-    input_top_logprobs: list[list[TokenLogprob] | None] = field(default_factory=list)
-    # The parts of cached_tokens loaded back from the host and storage tiers.
-    cached_host_tokens: int = 0
-    cached_storage_tokens: int = 0
-
-    @property
-    def cached_tokens_details(self) -> CachedTokens:
-        """cached_tokens by tier: the rest of the hit was on the device."""
-        return CachedTokens.split(
-            self.cached_tokens, self.cached_host_tokens, self.cached_storage_tokens
-        )
-
-
-class GenerationError(Exception):
-    """A request the mesh could not serve; `status` is the HTTP status to answer with, and
-    `retry_after` the seconds a client should wait before trying again (overload)."""
-
-    def __init__(self, message: str, status: int = 503, retry_after: int | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.retry_after = retry_after
-
-    @property
-    def headers(self) -> dict[str, str]:
-        """The HTTP headers of its answer."""
-        return {} if self.retry_after is None else {"Retry-After": str(self.retry_after)}
-
-
-class GenerationClient(Protocol):
-    """The mesh as the front doors see it (MeshClient, or a fake in tests)."""
-
-    tokenizer: Tokenizer
-    model_name: str  # what /v1/models lists and the `model` field must name
-    grammar_backend: str  # the grammar_backend setting; "none": constraints are refused
-
-    @property
-    def context_length(self) -> int:
-        """Longest prompt + output an engine accepts (0 until an engine is known)."""
-
-    @property
-    def vocab_size(self) -> int:
-        """Vocabulary size of the served model."""
-
-    @property
-    def limits(self) -> ModelLimits:
-        """What requests are checked against (build_request)."""
-
-    def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
-        """Run a request; closing the iterator (or cancelling its task) early aborts it
-        and its KV slots return to the pool. Raises GenerationError when no engine can
-        take it."""
-
-
-# ---- tracing: tokenize (in the front doors), then generate with route, stream out, abort -----
-
-
-def encode_traced(tokenizer: Tokenizer, text: str, rid: str) -> list[int]:
-    """Token ids of a prompt, inside a "tokenize" span."""
-    with current_span("tokenize", attributes={attr.RID: rid}) as span:
-        ids = tokenizer.encode(text)
-        if span is not None:
-            span.set_attribute(attr.PROMPT_TOKENS, len(ids))
-        return ids
-
-
-@contextlib.contextmanager
-def tokenize_span() -> Iterator[Callable[[Sequence[GenerationRequest]], None]]:
-    """A "tokenize" span around parsing that yields the requests; call what it yields with
-    them to name them on the span."""
-    with current_span("tokenize") as span:
-
-        def tokenized(requests: Sequence[GenerationRequest]) -> None:
-            if span is not None:
-                span.set_attributes(attr.rid_attributes(r.rid for r in requests))
-                span.set_attribute(attr.PROMPT_TOKENS, [len(r.input_ids) for r in requests])
-
-        yield tokenized
-
-
-class RequestTrace:
-    """The spans of one request's life in the mesh; every method does nothing while tracing
-    is off."""
-
-    __slots__ = ("rid", "_span", "_stream", "_chunks", "_last")
-
-    def __init__(self, request: GenerationRequest) -> None:
-        self.rid = request.rid
-        self._stream: Span | None = None
-        self._chunks = 0
-        self._last: GenerationChunk | None = None
-        self._span = start_span("generate", attributes={
-            attr.RID: request.rid,
-            attr.PROMPT_TOKENS: len(request.input_ids),
-            attr.MAX_NEW_TOKENS: request.params.max_new_tokens,
-        }, kind=SpanKind.PRODUCER)
-        if self._span is not None:
-            attr.tag_rid(get_current_span(), request.rid)  # the HTTP or gRPC call's span
-
-    def route(self, router: Router, request: GenerationRequest) -> Route:
-        """Pick the request's engine inside a "route" span; LookupError when none is up."""
-        if self._span is None:
-            return router.route(request.input_ids, request.cache_salt or "")
-        span = start_span("route", self._span, {
-            attr.RID: self.rid, attr.ROUTE_ENGINES: len(router.engine_ids)})
-        try:
-            route = router.route(request.input_ids, request.cache_salt or "")
-        except LookupError:
-            end_span(span, error="no engine is available")
-            raise
-        self._span.set_attribute(attr.ENGINE_ID, route.engine_id)
-        if span is not None:
-            span.set_attributes({attr.ENGINE_ID: route.engine_id,
-                                 attr.ROUTE_MATCHED: route.matched_tokens})
-            span.end()
-        return route
-
-    def headers(self) -> dict[str, str] | None:
-        """NATS headers that make the engine's spans children of this request's."""
-        return headers(self._span)
-
-    def chunk(self, chunk: GenerationChunk) -> None:
-        """A chunk on its way to the client: the first one opens "stream out"."""
-        if self._span is None:
-            return
-        if self._stream is None:
-            self._stream = start_span("stream out", self._span, {attr.RID: self.rid})
-        self._chunks += 1
-        self._last = chunk
-
-    @contextlib.contextmanager
-    def aborting(self, reason: str) -> Iterator[dict[str, str] | None]:
-        """An "abort" span around telling the engine; yields the headers to send with it."""
-        span = start_span("abort", self._span, {attr.RID: self.rid, attr.ABORT_REASON: reason})
-        try:
-            yield headers(span)
-        finally:
-            end_span(span)
-
-    def end(self, error: str | None = None) -> None:
-        """The request is over (`error`: it never reached an engine)."""
-        if self._span is None:
-            return
-        last = self._last
-        if last is not None:
-            counts = {attr.CACHED_TOKENS: last.cached_tokens,
-                      attr.COMPLETION_TOKENS: last.completion_tokens}
-            self._span.set_attributes(counts)
-            if last.finish is not None:
-                self._span.set_attribute(attr.FINISH, str(last.finish.get("type")))
-            if self._stream is not None:
-                self._stream.set_attributes({**counts, attr.STREAM_CHUNKS: self._chunks})
-        end_span(self._stream)
-        end_span(self._span, error=error)
-
-
-# ---- reassembly: one request's TextChunks back in order, as GenerationChunks -----------------
-# Chunks of one request may come from different detokenizer replicas, so they can arrive out
-# of order; `seq` numbers them 0, 1, 2, ... and the first finish (in seq order) ends it.
-
-
-def _finish_from_proto(finish: mpb.Finish) -> dict[str, object]:
-    """SGLang's finish_reason object for a Finish message."""
-    which = finish.WhichOneof("matched")
-    matched = getattr(finish, which) if which else None
-    if finish.kind not in _KINDS:
-        return FinishReason(FinishKind.ABORT, message=f"unknown finish {finish.kind!r}").to_dict()
-    return FinishReason(FinishKind(finish.kind), matched, finish.message or None).to_dict()
-
-
-def _logprob(value: float) -> float | None:
-    # The first prompt token has no logprob (it travels as NaN); JSON has no infinities.
-    return value if math.isfinite(value) else None
-
-
-def _top(items: Iterable[wpb.TokenLogprob]) -> list[TokenLogprob]:
-    return [(_logprob(t.logprob), t.token_id, None) for t in items]
-
-
-class ChunkAssembler:
-    """In-order delivery of one request's output; prompt logprobs gathered until the end."""
-
-    def __init__(self, request: GenerationRequest) -> None:
-        self.request = request
-        self.finished = False
-        self.prompt_tokens = len(request.input_ids)
-        self.completion_tokens = 0
-        self.cached_tokens = 0
-        self.cached_host_tokens = 0
-        self.cached_storage_tokens = 0
-        self._next_seq = 0
-        self._early: dict[int, mpb.TextChunk] = {}
-        self._input_logprobs: list[float] = []
-        self._input_top: list[list[TokenLogprob] | None] = []
-
-    def add(self, chunk: mpb.TextChunk) -> list[GenerationChunk]:
-        """Take one chunk; returns the chunks now deliverable, in order."""
-        if self.finished or chunk.seq < self._next_seq:
-            return []
-        self._early[chunk.seq] = chunk
-        ready = []
-        while not self.finished and self._next_seq in self._early:
-            ready.append(self._convert(self._early.pop(self._next_seq)))
-            self._next_seq += 1
-        if self.finished:
-            self._early.clear()
-        return ready
-
-    @property
-    def has_gap(self) -> bool:
-        """Chunks arrived past one that has not: held until it comes."""
-        return bool(self._early)
-
-    def abort(self, message: str) -> GenerationChunk:
-        """The last chunk of a request the mesh gave up on."""
-        self.finished = True
-        self._early.clear()
-        return GenerationChunk(
-            rid=self.request.rid,
-            text="",
-            output_ids=[],
-            prompt_tokens=self.prompt_tokens,
-            completion_tokens=self.completion_tokens,
-            cached_tokens=self.cached_tokens,
-            finish=FinishReason(FinishKind.ABORT, message=message).to_dict(),
-            cached_host_tokens=self.cached_host_tokens,
-            cached_storage_tokens=self.cached_storage_tokens,
-        )
-
-    def _convert(self, chunk: mpb.TextChunk) -> GenerationChunk:
-        self.prompt_tokens = chunk.prompt_tokens or self.prompt_tokens
-        # A chunk without a cache count (a refusal) keeps the one already known.
-        if chunk.cached_tokens:
-            self.cached_tokens = chunk.cached_tokens
-            self.cached_host_tokens = chunk.cached_host_tokens
-            self.cached_storage_tokens = chunk.cached_storage_tokens
-        self.completion_tokens = max(self.completion_tokens, chunk.completion_tokens)
-        ids = list(chunk.output_ids)
-        out = GenerationChunk(
-            rid=self.request.rid,
-            text=chunk.text,
-            output_ids=ids,
-            prompt_tokens=self.prompt_tokens,
-            completion_tokens=self.completion_tokens,
-            cached_tokens=self.cached_tokens,
-            output_token_logprobs=[
-                (_logprob(lp), tid, None)
-                for lp, tid in zip(chunk.logprobs.output, ids, strict=False)
-            ],
-            output_top_logprobs=[_top(t.items) for t in chunk.logprobs.output_top],
-            cached_host_tokens=self.cached_host_tokens,
-            cached_storage_tokens=self.cached_storage_tokens,
-        )
-        self._gather_input_logprobs(chunk)
-        if chunk.HasField("finish"):
-            self.finished = True
-            out.finish = _finish_from_proto(chunk.finish)
-            out.input_token_logprobs, out.input_top_logprobs = self._input_logprob_lists()
-        return out
-
-    def _gather_input_logprobs(self, chunk: mpb.TextChunk) -> None:
-        logprobs = chunk.logprobs
-        start = logprobs.input_offset
-        end = start + len(logprobs.input)
-        if end > len(self._input_logprobs):
-            self._input_logprobs.extend([math.nan] * (end - len(self._input_logprobs)))
-        self._input_logprobs[start:end] = logprobs.input
-        tops = [_top(t.items) or None for t in logprobs.input_top]
-        if tops:
-            top_end = start + len(tops)
-            if top_end > len(self._input_top):
-                self._input_top.extend([None] * (top_end - len(self._input_top)))
-            self._input_top[start:top_end] = tops
-
-    def _input_logprob_lists(
-        self,
-    ) -> tuple[list[TokenLogprob], list[list[TokenLogprob] | None]]:
-        first = max(self.request.logprobs.logprob_start_len, 0)
-        prompt = self.request.input_ids[first:]
-        token_logprobs = [
-            (_logprob(lp), tid, None)
-            for lp, tid in zip(self._input_logprobs, prompt, strict=False)
-        ]
-        return token_logprobs, list(self._input_top)
-
-
-# ---- the client over NATS --------------------------------------------------------------------
-
-
 # How long output may stay out of order before the missing part counts as lost (two
 # detokenizer replicas deliver out of order by milliseconds; a dead one never delivers).
 GAP_TIMEOUT_S = 5.0

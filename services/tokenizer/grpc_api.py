@@ -20,12 +20,12 @@ from radixmesh.core.sampling_params import LogprobRequest
 from radixmesh.proto import generate_pb2 as gpb
 from radixmesh.proto import generate_pb2_grpc as ggrpc
 from radixmesh.services.tokenizer import metrics
-from radixmesh.services.tokenizer.client import (
+from radixmesh.services.tokenizer.generation import (
     GenerationChunk,
     GenerationClient,
     GenerationError,
-    encode_traced,
 )
+from radixmesh.services.tokenizer.request_trace import encode_traced
 
 SERVICE_NAME = gpb.DESCRIPTOR.services_by_name["Generate"].full_name
 _METHOD = f"/{SERVICE_NAME}/Generate"
@@ -34,6 +34,7 @@ _ENDPOINT = f"grpc:{_METHOD}"
 _OPTIONAL_SAMPLING = (
     "max_new_tokens", "temperature", "top_p", "top_k", "min_p", "frequency_penalty",
     "presence_penalty", "repetition_penalty", "min_new_tokens", "seed", "skip_special_tokens",
+    "json_schema", "regex", "ebnf",
 )
 
 

@@ -14,7 +14,7 @@ from prometheus_client import Counter, Gauge, Histogram
 from radixmesh.core.meta_info import CachedTokens
 
 if TYPE_CHECKING:  # the client imports this module to count what it sends
-    from radixmesh.services.tokenizer.client import GenerationChunk
+    from radixmesh.services.tokenizer.generation import GenerationChunk
 
 Clock = Callable[[], float]
 

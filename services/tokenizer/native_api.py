@@ -25,13 +25,10 @@ from radixmesh.core.meta_info import CachedTokens, LogprobLists, TokenLogprob, T
 from radixmesh.core.request import FieldNames, GenerationRequest, build_request, is_int
 from radixmesh.core.sampling_params import LogprobRequest, SamplingParams
 from radixmesh.mesh.service import health_handler, metrics_response
-from radixmesh.services.tokenizer.client import (
-    GenerationChunk,
-    GenerationError,
-    MeshClient,
-    encode_traced,
-)
+from radixmesh.services.tokenizer.client import MeshClient
+from radixmesh.services.tokenizer.generation import GenerationChunk, GenerationError
 from radixmesh.services.tokenizer.http_util import SSE_DONE, sse_event
+from radixmesh.services.tokenizer.request_trace import encode_traced
 
 _Event = tuple[int, GenerationChunk | GenerationError]
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}

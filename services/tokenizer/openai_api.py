@@ -18,11 +18,10 @@ from aiohttp import web
 
 from radixmesh.core.request import GenerationRequest
 from radixmesh.core.tokenizer import Tokenizer
-from radixmesh.services.tokenizer.client import (
+from radixmesh.services.tokenizer.generation import (
     GenerationChunk,
     GenerationClient,
     GenerationError,
-    tokenize_span,
 )
 from radixmesh.services.tokenizer.http_util import CLIENT_CLOSED, SSE_DONE, sse_event
 from radixmesh.services.tokenizer.openai_protocol import (
@@ -39,6 +38,7 @@ from radixmesh.services.tokenizer.openai_responses import (
     CompletionResponse,
     ResponseBuilder,
 )
+from radixmesh.services.tokenizer.request_trace import tokenize_span
 
 log = logging.getLogger(__name__)
 

@@ -148,7 +148,7 @@ def parse_completion(
     max_tokens = _get_int(body, "max_tokens", minimum=0)
     max_tokens = COMPLETION_MAX_TOKENS if max_tokens is None else max_tokens
     sampling = _sampling_fields(body, max_tokens)
-    prompts = _completion_prompts(body.get("prompt"), tokenizer, model.vocab_size)
+    prompts = _completion_prompts(body.get("prompt"), tokenizer)
     # Echoed prompts with logprobs need the prompt's own logprobs, from its first token.
     logprobs = _logprob_request(top_logprobs, prompt_logprobs=echo)
     names = _names(body, "prompt", "max_tokens")
@@ -323,10 +323,9 @@ def _room_left(prompt_tokens: int, model: ServedModel) -> int:
     return max(model.context_length - prompt_tokens, 0)
 
 
-def _completion_prompts(
-    prompt: Any, tokenizer: Tokenizer, vocab_size: int
-) -> list[tuple[list[int], str | None]]:
-    """Each prompt's token ids, with its text when it came as text."""
+def _completion_prompts(prompt: Any, tokenizer: Tokenizer) -> list[tuple[list[int], str | None]]:
+    """Each prompt's token ids, with its text when it came as text (build_request checks
+    them against the vocabulary)."""
     if isinstance(prompt, str) or (
         isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt)
     ):
@@ -335,14 +334,11 @@ def _completion_prompts(
         items = prompt
     else:
         raise OpenAIError(f"prompt must be {_PROMPT_SHAPES}, got {prompt!r}", "prompt")
-    limit = vocab_size or tokenizer.vocab_size
     prompts: list[tuple[list[int], str | None]] = []
     for item in items:
         if isinstance(item, str):
             prompts.append((tokenizer.encode(item), item))
         elif isinstance(item, list) and all(is_int(t) for t in item):
-            if any(not 0 <= t < limit for t in item):
-                raise OpenAIError(f"prompt token ids must be in [0, {limit})", "prompt")
             prompts.append((list(item), None))
         else:
             raise OpenAIError(f"prompt must be {_PROMPT_SHAPES}, got {item!r}", "prompt")

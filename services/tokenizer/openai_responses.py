@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 
 from radixmesh.core.meta_info import TokenLogprob
 from radixmesh.core.tokenizer import Tokenizer
-from radixmesh.services.tokenizer.client import GenerationChunk, GenerationError
+from radixmesh.services.tokenizer.generation import GenerationChunk, GenerationError
 from radixmesh.services.tokenizer.openai_protocol import OpenAIRequest
 
 Json = dict[str, Any]

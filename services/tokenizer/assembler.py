@@ -1,0 +1,146 @@
+"""One request's TextChunks back in order, as GenerationChunks: the conversion from the
+detokenizers' messages to what the front doors render.
+
+Chunks of one request may come from different detokenizer replicas, so they can arrive out
+of order; `seq` numbers them 0, 1, 2, ... and the first finish (in seq order) ends it."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+from radixmesh.core.finish import FinishKind, FinishReason
+from radixmesh.core.meta_info import TokenLogprob
+from radixmesh.core.request import GenerationRequest
+from radixmesh.proto import mesh_pb2 as mpb
+from radixmesh.proto import worker_pb2 as wpb
+from radixmesh.services.tokenizer.generation import GenerationChunk
+
+_KINDS = frozenset(kind.value for kind in FinishKind)
+
+
+def _finish_from_proto(finish: mpb.Finish) -> dict[str, object]:
+    """SGLang's finish_reason object for a Finish message."""
+    which = finish.WhichOneof("matched")
+    matched = getattr(finish, which) if which else None
+    if finish.kind not in _KINDS:
+        return FinishReason(FinishKind.ABORT, message=f"unknown finish {finish.kind!r}").to_dict()
+    return FinishReason(FinishKind(finish.kind), matched, finish.message or None).to_dict()
+
+
+def _logprob(value: float) -> float | None:
+    # The first prompt token has no logprob (it travels as NaN); JSON has no infinities.
+    return value if math.isfinite(value) else None
+
+
+def _top(items: Iterable[wpb.TokenLogprob]) -> list[TokenLogprob]:
+    return [(_logprob(t.logprob), t.token_id, None) for t in items]
+
+
+class ChunkAssembler:
+    """In-order delivery of one request's output; prompt logprobs gathered until the end."""
+
+    def __init__(self, request: GenerationRequest) -> None:
+        self.request = request
+        self.finished = False
+        self.prompt_tokens = len(request.input_ids)
+        self.completion_tokens = 0
+        self.cached_tokens = 0
+        self.cached_host_tokens = 0
+        self.cached_storage_tokens = 0
+        self._next_seq = 0
+        self._early: dict[int, mpb.TextChunk] = {}
+        self._input_logprobs: list[float] = []
+        self._input_top: list[list[TokenLogprob] | None] = []
+
+    def add(self, chunk: mpb.TextChunk) -> list[GenerationChunk]:
+        """Take one chunk; returns the chunks now deliverable, in order."""
+        if self.finished or chunk.seq < self._next_seq:
+            return []
+        self._early[chunk.seq] = chunk
+        ready = []
+        while not self.finished and self._next_seq in self._early:
+            ready.append(self._convert(self._early.pop(self._next_seq)))
+            self._next_seq += 1
+        if self.finished:
+            self._early.clear()
+        return ready
+
+    @property
+    def has_gap(self) -> bool:
+        """Chunks arrived past one that has not: held until it comes."""
+        return bool(self._early)
+
+    def abort(self, message: str) -> GenerationChunk:
+        """The last chunk of a request the mesh gave up on."""
+        self.finished = True
+        self._early.clear()
+        return GenerationChunk(
+            rid=self.request.rid,
+            text="",
+            output_ids=[],
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=self.completion_tokens,
+            cached_tokens=self.cached_tokens,
+            finish=FinishReason(FinishKind.ABORT, message=message).to_dict(),
+            cached_host_tokens=self.cached_host_tokens,
+            cached_storage_tokens=self.cached_storage_tokens,
+        )
+
+    def _convert(self, chunk: mpb.TextChunk) -> GenerationChunk:
+        self.prompt_tokens = chunk.prompt_tokens or self.prompt_tokens
+        # A chunk without a cache count (a refusal) keeps the one already known.
+        if chunk.cached_tokens:
+            self.cached_tokens = chunk.cached_tokens
+            self.cached_host_tokens = chunk.cached_host_tokens
+            self.cached_storage_tokens = chunk.cached_storage_tokens
+        self.completion_tokens = max(self.completion_tokens, chunk.completion_tokens)
+        ids = list(chunk.output_ids)
+        out = GenerationChunk(
+            rid=self.request.rid,
+            text=chunk.text,
+            output_ids=ids,
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=self.completion_tokens,
+            cached_tokens=self.cached_tokens,
+            output_token_logprobs=[
+                (_logprob(lp), tid, None)
+                for lp, tid in zip(chunk.logprobs.output, ids, strict=False)
+            ],
+            output_top_logprobs=[_top(t.items) for t in chunk.logprobs.output_top],
+            cached_host_tokens=self.cached_host_tokens,
+            cached_storage_tokens=self.cached_storage_tokens,
+        )
+        self._gather_input_logprobs(chunk)
+        if chunk.HasField("finish"):
+            self.finished = True
+            out.finish = _finish_from_proto(chunk.finish)
+            out.input_token_logprobs, out.input_top_logprobs = self._input_logprob_lists()
+        return out
+
+    def _gather_input_logprobs(self, chunk: mpb.TextChunk) -> None:
+        logprobs = chunk.logprobs
+        start = logprobs.input_offset
+        end = start + len(logprobs.input)
+        if end > len(self._input_logprobs):
+            self._input_logprobs.extend([math.nan] * (end - len(self._input_logprobs)))
+        self._input_logprobs[start:end] = logprobs.input
+        tops = [_top(t.items) or None for t in logprobs.input_top]
+        if tops:
+            top_end = start + len(tops)
+            if top_end > len(self._input_top):
+                self._input_top.extend([None] * (top_end - len(self._input_top)))
+            self._input_top[start:top_end] = tops
+
+    def _input_logprob_lists(
+        self,
+    ) -> tuple[list[TokenLogprob], list[list[TokenLogprob] | None]]:
+        first = max(self.request.logprobs.logprob_start_len, 0)
+        prompt = self.request.input_ids[first:]
+        token_logprobs = [
+            (_logprob(lp), tid, None)
+            for lp, tid in zip(self._input_logprobs, prompt, strict=False)
+        ]
+        return token_logprobs, list(self._input_top)
+
+

@@ -1,0 +1,85 @@
+"""What the tokenizer's front doors (HTTP, gRPC) ask of the mesh and get back: the
+GenerationClient they call (MeshClient, or a fake in tests), the GenerationChunks a request's
+output arrives in, and GenerationError for a request the mesh cannot serve."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from radixmesh.core.meta_info import CachedTokens, TokenLogprob
+from radixmesh.core.request import GenerationRequest, ModelLimits
+from radixmesh.core.tokenizer import Tokenizer
+
+
+@dataclass
+class GenerationChunk:
+    """What one request produced since its previous chunk; the last one has `finish`."""
+
+    rid: str
+    text: str  # new text, stop strings applied
+    output_ids: list[int]  # new output token ids
+    prompt_tokens: int
+    completion_tokens: int  # output tokens so far, counting these
+    cached_tokens: int  # prompt tokens found in a prefix cache, all tiers
+    # SGLang's finish_reason object ({"type": "stop", "matched": ...}), None while running.
+    finish: dict[str, Any] | None = None
+    # Logprobs of `output_ids` and their alternatives (when the request asked).
+    output_token_logprobs: list[TokenLogprob] = field(default_factory=list)
+    output_top_logprobs: list[list[TokenLogprob]] = field(default_factory=list)
+    # Prompt logprobs from logprob_start_len on, complete on the last chunk only.
+    input_token_logprobs: list[TokenLogprob] = field(default_factory=list)
+    input_top_logprobs: list[list[TokenLogprob] | None] = field(default_factory=list)
+    # The parts of cached_tokens loaded back from the host and storage tiers.
+    cached_host_tokens: int = 0
+    cached_storage_tokens: int = 0
+
+    @property
+    def cached_tokens_details(self) -> CachedTokens:
+        """cached_tokens by tier: the rest of the hit was on the device."""
+        return CachedTokens.split(
+            self.cached_tokens, self.cached_host_tokens, self.cached_storage_tokens
+        )
+
+
+class GenerationError(Exception):
+    """A request the mesh could not serve; `status` is the HTTP status to answer with, and
+    `retry_after` the seconds a client should wait before trying again (overload)."""
+
+    def __init__(self, message: str, status: int = 503, retry_after: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.retry_after = retry_after
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """The HTTP headers of its answer."""
+        return {} if self.retry_after is None else {"Retry-After": str(self.retry_after)}
+
+
+class GenerationClient(Protocol):
+    """The mesh as the front doors see it (MeshClient, or a fake in tests)."""
+
+    tokenizer: Tokenizer
+    model_name: str  # what /v1/models lists and the `model` field must name
+    grammar_backend: str  # the grammar_backend setting; "none": constraints are refused
+
+    @property
+    def context_length(self) -> int:
+        """Longest prompt + output an engine accepts (0 until an engine is known)."""
+
+    @property
+    def vocab_size(self) -> int:
+        """Vocabulary size of the served model."""
+
+    @property
+    def limits(self) -> ModelLimits:
+        """What requests are checked against (build_request)."""
+
+    def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+        """Run a request; closing the iterator (or cancelling its task) early aborts it
+        and its KV slots return to the pool. Raises GenerationError when no engine can
+        take it."""
+
+
