@@ -129,7 +129,7 @@ class RequestStream:
             )
         return meta_info(
             req.rid,
-            req.finish.to_dict() if req.finish else None,
+            req.finish,
             len(req.input_ids),
             len(req.output_ids),
             CachedTokens.split(

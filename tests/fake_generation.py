@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
-from typing import Any
 
+from radixmesh.core.finish import FinishKind, FinishReason
 from radixmesh.core.meta_info import TokenLogprob
 from radixmesh.core.request import GenerationRequest, ModelLimits
 from radixmesh.core.tokenizer import Tokenizer
@@ -83,7 +83,7 @@ class FakeGenerationClient:
     async def _run(self, request: GenerationRequest, cached: int) -> AsyncIterator[GenerationChunk]:
         ids = self.output_ids(request)
         shown = ""
-        finish: dict[str, Any] | None = None
+        finish: FinishReason | None = None
         try:
             for k in range(len(ids)):
                 if self.hold_after is not None and k >= self.hold_after:
@@ -105,21 +105,21 @@ class FakeGenerationClient:
 
     def _finish(
         self, request: GenerationRequest, ids: list[int], k: int, text: str
-    ) -> tuple[dict[str, Any] | None, str]:
+    ) -> tuple[FinishReason | None, str]:
         """The finish after token k, if any, and the text to show up to it."""
         if self.abort_message is not None and k >= self.abort_after:
-            return {"type": "abort", "message": self.abort_message}, ""
+            return FinishReason(FinishKind.ABORT, message=self.abort_message), ""
         params = request.params
         hits = [(text.find(stop), stop) for stop in params.stop if stop in text]
         if hits:
             start, stop = min(hits)
             end = start + len(stop) if params.no_stop_trim else start
-            return {"type": "stop", "matched": stop}, text[:end]
+            return FinishReason(FinishKind.STOP, stop), text[:end]
         if k + 1 < len(ids):
             return None, text[: len(text) - _stop_prefix_len(text, params.stop)]
         if ids[k] == EOS_ID and not params.ignore_eos:
-            return {"type": "stop", "matched": EOS_ID}, text
-        return {"type": "length", "length": params.max_new_tokens}, text
+            return FinishReason(FinishKind.STOP, EOS_ID), text
+        return FinishReason(FinishKind.LENGTH, params.max_new_tokens), text
 
     def _chunk(
         self,
@@ -128,7 +128,7 @@ class FakeGenerationClient:
         k: int,
         delta: str,
         cached: int,
-        finish: dict[str, Any] | None,
+        finish: FinishReason | None,
     ) -> GenerationChunk:
         chunk = GenerationChunk(
             rid=request.rid,

@@ -8,6 +8,7 @@ import pytest
 from fake_worker import FakeWorker
 from prometheus_client import REGISTRY
 
+from radixmesh.core.finish import FinishKind, FinishReason
 from radixmesh.core.sampling_params import SamplingParams
 from radixmesh.engine.request import Req
 from radixmesh.engine.scheduler import Scheduler, SchedulerConfig
@@ -44,7 +45,7 @@ def chunk(
 ) -> GenerationChunk:
     return GenerationChunk(
         rid="r", text="", output_ids=[], prompt_tokens=5, completion_tokens=completion,
-        cached_tokens=cached, finish={"type": finish} if finish else None,
+        cached_tokens=cached, finish=FinishReason(FinishKind(finish)) if finish else None,
         cached_host_tokens=host,
     )
 

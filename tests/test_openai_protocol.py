@@ -9,6 +9,7 @@ import math
 import pytest
 from fake_generation import FakeGenerationClient
 
+from radixmesh.core.finish import FinishKind, FinishReason
 from radixmesh.core.tokenizer import Tokenizer
 from radixmesh.services.tokenizer.generation import GenerationChunk, GenerationError
 from radixmesh.services.tokenizer.openai_api import ClientGone, GenerationFanout
@@ -39,7 +40,7 @@ def tok() -> Tokenizer:
     return Tokenizer.from_path(None)
 
 
-def chunk(text: str, ids: list[int], done: int = 0, finish: dict | None = None, **kw):
+def chunk(text: str, ids: list[int], done: int = 0, finish: FinishReason | None = None, **kw):
     return GenerationChunk("r", text, ids, 5, done, kw.pop("cached", 0), finish, **kw)
 
 
@@ -127,10 +128,10 @@ def test_error_body_types():
 
 def test_finish_reasons():
     assert finish_reason(None) is None
-    assert finish_reason({"type": "stop", "matched": 2}) == "stop"
-    assert finish_reason({"type": "length", "length": 3}) == "length"
+    assert finish_reason(FinishReason(FinishKind.STOP, 2)) == "stop"
+    assert finish_reason(FinishReason(FinishKind.LENGTH, 3)) == "length"
     with pytest.raises(GenerationError, match="gone") as err:
-        finish_reason({"type": "abort", "message": "gone"})
+        finish_reason(FinishReason(FinishKind.ABORT, message="gone"))
     assert err.value.status == 503
 
 
@@ -170,7 +171,7 @@ def test_completion_response_with_echo(tok):
     builder = CompletionResponse(parsed, "m", 7, tok)
     for index in (0, 1):
         builder.add(index, chunk(" a", [1], 1, cached=index))
-        builder.add(index, chunk("b", [2], 2, {"type": "length", "length": 2}, cached=index))
+        builder.add(index, chunk("b", [2], 2, FinishReason(FinishKind.LENGTH, 2), cached=index))
     out = builder.response()
     assert {k: out[k] for k in ("id", "object", "created", "model")} == {
         "id": "cmpl-1",
@@ -205,7 +206,7 @@ def test_chat_stream_chunks(tok):
     [delta] = builder.delta_chunks(0, chunk("Hey", [5], 1))
     assert delta["choices"][0]["delta"] == {"content": "Hey"}
     assert builder.delta_chunks(0, chunk("", [6], 2)) == []
-    [finish] = builder.delta_chunks(0, chunk("", [2], 3, {"type": "stop", "matched": 2}))
+    [finish] = builder.delta_chunks(0, chunk("", [2], 3, FinishReason(FinishKind.STOP, 2)))
     assert finish["choices"] == [
         {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "stop"}
     ]

@@ -30,6 +30,7 @@ from grpc_tools import protoc
 from process_helpers import service_process
 
 from radixmesh.core.detokenize import detok_context_size
+from radixmesh.core.finish import FinishKind
 from radixmesh.core.meta_info import CachedTokens
 from radixmesh.core.request import GenerationRequest
 from radixmesh.core.sampling_params import LogprobRequest, SamplingParams
@@ -102,7 +103,7 @@ async def test_single_request_round_trip(mesh):
     assert [c.text for c in chunks] == [token_text(t) for t in echo_ids(prompt, 3)]
     assert [c.output_ids for c in chunks] == [[5], [6], [7]]
     assert [c.completion_tokens for c in chunks] == [1, 2, 3]
-    assert chunks[-1].finish == {"type": "length", "length": 3}
+    assert chunks[-1].finish.to_dict() == {"type": "length", "length": 3}
     assert all(c.finish is None for c in chunks[:-1])
     assert chunks[-1].prompt_tokens == 5
     sent = engine.requests[0]
@@ -126,7 +127,7 @@ async def test_out_of_order_chunks_are_reassembled_and_a_late_finish_ignored(mes
     chunks = await _run(mesh.client, _request([3, 4, 5], max_new_tokens=5))
     assert [c.output_ids[0] for c in chunks] == echo_ids([3, 4, 5], 5)
     assert [c.completion_tokens for c in chunks] == [1, 2, 3, 4, 5]
-    assert chunks[-1].finish == {"type": "length", "length": 5}
+    assert chunks[-1].finish.to_dict() == {"type": "length", "length": 5}
     assert "LATE" not in "".join(c.text for c in chunks)
 
 
@@ -233,7 +234,7 @@ async def test_a_request_its_engine_lost_before_any_output_is_retried_once(mesh)
     losing = await mesh.add_engine("losing", lose=True)
     # Only the losing engine: the retry finds no other and the abort stands.
     chunks = await _run(mesh.client, _request([1, 2], max_new_tokens=2))
-    assert [c.finish for c in chunks] == [{"type": "abort", "matched": None,
+    assert [c.finish.to_dict() for c in chunks] == [{"type": "abort", "matched": None,
                                            "message": f"engine {losing.engine_id} lost its worker"}]
     # With a healthy engine too: the lost request runs there, as if new.
     healthy = await mesh.add_engine("healthy")
@@ -241,7 +242,7 @@ async def test_a_request_its_engine_lost_before_any_output_is_retried_once(mesh)
     await asyncio.sleep(0.2)  # both heartbeats heard again
     chunks = await _run(mesh.client, _request([1, 2], max_new_tokens=2))
     assert [c.output_ids for c in chunks] == [[1], [2]]
-    assert chunks[-1].finish["type"] == "length"
+    assert chunks[-1].finish.kind is FinishKind.LENGTH
     assert len(losing.requests) == 2 and len(healthy.requests) == 1
 
 
@@ -249,7 +250,7 @@ async def test_output_with_a_lasting_hole_ends_and_is_aborted(mesh, monkeypatch)
     monkeypatch.setattr(client_module, "GAP_TIMEOUT_S", 0.3)
     engine = await mesh.add_engine("e", gap=True)
     chunks = await _run(mesh.client, _request([1, 2, 3], rid="holed", max_new_tokens=3))
-    assert chunks[-1].finish == {
+    assert chunks[-1].finish.to_dict() == {
         "type": "abort", "matched": None,
         "message": "part of the output was lost on its way (a detokenizer went away)"}
     await engine.wait_for("aborts")
@@ -260,7 +261,7 @@ async def test_a_request_without_output_for_stall_timeout_ends(mesh):
     engine = await mesh.add_engine("e", delay_s=5.0)
     mesh.client.stall_timeout_s = 0.3
     chunks = await _run(mesh.client, _request([1], rid="stalled", max_new_tokens=2))
-    assert chunks[-1].finish == {"type": "abort", "matched": None,
+    assert chunks[-1].finish.to_dict() == {"type": "abort", "matched": None,
                                  "message": "no output for 0.3 s"}
     await engine.wait_for("aborts")
 
@@ -285,8 +286,8 @@ async def test_a_vanished_engine_ends_its_requests_with_an_abort(nc, tokenizer):
         await gen.__anext__()
         await engine.stop()
         last = await asyncio.wait_for(gen.__anext__(), 5)
-        assert last.finish["type"] == "abort"
-        assert engine.engine_id in last.finish["message"]
+        assert last.finish.kind is FinishKind.ABORT
+        assert engine.engine_id in last.finish.message
         with pytest.raises(StopAsyncIteration):
             await gen.__anext__()
         assert len(m.client.engines) == 0 and m.client.context_length == 0

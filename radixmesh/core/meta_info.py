@@ -9,6 +9,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from radixmesh.core.finish import FinishReason
+
 # A token's logprob as SGLang reports it: (logprob or None, token id, token text or None).
 TokenLogprob = tuple[float | None, int, str | None]
 # A token's text, for clients that asked to see it beside each logprob.
@@ -52,7 +54,7 @@ class CachedTokens:
 
 def meta_info(
     rid: str,
-    finish_reason: dict[str, object] | None,
+    finish: FinishReason | None,
     prompt_tokens: int,
     completion_tokens: int,
     cached: CachedTokens,
@@ -65,7 +67,7 @@ def meta_info(
     Every list is a fresh copy, so a caller may keep appending to what it passed in."""
     meta: dict[str, Any] = {
         "id": rid,
-        "finish_reason": finish_reason,
+        "finish_reason": finish.to_dict() if finish else None,
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "cached_tokens": cached.total,

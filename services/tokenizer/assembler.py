@@ -19,13 +19,13 @@ from radixmesh.services.tokenizer.generation import GenerationChunk
 _KINDS = frozenset(kind.value for kind in FinishKind)
 
 
-def _finish_from_proto(finish: mpb.Finish) -> dict[str, object]:
-    """SGLang's finish_reason object for a Finish message."""
+def _finish_from_proto(finish: mpb.Finish) -> FinishReason:
+    """The FinishReason a Finish message carries."""
     which = finish.WhichOneof("matched")
     matched = getattr(finish, which) if which else None
     if finish.kind not in _KINDS:
-        return FinishReason(FinishKind.ABORT, message=f"unknown finish {finish.kind!r}").to_dict()
-    return FinishReason(FinishKind(finish.kind), matched, finish.message or None).to_dict()
+        return FinishReason(FinishKind.ABORT, message=f"unknown finish {finish.kind!r}")
+    return FinishReason(FinishKind(finish.kind), matched, finish.message or None)
 
 
 def _logprob(value: float) -> float | None:
@@ -82,7 +82,7 @@ class ChunkAssembler:
             prompt_tokens=self.prompt_tokens,
             completion_tokens=self.completion_tokens,
             cached_tokens=self.cached_tokens,
-            finish=FinishReason(FinishKind.ABORT, message=message).to_dict(),
+            finish=FinishReason(FinishKind.ABORT, message=message),
             cached_host_tokens=self.cached_host_tokens,
             cached_storage_tokens=self.cached_storage_tokens,
         )

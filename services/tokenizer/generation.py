@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
+from radixmesh.core.finish import FinishReason
 from radixmesh.core.meta_info import CachedTokens, TokenLogprob
 from radixmesh.core.request import GenerationRequest, ModelLimits
 from radixmesh.core.tokenizer import Tokenizer
@@ -23,8 +24,7 @@ class GenerationChunk:
     prompt_tokens: int
     completion_tokens: int  # output tokens so far, counting these
     cached_tokens: int  # prompt tokens found in a prefix cache, all tiers
-    # SGLang's finish_reason object ({"type": "stop", "matched": ...}), None while running.
-    finish: dict[str, Any] | None = None
+    finish: FinishReason | None = None  # None while running
     # Logprobs of `output_ids` and their alternatives (when the request asked).
     output_token_logprobs: list[TokenLogprob] = field(default_factory=list)
     output_top_logprobs: list[list[TokenLogprob]] = field(default_factory=list)

@@ -14,6 +14,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from radixmesh.core.finish import FinishReason
 from radixmesh.core.meta_info import TokenLogprob
 from radixmesh.core.request import FieldNames, GenerationRequest, build_request
 from radixmesh.core.sampling_params import LogprobRequest
@@ -51,10 +52,10 @@ def sampling_dict(p: gpb.ClientSamplingParams) -> dict[str, Any]:
     return out
 
 
-def finish_to_proto(finish: dict[str, Any]) -> gpb.Finish:
-    """SGLang's finish_reason object as the Finish message."""
-    out = gpb.Finish(kind=finish["type"], message=finish.get("message") or "")
-    matched = finish.get("length", finish.get("matched"))
+def _public_finish(finish: FinishReason) -> gpb.Finish:
+    """A FinishReason as the public API's Finish message."""
+    out = gpb.Finish(kind=finish.kind.value, message=finish.message or "")
+    matched = finish.matched
     if isinstance(matched, str):
         out.text = matched
     elif isinstance(matched, int):
@@ -87,7 +88,7 @@ def response_from_chunk(chunk: GenerationChunk) -> gpb.GenerateResponse:
                             for top in chunk.input_top_logprobs],
     )
     if chunk.finish is not None:
-        out.finish.CopyFrom(finish_to_proto(chunk.finish))
+        out.finish.CopyFrom(_public_finish(chunk.finish))
     return out
 
 

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import Counter, Gauge, Histogram
 
+from radixmesh.core.finish import FinishKind
 from radixmesh.core.meta_info import CachedTokens
 
 if TYPE_CHECKING:  # the client imports this module to count what it sends
@@ -137,7 +138,7 @@ class RequestMetrics:
         if chunk.finish is not None:
             self._m.e2e.observe(now - self._started)
             # A stop string can trim tokens already counted: the last chunk has the total.
-            self._end(chunk.completion_tokens, chunk.finish.get("type") == "abort")
+            self._end(chunk.completion_tokens, chunk.finish.kind is FinishKind.ABORT)
 
     def close(self) -> None:
         """The request is over; without a last chunk it was aborted (e.g. a hang-up)."""

@@ -21,6 +21,7 @@ from typing import Any
 
 from aiohttp import web
 
+from radixmesh.core.finish import FinishKind, FinishReason
 from radixmesh.core.meta_info import CachedTokens, LogprobLists, TokenLogprob, TokenText, meta_info
 from radixmesh.core.request import FieldNames, GenerationRequest, build_request, is_int
 from radixmesh.core.sampling_params import LogprobRequest, SamplingParams
@@ -212,7 +213,7 @@ class NativeApi:
             input_ids=client.tokenizer.encode("ping")[:1] or [0],
             params=SamplingParams(max_new_tokens=1, temperature=0.0),
         )
-        finish: dict[str, Any] | None = None
+        finish: FinishReason | None = None
         try:
             async with asyncio.timeout(self.health_timeout_s):
                 async with aclosing(client.generate(probe)) as chunks:
@@ -222,8 +223,9 @@ class NativeApi:
             return error_response(str(exc), exc.status)
         except TimeoutError:
             return error_response("no engine generated in time", 503)
-        if finish is None or finish.get("type") == "abort":
-            return error_response(f"the probe request failed: {finish}", 503)
+        if finish is None or finish.kind is FinishKind.ABORT:
+            said = finish.to_dict() if finish else None
+            return error_response(f"the probe request failed: {said}", 503)
         return web.Response(text="")
 
     async def flush_cache(self, _: web.Request) -> web.Response:

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from radixmesh.core.finish import FinishKind, FinishReason
 from radixmesh.core.meta_info import TokenLogprob
 from radixmesh.core.tokenizer import Tokenizer
 from radixmesh.services.tokenizer.generation import GenerationChunk, GenerationError
@@ -245,14 +246,13 @@ class ChatResponse(ResponseBuilder):
 # ---- one choice as its chunks arrive, and the usage they add up to ---------------------------
 
 
-def finish_reason(finish: dict[str, Any] | None) -> str | None:
+def finish_reason(finish: FinishReason | None) -> str | None:
     """OpenAI's finish_reason; a request the mesh aborted is an error, not a finish."""
     if finish is None:
         return None
-    kind = finish.get("type")
-    if kind in ("stop", "length"):
-        return kind
-    raise GenerationError(str(finish.get("message") or "the request was aborted"), 503)
+    if finish.kind is not FinishKind.ABORT:
+        return finish.kind.value
+    raise GenerationError(finish.message or "the request was aborted", 503)
 
 
 @dataclass
