@@ -19,7 +19,7 @@ Sections:
      visible (causal) query-key pairs, 4 * head_dim FLOPs each.
   5. model decode: 28 layers, hidden 1024, 16 query / 8 KV heads, head dim 128, vocab 151936
      (~0.6B parameters with tied embeddings), bf16, random weights; decode steps/s of
-     ModelRunner.forward (a ForwardBatch in, greedy tokens out: inputs, forward, logits,
+     ModelRunner.forward (a StepBatch in, greedy tokens out: inputs, forward, logits,
      sampling) at batch 1, 16 and 64 over a 1024-token cached prefix, eager
      (cuda_graph_max_bs 0) and with CUDA graphs, and whether both produced the same tokens
      (they may not: the two modes can split the KV differently, and random weights leave

@@ -74,9 +74,9 @@ def host_pool_from_proto(msg: wpb.HostPool) -> HostPoolSpec:
     return HostPoolSpec(msg.name, msg.path, msg.num_slots, msg.layout, geometry)
 
 
-def batch_to_proto(batch: StepBatch) -> wpb.ForwardBatch:
+def batch_to_proto(batch: StepBatch) -> wpb.StepBatch:
     """A step as the scheduler sends it to every worker rank."""
-    return wpb.ForwardBatch(
+    return wpb.StepBatch(
         step=batch.step,
         new_requests=[
             wpb.NewRequest(
@@ -92,7 +92,7 @@ def batch_to_proto(batch: StepBatch) -> wpb.ForwardBatch:
             for n in batch.new_requests
         ],
         entries=[
-            wpb.ForwardEntry(rid=e.rid, input_ids=e.input_ids, slots=e.slots, sample=e.sample)
+            wpb.StepEntry(rid=e.rid, input_ids=e.input_ids, slots=e.slots, sample=e.sample)
             for e in batch.entries
         ],
         release=batch.release,
@@ -108,7 +108,7 @@ def batch_to_proto(batch: StepBatch) -> wpb.ForwardBatch:
     )
 
 
-def batch_from_proto(msg: wpb.ForwardBatch) -> StepBatch:
+def batch_from_proto(msg: wpb.StepBatch) -> StepBatch:
     """The worker's side of batch_to_proto. The runner needs no max_new_tokens (the
     scheduler ends requests); at least min_new_tokens keeps the params valid."""
     return StepBatch(
@@ -136,9 +136,9 @@ def batch_from_proto(msg: wpb.ForwardBatch) -> StepBatch:
     )
 
 
-def result_to_proto(result: StepResult) -> wpb.ForwardResult:
+def result_to_proto(result: StepResult) -> wpb.StepResult:
     """A step's result as a worker rank answers it."""
-    return wpb.ForwardResult(
+    return wpb.StepResult(
         step=result.step,
         results=[
             wpb.EntryResult(
@@ -163,7 +163,7 @@ def result_to_proto(result: StepResult) -> wpb.ForwardResult:
     )
 
 
-def result_from_proto(msg: wpb.ForwardResult) -> StepResult:
+def result_from_proto(msg: wpb.StepResult) -> StepResult:
     """The scheduler's side of result_to_proto."""
     return StepResult(
         msg.step,

@@ -90,7 +90,7 @@ class NewRequest(_message.Message):
     logprob_start_len: int
     def __init__(self, rid: _Optional[str] = ..., prefix_ids: _Optional[_Iterable[int]] = ..., prefix_slots: _Optional[_Iterable[int]] = ..., prompt_len: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., top_logprobs_num: _Optional[int] = ..., return_logprob: _Optional[bool] = ..., logprob_start_len: _Optional[int] = ...) -> None: ...
 
-class ForwardEntry(_message.Message):
+class StepEntry(_message.Message):
     __slots__ = ("rid", "input_ids", "slots", "sample")
     RID_FIELD_NUMBER: _ClassVar[int]
     INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -136,7 +136,7 @@ class HostPool(_message.Message):
     page_size: int
     def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., num_slots: _Optional[int] = ..., layout: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., page_size: _Optional[int] = ...) -> None: ...
 
-class ForwardBatch(_message.Message):
+class StepBatch(_message.Message):
     __slots__ = ("step", "new_requests", "entries", "release", "copies", "host_pool", "grammars")
     STEP_FIELD_NUMBER: _ClassVar[int]
     NEW_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -147,12 +147,12 @@ class ForwardBatch(_message.Message):
     GRAMMARS_FIELD_NUMBER: _ClassVar[int]
     step: int
     new_requests: _containers.RepeatedCompositeFieldContainer[NewRequest]
-    entries: _containers.RepeatedCompositeFieldContainer[ForwardEntry]
+    entries: _containers.RepeatedCompositeFieldContainer[StepEntry]
     release: _containers.RepeatedScalarFieldContainer[str]
     copies: _containers.RepeatedCompositeFieldContainer[KVCopy]
     host_pool: HostPool
     grammars: _containers.RepeatedCompositeFieldContainer[Constraint]
-    def __init__(self, step: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., entries: _Optional[_Iterable[_Union[ForwardEntry, _Mapping]]] = ..., release: _Optional[_Iterable[str]] = ..., copies: _Optional[_Iterable[_Union[KVCopy, _Mapping]]] = ..., host_pool: _Optional[_Union[HostPool, _Mapping]] = ..., grammars: _Optional[_Iterable[_Union[Constraint, _Mapping]]] = ...) -> None: ...
+    def __init__(self, step: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., entries: _Optional[_Iterable[_Union[StepEntry, _Mapping]]] = ..., release: _Optional[_Iterable[str]] = ..., copies: _Optional[_Iterable[_Union[KVCopy, _Mapping]]] = ..., host_pool: _Optional[_Union[HostPool, _Mapping]] = ..., grammars: _Optional[_Iterable[_Union[Constraint, _Mapping]]] = ...) -> None: ...
 
 class Constraint(_message.Message):
     __slots__ = ("kind", "text")
@@ -204,7 +204,7 @@ class EntryResult(_message.Message):
     forced_ids: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, rid: _Optional[str] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Union[TopLogprobs, _Mapping]] = ..., input_logprobs_start: _Optional[int] = ..., input_logprobs: _Optional[_Iterable[float]] = ..., input_top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ..., forced_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
-class ForwardResult(_message.Message):
+class StepResult(_message.Message):
     __slots__ = ("step", "results", "forward_ms", "copies_done", "grammars_ready", "grammars_failed")
     STEP_FIELD_NUMBER: _ClassVar[int]
     RESULTS_FIELD_NUMBER: _ClassVar[int]

@@ -36,8 +36,8 @@ class WorkerStub:
         """
         self.Forward = channel.unary_unary(
                 '/radixmesh.worker.Worker/Forward',
-                request_serializer=radixmesh_dot_proto_dot_worker__pb2.ForwardBatch.SerializeToString,
-                response_deserializer=radixmesh_dot_proto_dot_worker__pb2.ForwardResult.FromString,
+                request_serializer=radixmesh_dot_proto_dot_worker__pb2.StepBatch.SerializeToString,
+                response_deserializer=radixmesh_dot_proto_dot_worker__pb2.StepResult.FromString,
                 _registered_method=True)
         self.GetInfo = channel.unary_unary(
                 '/radixmesh.worker.Worker/GetInfo',
@@ -68,8 +68,8 @@ def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Forward': grpc.unary_unary_rpc_method_handler(
                     servicer.Forward,
-                    request_deserializer=radixmesh_dot_proto_dot_worker__pb2.ForwardBatch.FromString,
-                    response_serializer=radixmesh_dot_proto_dot_worker__pb2.ForwardResult.SerializeToString,
+                    request_deserializer=radixmesh_dot_proto_dot_worker__pb2.StepBatch.FromString,
+                    response_serializer=radixmesh_dot_proto_dot_worker__pb2.StepResult.SerializeToString,
             ),
             'GetInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetInfo,
@@ -102,8 +102,8 @@ class Worker:
             request,
             target,
             '/radixmesh.worker.Worker/Forward',
-            radixmesh_dot_proto_dot_worker__pb2.ForwardBatch.SerializeToString,
-            radixmesh_dot_proto_dot_worker__pb2.ForwardResult.FromString,
+            radixmesh_dot_proto_dot_worker__pb2.StepBatch.SerializeToString,
+            radixmesh_dot_proto_dot_worker__pb2.StepResult.FromString,
             options,
             channel_credentials,
             insecure,

@@ -298,7 +298,7 @@ def test_the_wire_format_round_trips(tmp_path) -> None:
         copies=[KVCopy(11, False, [5, 6], [1 << 33, 0]), KVCopy(12, True, [7], [3])],
         host_pool=spec,
     )
-    back = batch_from_proto(wpb.ForwardBatch.FromString(batch_to_proto(batch).SerializeToString()))
+    back = batch_from_proto(wpb.StepBatch.FromString(batch_to_proto(batch).SerializeToString()))
     assert back.new_requests[0].params.max_new_tokens == 1  # the runner's placeholder
     back.new_requests[0].params = GREEDY
     assert back == batch
@@ -377,8 +377,8 @@ class _FakeRank:
     def __init__(self, done: list[list[int]]) -> None:
         self.done = iter(done)
 
-    async def Forward(self, msg: wpb.ForwardBatch, metadata: object = None) -> wpb.ForwardResult:
-        return wpb.ForwardResult(step=msg.step, copies_done=next(self.done))
+    async def Forward(self, msg: wpb.StepBatch, metadata: object = None) -> wpb.StepResult:
+        return wpb.StepResult(step=msg.step, copies_done=next(self.done))
 
 
 def test_the_worker_client_reports_a_backup_after_both_ranks() -> None:

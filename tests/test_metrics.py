@@ -220,12 +220,12 @@ def test_worker_counts_every_step_and_sizes_the_ones_that_compute() -> None:
     labels = {"model_name": "m", "tp_rank": str(rank)}
     metrics = WorkerMetrics(rank)
     metrics.loaded("m", 496)
-    batch = wpb.ForwardBatch(step=1)
+    batch = wpb.StepBatch(step=1)
     batch.entries.add(rid="a", input_ids=[1, 2, 3, 4, 5], slots=[0, 1, 2, 3, 4], sample=True)
     batch.entries.add(rid="b", slots=[9], sample=True)  # a decode: one token, no ids
     assert batch_tokens(batch) == 6
     metrics.forward(batch, forward_ms=20)
-    metrics.forward(wpb.ForwardBatch(step=2, release=["a"]), forward_ms=1)
+    metrics.forward(wpb.StepBatch(step=2, release=["a"]), forward_ms=1)
     assert value("radixmesh:worker_kv_pool_tokens", **labels) == 496
     assert value("radixmesh:worker_forward_seconds_count", **labels) == 2
     assert value("radixmesh:worker_forward_seconds_sum", **labels) == pytest.approx(0.021)

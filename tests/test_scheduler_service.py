@@ -30,7 +30,7 @@ class FakeWorkerServicer(wgrpc.WorkerServicer):
         self._order = asyncio.Condition()
         self._last_step = 0
 
-    async def Forward(self, request: wpb.ForwardBatch, context: object) -> wpb.ForwardResult:
+    async def Forward(self, request: wpb.StepBatch, context: object) -> wpb.StepResult:
         # With overlap, step N+1 is sent before N returns and gRPC may hand it over
         # first; like the real worker, run steps in their numbered order.
         async with self._order:

@@ -143,7 +143,7 @@ def test_two_ranks_match_one_process(model_dirs, tmp_path, quantization) -> None
         )
         ranks = [torch.load(tmp_path / f"rank{r}-model{i}.pt") for r in range(2)]
         got = [
-            [result_from_proto(wpb.ForwardResult.FromString(b)) for b in saved["results"]]
+            [result_from_proto(wpb.StepResult.FromString(b)) for b in saved["results"]]
             for saved in ranks
         ]
         kind = KINDS[i]

@@ -134,7 +134,7 @@ def test_worker_serves_forward(model_dir, reference) -> None:
         got = [result_from_proto(worker.stub.Forward(batch_to_proto(b))) for b in forward_script()]
         assert_same_results(got, reference)
         assert all(r.forward_ms > 0 for r in got)
-        unknown = wpb.ForwardBatch(step=len(got) + 1)
+        unknown = wpb.StepBatch(step=len(got) + 1)
         unknown.entries.add(rid="nobody", slots=[0], sample=True)
         with pytest.raises(grpc.RpcError) as err:
             worker.stub.Forward(unknown)

@@ -3,7 +3,7 @@
 The scheduler sends only what changed since the last step: requests the runner has not
 seen, the new tokens of each request in the step with their KV slots, and the requests to
 forget. In-process these objects pass by direct call; in the mesh they travel as
-worker.proto's ForwardBatch / ForwardResult, converted once at each end."""
+worker.proto's StepBatch / StepResult, converted once at each end."""
 
 from __future__ import annotations
 

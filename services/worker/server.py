@@ -170,8 +170,8 @@ class WorkerService(wgrpc.WorkerServicer):
     # ---- RPCs -----------------------------------------------------------------------------
 
     async def Forward(
-        self, request: wpb.ForwardBatch, context: grpc.aio.ServicerContext
-    ) -> wpb.ForwardResult:
+        self, request: wpb.StepBatch, context: grpc.aio.ServicerContext
+    ) -> wpb.StepResult:
         """Run one step on the torch thread."""
         runner = self.runner
         if runner is None:
