@@ -203,10 +203,10 @@ def test_retractions_and_forced_tokens_are_counted_once_each() -> None:
     metrics = SchedulerMetrics(engine)
     metrics.start("m", 64)
     sched = Scheduler(SchedulerConfig(num_slots=64))
-    sched.num_retractions, sched.num_forced_tokens = 2, 10
+    sched.num_retractions, sched.constraints.forced_tokens = 2, 10
     metrics.state(sched)
     metrics.state(sched)
-    sched.num_retractions, sched.num_forced_tokens = 3, 14
+    sched.num_retractions, sched.constraints.forced_tokens = 3, 14
     metrics.state(sched)
     assert value("radixmesh:num_retracted_requests_total", **labels) == 3
     assert value("radixmesh:jump_forward_tokens_total", **labels) == 14

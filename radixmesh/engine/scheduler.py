@@ -4,20 +4,21 @@ the model runner's StepResult back into the requests."""
 from __future__ import annotations
 
 import dataclasses
-from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from radixmesh.core.finish import FinishKind, FinishReason
 from radixmesh.core.hicache import HostPoolSpec, PageKeys
 from radixmesh.core.settings import ReplicaSettings
-from radixmesh.core.step import Constraint, NewRequest, StepBatch, StepEntry, StepResult
+from radixmesh.core.step import NewRequest, StepBatch, StepEntry, StepResult
+from radixmesh.engine.constraints import Constraints
 from radixmesh.engine.host_tier import HostTier
 from radixmesh.engine.kv_allocator import KVAllocator
-from radixmesh.engine.radix_cache import RadixCache, TreeNode
+from radixmesh.engine.radix_cache import RadixCache
 from radixmesh.engine.request import Req
 from radixmesh.engine.schedule_policy import SchedulePolicy, match_key
 from radixmesh.engine.storage_tier import StorageTier
+from radixmesh.engine.tiering import HostTiers, NoTiers, StorageTiers
 
 
 @dataclass(frozen=True)
@@ -76,9 +77,6 @@ class SchedulerConfig:
         )
 
 
-_GRAMMARS_KEPT = 512  # constraints remembered as compiled (the worker keeps as many)
-
-
 @dataclass
 class ScheduledBatch:
     """A batch on its way to the model runner, with the requests behind its entries."""
@@ -89,7 +87,8 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    """Owns the radix cache, the slot allocator and every request's place in line."""
+    """Owns the radix cache, the slot allocator and every request's place in line; the
+    tiers behind the device pool and the constraints are collaborators it calls."""
 
     def __init__(self, config: SchedulerConfig) -> None:
         if config.num_slots % config.page_size:
@@ -97,7 +96,7 @@ class Scheduler:
         self.config = config
         self.page = config.page_size
         self.num_retractions = 0
-        self.num_forced_tokens = 0  # output tokens appended by jump-forward
+        self.constraints = Constraints()
         self.reset()
 
     def lose_all(self, reason: FinishReason) -> list[Req]:
@@ -120,17 +119,27 @@ class Scheduler:
         self.running: list[Req] = []  # decoding, oldest first
         self.chunked: Req | None = None  # prompt partly prefilled, continued first next step
         self.requests: dict[str, Req] = {}
-        self.host: HostTier | None = None  # the host KV tier, while attached
-        self.storage: StorageTier | None = None  # the storage tier behind it, if any
+        self.tiers: NoTiers = NoTiers()  # the host and storage tiers, while attached
         self._host_pool: HostPoolSpec | None = None  # to send with the next step
         self._release: list[str] = []
         self._updated: dict[str, Req] = {}
-        # Constraints: compiled on the worker (a request is admitted once its is), asked
-        # and not reported yet, and to ask for with the next step.
-        self._compiled: OrderedDict[Constraint, None] = OrderedDict()
-        self._compiling: set[Constraint] = set()
-        self._to_compile: list[Constraint] = []
+        self.constraints.reset()
         self._step = 0
+
+    @property
+    def host(self) -> HostTier | None:
+        """The host KV tier, while attached."""
+        return self.tiers.host
+
+    @property
+    def storage(self) -> StorageTier | None:
+        """The storage tier behind the host tier, if the host pool names one."""
+        return self.tiers.storage
+
+    @property
+    def num_forced_tokens(self) -> int:
+        """Output tokens appended by jump-forward."""
+        return self.constraints.forced_tokens
 
     # ---- requests in and out -------------------------------------------------------
 
@@ -149,14 +158,8 @@ class Scheduler:
             raise ValueError(f"prompt of {len(req.input_ids)} tokens exceeds the KV pool")
         self.requests[req.rid] = req
         self.waiting.append(req)
-        if self.storage is not None:
-            self.storage.ask(req)
-        grammar = req.params.grammar
-        if grammar in self._compiled:
-            self._compiled.move_to_end(grammar)
-        elif grammar is not None and grammar not in self._compiling:
-            self._compiling.add(grammar)
-            self._to_compile.append(grammar)
+        self.tiers.ask(req)
+        self.constraints.ask(req)
 
     def abort(self, rid: str, reason: FinishReason | None = None) -> bool:
         """Finish a request wherever it is; False if it is unknown or already finished."""
@@ -180,8 +183,8 @@ class Scheduler:
             or self.chunked
             or self._release
             or self._host_pool is not None
-            or self._compiling
-            or (self.host is not None and self.host.has_copies())
+            or self.constraints.compiling
+            or self.tiers.has_copies()
             or self.cache.pending_backups() > 0
         )
 
@@ -202,30 +205,8 @@ class Scheduler:
             "num_retractions": self.num_retractions,
             "steps": self._step,
             "forced_tokens": self.num_forced_tokens,
-            **self._host_stats(),
+            **self.tiers.stats(self.cache),
         }
-
-    def _host_stats(self) -> dict[str, int]:
-        host = self.host
-        if host is None:
-            return {}
-        stats = {
-            "host_slots": host.num_slots,
-            "host_free_slots": host.allocator.available(),
-            "host_cached_tokens": self.cache.host_size(),
-            "host_pending_backups": self.cache.pending_backups(),
-            "host_backup_tokens": host.stats.backup_tokens,
-            "host_load_tokens": host.stats.load_tokens,
-        }
-        if self.storage is not None:
-            s = self.storage.stats
-            stats |= {
-                "storage_pages_stored": s.pages_stored,
-                "storage_queries": s.queries,
-                "storage_prefetches": s.prefetches,
-                "storage_prefetch_pages": s.prefetch_pages,
-            }
-        return stats
 
     # ---- the host tier ---------------------------------------------------------------
 
@@ -233,32 +214,27 @@ class Scheduler:
         """A host pool to back the device pool, from the next step on (a new one replaces
         the last, whose contents are forgotten)."""
         c = self.config
-        self.host = HostTier(self.cache, spec.num_slots, c.host_write_policy,
-                             c.host_write_threshold)
-        self.storage = None
+        host = HostTier(self.cache, spec.num_slots, c.host_write_policy, c.host_write_threshold)
+        self.tiers = HostTiers(host)
         if spec.storage:
             keys = PageKeys(c.model_fingerprint, spec.geometry, c.storage_page_tokens)
-            self.storage = StorageTier(self.cache, self.host, keys, c.prefetch_policy,
-                                       c.prefetch_timeout, c.prefetch_threshold)
+            storage = StorageTier(self.cache, host, keys, c.prefetch_policy,
+                                  c.prefetch_timeout, c.prefetch_threshold)
+            self.tiers = StorageTiers(host, storage)
         self._host_pool = spec
 
     def detach_host(self) -> None:
         """The host pool is gone: serve from the device tier alone."""
         self.cache.drop_host()
-        self.host = None
-        self.storage = None
+        self.tiers = NoTiers()
         self._host_pool = None
-
-    def _keep_on_evict(self, node: TreeNode) -> bool:
-        return self.host is not None and self.host.keep_on_evict(node)
 
     def flush_cache(self) -> bool:
         """Drop every cached prefix; only possible while no request holds any."""
         if self.running or self.chunked or any(r.slots for r in self.waiting):
             return False
         self.cache.reset()
-        if self.host is not None:
-            self.host.take_copies()  # unsent backups of what the flush dropped
+        self.tiers.take_copies()  # unsent backups of what the flush dropped
         return True
 
     # ---- building a step -----------------------------------------------------------
@@ -272,10 +248,9 @@ class Scheduler:
         # Taken last: a request retracted by this very step may be readmitted by it too,
         # and the runner forgets before it admits.
         step.release, self._release = self._release, []
-        if self.host is not None:
-            step.copies = self.host.take_copies()
+        step.copies = self.tiers.take_copies()
         step.host_pool, self._host_pool = self._host_pool, None
-        step.grammars, self._to_compile = self._to_compile, []
+        step.grammars = self.constraints.take()
         # Backups hold device slots until a step reports them done, and compiles end in a
         # step's result: an empty step still collects those reports.
         if (
@@ -284,7 +259,7 @@ class Scheduler:
             and not step.copies
             and step.host_pool is None
             and not self.cache.pending_backups()
-            and not self._compiling
+            and not self.constraints.compiling
         ):
             return None
         self._step += 1  # steps count 1, 2, 3... so a worker can put them back in order
@@ -339,9 +314,9 @@ class Scheduler:
                 break
             if req.pending:
                 continue  # retracted with a token still in flight; readmit once it lands
-            if req.params.grammar is not None and req.params.grammar not in self._compiled:
+            if not self.constraints.ready(req):
                 continue  # its constraint is still compiling
-            if self.storage is not None and not req.admitted and self.storage.waits(req):
+            if not req.admitted and self.tiers.waits(req):
                 continue  # its prefix is on its way from storage
             used = self._admit(batch, req, budget)
             if not used:
@@ -355,7 +330,7 @@ class Scheduler:
         match = self.cache.match_prefix(match_key(req), req.namespace)
         self.cache.lock(match.node)
         node, prefix, loaded = match.node, list(match.slots), 0
-        if match.host_nodes and self.host is not None and match.host_len < self.config.num_slots:
+        if match.host_nodes and match.host_len < self.config.num_slots:
             # Loading beats recomputing whenever there is room: a copy per token, not a
             # forward pass. Room frees up as running requests finish and backups land, so
             # wait for it rather than recompute; alone, recompute in chunks.
@@ -364,14 +339,13 @@ class Scheduler:
                 self.cache.unlock(node)
                 return 0
             if fresh is not None:
-                self.host.load(match.host_nodes, fresh)
+                self.tiers.load(match.host_nodes, fresh)
                 node = match.host_nodes[-1]
                 self.cache.lock(node)
                 self.cache.unlock(match.node)
                 prefix += fresh
                 loaded = len(fresh)
-        if self.host is not None:
-            self.host.admitted(node)
+        self.tiers.admitted(node)
         chunk = min(req.num_tokens - len(prefix), budget)
         reserve = self.config.decode_reserve_ratio * sum(
             r.remaining_new_tokens() for r in [*self.running, req]
@@ -455,7 +429,7 @@ class Scheduler:
         """Fresh device slots of whole pages, evicting cached prefixes if needed."""
         fresh = self.allocator.alloc(num_slots)
         if fresh is None:
-            self.cache.evict(num_slots - self.allocator.available(), self._keep_on_evict)
+            self.cache.evict(num_slots - self.allocator.available(), self.tiers.keep_on_evict)
             fresh = self.allocator.alloc(num_slots)
         return fresh
 
@@ -474,8 +448,7 @@ class Scheduler:
         # and ours stays private to this request until it finishes.
         req.orphans.extend(req.slots[req.cached_len : cached])
         match = self.cache.match_prefix(req.tokens[:aligned], req.namespace, count_hit=False)
-        if self.host is not None:
-            self.host.cached(match.node)
+        self.tiers.cached(match.node)
         self.cache.lock(match.node)
         if req.last_node is not None:
             self.cache.unlock(req.last_node)
@@ -489,8 +462,8 @@ class Scheduler:
             req.tokens[:aligned], req.slots[:aligned], req.namespace, req.priority
         )
         self.allocator.free(req.slots[req.cached_len : cached] + req.slots[aligned:] + req.orphans)
-        if self.host is not None and aligned:
-            self.host.cached(
+        if aligned:
+            self.tiers.cached(
                 self.cache.match_prefix(req.tokens[:aligned], req.namespace, count_hit=False).node
             )
         if req.last_node is not None:
@@ -512,8 +485,7 @@ class Scheduler:
 
     def _finish(self, req: Req, reason: FinishReason) -> None:
         req.finish = reason
-        if self.storage is not None:
-            self.storage.forget(req.rid)
+        self.tiers.forget(req)
         if req in self.running:
             self.running.remove(req)
         if self.chunked is req:
@@ -535,10 +507,7 @@ class Scheduler:
 
     def process_result(self, batch: ScheduledBatch, result: StepResult) -> None:
         """Append sampled tokens and logprobs; finish requests that hit a stop or a limit."""
-        if self.host is not None:
-            backed_up = self.host.done(result.copies_done)
-            if self.storage is not None:
-                self.storage.backed_up(backed_up)
+        self.tiers.done(result.copies_done)
         self._compiles_ended(result)
         for req, out in zip(batch.reqs, result.results, strict=True):
             if out.input_logprobs:
@@ -560,39 +529,20 @@ class Scheduler:
             self._updated[req.rid] = req
             reason = self._check_finish(req, out.token_id)
             if out.forced_ids:
-                reason = reason or self._jump_forward(req, out.forced_ids)
+                reason = reason or self.constraints.jump_forward(
+                    req, out.forced_ids, self._check_finish
+                )
             if reason is not None:
                 self._finish(req, reason)
 
     def _compiles_ended(self, result: StepResult) -> None:
-        for grammar in result.grammars_ready:
-            self._compiling.discard(grammar)
-            self._compiled[grammar] = None
-            self._compiled.move_to_end(grammar)
-            if len(self._compiled) > _GRAMMARS_KEPT:
-                self._compiled.popitem(last=False)
-        for grammar, error in result.grammars_failed:
-            self._compiling.discard(grammar)
+        for grammar, error in self.constraints.ended(result.grammars_ready,
+                                                     result.grammars_failed):
             kind = grammar[0]
             for req in [r for r in self.waiting if r.params.grammar == grammar]:
                 self._finish(req, FinishReason(
                     FinishKind.ABORT, message=f"the {kind} could not be compiled: {error}"
                 ))
-
-    def _jump_forward(self, req: Req, forced: list[int]) -> FinishReason | None:
-        """Append the tokens the request's grammar forced after its sampled token; the
-        next decode feeds them all in one step. A step already in flight for it feeds the
-        sampled token and samples nothing (the runner knows), so it no longer counts."""
-        if req.pending:
-            req.pending -= 1
-        req.jumped = True
-        for token in forced:
-            req.output_ids.append(token)
-            self.num_forced_tokens += 1
-            reason = self._check_finish(req, token)
-            if reason is not None:
-                return reason
-        return None
 
     def _check_finish(self, req: Req, token: int) -> FinishReason | None:
         p = req.params
@@ -628,11 +578,4 @@ class Scheduler:
             f"slot leak: free {self.allocator.available()} + cached {self.cache.total_size()}"
             f" + held {self.held_slots()} != pool {self.config.num_slots}"
         )
-        if self.host is not None:
-            free, cached = self.host.allocator.available(), self.cache.host_size()
-            deferred = len(self.host.allocator.deferred)
-            prefetching = self.storage.held_slots() if self.storage is not None else 0
-            assert free + cached + deferred + prefetching == self.host.num_slots, (
-                f"host slot leak: free {free} + cached {cached} + freed while read {deferred}"
-                f" + prefetching {prefetching} != pool {self.host.num_slots}"
-            )
+        self.tiers.check_invariants(self.cache)
