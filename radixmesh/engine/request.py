@@ -9,7 +9,6 @@ from typing import TYPE_CHECKING
 from radixmesh.core.finish import FinishReason
 from radixmesh.core.request import GenerationRequest
 from radixmesh.core.sampling_params import LogprobRequest, SamplingParams
-from radixmesh.engine.radix_cache import TreeNode
 
 if TYPE_CHECKING:
     from radixmesh.engine.storage_tier import PrefetchOutcome
@@ -31,10 +30,10 @@ class Req:
     arrival: int = field(default_factory=lambda: next(_arrivals))
     output_ids: list[int] = field(default_factory=list)
     # KV slots of tokens [0, len(slots)): the first cached_len belong to the radix tree
-    # (held by locking last_node), the rest to this request, whose last page may be partial.
+    # (which the scheduler keeps locked for it), the rest to this request, whose last page
+    # may be partial.
     slots: list[int] = field(default_factory=list)
     cached_len: int = 0
-    last_node: TreeNode | None = None
     # Slots this request computed for tokens another request cached first; freed with it.
     orphans: list[int] = field(default_factory=list)
     cached_tokens: int = 0  # prefix hit when first admitted, reported to the client

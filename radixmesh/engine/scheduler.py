@@ -14,7 +14,7 @@ from radixmesh.core.step import NewRequest, StepBatch, StepEntry, StepResult
 from radixmesh.engine.constraints import Constraints
 from radixmesh.engine.host_tier import HostTier
 from radixmesh.engine.kv_allocator import KVAllocator
-from radixmesh.engine.radix_cache import RadixCache
+from radixmesh.engine.radix_cache import RadixCache, TreeNode
 from radixmesh.engine.request import Req
 from radixmesh.engine.schedule_policy import SchedulePolicy, match_key
 from radixmesh.engine.storage_tier import StorageTier
@@ -119,6 +119,8 @@ class Scheduler:
         self.running: list[Req] = []  # decoding, oldest first
         self.chunked: Req | None = None  # prompt partly prefilled, continued first next step
         self.requests: dict[str, Req] = {}
+        # The tree node each request's cached prefix is locked by (rid -> its last node).
+        self._locked: dict[str, TreeNode] = {}
         self.tiers: NoTiers = NoTiers()  # the host and storage tiers, while attached
         self._host_pool: HostPoolSpec | None = None  # to send with the next step
         self._release: list[str] = []
@@ -355,12 +357,13 @@ class Scheduler:
             self.cache.unlock(node)
             return 0
         cached = len(prefix)
-        req.slots, req.cached_len, req.last_node = prefix, cached, node
+        req.slots, req.cached_len, self._locked[req.rid] = prefix, cached, node
         new_request = self._new_request(req, cached)
         used = self._extend(batch, req, budget)
         if not used:
             self.cache.unlock(node)
-            req.slots, req.cached_len, req.last_node = [], 0, None
+            req.slots, req.cached_len = [], 0
+            del self._locked[req.rid]
             return 0
         self.waiting.remove(req)
         req.jumped = False  # its prefill feeds every token it has
@@ -450,9 +453,10 @@ class Scheduler:
         match = self.cache.match_prefix(req.tokens[:aligned], req.namespace, count_hit=False)
         self.tiers.cached(match.node)
         self.cache.lock(match.node)
-        if req.last_node is not None:
-            self.cache.unlock(req.last_node)
-        req.last_node, req.cached_len = match.node, aligned
+        previous = self._locked.get(req.rid)
+        if previous is not None:
+            self.cache.unlock(previous)
+        self._locked[req.rid], req.cached_len = match.node, aligned
 
     def _release_kv(self, req: Req) -> None:
         """Hand a request's computed tokens to the tree and free the slots the tree declines."""
@@ -466,9 +470,10 @@ class Scheduler:
             self.tiers.cached(
                 self.cache.match_prefix(req.tokens[:aligned], req.namespace, count_hit=False).node
             )
-        if req.last_node is not None:
-            self.cache.unlock(req.last_node)
-        req.slots, req.cached_len, req.last_node, req.orphans = [], 0, None, []
+        locked = self._locked.pop(req.rid, None)
+        if locked is not None:
+            self.cache.unlock(locked)
+        req.slots, req.cached_len, req.orphans = [], 0, []
 
     def _retract(self, req: Req) -> None:
         """Send a running request back to the queue; its progress stays as a cached prefix."""
@@ -492,7 +497,7 @@ class Scheduler:
             self.chunked = None
         if req in self.waiting:
             self.waiting.remove(req)
-        if req.slots or req.last_node is not None:
+        if req.slots or req.rid in self._locked:
             self._release_kv(req)
         self._forget_on_worker(req)
         self._updated[req.rid] = req
