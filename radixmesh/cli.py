@@ -9,7 +9,8 @@ import sys
 from dataclasses import asdict
 
 from radixmesh.bench import cli as bench_cli
-from radixmesh.core.settings import EngineArgs, add_arguments, from_args
+from radixmesh.core.flags import add_arguments, from_args
+from radixmesh.core.settings import EngineArgs
 from radixmesh.launcher import MeshArgs, serve
 from radixmesh.tracing.cli import add_trace_command
 

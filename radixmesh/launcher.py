@@ -20,29 +20,28 @@ from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import start_http_server
 
+from radixmesh.core.flags import Settings, secrets_env, shared_values, to_flags
 from radixmesh.core.hicache import shm_root
-from radixmesh.core.settings import (
+from radixmesh.core.service_settings import (
     CachectlConfig,
-    DecodingSettings,
     DetokenizerConfig,
-    DeviceSettings,
     FrontDoorSettings,
-    HiCacheSettings,
-    HiCacheStorageSettings,
-    KVSettings,
     MeshSettings,
-    ModelSettings,
     NatsSettings,
     SchedulerServiceConfig,
-    ScheduleSettings,
     ServiceSettings,
-    Settings,
     StatusSettings,
     TokenizerServiceConfig,
     WorkerConfig,
-    secrets_env,
-    shared_values,
-    to_flags,
+)
+from radixmesh.core.settings import (
+    DecodingSettings,
+    DeviceSettings,
+    HiCacheSettings,
+    HiCacheStorageSettings,
+    KVSettings,
+    ModelSettings,
+    ScheduleSettings,
 )
 from radixmesh.mesh.nats_server import EmbeddedNats, free_port, reserve_ports
 from radixmesh.supervisor import Process, Supervisor

@@ -20,8 +20,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from process_helpers import service_process
 
+from radixmesh.core.flags import parse_config, shared_values, to_flags
 from radixmesh.core.hicache import HostPoolSpec, KVGeometry, shm_root
-from radixmesh.core.settings import CachectlConfig, parse_config, shared_values, to_flags
+from radixmesh.core.service_settings import CachectlConfig
 from radixmesh.engine.tiers import host_pool
 from radixmesh.engine.tiers.host_pool import (
     SEGMENT_PREFIX,

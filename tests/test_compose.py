@@ -14,7 +14,8 @@ from urllib.parse import urlparse
 import compose
 import pytest
 
-from radixmesh.core.settings import CachectlConfig, parse_config
+from radixmesh.core.flags import parse_config
+from radixmesh.core.service_settings import CachectlConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE_FILE = ROOT / "compose.yaml"

@@ -17,7 +17,7 @@ from process_helpers import service_process
 
 from radixmesh.core.finish import FinishKind, FinishReason
 from radixmesh.core.sampling_params import SamplingParams
-from radixmesh.core.settings import DetokenizerConfig
+from radixmesh.core.service_settings import DetokenizerConfig
 from radixmesh.core.tokenizer import Tokenizer
 from radixmesh.engine.request import Req
 from radixmesh.mesh import subjects

@@ -21,7 +21,7 @@ from fake_engine import FakeEngine
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from radixmesh.core.settings import TokenizerServiceConfig
+from radixmesh.core.service_settings import TokenizerServiceConfig
 from radixmesh.mesh.nats_server import EmbeddedNats
 from radixmesh.services.tokenizer.server import TokenizerServer
 

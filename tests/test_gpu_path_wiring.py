@@ -20,8 +20,10 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 
 from radixmesh import cli
 from radixmesh.api import Engine
+from radixmesh.core.flags import parse_config
 from radixmesh.core.sampling_params import LogprobRequest, SamplingParams
-from radixmesh.core.settings import EngineArgs, WorkerConfig, parse_config
+from radixmesh.core.service_settings import WorkerConfig
+from radixmesh.core.settings import EngineArgs
 from radixmesh.core.step import NewRequest, StepBatch, StepEntry, StepResult
 from radixmesh.engine.model.attention_choice import check_runs_on
 from radixmesh.engine.model.device import resolve_device

@@ -12,7 +12,7 @@ import nats
 import pytest
 from fake_engine import FakeEngine, echo_ids, host_part, input_logprob, output_logprob, token_text
 
-from radixmesh.core.settings import TokenizerServiceConfig
+from radixmesh.core.service_settings import TokenizerServiceConfig
 from radixmesh.services.tokenizer.server import TokenizerServer
 
 pytestmark = pytest.mark.anyio

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from radixmesh.core.settings import RouterSettings
+from radixmesh.core.service_settings import RouterSettings
 from radixmesh.services.tokenizer.router import PrefixTree, Route, Router
 
 

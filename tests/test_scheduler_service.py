@@ -12,7 +12,7 @@ import nats
 import pytest
 from fake_worker import FakeWorker, reference_output
 
-from radixmesh.core.settings import SchedulerServiceConfig
+from radixmesh.core.service_settings import SchedulerServiceConfig
 from radixmesh.mesh import subjects
 from radixmesh.proto import mesh_pb2 as mpb
 from radixmesh.proto import worker_pb2 as wpb

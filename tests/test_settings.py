@@ -1,6 +1,7 @@
 """Every setting declared once: the flags of `radixmesh up`, `radixmesh generate` and each
 service, their help, their environment variables, their validation, and what the launcher
-hands its children all come from the declarations in radixmesh.core.settings."""
+hands its children all come from the declarations in radixmesh.core.settings and
+radixmesh.core.service_settings."""
 
 from __future__ import annotations
 
@@ -14,21 +15,16 @@ import pytest
 import torch
 
 from radixmesh import cli
-from radixmesh.core import settings
-from radixmesh.core.settings import (
+from radixmesh.core import flags, settings
+from radixmesh.core.flags import Setting, Settings, build_parser, from_args, parse_config, setting
+from radixmesh.core.service_settings import (
     CachectlConfig,
     DetokenizerConfig,
-    EngineArgs,
     SchedulerServiceConfig,
-    Setting,
-    Settings,
     TokenizerServiceConfig,
     WorkerConfig,
-    build_parser,
-    from_args,
-    parse_config,
-    setting,
 )
+from radixmesh.core.settings import EngineArgs
 from radixmesh.engine import eviction, schedule_policy
 from radixmesh.launcher import SERVICE_CONFIGS, Mesh, MeshArgs
 
@@ -60,7 +56,7 @@ def _no_settings_in_the_environment(monkeypatch) -> None:
     """The parsers read RADIXMESH_* and NATS_URL: none may leak in from the test's shell."""
     for config in CONFIGS:
         for f in dataclasses.fields(config):
-            monkeypatch.delenv(settings.env_name(f.name), raising=False)
+            monkeypatch.delenv(flags.env_name(f.name), raising=False)
     monkeypatch.delenv("NATS_URL", raising=False)
 
 
@@ -275,7 +271,7 @@ BAD_VALUES: dict[str, list[Any]] = {
 def _validated(config: type[Settings]) -> set[str]:
     names = set()
     for f in dataclasses.fields(config):
-        spec: Setting | None = f.metadata.get(settings.METADATA_KEY)
+        spec: Setting | None = f.metadata.get(flags.METADATA_KEY)
         if spec is not None and (spec.choices or spec.minimum is not None or spec.check):
             names.add(f.name)
     return names

@@ -34,7 +34,7 @@ from radixmesh.core.finish import FinishKind
 from radixmesh.core.meta_info import CachedTokens
 from radixmesh.core.request import GenerationRequest
 from radixmesh.core.sampling_params import LogprobRequest, SamplingParams
-from radixmesh.core.settings import TokenizerServiceConfig
+from radixmesh.core.service_settings import TokenizerServiceConfig
 from radixmesh.proto import generate_pb2 as gpb
 from radixmesh.proto import generate_pb2_grpc as ggrpc
 from radixmesh.proto import mesh_pb2 as mpb

@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from radixmesh.core import settings
+from radixmesh.core import flags, settings
 
 if TYPE_CHECKING:
     from radixmesh.bench.workloads import Workload
@@ -39,8 +39,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     # The model's settings as the mesh declares them: the tokenizer for the prompts, and
     # with --launch the mesh's model and precision.
-    settings.add_arguments(p, settings.ModelSettings)
-    settings.add_arguments(p, settings.DeviceSettings, only=("dtype",))
+    flags.add_arguments(p, settings.ModelSettings)
+    flags.add_arguments(p, settings.DeviceSettings, only=("dtype",))
 
     data = p.add_argument_group("workload")
     data.add_argument("--dataset", choices=DATASETS, default="random")

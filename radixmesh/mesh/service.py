@@ -16,7 +16,8 @@ from aiohttp import web
 from nats.aio.client import Client as NATS
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from radixmesh.core.settings import ServiceSettings, parse_config, shown
+from radixmesh.core.flags import parse_config, shown
+from radixmesh.core.service_settings import ServiceSettings
 from radixmesh.tracing import init_tracing
 
 C = TypeVar("C", bound=ServiceSettings)

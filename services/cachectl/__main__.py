@@ -7,7 +7,7 @@ import logging
 import os
 import platform
 
-from radixmesh.core.settings import CachectlConfig
+from radixmesh.core.service_settings import CachectlConfig
 from radixmesh.mesh.service import configure_service, run_until_stopped, stop_event
 from radixmesh.services.cachectl.server import CachectlService
 

@@ -16,7 +16,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from radixmesh.core.hicache import HostPoolSpec, KVGeometry
-from radixmesh.core.settings import CachectlConfig
+from radixmesh.core.service_settings import CachectlConfig
 from radixmesh.engine.tiers.host_pool import CLOSE_FLUSH_S, HostSegments, NoSegment
 from radixmesh.engine.tiers.storage import StorageBackend, open_backend
 from radixmesh.mesh.service import StatusServer

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from radixmesh.core.settings import DetokenizerConfig
+from radixmesh.core.service_settings import DetokenizerConfig
 from radixmesh.mesh.service import configure_service, run_until_stopped, stop_event
 from radixmesh.services.detokenizer.server import DetokenizerService
 

@@ -15,7 +15,7 @@ from nats.errors import Error as NatsError
 
 from radixmesh.core.detokenize import DecodeFn, TextRules, Update, window_text
 from radixmesh.core.model_files import resolve_model_path
-from radixmesh.core.settings import DetokenizerConfig
+from radixmesh.core.service_settings import DetokenizerConfig
 from radixmesh.core.tokenizer import Tokenizer
 from radixmesh.mesh import subjects
 from radixmesh.mesh.service import StatusServer, connect_bus

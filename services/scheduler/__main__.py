@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from radixmesh.core.settings import SchedulerServiceConfig
+from radixmesh.core.service_settings import SchedulerServiceConfig
 from radixmesh.mesh.service import configure_service, run_until_stopped, stop_event
 from radixmesh.services.scheduler.server import SchedulerService
 

@@ -19,7 +19,7 @@ from nats.errors import Error as NatsError
 from radixmesh.core.finish import FinishKind, FinishReason
 from radixmesh.core.hicache import KVGeometry
 from radixmesh.core.model_files import model_fingerprint, resolve_model_path, served_name
-from radixmesh.core.settings import SchedulerServiceConfig
+from radixmesh.core.service_settings import SchedulerServiceConfig
 from radixmesh.core.step import StepResult
 from radixmesh.core.tokenizer import Tokenizer
 from radixmesh.engine.host_link import HostLink

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from radixmesh.core.settings import TokenizerServiceConfig
+from radixmesh.core.service_settings import TokenizerServiceConfig
 from radixmesh.mesh.service import configure_service, stop_event
 from radixmesh.services.tokenizer.server import TokenizerServer
 

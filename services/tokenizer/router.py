@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from radixmesh.core.settings import RouterSettings
+from radixmesh.core.service_settings import RouterSettings
 from radixmesh.proto import mesh_pb2 as mpb
 
 # A full tree is cut to this share of its bound, so the cost of a full scan is spread over

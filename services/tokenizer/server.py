@@ -13,8 +13,9 @@ from aiohttp import web
 from nats.aio.client import Client as NATS
 
 from radixmesh.core import grammar
+from radixmesh.core.flags import shown
 from radixmesh.core.model_files import resolve_model_path, served_name
-from radixmesh.core.settings import TokenizerServiceConfig, shown
+from radixmesh.core.service_settings import TokenizerServiceConfig
 from radixmesh.core.tokenizer import Tokenizer
 from radixmesh.mesh.service import connect_bus
 from radixmesh.services.tokenizer.auth import ApiKeyInterceptor, auth_middleware

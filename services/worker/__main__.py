@@ -7,7 +7,7 @@ import logging
 import os
 import platform
 
-from radixmesh.core.settings import WorkerConfig
+from radixmesh.core.service_settings import WorkerConfig
 from radixmesh.mesh.service import configure_service, run_until_stopped, stop_event
 from radixmesh.services.worker.server import WorkerService
 

@@ -15,7 +15,7 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from radixmesh.core.model_files import resolve_model_path, served_name
-from radixmesh.core.settings import WorkerConfig
+from radixmesh.core.service_settings import WorkerConfig
 from radixmesh.engine.model.parallel import destroy_tensor_parallel
 from radixmesh.engine.model.runner import ModelRunner, load_runner
 from radixmesh.kernels import native
