@@ -1,12 +1,13 @@
 """Native CPU kernels: the C++ in kernels/cpu/, built by the system C++ compiler on first
 use and loaded with ctypes (calls release the GIL).
 
-The library is cached under $RADIXMESH_CACHE (default ~/.cache/radixmesh), keyed by the
-sources, the compiler, the flags and this CPU's feature flags, so each machine builds it
-once. Without a compiler, or with RADIXMESH_NATIVE_KERNELS=0, `library()` is None and
-callers keep their torch path. It links OpenMP by soname, so it shares the runtime (and
-the thread pool) that torch has already loaded. RADIXMESH_NATIVE_MARCH (default native) is
-the -march it builds for, optionally followed by further -m flags ("haswell -mavxvnni")."""
+Its settings (`NativeKernelSettings`, read from RADIXMESH_NATIVE_KERNELS,
+RADIXMESH_NATIVE_MARCH and RADIXMESH_CACHE): the library is cached under the cache directory
+(default ~/.cache/radixmesh), keyed by the sources, the compiler, the flags and this CPU's
+feature flags, so each machine builds it once. Without a compiler, or with native_kernels
+false, `library()` is None and callers keep their torch path. It links OpenMP by soname, so
+it shares the runtime (and the thread pool) that torch has already loaded. native_march
+(default native) is the -march it builds for, optionally followed by further -m flags."""
 
 from __future__ import annotations
 
@@ -22,6 +23,9 @@ import tempfile
 from pathlib import Path
 
 import torch
+
+from radixmesh.core.flags import from_environment
+from radixmesh.core.settings import NativeKernelSettings
 
 log = logging.getLogger("radixmesh.kernels")
 
@@ -40,24 +44,23 @@ def _cpu_flags() -> str:
     return next((line for line in text.splitlines() if line.startswith("flags")), "")
 
 
-def _cache_dir() -> Path:
-    root = os.environ.get("RADIXMESH_CACHE") or Path.home() / ".cache" / "radixmesh"
-    return Path(root) / "kernels"
+def _cache_dir(settings: NativeKernelSettings) -> Path:
+    return Path(settings.cache or Path.home() / ".cache" / "radixmesh") / "kernels"
 
 
-def _arch_flags() -> list[str]:
-    march, *extra = (os.environ.get("RADIXMESH_NATIVE_MARCH") or "native").split()
+def _arch_flags(settings: NativeKernelSettings) -> list[str]:
+    march, *extra = (settings.native_march or "native").split()
     return [f"-march={march}", *extra]
 
 
-def _build(compiler: str) -> Path:
-    flags = [*FLAGS, *_arch_flags()]
+def _build(compiler: str, settings: NativeKernelSettings) -> Path:
+    flags = [*FLAGS, *_arch_flags(settings)]
     digest = hashlib.sha256()
     for part in (compiler, " ".join(flags), platform.machine(), _cpu_flags()):
         digest.update(part.encode())
     for src in (*SOURCES, *HEADERS):
         digest.update(src.read_bytes())
-    out = _cache_dir() / f"radixmesh-cpu-{digest.hexdigest()[:16]}.so"
+    out = _cache_dir(settings) / f"radixmesh-cpu-{digest.hexdigest()[:16]}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -99,14 +102,19 @@ def _compile_all(compiler: str, flags: list[str], objects: Path, target: str) ->
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The loaded native library, or None where it cannot be built (logged once)."""
-    if os.environ.get("RADIXMESH_NATIVE_KERNELS", "1") == "0":
+    try:
+        settings = from_environment(NativeKernelSettings)
+    except ValueError as exc:
+        log.warning("native CPU kernels off, torch fallbacks used: %s", exc)
+        return None
+    if not settings.native_kernels:
         return None
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if compiler is None:
         log.warning("no C++ compiler found: native CPU kernels off, torch fallbacks used")
         return None
     try:
-        lib = ctypes.CDLL(str(_build(compiler)))
+        lib = ctypes.CDLL(str(_build(compiler, settings)))
     except (OSError, subprocess.CalledProcessError) as exc:
         detail = getattr(exc, "stderr", "") or exc
         log.warning("native CPU kernels failed to build, torch fallbacks used: %s", detail)

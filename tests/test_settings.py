@@ -481,3 +481,20 @@ def test_launcher_hands_every_service_the_settings_it_shares(monkeypatch) -> Non
     scheduler = started["scheduler"][0]
     assert scheduler.worker_list == [f"127.0.0.2:{w.port}" for w in workers]
     assert scheduler.context_length is None and scheduler.disable_overlap_schedule is True
+
+
+def test_the_native_kernels_settings_come_from_the_environment(monkeypatch):
+    from radixmesh.core.settings import NativeKernelSettings
+
+    for name in ("RADIXMESH_NATIVE_KERNELS", "RADIXMESH_NATIVE_MARCH", "RADIXMESH_CACHE"):
+        monkeypatch.delenv(name, raising=False)
+    assert flags.from_environment(NativeKernelSettings) == NativeKernelSettings()
+    monkeypatch.setenv("RADIXMESH_NATIVE_MARCH", "haswell -mavxvnni")
+    monkeypatch.setenv("RADIXMESH_NATIVE_KERNELS", "0")
+    monkeypatch.setenv("RADIXMESH_CACHE", "/tmp/kernels-here")
+    got = flags.from_environment(NativeKernelSettings)
+    assert (got.native_march, got.native_kernels, got.cache) == (
+        "haswell -mavxvnni", False, "/tmp/kernels-here")
+    monkeypatch.setenv("RADIXMESH_NATIVE_KERNELS", "maybe")
+    with pytest.raises(ValueError, match="RADIXMESH_NATIVE_KERNELS='maybe'"):
+        flags.from_environment(NativeKernelSettings)

@@ -289,6 +289,21 @@ def parse_config(cls: type[S], argv: Sequence[str] | None = None, prog: str | No
         parser.error(str(exc))
 
 
+def from_environment(cls: type[S]) -> S:
+    """`cls` from its environment variables alone (settings read where no flags are parsed,
+    such as the native kernels'); ValueError naming a variable that does not parse."""
+    values: dict[str, Any] = {}
+    for d in _declared(cls):
+        for name in d.env_names:
+            if name in os.environ:
+                try:
+                    values[d.name] = d.convert(os.environ[name])
+                except (ValueError, argparse.ArgumentTypeError) as exc:
+                    raise ValueError(f"{name}={os.environ[name]!r}: {exc}") from None
+                break
+    return cls(**values)
+
+
 def shared_values(config: Settings, target: type[Settings]) -> dict[str, Any]:
     """`config`'s values of the settings `target` takes from a group `config` has too: what a
     parent hands a child process so that both run with the same settings."""

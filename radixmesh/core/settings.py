@@ -360,6 +360,27 @@ class EngineSettings(Settings):
 
 
 
+@dataclass(frozen=True, kw_only=True)
+class NativeKernelSettings(Settings):
+    """The native CPU kernels, read from the environment by whatever process loads them
+    (`radixmesh.kernels.native`)."""
+
+    TITLE: ClassVar[str] = "native kernels"
+
+    native_kernels: bool = setting(
+        True, help="build the native CPU kernels on first use and run them; false: torch's paths"
+    )
+    native_march: str = setting(
+        "native",
+        help="the -march the native kernels are built for, optionally followed by further -m "
+        "flags ('haswell -mavxvnni')",
+    )
+    cache: str | None = setting(
+        None, help="directory the built kernels are kept in (kernels/ under it); empty: "
+        "~/.cache/radixmesh"
+    )
+
+
 # ---- the configs: each composed of the groups it uses ----------------------------------
 # Bases are listed last group first: a dataclass's fields, and so its flags in --help,
 # follow the reversed MRO.
