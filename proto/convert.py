@@ -16,6 +16,7 @@ from radixmesh.core.step import (
     StepResult,
     TopLogprobs,
 )
+from radixmesh.proto import cache_pb2 as cpb
 from radixmesh.proto import worker_pb2 as wpb
 
 # The sampling parameters the engine needs, named alike on both sides; stop strings stay
@@ -72,6 +73,30 @@ def host_pool_from_proto(msg: wpb.HostPool) -> HostPoolSpec:
     """The other side of host_pool_to_proto."""
     geometry = KVGeometry(msg.num_layers, msg.num_kv_heads, msg.head_dim, msg.dtype, msg.page_size)
     return HostPoolSpec(msg.name, msg.path, msg.num_slots, msg.layout, geometry)
+
+
+def geometry_to_proto(g: KVGeometry) -> cpb.KVGeometry:
+    """A KV geometry as cachectl's messages carry it."""
+    return cpb.KVGeometry(num_layers=g.num_layers, num_kv_heads=g.num_kv_heads,
+                          head_dim=g.head_dim, dtype=g.dtype, page_size=g.page_size)
+
+
+def geometry_from_proto(msg: cpb.KVGeometry) -> KVGeometry:
+    """The other side of geometry_to_proto."""
+    return KVGeometry(msg.num_layers, msg.num_kv_heads, msg.head_dim, msg.dtype, msg.page_size)
+
+
+def segment_to_proto(spec: HostPoolSpec) -> cpb.HostPool:
+    """A host segment as cachectl answers Open, with the storage tier behind it."""
+    return cpb.HostPool(name=spec.name, path=spec.path, num_slots=spec.num_slots,
+                        layout=spec.layout, geometry=geometry_to_proto(spec.geometry),
+                        storage=spec.storage)
+
+
+def segment_from_proto(msg: cpb.HostPool) -> HostPoolSpec:
+    """The other side of segment_to_proto."""
+    return HostPoolSpec(msg.name, msg.path, msg.num_slots, msg.layout,
+                        geometry_from_proto(msg.geometry), msg.storage)
 
 
 def batch_to_proto(batch: StepBatch) -> wpb.StepBatch:

@@ -9,40 +9,27 @@ import contextlib
 import errno
 import logging
 from collections.abc import AsyncIterator
-from dataclasses import asdict
 from typing import Any, NoReturn
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from radixmesh.core.hicache import HostPoolSpec, KVGeometry
 from radixmesh.core.service_settings import CachectlConfig
 from radixmesh.engine.tiers.host_pool import CLOSE_FLUSH_S, HostSegments, NoSegment
 from radixmesh.engine.tiers.storage import StorageBackend, open_backend
 from radixmesh.mesh.service import StatusServer
 from radixmesh.proto import cache_pb2 as cpb
 from radixmesh.proto import cache_pb2_grpc as cgrpc
+from radixmesh.proto.convert import (
+    geometry_from_proto,
+    segment_to_proto,
+)
 from radixmesh.services.cachectl import metrics
 
 log = logging.getLogger("radixmesh.cachectl")
 
 SERVICE_NAME = cpb.DESCRIPTOR.services_by_name["Cachectl"].full_name
 STOP_GRACE_S = 2.0
-
-
-def geometry_from_proto(msg: cpb.KVGeometry) -> KVGeometry:
-    return KVGeometry(msg.num_layers, msg.num_kv_heads, msg.head_dim, msg.dtype, msg.page_size)
-
-
-def pool_to_proto(spec: HostPoolSpec) -> cpb.HostPool:
-    return cpb.HostPool(
-        name=spec.name,
-        path=spec.path,
-        num_slots=spec.num_slots,
-        layout=spec.layout,
-        geometry=cpb.KVGeometry(**asdict(spec.geometry)),
-        storage=spec.storage,
-    )
 
 
 async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> NoReturn:
@@ -142,7 +129,7 @@ class CachectlService(cgrpc.CachectlServicer):
             metrics.show(self.segments, request.engine_id)
             await _abort(context, exc)
         metrics.show(self.segments, request.engine_id)
-        return pool_to_proto(spec)
+        return segment_to_proto(spec)
 
     async def Record(
         self, request: cpb.PagesRequest, context: grpc.aio.ServicerContext

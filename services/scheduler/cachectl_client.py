@@ -8,7 +8,6 @@ cachectl rejects as malformed raises ValueError, as the in-process LocalCachectl
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Sequence
-from dataclasses import asdict
 from typing import NamedTuple, TypeVar
 
 import grpc
@@ -16,6 +15,10 @@ import grpc
 from radixmesh.core.hicache import HostPoolSpec, KVGeometry
 from radixmesh.proto import cache_pb2 as cpb
 from radixmesh.proto import cache_pb2_grpc as cgrpc
+from radixmesh.proto.convert import (
+    geometry_to_proto,
+    segment_from_proto,
+)
 
 DEFAULT_TIMEOUT_S = 3.0
 
@@ -35,12 +38,6 @@ class HostTierStats(NamedTuple):
     used_slots: int
     segment_bytes: int
     repeated: int  # slots recorded while in use or forgotten while free, since open
-
-
-def _spec_from_proto(msg: cpb.HostPool) -> HostPoolSpec:
-    g = msg.geometry
-    geometry = KVGeometry(g.num_layers, g.num_kv_heads, g.head_dim, g.dtype, g.page_size)
-    return HostPoolSpec(msg.name, msg.path, msg.num_slots, msg.layout, geometry, msg.storage)
 
 
 class CachectlClient:
@@ -64,7 +61,7 @@ class CachectlClient:
         """A fresh segment for `engine_id`, which later calls are about."""
         request = cpb.OpenRequest(
             engine_id=engine_id,
-            geometry=cpb.KVGeometry(**asdict(geometry)),
+            geometry=geometry_to_proto(geometry),
             num_slots=num_slots,
             layout=layout,
             storage_page_tokens=storage_page_tokens,
@@ -74,7 +71,7 @@ class CachectlClient:
             request, timeout=self.timeout, wait_for_ready=True
         ))
         self._engine_id = engine_id
-        return _spec_from_proto(reply)
+        return segment_from_proto(reply)
 
     async def record(self, slots: list[int]) -> None:
         request = cpb.PagesRequest(engine_id=self._opened(), slots=slots)
