@@ -693,6 +693,20 @@ def test_best_effort_fetches_while_a_request_queues(tiny, tmp_path, reference, s
         check_no_leaks(engine)
 
 
+def generate_aside(engine: Engine, rid: str) -> Future[dict[str, Any]]:
+    """PROMPT generated greedily on a thread of its own: its answer, or what it raised."""
+    answer: Future[dict[str, Any]] = Future()
+
+    def run() -> None:
+        try:
+            answer.set_result(engine.generate(input_ids=PROMPT, sampling_params=GREEDY, rid=rid))
+        except BaseException as exc:
+            answer.set_exception(exc)
+
+    threading.Thread(target=run, daemon=True).start()
+    return answer
+
+
 def test_pages_arrived_after_an_abort_join_the_tree(tiny, tmp_path, reference, stored):
     """A request aborted while it waits for storage: its prefetch runs on, and its pages
     join the tree (host-only) for the next request, which loads them from the host tier."""
@@ -700,17 +714,7 @@ def test_pages_arrived_after_an_abort_join_the_tree(tiny, tmp_path, reference, s
     with storage_engine(
         tiny, tmp_path, store, hicache_storage_prefetch_policy="wait_complete"
     ) as engine:
-        aborted: Future[dict[str, Any]] = Future()
-
-        def run() -> None:
-            try:
-                aborted.set_result(
-                    engine.generate(input_ids=PROMPT, sampling_params=GREEDY, rid="gone")
-                )
-            except BaseException as exc:
-                aborted.set_exception(exc)
-
-        threading.Thread(target=run, daemon=True).start()
+        aborted = generate_aside(engine, "gone")
         wait_for(lambda: store.gets > 0, "the prefetch to start")
         engine.abort("gone")
         out = aborted.result(timeout=10)
@@ -883,17 +887,7 @@ def test_a_query_that_fails_otherwise_than_oserror_does_not_hang(tiny, tmp_path,
     with storage_engine(
         tiny, tmp_path, store, hicache_storage_prefetch_policy="wait_complete"
     ) as engine:
-        done: Future[dict[str, Any]] = Future()
-
-        def run() -> None:
-            try:
-                done.set_result(
-                    engine.generate(input_ids=PROMPT, sampling_params=GREEDY, rid="q")
-                )
-            except BaseException as exc:
-                done.set_exception(exc)
-
-        threading.Thread(target=run, daemon=True).start()
+        done = generate_aside(engine, "q")
         try:
             out = done.result(timeout=3)
         except TimeoutError:

@@ -135,23 +135,24 @@ class CachectlService(cgrpc.CachectlServicer):
         self, request: cpb.PagesRequest, context: grpc.aio.ServicerContext
     ) -> cpb.PagesReply:
         """Host slots the engine's scheduler now holds."""
-        try:
-            repeated = self.segments.record(request.engine_id, request.slots)
-        except (ValueError, NoSegment) as exc:
-            await _abort(context, exc)
-        return self._pages_reply(request.engine_id, "record", repeated)
+        return await self._pages(request, context, "record")
 
     async def Forget(
         self, request: cpb.PagesRequest, context: grpc.aio.ServicerContext
     ) -> cpb.PagesReply:
         """Host slots the engine's scheduler no longer holds."""
+        return await self._pages(request, context, "forget")
+
+    async def _pages(
+        self, request: cpb.PagesRequest, context: grpc.aio.ServicerContext, op: str
+    ) -> cpb.PagesReply:
+        """Record ("record") or forget ("forget") host slots, and the segment's use after."""
+        mark = self.segments.record if op == "record" else self.segments.forget
+        engine_id = request.engine_id
         try:
-            repeated = self.segments.forget(request.engine_id, request.slots)
+            repeated = mark(engine_id, request.slots)
         except (ValueError, NoSegment) as exc:
             await _abort(context, exc)
-        return self._pages_reply(request.engine_id, "forget", repeated)
-
-    def _pages_reply(self, engine_id: str, op: str, repeated: int) -> cpb.PagesReply:
         metrics.repeated(engine_id, op, repeated)
         metrics.show(self.segments, engine_id)
         used = self.segments.stats(engine_id).used_slots

@@ -134,9 +134,7 @@ def parse_completion(
     body: dict[str, Any], tokenizer: Tokenizer, model: ServedModel, request_id: str
 ) -> OpenAIRequest:
     """Check a /v1/completions request and build its GenerationRequests."""
-    _check_common(body, model, _COMPLETION_UNSUPPORTED)
-    _check_response_format(body)
-    stream, include_usage = _stream_options(body)
+    stream, include_usage = _check_common(body, model, _COMPLETION_UNSUPPORTED)
     echo = _get_bool(body, "echo")
     top_logprobs = _get_int(body, "logprobs", 0, MAX_TOP_LOGPROBS)
     if echo and stream and top_logprobs is not None:
@@ -168,9 +166,7 @@ def parse_chat(
     body: dict[str, Any], tokenizer: Tokenizer, model: ServedModel, request_id: str
 ) -> OpenAIRequest:
     """Check a /v1/chat/completions request, render its chat template, build its requests."""
-    _check_common(body, model, _CHAT_UNSUPPORTED)
-    _check_response_format(body)
-    stream, include_usage = _stream_options(body)
+    stream, include_usage = _check_common(body, model, _CHAT_UNSUPPORTED)
     want_logprobs = _get_bool(body, "logprobs")
     top_logprobs = _get_int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
     if top_logprobs and not want_logprobs:
@@ -207,7 +203,10 @@ def parse_chat(
     )
 
 
-def _check_common(body: dict[str, Any], model: ServedModel, unsupported: tuple[str, ...]) -> None:
+def _check_common(body: dict[str, Any], model: ServedModel, unsupported: tuple[str, ...]
+                  ) -> tuple[bool, bool]:
+    """The fields both routes share: model, user, those refused, response_format; returns
+    whether to stream, and whether to end the stream with a usage chunk."""
     name = _get_str(body, "model")
     if name is not None and name != model.name:
         raise OpenAIError(
@@ -217,6 +216,8 @@ def _check_common(body: dict[str, Any], model: ServedModel, unsupported: tuple[s
     for field in unsupported:
         if body.get(field) not in (None, "", [], {}):
             raise OpenAIError(f"{field} is not supported by this server", field)
+    _check_response_format(body)
+    return _stream_options(body)
 
 
 def _check_response_format(body: dict[str, Any]) -> None:
