@@ -77,7 +77,8 @@ def test_a_port_whose_server_just_stopped_is_free_to_reserve():
 def test_the_mesh_starts_again_on_its_ports_right_after_serving(tmp_path):
     port, grpc_port = free_port(), free_port()
     args = MeshArgs(port=port, grpc_port=grpc_port, log_dir=str(tmp_path), max_total_tokens=2048)
-    body = json.dumps({"text": "Hello", "sampling_params": {"max_new_tokens": 2}}).encode()
+    body = json.dumps({"text": "Hello", "sampling_params": {"max_new_tokens": 2,
+                                                           "temperature": 0}}).encode()
 
     def generate(mesh: Mesh) -> dict:
         request = urllib.request.Request(f"{mesh.url}/generate", body,
