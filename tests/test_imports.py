@@ -48,7 +48,6 @@ PROTOBUF_MODULES = {
     "radixmesh.services.tokenizer.client",
     "radixmesh.services.tokenizer.assembler",
     "radixmesh.services.tokenizer.grpc_api",
-    "radixmesh.services.tokenizer.router",
 }
 
 

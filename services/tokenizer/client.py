@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import random
@@ -19,7 +20,6 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from google.protobuf.json_format import MessageToDict
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
@@ -35,7 +35,7 @@ from radixmesh.services.tokenizer import metrics
 from radixmesh.services.tokenizer.assembler import ChunkAssembler
 from radixmesh.services.tokenizer.generation import GenerationChunk, GenerationError
 from radixmesh.services.tokenizer.request_trace import RequestTrace
-from radixmesh.services.tokenizer.router import EngineRegistry, Route, Router
+from radixmesh.services.tokenizer.router import EngineRegistry, EngineStatus, Route, Router
 
 log = logging.getLogger("radixmesh.tokenizer.mesh")
 
@@ -303,14 +303,13 @@ class MeshClient:
             if isinstance(reply, dict):
                 out.append(reply)
             elif engine_id in self.engines:
-                status = self.engines.status(engine_id)
-                out.append(MessageToDict(status, preserving_proto_field_name=True))
+                out.append(dataclasses.asdict(self.engines.status(engine_id)))
         return out
 
     # ---- NATS callbacks ------------------------------------------------------------------
 
     async def _on_status(self, msg: Msg) -> None:
-        status = mpb.EngineStatus.FromString(msg.data)
+        status = _status_from_proto(mpb.EngineStatus.FromString(msg.data))
         if not status.engine_id:
             return
         if status.down:  # lost its workers: it ends its requests itself, route around it
@@ -407,3 +406,9 @@ class MeshClient:
         metrics.ENGINES.set(len(self.engines))
         async with self._changed:
             self._changed.notify_all()
+
+
+def _status_from_proto(msg: mpb.EngineStatus) -> EngineStatus:
+    """An engine's heartbeat as the registry keeps it."""
+    return EngineStatus(**{f.name: getattr(msg, f.name)
+                           for f in dataclasses.fields(EngineStatus)})

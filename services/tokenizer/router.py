@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from radixmesh.core.service_settings import RouterSettings
-from radixmesh.proto import mesh_pb2 as mpb
 
 # A full tree is cut to this share of its bound, so the cost of a full scan is spread over
 # many inserts.
@@ -258,11 +257,30 @@ def _leaves(root: _Node) -> list[_Node]:
 # ---- the engines heard from ------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class EngineStatus:
+    """An engine's heartbeat (mesh.proto's EngineStatus, twice a second): discovery and load
+    for routing."""
+
+    engine_id: str
+    running: int = 0
+    waiting: int = 0
+    num_slots: int = 0
+    free_slots: int = 0
+    cached_tokens: int = 0
+    context_length: int = 0
+    vocab_size: int = 0
+    model_path: str = ""
+    uptime_s: float = 0.0
+    down: bool = False  # lost its workers: takes no requests until they are back
+    instance: str = ""  # random per scheduler process: a new one is a restart
+
+
 @dataclass
 class EngineEntry:
     """An engine's last heartbeat and when it arrived (monotonic seconds)."""
 
-    status: mpb.EngineStatus
+    status: EngineStatus
     last_seen: float
 
 
@@ -284,11 +302,11 @@ class EngineRegistry:
         """Known engines, in the order they appeared."""
         return list(self._engines)
 
-    def status(self, engine_id: str) -> mpb.EngineStatus:
+    def status(self, engine_id: str) -> EngineStatus:
         """The engine's last heartbeat."""
         return self._engines[engine_id].status
 
-    def heard(self, status: mpb.EngineStatus, now: float | None = None) -> str:
+    def heard(self, status: EngineStatus, now: float | None = None) -> str:
         """Record a heartbeat: "new" (an engine not known), "restarted" (another scheduler
         process under a known id) or "" (known)."""
         known = self._engines.get(status.engine_id)
