@@ -1,5 +1,5 @@
 """Shared fixtures: the default model and its tokenizer loaded once, a NATS server per test
-module, asyncio for anyio tests."""
+module and a connection to it, asyncio for anyio tests."""
 
 from __future__ import annotations
 
@@ -27,6 +27,16 @@ def nats_url() -> Iterator[str]:
 
     with EmbeddedNats() as server:
         yield server.url
+
+
+@pytest.fixture
+async def nc(nats_url):
+    """A NATS connection to this module's server (for anyio tests)."""
+    import nats
+
+    conn = await nats.connect(nats_url)
+    yield conn
+    await conn.close()
 
 
 @pytest.fixture(scope="module")
