@@ -15,7 +15,8 @@ from hypothesis.stateful import (
 )
 
 from radixmesh.engine.kv_allocator import KVAllocator
-from radixmesh.engine.radix_cache import RadixCache, TreeNode
+from radixmesh.engine.radix_cache import RadixCache
+from radixmesh.engine.tree_node import TreeNode
 
 
 class FakeClock:

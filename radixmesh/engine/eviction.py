@@ -6,7 +6,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from radixmesh.engine.radix_cache import TreeNode
+    from radixmesh.engine.tree_node import TreeNode
 
 # The leaf with the smallest key is evicted first; insertion order breaks the remaining ties.
 EvictionKey = Callable[["TreeNode"], tuple[float, ...]]

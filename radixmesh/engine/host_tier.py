@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 from radixmesh.core.step import KVCopy
 from radixmesh.engine.kv_allocator import KVAllocator
-from radixmesh.engine.radix_cache import RadixCache, TreeNode
+from radixmesh.engine.radix_cache import RadixCache
+from radixmesh.engine.tree_node import TreeNode
 
 
 class _TrackedAllocator(KVAllocator):

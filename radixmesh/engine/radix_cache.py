@@ -9,74 +9,11 @@ from __future__ import annotations
 
 import heapq
 import time
-from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from collections.abc import Callable, Iterator, Sequence
 
 from radixmesh.engine.eviction import eviction_key
 from radixmesh.engine.kv_allocator import KVAllocator
-
-# First token of an edge when page_size == 1, else its first page of tokens.
-ChildKey = int | tuple[int, ...]
-
-
-class TreeNode:
-    """One edge of the tree: its tokens, their KV slots, and eviction bookkeeping."""
-
-    __slots__ = (
-        "children",
-        "parent",
-        "key",
-        "slots",
-        "host_slots",
-        "backup",
-        "lock_ref",
-        "last_access",
-        "hit_count",
-        "priority",
-        "created",
-        "depth",
-    )
-
-    def __init__(
-        self,
-        key: list[int],
-        slots: list[int] | None,
-        parent: TreeNode | None,
-        created: int,
-        last_access: float,
-        priority: int = 0,
-    ) -> None:
-        self.children: dict[ChildKey, TreeNode] = {}
-        # None for a namespace root and for a node no longer in the tree (its key is non-empty).
-        self.parent = parent
-        self.key = key
-        self.slots = slots  # device slots; None once evicted to the host tier only
-        self.host_slots: list[int] | None = None
-        self.backup = 0  # id of the device-to-host copy still writing host_slots; 0: none
-        self.lock_ref = 0
-        self.last_access = last_access
-        self.hit_count = 0
-        self.priority = priority
-        self.created = created
-        # Tokens from the root to this edge's first token.
-        self.depth = 0 if parent is None else parent.depth + len(parent.key)
-
-    def __repr__(self) -> str:
-        shown = f"{self.key[:8]}..." if len(self.key) > 8 else f"{self.key}"
-        return f"TreeNode(key={shown}, lock_ref={self.lock_ref})"
-
-
-class MatchResult(NamedTuple):
-    """The longest cached prefix of a key: its device part, then its host-only part."""
-
-    slots: list[int]  # device KV slots of the matched prefix, one per matched token
-    node: TreeNode  # deepest device node matched (a root when none); what the caller locks
-    host_nodes: list[TreeNode] = []  # host-only nodes continuing the match, in order
-
-    @property
-    def host_len(self) -> int:
-        """Tokens past the device part that the host tier holds."""
-        return sum(len(n.key) for n in self.host_nodes)
+from radixmesh.engine.tree_node import ChildKey, MatchResult, TreeNode
 
 
 class RadixCache:
@@ -122,18 +59,11 @@ class RadixCache:
         `count_hit`: an admission that uses the match (not a look, e.g. for ordering)."""
         tokens = list(key)
         end = len(tokens) - len(tokens) % self.page_size
-        node = device = self._root(namespace)
+        device = self._root(namespace)
         slots: list[int] = []
         host_nodes: list[TreeNode] = []
         now = self._clock()
-        start = 0
-        while start < end:
-            child = node.children.get(self._child_key(tokens, start))
-            if child is None:
-                break
-            matched = self._common_length(child.key, tokens, start, end)
-            if matched < len(child.key):
-                child = self._split(child, matched)
+        for child, _ in self._descend(device, tokens, end):
             child.last_access = now
             if count_hit:
                 child.hit_count += 1
@@ -142,8 +72,6 @@ class RadixCache:
                 device = child
             else:
                 host_nodes.append(child)
-            node = child
-            start += matched
         return MatchResult(slots, device, host_nodes)
 
     def insert(
@@ -170,23 +98,17 @@ class RadixCache:
         now = self._clock()
         start, end = 0, len(tokens)
         adopted: int | None = None
-        while start < end:
-            child_key = self._child_key(tokens, start)
-            child = node.children.get(child_key)
-            if child is None:
-                self._add_leaf(node, child_key, tokens[start:], new_slots[start:], now, priority)
-                return start if adopted is None else adopted
-            matched = self._common_length(child.key, tokens, start, end)
-            if matched < len(child.key):
-                child = self._split(child, matched)
+        for child, at in self._descend(node, tokens, end):
             child.last_access = now
             child.priority = max(child.priority, priority)
             if child.slots is None:
-                adopted = start if adopted is None else adopted
-                self._set_device(child, new_slots[start : start + matched])
-            node = child
-            start += matched
-        return end if adopted is None else adopted
+                adopted = at if adopted is None else adopted
+                self._set_device(child, new_slots[at : at + len(child.key)])
+            node, start = child, at + len(child.key)
+        if start < end:
+            child_key = self._child_key(tokens, start)
+            self._add_leaf(node, child_key, tokens[start:], new_slots[start:], now, priority)
+        return start if adopted is None else adopted
 
     # ---- locking ---------------------------------------------------------------------------
 
@@ -337,15 +259,8 @@ class RadixCache:
         assert self.host is not None
         node = self._root(namespace)
         at, end = 0, len(tokens)
-        while at < end:
-            child = node.children.get(self._child_key(tokens, at))
-            if child is None:
-                break
-            matched = self._common_length(child.key, tokens, at, end)
-            if matched < len(child.key):
-                child = self._split(child, matched)
-            node = child
-            at += matched
+        for child, edge_start in self._descend(node, tokens, end):
+            node, at = child, edge_start + len(child.key)
         if at < start or at == end:
             return list(host_slots)
         leaf = TreeNode(tokens[at:], None, node, self._next_created, self._clock(), 0)
@@ -490,6 +405,22 @@ class RadixCache:
         )
 
     # ---- internals -----------------------------------------------------------------------
+
+    def _descend(self, node: TreeNode, tokens: list[int], end: int
+                 ) -> Iterator[tuple[TreeNode, int]]:
+        """Walk down from node along tokens[:end], splitting the edge the walk ends inside;
+        yields each node reached with the position its edge starts at."""
+        start = 0
+        while start < end:
+            child = node.children.get(self._child_key(tokens, start))
+            if child is None:
+                return
+            matched = self._common_length(child.key, tokens, start, end)
+            if matched < len(child.key):
+                child = self._split(child, matched)
+            yield child, start
+            node = child
+            start += matched
 
     def _root(self, namespace: str | None) -> TreeNode:
         root = self._roots.get(namespace)

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from radixmesh.engine.radix_cache import RadixCache, TreeNode
+from radixmesh.engine.radix_cache import RadixCache
 from radixmesh.engine.request import Req
+from radixmesh.engine.tree_node import TreeNode
 
 POLICIES = ("lpm", "dfs-weight", "fcfs")
 

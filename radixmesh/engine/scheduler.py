@@ -14,11 +14,12 @@ from radixmesh.core.step import NewRequest, StepBatch, StepEntry, StepResult
 from radixmesh.engine.constraints import Constraints
 from radixmesh.engine.host_tier import HostTier
 from radixmesh.engine.kv_allocator import KVAllocator
-from radixmesh.engine.radix_cache import RadixCache, TreeNode
+from radixmesh.engine.radix_cache import RadixCache
 from radixmesh.engine.request import Req
 from radixmesh.engine.schedule_policy import SchedulePolicy, match_key
 from radixmesh.engine.storage_tier import StorageTier
 from radixmesh.engine.tiering import HostTiers, NoTiers, StorageTiers
+from radixmesh.engine.tree_node import TreeNode
 
 
 @dataclass(frozen=True)

@@ -27,9 +27,10 @@ from dataclasses import dataclass
 
 from radixmesh.core.hicache import PageKeys
 from radixmesh.engine.host_tier import HostTier
-from radixmesh.engine.radix_cache import RadixCache, TreeNode
+from radixmesh.engine.radix_cache import RadixCache
 from radixmesh.engine.request import Req
 from radixmesh.engine.schedule_policy import match_key
+from radixmesh.engine.tree_node import TreeNode
 
 _SENT_KEYS = 1 << 20  # keys remembered as written; beyond that the oldest are forgotten
 

@@ -11,9 +11,10 @@ from collections.abc import Sequence
 
 from radixmesh.core.step import KVCopy
 from radixmesh.engine.host_tier import HostTier
-from radixmesh.engine.radix_cache import RadixCache, TreeNode
+from radixmesh.engine.radix_cache import RadixCache
 from radixmesh.engine.request import Req
 from radixmesh.engine.storage_tier import StorageTier
+from radixmesh.engine.tree_node import TreeNode
 
 
 class NoTiers:
