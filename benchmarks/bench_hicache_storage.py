@@ -32,7 +32,7 @@ The order of the sides alternates over --repeats (recompute, file, redis, nats, 
 so that the machine's noise hits all. Figures pool every repeat: TTFT p50 and mean per turn,
 their ratio to recompute's, the prompt tokens each tier served (meta_info.
 cached_tokens_details) and the share from storage, the scheduler's prefetches, cachectl's
-page outcomes. Last, the backends alone (radixmesh/engine/tiers/storage.py's open_backend and
+page outcomes. Last, the backends alone (radixmesh/engine/stores/storage.py's open_backend and
 PageMover) on --pages pages of SmolLM2's real page (64 tokens x 30 layers x K,V x 3 KV
 heads x head_dim 64 x 2 bytes = 1.47 MB in bf16): sequential puts, gets one at a time and
 PREFETCH_AHEAD at once, PageMover's store (exists + put, its one writer task) and prefetch
@@ -68,8 +68,8 @@ from radixmesh.bench.stats import RequestResult, distribution
 from radixmesh.bench.workloads import Workload, multi_turn_workload, word_pool
 from radixmesh.core.hicache import DTYPE_BYTES, PREFETCH_POLICIES, HostPoolSpec, KVGeometry
 from radixmesh.core.tokenizer import Tokenizer
-from radixmesh.engine.tiers.page_mover import PREFETCH_AHEAD, PageMover
-from radixmesh.engine.tiers.storage import open_backend
+from radixmesh.engine.stores.page_mover import PREFETCH_AHEAD, PageMover
+from radixmesh.engine.stores.storage import open_backend
 from radixmesh.launcher import Mesh, MeshArgs
 from radixmesh.mesh.nats_server import EmbeddedNats, free_port, wait_for_port
 

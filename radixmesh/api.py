@@ -29,8 +29,8 @@ from radixmesh.engine.loop import EngineLoop
 from radixmesh.engine.model.runner import ModelRunner, load_runner
 from radixmesh.engine.request import Req
 from radixmesh.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
-from radixmesh.engine.tiers.host_pool import LocalCachectl, in_process_engine_id
-from radixmesh.engine.tiers.storage import StorageBackend, open_backend
+from radixmesh.engine.stores.host_pool import LocalCachectl, in_process_engine_id
+from radixmesh.engine.stores.storage import StorageBackend, open_backend
 from radixmesh.request_output import RequestStream
 
 log = logging.getLogger("radixmesh.engine")

@@ -23,8 +23,8 @@ from process_helpers import service_process
 from radixmesh.core.flags import parse_config, shared_values, to_flags
 from radixmesh.core.hicache import HostPoolSpec, KVGeometry, shm_root
 from radixmesh.core.service_settings import CachectlConfig
-from radixmesh.engine.tiers import host_pool
-from radixmesh.engine.tiers.host_pool import (
+from radixmesh.engine.stores import host_pool
+from radixmesh.engine.stores.host_pool import (
     SEGMENT_PREFIX,
     HostSegments,
     LocalCachectl,

@@ -28,9 +28,9 @@ from radixmesh import Engine
 from radixmesh.core.hicache import KVGeometry, PageKeys
 from radixmesh.core.model_files import model_fingerprint
 from radixmesh.engine.scheduler import Scheduler
-from radixmesh.engine.tiers import host_pool, page_mover
-from radixmesh.engine.tiers.page_mover import PREFETCH_AHEAD
-from radixmesh.engine.tiers.storage import CorruptPage
+from radixmesh.engine.stores import host_pool, page_mover
+from radixmesh.engine.stores.page_mover import PREFETCH_AHEAD
+from radixmesh.engine.stores.storage import CorruptPage
 
 # ---- the engine: prefetch policies against a fake store -------------------------------------
 

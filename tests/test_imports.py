@@ -112,7 +112,7 @@ def test_a_service_imports_only_the_shared_code_and_its_own_folder(module):
 
 
 # What an engine module may import beyond the core, the kernels and itself.
-STORE_CLIENTS = {"radixmesh.engine.tiers.storage": ("nats",)}
+STORE_CLIENTS = {"radixmesh.engine.stores.storage": ("nats",)}
 
 
 @pytest.mark.parametrize("module", sorted(n for n in MODULES if _under(n, (ENGINE,))))
@@ -165,7 +165,7 @@ def test_only_transport_modules_import_protobuf():
     "radixmesh.engine.loop",
     "radixmesh.engine.model.runner",
     "radixmesh.engine.model.sampling",
-    "radixmesh.engine.tiers.host_pool",
+    "radixmesh.engine.stores.host_pool",
 ])
 def test_domain_logic_imports_no_transport(module):
     bad = sorted(name for name in IMPORTS[module] if _under(name, TRANSPORT))

@@ -18,8 +18,8 @@ import redis.asyncio
 from nats.js.object_store import ObjectStore
 from process_helpers import redis_server
 
-from radixmesh.engine.tiers import storage
-from radixmesh.engine.tiers.storage import (
+from radixmesh.engine.stores import storage
+from radixmesh.engine.stores.storage import (
     HEADER,
     REDIS_PREFIX,
     CorruptPage,

@@ -14,9 +14,9 @@ import pytest
 from radixmesh.core.hicache import KVGeometry, PageKeys
 from radixmesh.engine.kv_allocator import KVAllocator
 from radixmesh.engine.radix_cache import RadixCache
-from radixmesh.engine.tiers.host_pool import HostSegments
-from radixmesh.engine.tiers.page_mover import PageMover
-from radixmesh.engine.tiers.storage import FileBackend
+from radixmesh.engine.stores.host_pool import HostSegments
+from radixmesh.engine.stores.page_mover import PageMover
+from radixmesh.engine.stores.storage import FileBackend
 
 # ---- page keys ----------------------------------------------------------------------------
 

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import Counter, Gauge, Histogram
 
 if TYPE_CHECKING:
-    from radixmesh.engine.tiers.host_pool import HostSegments
+    from radixmesh.engine.stores.host_pool import HostSegments
 
 _ENGINE = ("engine_id",)
 

@@ -15,8 +15,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from radixmesh.core.service_settings import CachectlConfig
-from radixmesh.engine.tiers.host_pool import CLOSE_FLUSH_S, HostSegments, NoSegment
-from radixmesh.engine.tiers.storage import StorageBackend, open_backend
+from radixmesh.engine.stores.host_pool import CLOSE_FLUSH_S, HostSegments, NoSegment
+from radixmesh.engine.stores.storage import StorageBackend, open_backend
 from radixmesh.mesh.service import StatusServer
 from radixmesh.proto import cache_pb2 as cpb
 from radixmesh.proto import cache_pb2_grpc as cgrpc

@@ -24,8 +24,8 @@ from typing import NamedTuple
 import numpy as np
 
 from radixmesh.core.hicache import DTYPE_BYTES, LAYOUTS, HostPoolSpec, KVGeometry
-from radixmesh.engine.tiers.page_mover import PageMover, StorageStats
-from radixmesh.engine.tiers.storage import StorageBackend
+from radixmesh.engine.stores.page_mover import PageMover, StorageStats
+from radixmesh.engine.stores.storage import StorageBackend
 
 log = logging.getLogger("radixmesh.cachectl")
 

@@ -26,7 +26,7 @@ from typing import Protocol, TypeVar
 import numpy as np
 
 from radixmesh.core.hicache import HostPoolSpec
-from radixmesh.engine.tiers.storage import CorruptPage, StorageBackend
+from radixmesh.engine.stores.storage import CorruptPage, StorageBackend
 
 log = logging.getLogger("radixmesh.cachectl")
 
