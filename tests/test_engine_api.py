@@ -2,17 +2,25 @@
 
 One float32 engine serves most tests (so the prefix cache carries over between them;
 tests that count cached tokens flush it first); a second one with tiny prefill chunks
-checks that chunking changes nothing a caller can see."""
+checks that chunking changes nothing a caller can see. Logprobs: test_engine_logprobs.py."""
 
 from __future__ import annotations
 
 import gc
 import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future
 from typing import Any
 
 import pytest
+from engine_helpers import (
+    GREEDY,
+    Result,
+    assert_nothing_held,
+    chunked_engine,
+    float32_engine,
+    in_thread,
+    one,
+)
 
 from radixmesh.api import Engine
 from radixmesh.core.finish import FinishKind, FinishReason
@@ -27,31 +35,17 @@ EOS_CHAT = (
 )
 # ... while it keeps talking here.
 LONG_CHAT = "<|im_start|>user\nSay hi<|im_end|>\n<|im_start|>assistant\n"
-LOGPROB_PROMPT = "The quick brown fox jumps over the lazy dog, and then the dog wakes up and"
 EOS_ID = 2
-GREEDY = {"temperature": 0}
-Result = dict[str, Any]
 
 
 @pytest.fixture(scope="module")
 def engine() -> Iterator[Engine]:
-    eng = Engine(dtype="float32", max_total_tokens=8192, show_progress=False, random_seed=0)
-    yield eng
-    eng.shutdown()
+    yield from float32_engine()
 
 
 @pytest.fixture(scope="module")
 def chunked() -> Iterator[Engine]:
-    """Prompts prefilled 4 tokens per step, so every prompt spans several chunks."""
-    eng = Engine(
-        dtype="float32",
-        max_total_tokens=2048,
-        chunked_prefill_size=4,
-        show_progress=False,
-        random_seed=0,
-    )
-    yield eng
-    eng.shutdown()
+    yield from chunked_engine()
 
 
 @pytest.fixture(scope="module")
@@ -61,34 +55,6 @@ def greedy16(engine: Engine) -> Result:
     assert isinstance(out, dict)
     assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 16}
     return out
-
-
-def one(engine: Engine, prompt: str, params: dict[str, Any], **kw: Any) -> Result:
-    out = engine.generate(prompt, params, **kw)
-    assert isinstance(out, dict)
-    return out
-
-
-def assert_nothing_held(engine: Engine) -> dict[str, Any]:
-    info = engine.server_info()
-    assert info["held_slots"] == 0, info
-    assert info["running"] == 0 and info["waiting"] == 0, info
-    assert info["free_slots"] + info["cached_tokens"] == info["num_slots"], info
-    return info
-
-
-def in_thread(fn: Callable[..., Any], *args: Any, **kw: Any) -> Future[Any]:
-    """Run fn on a daemon thread, so a regression that hangs it cannot hang the test run."""
-    done: Future[Any] = Future()
-
-    def target() -> None:
-        try:
-            done.set_result(fn(*args, **kw))
-        except BaseException as exc:
-            done.set_exception(exc)
-
-    threading.Thread(target=target, daemon=True).start()
-    return done
 
 
 def tokens_until(engine: Engine, ids: list[int], text: str) -> int:
@@ -322,118 +288,6 @@ def test_eos_ignore_eos_and_min_new_tokens(engine: Engine) -> None:
     # eos is a stop token: trimmed from the text unless no_stop_trim
     assert special["output_ids"] == ids and special["text"] == plain["text"]
     assert special_kept["text"] == plain["text"] + "<|im_end|>"
-
-
-# ---- 6: logprobs --------------------------------------------------------------------------
-
-
-def logprobs_from(engine: Engine, start: int, max_new_tokens: int = 1, **kw: Any) -> Result:
-    """LOGPROB_PROMPT run greedily, with logprobs from prompt position `start` on."""
-    return one(
-        engine,
-        LOGPROB_PROMPT,
-        {"max_new_tokens": max_new_tokens, **GREEDY},
-        return_logprob=True,
-        logprob_start_len=start,
-        **kw,
-    )
-
-
-def all_logprobs(engine: Engine) -> Result:
-    """LOGPROB_PROMPT with every prompt and output logprob and the top 3 alternatives."""
-    return logprobs_from(engine, 0, max_new_tokens=8, top_logprobs_num=3)
-
-
-@pytest.fixture(scope="module")
-def prompt_logprobs(engine: Engine) -> Result:
-    return all_logprobs(engine)
-
-
-def test_output_logprobs(prompt_logprobs: Result) -> None:
-    ids = prompt_logprobs["output_ids"]
-    meta = prompt_logprobs["meta_info"]
-    out = meta["output_token_logprobs"]
-    assert len(ids) == 8 and len(out) == 8
-    assert [t for _, t, _ in out] == ids
-    assert all(text is None for _, _, text in out)
-    assert all(isinstance(lp, float) and lp <= 0 for lp, _, _ in out)
-    tops = meta["output_top_logprobs"]
-    assert len(tops) == 8
-    for (lp, token, _), top in zip(out, tops, strict=True):
-        assert len(top) == 3
-        values = [v for v, _, _ in top]
-        assert values == sorted(values, reverse=True)
-        assert len({t for _, t, _ in top}) == 3
-        # greedy: the chosen token is the most likely one
-        assert top[0][1] == token
-        assert lp == pytest.approx(max(values), abs=1e-6)
-
-
-def test_input_logprobs_from_the_start(engine: Engine, prompt_logprobs: Result) -> None:
-    prompt_ids = engine.tokenizer.encode(LOGPROB_PROMPT)
-    meta = prompt_logprobs["meta_info"]
-    assert meta["prompt_tokens"] == len(prompt_ids) >= 12
-    assert meta["cached_tokens"] == 0  # logprobs from position 0 need the whole prompt
-    entries = meta["input_token_logprobs"]
-    assert len(entries) == len(prompt_ids)
-    assert [t for _, t, _ in entries] == prompt_ids
-    assert entries[0][0] is None  # nothing predicts the first token
-    assert all(isinstance(lp, float) and lp <= 0 for lp, _, _ in entries[1:])
-    tops = meta["input_top_logprobs"]
-    assert len(tops) == len(prompt_ids) and tops[0] is None
-    for (lp, token, _), top in zip(entries[1:], tops[1:], strict=True):
-        assert len(top) == 3
-        assert lp <= top[0][0] + 1e-6
-        for v, t, _ in top:
-            if t == token:
-                assert lp == pytest.approx(v, abs=1e-6)
-
-
-def test_input_logprobs_from_an_offset(engine: Engine, prompt_logprobs: Result) -> None:
-    full = prompt_logprobs["meta_info"]["input_token_logprobs"]
-    n = len(full)
-    for k in (1, 5, n - 1):
-        out = logprobs_from(engine, k)
-        meta = out["meta_info"]
-        # the prompt is cached, but position k's logprob needs position k-1 computed
-        assert meta["cached_tokens"] == max(k - 1, 0)
-        entries = meta["input_token_logprobs"]
-        assert len(entries) == meta["prompt_tokens"] - k
-        assert [t for _, t, _ in entries] == [t for _, t, _ in full[k:]]
-        assert [lp for lp, _, _ in entries] == pytest.approx(
-            [lp for lp, _, _ in full[k:]], abs=1e-3
-        )
-        assert "input_top_logprobs" not in meta
-        assert out["output_ids"] == prompt_logprobs["output_ids"][:1]
-    # as every front door of the mesh refuses it
-    with pytest.raises(ValueError, match=rf"logprob_start_len \({n}\) must be less than"):
-        logprobs_from(engine, n)
-
-
-def test_chunked_prefill_changes_nothing(chunked: Engine, prompt_logprobs: Result) -> None:
-    full = prompt_logprobs["meta_info"]["input_token_logprobs"]
-    # start inside the third chunk, before anything is cached
-    mid = logprobs_from(chunked, 9)
-    entries = mid["meta_info"]["input_token_logprobs"]
-    assert [t for _, t, _ in entries] == [t for _, t, _ in full[9:]]
-    assert [lp for lp, _, _ in entries] == pytest.approx([lp for lp, _, _ in full[9:]], abs=1e-3)
-
-    out = all_logprobs(chunked)
-    meta, ref = out["meta_info"], prompt_logprobs["meta_info"]
-    assert out["output_ids"] == prompt_logprobs["output_ids"]
-    assert out["text"] == prompt_logprobs["text"]
-    got = meta["input_token_logprobs"]
-    assert len(got) == len(full) and got[0][0] is None
-    assert [t for _, t, _ in got] == [t for _, t, _ in full]
-    # every 4th prompt token is predicted from the previous chunk's last position
-    assert [lp for lp, _, _ in got[1:]] == pytest.approx([lp for lp, _, _ in full[1:]], abs=1e-3)
-    assert [[t for _, t, _ in top] for top in meta["input_top_logprobs"][1:]] == [
-        [t for _, t, _ in top] for top in ref["input_top_logprobs"][1:]
-    ]
-    assert [lp for lp, _, _ in meta["output_token_logprobs"]] == pytest.approx(
-        [lp for lp, _, _ in ref["output_token_logprobs"]], abs=1e-3
-    )
-    assert_nothing_held(chunked)
 
 
 # ---- 7: streaming -------------------------------------------------------------------------

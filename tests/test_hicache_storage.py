@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 import tokenizers
+from engine_helpers import in_thread
 from tiny_model import EOS, HEAD_DIM, KV_HEADS, LAYERS, VOCAB, save_tiny_model
 from tokenizers import models, pre_tokenizers
 
@@ -342,20 +343,6 @@ def test_best_effort_fetches_while_a_request_queues(tiny, tmp_path, reference, s
         check_no_leaks(engine)
 
 
-def generate_aside(engine: Engine, rid: str) -> Future[dict[str, Any]]:
-    """PROMPT generated greedily on a thread of its own: its answer, or what it raised."""
-    answer: Future[dict[str, Any]] = Future()
-
-    def run() -> None:
-        try:
-            answer.set_result(engine.generate(input_ids=PROMPT, sampling_params=GREEDY, rid=rid))
-        except BaseException as exc:
-            answer.set_exception(exc)
-
-    threading.Thread(target=run, daemon=True).start()
-    return answer
-
-
 def test_pages_arrived_after_an_abort_join_the_tree(tiny, tmp_path, reference, stored):
     """A request aborted while it waits for storage: its prefetch runs on, and its pages
     join the tree (host-only) for the next request, which loads them from the host tier."""
@@ -363,7 +350,7 @@ def test_pages_arrived_after_an_abort_join_the_tree(tiny, tmp_path, reference, s
     with storage_engine(
         tiny, tmp_path, store, hicache_storage_prefetch_policy="wait_complete"
     ) as engine:
-        aborted = generate_aside(engine, "gone")
+        aborted = in_thread(engine.generate, input_ids=PROMPT, sampling_params=GREEDY, rid="gone")
         wait_for(lambda: store.gets > 0, "the prefetch to start")
         engine.abort("gone")
         out = aborted.result(timeout=10)
@@ -536,7 +523,7 @@ def test_a_query_that_fails_otherwise_than_oserror_does_not_hang(tiny, tmp_path,
     with storage_engine(
         tiny, tmp_path, store, hicache_storage_prefetch_policy="wait_complete"
     ) as engine:
-        done = generate_aside(engine, "q")
+        done = in_thread(engine.generate, input_ids=PROMPT, sampling_params=GREEDY, rid="q")
         try:
             out = done.result(timeout=3)
         except TimeoutError:

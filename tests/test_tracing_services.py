@@ -240,7 +240,7 @@ def test_tokenizer_spans_of_a_request():
         assert trace.route(router, _request("r1")).engine_id == "e0"
         sent = context_from_headers(trace.headers())
         trace.chunk(GenerationChunk("r1", "a", [5], 3, 1, 0))
-        trace.chunk(GenerationChunk("r1", "b", [6], 3, 2, 1, {"type": "length", "length": 2}))
+        trace.chunk(GenerationChunk("r1", "b", [6], 3, 2, 1, FinishReason(FinishKind.LENGTH, 2)))
         trace.end()
         spans = exported.get_finished_spans()
     generate = one(spans, "generate")

@@ -109,7 +109,7 @@ class RequestTrace:
                       attr.COMPLETION_TOKENS: last.completion_tokens}
             self._span.set_attributes(counts)
             if last.finish is not None:
-                self._span.set_attribute(attr.FINISH, str(last.finish.get("type")))
+                self._span.set_attribute(attr.FINISH, last.finish.kind.value)
             if self._stream is not None:
                 self._stream.set_attributes({**counts, attr.STREAM_CHUNKS: self._chunks})
         end_span(self._stream)
