@@ -1,5 +1,6 @@
 """Shared fixtures: the default model and its tokenizer loaded once, a NATS server per test
-module and a connection to it, asyncio for anyio tests."""
+module and a connection to it, an in-process engine per module (float32, and one that
+prefills in chunks of 4), asyncio for anyio tests."""
 
 from __future__ import annotations
 
@@ -50,3 +51,24 @@ def tokenizer():
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
+
+
+@pytest.fixture(scope="module")
+def engine():
+    """The bundled model in float32, one per test module (its tests share its prefix cache)."""
+    from radixmesh.api import Engine
+
+    eng = Engine(dtype="float32", max_total_tokens=8192, show_progress=False, random_seed=0)
+    yield eng
+    eng.shutdown()
+
+
+@pytest.fixture(scope="module")
+def chunked():
+    """The same, prefilling 4 tokens a step, so every prompt spans several chunks."""
+    from radixmesh.api import Engine
+
+    eng = Engine(dtype="float32", max_total_tokens=2048, chunked_prefill_size=4,
+                 show_progress=False, random_seed=0)
+    yield eng
+    eng.shutdown()

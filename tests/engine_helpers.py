@@ -1,10 +1,10 @@
-"""What the in-process Engine's end-to-end tests share: the bundled model in float32, once
-with the default prefill and once in chunks of 4 tokens, and small checks around them."""
+"""What the in-process Engine's end-to-end tests share besides their engines (the `engine`
+and `chunked` fixtures of conftest.py): small checks around them."""
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
@@ -12,26 +12,6 @@ from radixmesh.api import Engine
 
 GREEDY = {"temperature": 0}
 Result = dict[str, Any]
-
-
-def float32_engine() -> Iterator[Engine]:
-    """The engine most tests share (so its prefix cache carries over between them)."""
-    eng = Engine(dtype="float32", max_total_tokens=8192, show_progress=False, random_seed=0)
-    yield eng
-    eng.shutdown()
-
-
-def chunked_engine() -> Iterator[Engine]:
-    """Prompts prefilled 4 tokens per step, so every prompt spans several chunks."""
-    eng = Engine(
-        dtype="float32",
-        max_total_tokens=2048,
-        chunked_prefill_size=4,
-        show_progress=False,
-        random_seed=0,
-    )
-    yield eng
-    eng.shutdown()
 
 
 def one(engine: Engine, prompt: str, params: dict[str, Any], **kw: Any) -> Result:

@@ -16,8 +16,6 @@ from engine_helpers import (
     GREEDY,
     Result,
     assert_nothing_held,
-    chunked_engine,
-    float32_engine,
     in_thread,
     one,
 )
@@ -36,16 +34,6 @@ EOS_CHAT = (
 # ... while it keeps talking here.
 LONG_CHAT = "<|im_start|>user\nSay hi<|im_end|>\n<|im_start|>assistant\n"
 EOS_ID = 2
-
-
-@pytest.fixture(scope="module")
-def engine() -> Iterator[Engine]:
-    yield from float32_engine()
-
-
-@pytest.fixture(scope="module")
-def chunked() -> Iterator[Engine]:
-    yield from chunked_engine()
 
 
 @pytest.fixture(scope="module")

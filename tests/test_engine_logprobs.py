@@ -3,7 +3,6 @@ of the prompt from its start or an offset, with alternatives, and the same in ch
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -11,24 +10,12 @@ from engine_helpers import (
     GREEDY,
     Result,
     assert_nothing_held,
-    chunked_engine,
-    float32_engine,
     one,
 )
 
 from radixmesh.api import Engine
 
 LOGPROB_PROMPT = "The quick brown fox jumps over the lazy dog, and then the dog wakes up and"
-
-
-@pytest.fixture(scope="module")
-def engine() -> Iterator[Engine]:
-    yield from float32_engine()
-
-
-@pytest.fixture(scope="module")
-def chunked() -> Iterator[Engine]:
-    yield from chunked_engine()
 
 
 def logprobs_from(engine: Engine, start: int, max_new_tokens: int = 1, **kw: Any) -> Result:
