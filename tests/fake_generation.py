@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator, Callable
 
 from radixmesh.core.finish import FinishKind, FinishReason
 from radixmesh.core.meta_info import TokenLogprob
-from radixmesh.core.request import GenerationRequest, ModelLimits
+from radixmesh.core.request import GenerationRequest
 from radixmesh.core.tokenizer import Tokenizer
 from radixmesh.services.tokenizer.generation import GenerationChunk, GenerationError
 
@@ -58,10 +58,6 @@ class FakeGenerationClient:
     @property
     def vocab_size(self) -> int:
         return self.tokenizer.vocab_size
-
-    @property
-    def limits(self) -> ModelLimits:
-        return ModelLimits(self.context_length, self.vocab_size, self.grammar_backend)
 
     def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
         self.requests.append(request)

@@ -140,6 +140,17 @@ class _Declared:
     def env_names(self) -> list[str]:
         return [env_name(self.name), *self.spec.env]
 
+    def from_env(self) -> tuple[Any, str] | None:
+        """The value its first variable set in the environment gives, and that variable's
+        name; None when none is set. ValueError naming a variable that does not parse."""
+        for name in self.env_names:
+            if name in os.environ:
+                try:
+                    return self.convert(os.environ[name]), name
+                except (ValueError, argparse.ArgumentTypeError) as exc:
+                    raise ValueError(f"{name}={os.environ[name]!r}: {exc}") from None
+        return None
+
     def validate(self, value: Any) -> None:
         if value is None and self.optional:
             return
@@ -243,14 +254,10 @@ def add_arguments(
         section = sections.get(d.owner.TITLE)
         if section is None:
             section = sections[d.owner.TITLE] = parser.add_argument_group(d.owner.TITLE)
-        default, source = d.default, None
-        for name in d.env_names:
-            if name in os.environ:
-                try:
-                    default, source = d.convert(os.environ[name]), name
-                except (ValueError, argparse.ArgumentTypeError) as exc:
-                    parser.error(f"{name}={os.environ[name]!r}: {exc}")
-                break
+        try:
+            default, source = d.from_env() or (d.default, None)
+        except ValueError as exc:
+            parser.error(str(exc))
         help_text = _help(d, default, source)
         # A factory's value is made when the config is built unless a flag or variable sets it.
         argparse_default = argparse.SUPPRESS if default is MISSING else default
@@ -294,13 +301,9 @@ def from_environment(cls: type[S]) -> S:
     such as the native kernels'); ValueError naming a variable that does not parse."""
     values: dict[str, Any] = {}
     for d in _declared(cls):
-        for name in d.env_names:
-            if name in os.environ:
-                try:
-                    values[d.name] = d.convert(os.environ[name])
-                except (ValueError, argparse.ArgumentTypeError) as exc:
-                    raise ValueError(f"{name}={os.environ[name]!r}: {exc}") from None
-                break
+        found = d.from_env()
+        if found is not None:
+            values[d.name] = found[0]
     return cls(**values)
 
 

@@ -65,20 +65,6 @@ def is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def check_length(prompt_tokens: int, max_new_tokens: int, context_length: int) -> None:
-    """Raise ValueError when a prompt, or prompt plus the requested output, cannot fit."""
-    if prompt_tokens >= context_length:
-        raise ValueError(
-            f"the prompt has {prompt_tokens} tokens; the model's context length is "
-            f"{context_length}"
-        )
-    if prompt_tokens + max_new_tokens > context_length:
-        raise ValueError(
-            f"prompt ({prompt_tokens} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
-            f"the model's context length of {context_length}"
-        )
-
-
 def build_request(
     limits: ModelLimits,
     rid: str,
@@ -104,14 +90,7 @@ def build_request(
     except ValueError as exc:
         raise _named(str(exc), names) from None
     if limits.context_length:
-        try:
-            check_length(len(input_ids), params.max_new_tokens, limits.context_length)
-        except ValueError as exc:
-            too_long = len(input_ids) >= limits.context_length
-            message = str(exc).replace("max_new_tokens", names.max_new_tokens)
-            raise RequestError(
-                message, names.prompt if too_long else names.max_new_tokens
-            ) from None
+        _check_length(len(input_ids), params.max_new_tokens, limits.context_length, names)
     wanted = _logprob_request(logprobs or LogprobRequest(), len(input_ids))
     return GenerationRequest(rid, list(input_ids), params, wanted, cache_salt, priority)
 
@@ -127,6 +106,23 @@ def _check_input_ids(input_ids: list[int], vocab_size: int, name: str) -> None:
             raise RequestError(
                 f"{name} entries must be in [0, {vocab_size}), got {token_id}", name
             )
+
+
+def _check_length(prompt_tokens: int, max_new_tokens: int, context_length: int,
+                  names: FieldNames) -> None:
+    """Refuse a prompt, or prompt plus the requested output, that cannot fit."""
+    if prompt_tokens >= context_length:
+        raise RequestError(
+            f"the prompt has {prompt_tokens} tokens; the model's context length is "
+            f"{context_length}",
+            names.prompt,
+        )
+    if prompt_tokens + max_new_tokens > context_length:
+        raise RequestError(
+            f"prompt ({prompt_tokens} tokens) + {names.max_new_tokens} ({max_new_tokens}) "
+            f"exceeds the model's context length of {context_length}",
+            names.max_new_tokens,
+        )
 
 
 def _sampling_params(raw: dict[str, Any], prompt_tokens: int, limits: ModelLimits

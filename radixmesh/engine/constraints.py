@@ -55,9 +55,8 @@ class Constraints:
         asked, self._to_compile = self._to_compile, []
         return asked
 
-    def ended(self, ready: list[Constraint], failed: list[tuple[Constraint, str]]
-              ) -> list[tuple[Constraint, str]]:
-        """Fold a step's compile reports in; returns the failures, with their errors."""
+    def ended(self, ready: list[Constraint], failed: list[tuple[Constraint, str]]) -> None:
+        """Fold a step's compile reports in."""
         for grammar in ready:
             self._compiling.discard(grammar)
             self._compiled[grammar] = None
@@ -66,7 +65,6 @@ class Constraints:
                 self._compiled.popitem(last=False)
         for grammar, _ in failed:
             self._compiling.discard(grammar)
-        return failed
 
     def jump_forward(self, req: Req, forced: list[int],
                      check_finish: Callable[[Req, int], FinishReason | None]

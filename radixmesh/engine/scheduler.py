@@ -445,13 +445,12 @@ class Scheduler:
         aligned = len(req.slots) - len(req.slots) % self.page
         if aligned <= req.cached_len:
             return
-        cached = self.cache.insert(
-            req.tokens[:aligned], req.slots[:aligned], req.namespace, req.priority
-        )
+        tokens = req.tokens[:aligned]
+        cached = self.cache.insert(tokens, req.slots[:aligned], req.namespace, req.priority)
         # Another request cached part of this continuation first: the tree keeps its copy
         # and ours stays private to this request until it finishes.
         req.orphans.extend(req.slots[req.cached_len : cached])
-        match = self.cache.match_prefix(req.tokens[:aligned], req.namespace, count_hit=False)
+        match = self.cache.match_prefix(tokens, req.namespace, count_hit=False)
         self.tiers.cached(match.node)
         self.cache.lock(match.node)
         previous = self._locked.get(req.rid)
@@ -463,14 +462,11 @@ class Scheduler:
         """Hand a request's computed tokens to the tree and free the slots the tree declines."""
         n = len(req.slots)
         aligned = n - n % self.page
-        cached = self.cache.insert(
-            req.tokens[:aligned], req.slots[:aligned], req.namespace, req.priority
-        )
+        tokens = req.tokens[:aligned]
+        cached = self.cache.insert(tokens, req.slots[:aligned], req.namespace, req.priority)
         self.allocator.free(req.slots[req.cached_len : cached] + req.slots[aligned:] + req.orphans)
         if aligned:
-            self.tiers.cached(
-                self.cache.match_prefix(req.tokens[:aligned], req.namespace, count_hit=False).node
-            )
+            self.tiers.cached_prefix(tokens, req.namespace)
         locked = self._locked.pop(req.rid, None)
         if locked is not None:
             self.cache.unlock(locked)
@@ -542,8 +538,8 @@ class Scheduler:
                 self._finish(req, reason)
 
     def _compiles_ended(self, result: StepResult) -> None:
-        for grammar, error in self.constraints.ended(result.grammars_ready,
-                                                     result.grammars_failed):
+        self.constraints.ended(result.grammars_ready, result.grammars_failed)
+        for grammar, error in result.grammars_failed:
             kind = grammar[0]
             for req in [r for r in self.waiting if r.params.grammar == grammar]:
                 self._finish(req, FinishReason(

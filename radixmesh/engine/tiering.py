@@ -55,6 +55,9 @@ class NoTiers:
     def cached(self, node: TreeNode) -> None:
         """The tree just cached the device prefix ending at node."""
 
+    def cached_prefix(self, tokens: list[int], namespace: str | None) -> None:
+        """The tree just cached these tokens (a page-aligned prefix) on the device."""
+
     def done(self, copy_ids: Sequence[int]) -> None:
         """Backups the worker finished."""
 
@@ -89,6 +92,9 @@ class HostTiers(NoTiers):
 
     def cached(self, node: TreeNode) -> None:
         self.host.cached(node)
+
+    def cached_prefix(self, tokens: list[int], namespace: str | None) -> None:
+        self.host.cached(self.host.cache.match_prefix(tokens, namespace, count_hit=False).node)
 
     def done(self, copy_ids: Sequence[int]) -> None:
         self.host.done(copy_ids)

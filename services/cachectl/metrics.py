@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import Counter, Gauge, Histogram
 
+from radixmesh.engine.stores.page_mover import StorageStats
+
 if TYPE_CHECKING:
     from radixmesh.engine.stores.host_pool import HostSegments
 
@@ -72,8 +74,8 @@ STORAGE_QUEUE_BYTES = Gauge(
 )
 
 
-class StorageMetrics:
-    """The storage tier's counts (a page mover's StorageStats) as Prometheus metrics."""
+class StorageMetrics(StorageStats):
+    """The storage tier's counts as Prometheus metrics."""
 
     def pages(self, backend: str, outcome: str, count: int = 1) -> None:
         if count:

@@ -26,7 +26,7 @@ from nats.aio.subscription import Subscription
 from nats.errors import Error as NatsError
 
 from radixmesh.core.detokenize import detok_context_size
-from radixmesh.core.request import GenerationRequest, ModelLimits
+from radixmesh.core.request import GenerationRequest
 from radixmesh.core.tokenizer import Tokenizer
 from radixmesh.mesh import subjects
 from radixmesh.proto import mesh_pb2 as mpb
@@ -135,10 +135,6 @@ class MeshClient:
     def vocab_size(self) -> int:
         """The engines' vocabulary size, else the tokenizer's."""
         return self.engines.vocab_size or self.tokenizer.vocab_size
-
-    @property
-    def limits(self) -> ModelLimits:
-        return ModelLimits(self.context_length, self.vocab_size, self.grammar_backend)
 
     @property
     def in_flight(self) -> int:

@@ -73,9 +73,6 @@ class GenerationClient(Protocol):
     def vocab_size(self) -> int:
         """Vocabulary size of the served model."""
 
-    @property
-    def limits(self) -> ModelLimits:
-        """What requests are checked against (build_request)."""
 
     def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
         """Run a request; closing the iterator (or cancelling its task) early aborts it
@@ -83,3 +80,6 @@ class GenerationClient(Protocol):
         take it."""
 
 
+def model_limits(client: GenerationClient) -> ModelLimits:
+    """What the client's requests are checked against (build_request)."""
+    return ModelLimits(client.context_length, client.vocab_size, client.grammar_backend)

@@ -25,6 +25,7 @@ from radixmesh.services.tokenizer.generation import (
     GenerationChunk,
     GenerationClient,
     GenerationError,
+    model_limits,
 )
 from radixmesh.services.tokenizer.request_trace import encode_traced
 
@@ -140,7 +141,7 @@ class GenerateService(ggrpc.GenerateServicer):
         # Unset means "none" unless logprobs were asked for, where it means "from the start".
         start = request.logprob_start_len if request.return_logprob else -1
         return build_request(
-            self.client.limits,
+            model_limits(self.client),
             rid,
             ids,
             sampling_dict(request.sampling_params),

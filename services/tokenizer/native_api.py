@@ -27,7 +27,11 @@ from radixmesh.core.request import FieldNames, GenerationRequest, build_request,
 from radixmesh.core.sampling_params import LogprobRequest, SamplingParams
 from radixmesh.mesh.service import health_handler, metrics_response
 from radixmesh.services.tokenizer.client import MeshClient
-from radixmesh.services.tokenizer.generation import GenerationChunk, GenerationError
+from radixmesh.services.tokenizer.generation import (
+    GenerationChunk,
+    GenerationError,
+    model_limits,
+)
 from radixmesh.services.tokenizer.http_util import SSE_DONE, sse_event
 from radixmesh.services.tokenizer.request_trace import encode_traced
 
@@ -96,7 +100,7 @@ class NativeApi:
             ids, field = encode_traced(self.client.tokenizer, item.text or "", item.rid), "text"
         logprobs = LogprobRequest(item.return_logprob, item.top_logprobs_num,
                                   item.logprob_start_len)
-        return build_request(self.client.limits, item.rid, ids, item.sampling, logprobs,
+        return build_request(model_limits(self.client), item.rid, ids, item.sampling, logprobs,
                              item.cache_salt, item.priority, FieldNames(prompt=field))
 
     def _token_text(self) -> TokenText:

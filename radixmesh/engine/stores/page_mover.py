@@ -21,7 +21,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from functools import partial
-from typing import Protocol, TypeVar
+from typing import TypeVar
 
 import numpy as np
 
@@ -38,8 +38,9 @@ PREFETCH_AHEAD = 4  # pages read from storage at once
 PAGE_TIMEOUT_S = 10.0  # for one storage call; a slower store counts as unreachable
 
 
-class StorageStats(Protocol):
-    """Where a mover counts what storage did (cachectl's Prometheus metrics)."""
+class StorageStats:
+    """Where a mover counts what storage did. This one counts nothing (the in-process
+    engine serves no metrics); cachectl's Prometheus metrics override every method."""
 
     def pages(self, backend: str, outcome: str, count: int = 1) -> None:
         """Pages by outcome: hit, miss, corrupt, read_error, written, already_stored,
@@ -53,22 +54,6 @@ class StorageStats(Protocol):
 
     def call(self, backend: str, op: str, seconds: float) -> None:
         """How long one storage call (get, put, exists) took."""
-
-
-class NoStats:
-    """Counts nothing: the in-process engine serves no metrics."""
-
-    def pages(self, backend: str, outcome: str, count: int = 1) -> None:
-        pass
-
-    def bytes(self, backend: str, direction: str, count: int) -> None:
-        pass
-
-    def queued(self, nbytes: int) -> None:
-        pass
-
-    def call(self, backend: str, op: str, seconds: float) -> None:
-        pass
 
 
 class PageMover:
@@ -93,7 +78,7 @@ class PageMover:
         self.backend = backend
         self.page_tokens = page_tokens
         self.queue_bytes = queue_bytes
-        self.stats = stats or NoStats()
+        self.stats = stats or StorageStats()
         element = _ELEMENT[g.token_bytes // (2 * g.num_layers * g.num_kv_heads * g.head_dim)]
         fd = os.open(spec.path, os.O_RDWR)
         try:
