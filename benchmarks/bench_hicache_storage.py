@@ -32,11 +32,8 @@ The order of the sides alternates over --repeats (recompute, file, redis, nats, 
 so that the machine's noise hits all. Figures pool every repeat: TTFT p50 and mean per turn,
 their ratio to recompute's, the prompt tokens each tier served (meta_info.
 cached_tokens_details) and the share from storage, the scheduler's prefetches, cachectl's
-page outcomes. Last, the backends alone (radixmesh/engine/stores/storage.py's open_backend and
-PageMover) on --pages pages of SmolLM2's real page (64 tokens x 30 layers x K,V x 3 KV
-heads x head_dim 64 x 2 bytes = 1.47 MB in bf16): sequential puts, gets one at a time and
-PREFETCH_AHEAD at once, PageMover's store (exists + put, its one writer task) and prefetch
-(PREFETCH_AHEAD ahead, scattered into a host segment), beside a plain memcpy of the same bytes.
+page outcomes. Last, the backends alone on --pages pages (bench_storage_backends.py's
+measurement: puts, gets, PageMover's store and prefetch in GB/s beside a plain memcpy).
 --json writes all of it, every request included.
 """
 
@@ -45,81 +42,40 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
-import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
-from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-import numpy as np
+# this script's folder is on sys.path
+from bench_storage_backends import (
+    NATS_BUCKET,
+    RedisServer,
+    add_arguments,
+    has_redis,
+    report_throughput,
+    throughput,
+)
 from prometheus_client.parser import text_string_to_metric_families
 
 from radixmesh.bench.backends import RadixmeshBackend
 from radixmesh.bench.stats import RequestResult, distribution
 from radixmesh.bench.workloads import Workload, multi_turn_workload, word_pool
-from radixmesh.core.hicache import DTYPE_BYTES, PREFETCH_POLICIES, HostPoolSpec, KVGeometry
+from radixmesh.core.hicache import PREFETCH_POLICIES
 from radixmesh.core.tokenizer import Tokenizer
-from radixmesh.engine.stores.page_mover import PREFETCH_AHEAD, PageMover
-from radixmesh.engine.stores.storage import open_backend
 from radixmesh.launcher import Mesh, MeshArgs
-from radixmesh.mesh.nats_server import EmbeddedNats, free_port, wait_for_port
 
 SIDES = ("recompute", "file", "redis", "nats")
 TIERS = ("device", "host", "storage")
 OUTCOMES = ("hit", "miss", "corrupt", "read_error", "written", "already_stored",
             "write_error", "dropped")
 WRITE_DONE = ("written", "already_stored", "write_error", "dropped")  # a page cachectl is done with
-NATS_BUCKET = "bench-hicache-storage"
-# SmolLM2-135M's KV geometry (bench_host_copies' defaults): 22.5 KiB a token in bf16.
-LAYERS, KV_HEADS, HEAD_DIM = 30, 3, 64
-
-
-# ---- a Redis of the sitting's own -----------------------------------------------------------
-
-
-class RedisServer:
-    """redis-server on a free loopback port, no persistence; `url` names its db 0."""
-
-    def __init__(self, binary: str, folder: str) -> None:
-        self.port = free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self._proc = subprocess.Popen(
-            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", folder],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        try:
-            wait_for_port("127.0.0.1", self.port, 10)
-        except TimeoutError:
-            self.stop()
-            raise
-
-    def flush(self) -> None:
-        """Empty it: every run starts from an empty store."""
-        import redis
-
-        client = redis.Redis.from_url(self.url)
-        try:
-            client.flushall()
-        finally:
-            client.close()
-
-    def stop(self) -> None:
-        if self._proc.poll() is None:
-            self._proc.terminate()
-            try:
-                self._proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait()
 
 
 def storage_of(side: str, store_dir: str, redis: RedisServer | None) -> tuple[str | None, str]:
@@ -423,145 +379,6 @@ def report(args: argparse.Namespace, fig: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-# ---- load throughput of the backends ---------------------------------------------------------
-
-
-async def _timed(fn: Callable[[], Awaitable[Any]]) -> float:
-    began = time.perf_counter()
-    await fn()
-    return time.perf_counter() - began
-
-
-async def _get_ahead(backend: Any, keys: list[str], ahead: int) -> None:
-    """Gets with `ahead` in flight, in order, as PageMover.prefetch keeps them."""
-    window: deque[asyncio.Task[Any]] = deque()
-    for i, key in enumerate(keys):
-        window.append(asyncio.ensure_future(backend.get(key)))
-        while window and (len(window) == ahead or i == len(keys) - 1):
-            if await window.popleft() is None:
-                raise RuntimeError("a page went missing")
-
-
-async def backend_throughput(name: str, config: dict[str, Any], nats_url: str,
-                             args: argparse.Namespace, pages: list[bytes]) -> dict[str, float]:
-    """GB/s of puts, gets (one at a time, PREFETCH_AHEAD at once), PageMover's store and
-    prefetch; medians of --runs, fresh keys every run."""
-    nbytes = sum(len(p) for p in pages)
-    backend = await open_backend(name, config, nats_url)
-    g = KVGeometry(LAYERS, KV_HEADS, HEAD_DIM, args.dtype)
-    slots = len(pages) * args.page_tokens
-    shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
-    seg = f"bench-hicache-storage-{os.getpid()}-{name}"
-    spec = HostPoolSpec(seg, str(shm / seg), slots, "layer_first", g, name)
-    with open(spec.path, "wb") as f:  # real bytes in the segment, as PageMover's store reads
-        f.write(np.random.default_rng(0).integers(0, 256, spec.nbytes, dtype=np.uint8).data)
-    mover = PageMover(engine_id="bench", spec=spec, backend=backend, page_tokens=args.page_tokens)
-    times: dict[str, list[float]] = {k: [] for k in ("put", "get", "get_ahead", "mover_store",
-                                                     "mover_prefetch")}
-    try:
-        page_slots = [list(range(i * args.page_tokens, (i + 1) * args.page_tokens))
-                      for i in range(len(pages))]
-        for _ in range(args.runs):
-            keys = [os.urandom(16).hex() for _ in pages]
-
-            async def put_all(keys: list[str] = keys) -> None:
-                for key, page in zip(keys, pages, strict=True):
-                    await backend.put(key, page)
-
-            async def get_all(keys: list[str] = keys) -> None:
-                for key in keys:
-                    if await backend.get(key) is None:
-                        raise RuntimeError(f"page {key} missing")
-
-            times["put"].append(await _timed(put_all))
-            times["get"].append(await _timed(get_all))
-            times["get_ahead"].append(await _timed(lambda k=keys: _get_ahead(backend, k,
-                                                                           PREFETCH_AHEAD)))
-            mover_keys = [os.urandom(16).hex() for _ in pages]
-
-            async def store(mk: list[str] = mover_keys) -> None:
-                if mover.store(list(zip(mk, page_slots, strict=True))) != len(mk):
-                    raise RuntimeError("PageMover dropped pages: its queue is full")
-                await mover.flush(600)
-
-            async def prefetch(mk: list[str] = mover_keys) -> None:
-                steps = [n async for n in mover.prefetch(mk, [s for p in page_slots for s in p])]
-                arrived = steps[-1] if steps else 0
-                if arrived != len(mk):
-                    raise RuntimeError(f"prefetch got {arrived} of {len(mk)} pages")
-
-            times["mover_store"].append(await _timed(store))
-            times["mover_prefetch"].append(await _timed(prefetch))
-    finally:
-        mover.close()
-        os.unlink(spec.path)
-        await backend.close()
-    return {k: nbytes / statistics.median(v) / 1e9 for k, v in times.items()}
-
-
-def memcpy_throughput(pages: list[bytes], runs: int) -> float:
-    """GB/s of copying the same pages, one by one, into a buffer of their size."""
-    src = [np.frombuffer(p, dtype=np.uint8) for p in pages]
-    dst = np.empty(sum(s.size for s in src), dtype=np.uint8)
-    spent = []
-    for _ in range(runs + 1):  # the first touches dst's pages
-        began = time.perf_counter()
-        at = 0
-        for s in src:
-            np.copyto(dst[at : at + s.size], s)
-            at += s.size
-        spent.append(time.perf_counter() - began)
-    return dst.size / statistics.median(spent[1:]) / 1e9
-
-
-def throughput(args: argparse.Namespace, sides: list[str], folder: Path,
-               redis: RedisServer | None) -> dict[str, Any]:
-    page_bytes = args.page_tokens * KVGeometry(LAYERS, KV_HEADS, HEAD_DIM, args.dtype).token_bytes
-    rng = np.random.default_rng(1)
-    pages = [rng.integers(0, 256, page_bytes, dtype=np.uint8).tobytes()
-             for _ in range(args.pages)]
-    out: dict[str, Any] = {"page_bytes": page_bytes, "pages": args.pages, "runs": args.runs,
-                           "prefetch_ahead": PREFETCH_AHEAD, "backends": {}}
-    for name in (s for s in SIDES[1:] if s in sides):
-        try:
-            if name == "nats":
-                with EmbeddedNats(jetstream=True) as nats:
-                    rates = asyncio.run(backend_throughput(name, {"bucket": NATS_BUCKET},
-                                                           nats.url, args, pages))
-            elif name == "redis":
-                assert redis is not None
-                redis.flush()
-                rates = asyncio.run(backend_throughput(name, {"url": redis.url}, "", args,
-                                                       pages))
-                redis.flush()
-            else:
-                rates = asyncio.run(backend_throughput(
-                    name, {"path": str(folder / "throughput")}, "", args, pages))
-        except Exception as exc:  # one backend's failure costs its row, not the sitting
-            rates = {"error": f"{type(exc).__name__}: {exc}"[:300]}
-        out["backends"][name] = rates
-    out["memcpy_gb_s"] = memcpy_throughput(pages, max(args.runs, 3))
-    return out
-
-
-def report_throughput(t: dict[str, Any], args: argparse.Namespace) -> str:
-    lines = [
-        f"storage throughput, {t['pages']} pages of {t['page_bytes'] / 1e6:.2f} MB "
-        f"({args.page_tokens} tokens x {LAYERS} layers x K,V x {KV_HEADS} KV heads x "
-        f"{HEAD_DIM} x {DTYPE_BYTES[args.dtype]} B), GB/s, median of {t['runs']}:",
-        f"  {'backend':<8}{'put':>8}{'get x1':>8}{'get x' + str(t['prefetch_ahead']):>8}"
-        f"{'mover store':>13}{'mover prefetch':>16}",
-    ]
-    for name, r in t["backends"].items():
-        if "error" in r:
-            lines.append(f"  {name:<8}FAILED: {r['error']}")
-            continue
-        lines.append(f"  {name:<8}{r['put']:>8.2f}{r['get']:>8.2f}{r['get_ahead']:>8.2f}"
-                     f"{r['mover_store']:>13.2f}{r['mover_prefetch']:>16.2f}")
-    lines.append(f"  plain memcpy of the same pages: {t['memcpy_gb_s']:.2f} GB/s")
-    return "\n".join(lines)
-
-
 # ---- main ------------------------------------------------------------------------------------
 
 
@@ -582,16 +399,10 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=2, help="runs a side, alternating order")
     p.add_argument("--quick", action="store_true",
                    help="a smoke run: 1 repeat, 3 conversations, 8 pages, 2 runs")
-    p.add_argument("--pages", type=int, default=32,
-                   help="pages each throughput measurement moves; 0: skip it")
-    p.add_argument("--page-tokens", type=int, default=64, help="tokens of a storage page")
-    p.add_argument("--runs", type=int, default=3, help="throughput runs (median)")
+    add_arguments(p)
     p.add_argument("--write-timeout", type=float, default=120.0,
                    help="seconds to wait for the storage writes to land")
-    p.add_argument("--redis-server", default=shutil.which("redis-server"),
-                   help="the redis-server binary (default: the one on PATH)")
     p.add_argument("--model-path", help="default: the bundled SmolLM2-135M-Instruct GGUF")
-    p.add_argument("--dtype", default="bfloat16", choices=tuple(DTYPE_BYTES))
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--log-dir", help="keep the services' logs here (default: discarded)")
     p.add_argument("--json", help="write the figures, every run and request here")
@@ -603,8 +414,8 @@ def main() -> None:
     if unknown or not sides:
         p.error(f"--sides takes {', '.join(SIDES)}; got {args.sides!r}")
     skipped: dict[str, str] = {}
-    if "redis" in sides and not (args.redis_server and os.access(args.redis_server, os.X_OK)):
-        skipped["redis"] = f"no redis-server binary ({args.redis_server or 'none on PATH'})"
+    if "redis" in sides and (why := has_redis(args)):
+        skipped["redis"] = why
         sides.remove("redis")
         print(f"skipping redis: {skipped['redis']}")
 
