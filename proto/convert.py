@@ -117,7 +117,10 @@ def batch_to_proto(batch: StepBatch) -> wpb.StepBatch:
             for n in batch.new_requests
         ],
         entries=[
-            wpb.StepEntry(rid=e.rid, input_ids=e.input_ids, slots=e.slots, sample=e.sample)
+            wpb.StepEntry(
+                rid=e.rid, input_ids=e.input_ids, slots=e.slots, sample=e.sample,
+                draft=e.draft, draft_parents=e.draft_parents,
+            )
             for e in batch.entries
         ],
         release=batch.release,
@@ -150,7 +153,13 @@ def batch_from_proto(msg: wpb.StepBatch) -> StepBatch:
             )
             for n in msg.new_requests
         ],
-        [StepEntry(e.rid, list(e.input_ids), list(e.slots), e.sample) for e in msg.entries],
+        [
+            StepEntry(
+                e.rid, list(e.input_ids), list(e.slots), e.sample, list(e.draft),
+                list(e.draft_parents),
+            )
+            for e in msg.entries
+        ],
         list(msg.release),
         [
             KVCopy(c.copy_id, c.to_host, list(c.device_slots), list(c.host_slots))
@@ -175,6 +184,9 @@ def result_to_proto(result: StepResult) -> wpb.StepResult:
                 input_logprobs=r.input_logprobs,
                 input_top_logprobs=[_top_to_proto(t) for t in r.input_top_logprobs],
                 forced_ids=r.forced_ids,
+                accepted_ids=r.accepted_ids,
+                accepted_logprobs=r.accepted_logprobs,
+                accepted_top_logprobs=[_top_to_proto(t) for t in r.accepted_top_logprobs],
             )
             for r in result.results
         ],
@@ -202,6 +214,9 @@ def result_from_proto(msg: wpb.StepResult) -> StepResult:
                 list(r.input_logprobs),
                 [_top_from_proto(t) for t in r.input_top_logprobs],
                 list(r.forced_ids),
+                list(r.accepted_ids),
+                list(r.accepted_logprobs),
+                [_top_from_proto(t) for t in r.accepted_top_logprobs],
             )
             for r in msg.results
         ],

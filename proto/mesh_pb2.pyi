@@ -86,7 +86,7 @@ class Logprobs(_message.Message):
     def __init__(self, output: _Optional[_Iterable[float]] = ..., output_top: _Optional[_Iterable[_Union[_worker_pb2.TopLogprobs, _Mapping]]] = ..., input_offset: _Optional[int] = ..., input: _Optional[_Iterable[float]] = ..., input_top: _Optional[_Iterable[_Union[_worker_pb2.TopLogprobs, _Mapping]]] = ...) -> None: ...
 
 class TokenUpdate(_message.Message):
-    __slots__ = ("rid", "reply_to", "seq", "offset", "context_ids", "new_ids", "detok", "finish", "prompt_tokens", "cached_tokens", "cached_host_tokens", "cached_storage_tokens", "logprobs", "engine_id", "traceparent")
+    __slots__ = ("rid", "reply_to", "seq", "offset", "context_ids", "new_ids", "detok", "finish", "prompt_tokens", "cached_tokens", "cached_host_tokens", "cached_storage_tokens", "spec_verify_ct", "spec_accepted_tokens", "logprobs", "engine_id", "traceparent")
     RID_FIELD_NUMBER: _ClassVar[int]
     REPLY_TO_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
@@ -99,6 +99,8 @@ class TokenUpdate(_message.Message):
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_HOST_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_STORAGE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_VERIFY_CT_FIELD_NUMBER: _ClassVar[int]
+    SPEC_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
@@ -114,10 +116,12 @@ class TokenUpdate(_message.Message):
     cached_tokens: int
     cached_host_tokens: int
     cached_storage_tokens: int
+    spec_verify_ct: int
+    spec_accepted_tokens: int
     logprobs: Logprobs
     engine_id: str
     traceparent: str
-    def __init__(self, rid: _Optional[str] = ..., reply_to: _Optional[str] = ..., seq: _Optional[int] = ..., offset: _Optional[int] = ..., context_ids: _Optional[_Iterable[int]] = ..., new_ids: _Optional[_Iterable[int]] = ..., detok: _Optional[_Union[DetokSpec, _Mapping]] = ..., finish: _Optional[_Union[Finish, _Mapping]] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., cached_host_tokens: _Optional[int] = ..., cached_storage_tokens: _Optional[int] = ..., logprobs: _Optional[_Union[Logprobs, _Mapping]] = ..., engine_id: _Optional[str] = ..., traceparent: _Optional[str] = ...) -> None: ...
+    def __init__(self, rid: _Optional[str] = ..., reply_to: _Optional[str] = ..., seq: _Optional[int] = ..., offset: _Optional[int] = ..., context_ids: _Optional[_Iterable[int]] = ..., new_ids: _Optional[_Iterable[int]] = ..., detok: _Optional[_Union[DetokSpec, _Mapping]] = ..., finish: _Optional[_Union[Finish, _Mapping]] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., cached_host_tokens: _Optional[int] = ..., cached_storage_tokens: _Optional[int] = ..., spec_verify_ct: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ..., logprobs: _Optional[_Union[Logprobs, _Mapping]] = ..., engine_id: _Optional[str] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class TokenStep(_message.Message):
     __slots__ = ("updates",)
@@ -126,7 +130,7 @@ class TokenStep(_message.Message):
     def __init__(self, updates: _Optional[_Iterable[_Union[TokenUpdate, _Mapping]]] = ...) -> None: ...
 
 class TextChunk(_message.Message):
-    __slots__ = ("rid", "seq", "text", "output_ids", "finish", "prompt_tokens", "cached_tokens", "cached_host_tokens", "cached_storage_tokens", "completion_tokens", "logprobs")
+    __slots__ = ("rid", "seq", "text", "output_ids", "finish", "prompt_tokens", "cached_tokens", "cached_host_tokens", "cached_storage_tokens", "spec_verify_ct", "spec_accepted_tokens", "completion_tokens", "logprobs")
     RID_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -136,6 +140,8 @@ class TextChunk(_message.Message):
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_HOST_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_STORAGE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_VERIFY_CT_FIELD_NUMBER: _ClassVar[int]
+    SPEC_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     rid: str
@@ -147,9 +153,11 @@ class TextChunk(_message.Message):
     cached_tokens: int
     cached_host_tokens: int
     cached_storage_tokens: int
+    spec_verify_ct: int
+    spec_accepted_tokens: int
     completion_tokens: int
     logprobs: Logprobs
-    def __init__(self, rid: _Optional[str] = ..., seq: _Optional[int] = ..., text: _Optional[str] = ..., output_ids: _Optional[_Iterable[int]] = ..., finish: _Optional[_Union[Finish, _Mapping]] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., cached_host_tokens: _Optional[int] = ..., cached_storage_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., logprobs: _Optional[_Union[Logprobs, _Mapping]] = ...) -> None: ...
+    def __init__(self, rid: _Optional[str] = ..., seq: _Optional[int] = ..., text: _Optional[str] = ..., output_ids: _Optional[_Iterable[int]] = ..., finish: _Optional[_Union[Finish, _Mapping]] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., cached_host_tokens: _Optional[int] = ..., cached_storage_tokens: _Optional[int] = ..., spec_verify_ct: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., logprobs: _Optional[_Union[Logprobs, _Mapping]] = ...) -> None: ...
 
 class TextChunks(_message.Message):
     __slots__ = ("chunks",)

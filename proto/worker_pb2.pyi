@@ -91,16 +91,20 @@ class NewRequest(_message.Message):
     def __init__(self, rid: _Optional[str] = ..., prefix_ids: _Optional[_Iterable[int]] = ..., prefix_slots: _Optional[_Iterable[int]] = ..., prompt_len: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., top_logprobs_num: _Optional[int] = ..., return_logprob: _Optional[bool] = ..., logprob_start_len: _Optional[int] = ...) -> None: ...
 
 class StepEntry(_message.Message):
-    __slots__ = ("rid", "input_ids", "slots", "sample")
+    __slots__ = ("rid", "input_ids", "slots", "sample", "draft", "draft_parents")
     RID_FIELD_NUMBER: _ClassVar[int]
     INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_PARENTS_FIELD_NUMBER: _ClassVar[int]
     rid: str
     input_ids: _containers.RepeatedScalarFieldContainer[int]
     slots: _containers.RepeatedScalarFieldContainer[int]
     sample: bool
-    def __init__(self, rid: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., slots: _Optional[_Iterable[int]] = ..., sample: _Optional[bool] = ...) -> None: ...
+    draft: _containers.RepeatedScalarFieldContainer[int]
+    draft_parents: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, rid: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., slots: _Optional[_Iterable[int]] = ..., sample: _Optional[bool] = ..., draft: _Optional[_Iterable[int]] = ..., draft_parents: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class KVCopy(_message.Message):
     __slots__ = ("copy_id", "to_host", "device_slots", "host_slots")
@@ -185,7 +189,7 @@ class TopLogprobs(_message.Message):
     def __init__(self, items: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class EntryResult(_message.Message):
-    __slots__ = ("rid", "token_id", "logprob", "top_logprobs", "input_logprobs_start", "input_logprobs", "input_top_logprobs", "forced_ids")
+    __slots__ = ("rid", "token_id", "logprob", "top_logprobs", "input_logprobs_start", "input_logprobs", "input_top_logprobs", "forced_ids", "accepted_ids", "accepted_logprobs", "accepted_top_logprobs")
     RID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
@@ -194,6 +198,9 @@ class EntryResult(_message.Message):
     INPUT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     INPUT_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FORCED_IDS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_IDS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     rid: str
     token_id: int
     logprob: float
@@ -202,7 +209,10 @@ class EntryResult(_message.Message):
     input_logprobs: _containers.RepeatedScalarFieldContainer[float]
     input_top_logprobs: _containers.RepeatedCompositeFieldContainer[TopLogprobs]
     forced_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, rid: _Optional[str] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Union[TopLogprobs, _Mapping]] = ..., input_logprobs_start: _Optional[int] = ..., input_logprobs: _Optional[_Iterable[float]] = ..., input_top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ..., forced_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    accepted_ids: _containers.RepeatedScalarFieldContainer[int]
+    accepted_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    accepted_top_logprobs: _containers.RepeatedCompositeFieldContainer[TopLogprobs]
+    def __init__(self, rid: _Optional[str] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Union[TopLogprobs, _Mapping]] = ..., input_logprobs_start: _Optional[int] = ..., input_logprobs: _Optional[_Iterable[float]] = ..., input_top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ..., forced_ids: _Optional[_Iterable[int]] = ..., accepted_ids: _Optional[_Iterable[int]] = ..., accepted_logprobs: _Optional[_Iterable[float]] = ..., accepted_top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ...) -> None: ...
 
 class StepResult(_message.Message):
     __slots__ = ("step", "results", "forward_ms", "copies_done", "grammars_ready", "grammars_failed")

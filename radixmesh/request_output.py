@@ -10,7 +10,7 @@ from typing import Any
 
 from radixmesh.core.detokenize import RequestText, TextRules
 from radixmesh.core.finish import FinishKind
-from radixmesh.core.meta_info import CachedTokens, LogprobLists, meta_info
+from radixmesh.core.meta_info import CachedTokens, LogprobLists, Speculated, meta_info
 from radixmesh.core.tokenizer import Tokenizer
 from radixmesh.engine.request import Req
 
@@ -136,4 +136,5 @@ class RequestStream:
                 req.cached_tokens, host=req.cached_host_tokens, storage=req.cached_storage_tokens
             ),
             logprobs=logprobs,
+            spec=Speculated(req.spec_verify_ct, req.spec_accepted_tokens),
         )

@@ -16,19 +16,25 @@ they come back with the sampled token, and the entry the scheduler had already s
 for the request (no input_ids) feeds the sampled token without sampling.
 
 Constraints the scheduler asks for "compile" in `compile_steps` steps; those in `broken`
-fail."""
+fail.
+
+An entry with a draft tree gets it verified as the runner does: every draft token's K/V is
+written at the position its depth gives, the path the model (`model`, next_token by
+default) agrees with is accepted, and its K/V moves to the first draft slots."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from radixmesh.core.step import Constraint, EntryResult, KVCopy, StepBatch, StepResult
+from radixmesh.core.step import Constraint, EntryResult, KVCopy, StepBatch, StepEntry, StepResult
 
 VOCAB = 50
 
 # Jump-forward as a grammar would do it: the tokens forced after a sequence that ends with a
 # sampled token.
 Jump = Callable[[list[int]], list[int]]
+# The next token after a sequence.
+Model = Callable[[list[int]], int]
 
 
 def next_token(tokens: list[int]) -> int:
@@ -45,8 +51,11 @@ class FakeWorker:
     def __init__(
         self, num_slots: int, host_slots: int = 0, ack_delay: int = 0, jump: Jump | None = None,
         compile_steps: int = 0, broken: frozenset[Constraint] = frozenset(),
+        model: Model = next_token,
     ) -> None:
         self.jump = jump
+        self.model = model
+        self.accepted = 0  # draft tokens accepted
         self.compile_steps, self.broken = compile_steps, broken
         self.compiling: list[tuple[int, Constraint]] = []  # (step it is done at, constraint)
         self.sampled: dict[str, int] = {}  # tokens sampled per request (its first: admitted)
@@ -93,13 +102,21 @@ class FakeWorker:
             self.jumped.discard(entry.rid)
             new_ids = entry.input_ids or [last[0]]
             assert new_ids[0] >= 0, f"{entry.rid}: decode before any token was sampled"
-            assert len(entry.slots) == len(new_ids)
-            for tok, slot in zip(new_ids, entry.slots, strict=True):
+            assert len(entry.slots) == len(new_ids) + len(entry.draft)
+            for tok, slot in zip(new_ids, entry.slots[: len(new_ids)], strict=True):
                 assert slot not in written, f"slot {slot} written twice in one step"
                 written.add(slot)
                 self.pool[slot] = (tok, len(ids))
                 ids.append(tok)
                 slots.append(slot)
+            depth: list[int] = []
+            for k, parent in enumerate(entry.draft_parents):
+                assert -1 <= parent < k, f"{entry.rid}: draft node {k} before its parent"
+                depth.append(1 if parent < 0 else depth[parent] + 1)
+                slot = entry.slots[len(new_ids) + k]
+                assert slot not in written, f"slot {slot} written twice in one step"
+                written.add(slot)
+                self.pool[slot] = (entry.draft[k], len(ids) - 1 + depth[k])
         for entry in batch.entries:
             ids, slots, last = self.reqs[entry.rid]
             for pos, slot in enumerate(slots):
@@ -108,8 +125,11 @@ class FakeWorker:
                 )
             out = EntryResult(entry.rid)
             result.results.append(out)
-            if entry.sample and entry.rid not in void:
-                last[0] = out.token_id = next_token(ids)
+            if entry.sample and entry.rid not in void and entry.draft:
+                last[0] = out.token_id = self._verify(entry, ids, slots, out)
+                self.sampled[entry.rid] = self.sampled.get(entry.rid, 0) + 1
+            elif entry.sample and entry.rid not in void:
+                last[0] = out.token_id = self.model(ids)
                 self.sampled[entry.rid] = self.sampled.get(entry.rid, 0) + 1
                 if self.jump is not None:
                     out.forced_ids = self.jump([*ids, out.token_id])
@@ -125,15 +145,35 @@ class FakeWorker:
                 self.backups.remove((due, copy))
         return result
 
+    def _verify(self, entry: StepEntry, ids: list[int], slots: list[int], out: EntryResult) -> int:
+        """Accept the draft path the model agrees with; returns the model's token after it."""
+        kids = {(p, t): k for k, (t, p) in enumerate(zip(entry.draft, entry.draft_parents,
+                                                           strict=True))}
+        node_slots = entry.slots[len(entry.slots) - len(entry.draft) :]
+        at, path = -1, []
+        while (child := kids.get((at, self.model(ids + out.accepted_ids)))) is not None:
+            path.append(child)
+            out.accepted_ids.append(entry.draft[child])
+            at = child
+        moved = [self.pool[node_slots[k]] for k in path]
+        for j, kv in enumerate(moved):
+            self.pool[node_slots[j]] = kv
+        for j, tok in enumerate(out.accepted_ids):
+            assert self.pool[node_slots[j]] == (tok, len(ids)), "accepted K/V in the wrong place"
+            ids.append(tok)
+            slots.append(node_slots[j])
+        self.accepted += len(path)
+        return self.model(ids)
+
 
 def reference_output(
     prompt: list[int], max_new_tokens: int, stop_ids: tuple[int, ...] = (),
-    jump: Jump | None = None,
+    jump: Jump | None = None, model: Model = next_token,
 ) -> list[int]:
     """What a request alone would produce with the fake model."""
     tokens, out = list(prompt), []
     while len(out) < max_new_tokens:
-        tok = next_token(tokens)
+        tok = model(tokens)
         out.append(tok)
         tokens.append(tok)
         if tok in stop_ids:

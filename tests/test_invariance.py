@@ -78,8 +78,12 @@ def check_all_ways(engine: Engine, reference: list[int]) -> None:
         {"disable_overlap_schedule": False},
         {"disable_overlap_schedule": True, "chunked_prefill_size": 64},
         {"disable_overlap_schedule": False, "chunked_prefill_size": 64, "page_size": 16},
+        {"speculative_algorithm": "NGRAM"},
+        {"speculative_algorithm": "NGRAM", "disable_overlap_schedule": True,
+         "chunked_prefill_size": 64, "page_size": 4},
     ],
-    ids=["overlap", "no-overlap-chunk64", "overlap-chunk64-page16"],
+    ids=["overlap", "no-overlap-chunk64", "overlap-chunk64-page16", "ngram",
+         "ngram-no-overlap-chunk64-page4"],
 )
 def test_greedy_output_is_invariant(reference: list[int], settings: dict) -> None:
     with Engine(dtype="float32", max_total_tokens=8192, show_progress=False, **settings) as engine:
@@ -87,3 +91,5 @@ def test_greedy_output_is_invariant(reference: list[int], settings: dict) -> Non
         info = engine.server_info()
         assert info["held_slots"] == 0
         assert info["free_slots"] + info["cached_tokens"] == info["num_slots"]
+        if "speculative_algorithm" in settings:  # the drafts were verified, and some taken
+            assert info["spec_verify_steps"] > 0 and info["spec_accepted_tokens"] > 0

@@ -52,6 +52,24 @@ class CachedTokens:
         return {"device": self.device, "host": self.host, "storage": self.storage}
 
 
+@dataclass(frozen=True)
+class Speculated:
+    """What speculative decoding did for a request: verify steps, draft tokens accepted."""
+
+    verify_ct: int = 0
+    accepted_tokens: int = 0
+
+    def to_dict(self) -> dict[str, float]:
+        """meta_info's spec_verify_ct, spec_accepted_tokens and spec_accept_length (the
+        tokens a verify step produced on average: its accepted drafts and its own)."""
+        return {
+            "spec_verify_ct": self.verify_ct,
+            "spec_accepted_tokens": self.accepted_tokens,
+            "spec_accept_length": round((self.accepted_tokens + self.verify_ct)
+                                        / self.verify_ct, 4),
+        }
+
+
 def meta_info(
     rid: str,
     finish: FinishReason | None,
@@ -61,8 +79,10 @@ def meta_info(
     e2e_latency: float | None = None,
     logprobs: LogprobLists | None = None,
     token_text: TokenText | None = None,
+    spec: Speculated | None = None,
 ) -> dict[str, Any]:
-    """meta_info in SGLang's key order; `token_text` fills in each logprob's token text.
+    """meta_info in SGLang's key order; `token_text` fills in each logprob's token text;
+    the speculative decoding figures where the request verified drafts.
 
     Every list is a fresh copy, so a caller may keep appending to what it passed in."""
     meta: dict[str, Any] = {
@@ -75,6 +95,8 @@ def meta_info(
     }
     if e2e_latency is not None:
         meta["e2e_latency"] = e2e_latency
+    if spec is not None and spec.verify_ct:
+        meta.update(spec.to_dict())
     if logprobs is None:
         return meta
     meta["input_token_logprobs"] = _named(logprobs.input_token, token_text)

@@ -44,6 +44,12 @@ class StepEntry:
     input_ids: list[int]
     slots: list[int]  # one KV slot per new token (one for a decode)
     sample: bool  # sample the next token after this entry (false for a non-final chunk)
+    # Speculative decoding: a tree of guesses at the tokens after the fed one, verified in
+    # this step. draft[i]'s parent is draft[draft_parents[i]], or the fed token where it is
+    # -1 (parents come first). The entry then has one slot per fed and draft token, for
+    # the positions that follow in order; the accepted path's KV ends up in the first ones.
+    draft: list[int] = field(default_factory=list)
+    draft_parents: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -92,6 +98,12 @@ class EntryResult:
     input_top_logprobs: list[TopLogprobs] = field(default_factory=list)
     # Jump-forward: tokens the grammar forces after token_id (output too, KV not computed).
     forced_ids: list[int] = field(default_factory=list)
+    # Speculative decoding: the draft tokens the model accepted, in order; they come
+    # before token_id in the output and their KV is computed (the entry's first slots after
+    # the fed token's). With their logprobs when asked.
+    accepted_ids: list[int] = field(default_factory=list)
+    accepted_logprobs: list[float] = field(default_factory=list)
+    accepted_top_logprobs: list[TopLogprobs] = field(default_factory=list)
 
 
 @dataclass(slots=True)

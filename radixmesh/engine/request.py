@@ -45,6 +45,8 @@ class Req:
     on_worker: bool = False  # the worker holds state for it
     pending: int = 0  # sampling steps scheduled whose result has not come back
     jumped: bool = False  # output has jump-forward tokens the next decode must feed
+    spec_verify_ct: int = 0  # steps that verified a draft of it
+    spec_accepted_tokens: int = 0  # draft tokens those steps accepted
     finish: FinishReason | None = None
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)

@@ -9,14 +9,15 @@ from dataclasses import dataclass, field
 
 from radixmesh.core.finish import FinishKind, FinishReason
 from radixmesh.core.hicache import HostPoolSpec, PageKeys
-from radixmesh.core.settings import ReplicaSettings
-from radixmesh.core.step import NewRequest, StepBatch, StepEntry, StepResult
+from radixmesh.core.settings import ReplicaSettings, SpeculativeSettings
+from radixmesh.core.step import EntryResult, NewRequest, StepBatch, StepEntry, StepResult
 from radixmesh.engine.constraints import Constraints
 from radixmesh.engine.host_tier import HostTier
 from radixmesh.engine.kv_allocator import KVAllocator
 from radixmesh.engine.radix_cache import RadixCache
 from radixmesh.engine.request import Req
 from radixmesh.engine.schedule_policy import SchedulePolicy, match_key
+from radixmesh.engine.speculation import Draft, make_speculation
 from radixmesh.engine.storage_tier import StorageTier
 from radixmesh.engine.tiering import HostTiers, NoTiers, StorageTiers
 from radixmesh.engine.tree_node import TreeNode
@@ -45,6 +46,7 @@ class SchedulerConfig:
     prefetch_timeout: float = 2.0
     prefetch_threshold: int = 256
     model_fingerprint: str = ""  # names the weights in storage page keys
+    speculative: SpeculativeSettings = SpeculativeSettings()  # drafts (off by default)
 
     @classmethod
     def from_settings(
@@ -75,6 +77,7 @@ class SchedulerConfig:
             prefetch_timeout=settings.hicache_storage_prefetch_timeout,
             prefetch_threshold=settings.hicache_storage_prefetch_threshold,
             model_fingerprint=model_fingerprint,
+            speculative=settings,
         )
 
 
@@ -98,6 +101,7 @@ class Scheduler:
         self.page = config.page_size
         self.num_retractions = 0
         self.constraints = Constraints()
+        self.speculation = make_speculation(config.speculative)
         self.reset()
 
     def lose_all(self, reason: FinishReason) -> list[Req]:
@@ -127,6 +131,7 @@ class Scheduler:
         self._release: list[str] = []
         self._updated: dict[str, Req] = {}
         self.constraints.reset()
+        self.speculation.reset()
         self._step = 0
 
     @property
@@ -208,6 +213,7 @@ class Scheduler:
             "num_retractions": self.num_retractions,
             "steps": self._step,
             "forced_tokens": self.num_forced_tokens,
+            **self.speculation.stats.report(),
             **self.tiers.stats(self.cache),
         }
 
@@ -275,11 +281,18 @@ class Scheduler:
             if req.remaining_new_tokens() <= 0 or len(req.slots) >= self.config.context_length:
                 i += 1  # its last token is in flight; the result will finish it
                 continue
+            draft, slots = Draft([], []), None
+            if not req.jumped and self.speculation.drafts(req):
+                if req.pending:
+                    i += 1  # its draft starts from the token in flight (a verify's too)
+                    continue
+                draft, slots = self._draft(req)
             # Tokens known but not yet fed: after a jump-forward, the sampled token (unless
             # the step in flight feeds it) and the forced ones. Otherwise only the token in
             # flight or the last one sampled, which the runner feeds itself.
             unfed = req.tokens[len(req.slots) :] if req.jumped else []
-            slots = self._grow(req, max(len(unfed), 1))
+            if slots is None:
+                slots = self._grow(req, max(len(unfed), 1))
             if slots is None and self.cache.pending_backups():
                 # Backups pin device slots (and every prefix above them) for a step or two:
                 # wait for them rather than retract or cut a request short.
@@ -297,13 +310,31 @@ class Scheduler:
                 if victim is req:
                     break
                 continue
-            batch.batch.entries.append(StepEntry(req.rid, unfed, slots, True))
+            batch.batch.entries.append(
+                StepEntry(req.rid, unfed, slots, True, draft.tokens, draft.parents)
+            )
             batch.reqs.append(req)
             if req.jumped:
                 batch.jumps.add(req.rid)
                 req.jumped = False
             req.pending += 1
             i += 1
+
+    def _draft(self, req: Req) -> tuple[Draft, list[int] | None]:
+        """A draft to verify after the request's last token, with a slot for that token and
+        each draft token; (no draft, None) when it drafts nothing or there is no room."""
+        none = Draft([], [])
+        limit = min(
+            req.remaining_new_tokens() - 1,  # the step adds a token of its own
+            self.config.context_length - len(req.slots) - 1,
+        )
+        draft = self.speculation.draft(req, limit)
+        if draft is None:
+            return none, None
+        slots = self._grow(req, 1 + len(draft.tokens))
+        if slots is None:
+            return none, None
+        return draft, slots
 
     def _schedule_prefills(self, batch: ScheduledBatch) -> None:
         budget = self.config.chunked_prefill_size
@@ -460,7 +491,8 @@ class Scheduler:
 
     def _release_kv(self, req: Req) -> None:
         """Hand a request's computed tokens to the tree and free the slots the tree declines."""
-        n = len(req.slots)
+        # Slots past the tokens are a verify's still in flight: none of them is kept.
+        n = min(len(req.slots), req.num_tokens)
         aligned = n - n % self.page
         tokens = req.tokens[:aligned]
         cached = self.cache.insert(tokens, req.slots[:aligned], req.namespace, req.priority)
@@ -488,6 +520,7 @@ class Scheduler:
     def _finish(self, req: Req, reason: FinishReason) -> None:
         req.finish = reason
         self.tiers.forget(req)
+        self.speculation.forget(req)
         if req in self.running:
             self.running.remove(req)
         if self.chunked is req:
@@ -511,7 +544,8 @@ class Scheduler:
         """Append sampled tokens and logprobs; finish requests that hit a stop or a limit."""
         self.tiers.done(result.copies_done)
         self._compiles_ended(result)
-        for req, out in zip(batch.reqs, result.results, strict=True):
+        entries = batch.batch.entries
+        for req, entry, out in zip(batch.reqs, entries, result.results, strict=True):
             if out.input_logprobs:
                 req.input_logprobs.extend(out.input_logprobs)
                 req.input_top_logprobs.extend(out.input_top_logprobs)
@@ -524,18 +558,40 @@ class Scheduler:
             if req.params.max_new_tokens == 0:  # prefill only: the sampled token is not wanted
                 self._finish(req, FinishReason(FinishKind.LENGTH, 0))
                 continue
-            req.output_ids.append(out.token_id)
-            if req.logprobs.return_logprob:
-                req.output_logprobs.append(out.logprob)
-                req.output_top_logprobs.append(out.top_logprobs)
+            if entry.draft:
+                self._verified(req, len(entry.draft), out)
+            tokens = [*out.accepted_ids, out.token_id]
+            logprobs = [*out.accepted_logprobs, out.logprob]
+            tops = [*out.accepted_top_logprobs, out.top_logprobs]
+            reason = None
+            for j, token in enumerate(tokens):
+                req.output_ids.append(token)
+                if req.logprobs.return_logprob:
+                    req.output_logprobs.append(logprobs[j])
+                    req.output_top_logprobs.append(tops[j])
+                reason = self._check_finish(req, token)
+                if reason is not None:
+                    break
             self._updated[req.rid] = req
-            reason = self._check_finish(req, out.token_id)
-            if out.forced_ids:
-                reason = reason or self.constraints.jump_forward(
-                    req, out.forced_ids, self._check_finish
-                )
+            if out.forced_ids and reason is None:
+                reason = self.constraints.jump_forward(req, out.forced_ids, self._check_finish)
             if reason is not None:
                 self._finish(req, reason)
+
+    def _verified(self, req: Req, drafted: int, out: EntryResult) -> None:
+        """Account a verify step, and give back the slots of the drafts it rejected (a
+        request retracted meanwhile holds none)."""
+        accepted = len(out.accepted_ids)
+        req.spec_verify_ct += 1
+        req.spec_accepted_tokens += accepted
+        self.speculation.verified(req, drafted, accepted)
+        if req not in self.running:
+            return
+        keep = len(req.slots) - (drafted - accepted)
+        whole = -(-keep // self.page) * self.page  # the first slot past keep's page
+        if whole < len(req.slots):
+            self.allocator.free(req.slots[whole:])
+        del req.slots[keep:]
 
     def _compiles_ended(self, result: StepResult) -> None:
         self.constraints.ended(result.grammars_ready, result.grammars_failed)

@@ -88,6 +88,8 @@ def text_chunk(update: mpb.TokenUpdate, decode: DecodeFn) -> UpdateReply:
         cached_tokens=update.cached_tokens,
         cached_host_tokens=update.cached_host_tokens,
         cached_storage_tokens=update.cached_storage_tokens,
+        spec_verify_ct=update.spec_verify_ct,
+        spec_accepted_tokens=update.spec_accepted_tokens,
         completion_tokens=completion,
         logprobs=_kept_logprobs(update.logprobs, kept) if update.HasField("logprobs") else None,
     )

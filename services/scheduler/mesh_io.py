@@ -92,6 +92,8 @@ class UpdateBuilder:
             cached_tokens=req.cached_tokens,
             cached_host_tokens=req.cached_host_tokens,
             cached_storage_tokens=req.cached_storage_tokens,
+            spec_verify_ct=req.spec_verify_ct,
+            spec_accepted_tokens=req.spec_accepted_tokens,
             engine_id=self.engine_id,
             traceparent=traceparent,
         )

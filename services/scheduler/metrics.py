@@ -16,6 +16,7 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from radixmesh.engine.host_tier import HostStats
 from radixmesh.engine.scheduler import Scheduler
+from radixmesh.engine.speculation import SpeculationStats
 from radixmesh.engine.storage_tier import PrefetchOutcome
 
 Clock = Callable[[], float]
@@ -45,6 +46,22 @@ GEN_THROUGHPUT = Gauge(
 FORCED_TOKENS = Counter(
     "radixmesh:jump_forward_tokens_total",
     "Output tokens a grammar forced and jump-forward appended without sampling",
+    _ENGINE,
+)
+SPEC_VERIFY_STEPS = Counter(
+    "radixmesh:spec_verify_steps_total",
+    "Speculative decoding: request steps that verified a draft",
+    _ENGINE,
+)
+SPEC_ACCEPTED_TOKENS = Counter(
+    "radixmesh:spec_accepted_tokens_total",
+    "Speculative decoding: draft tokens the model accepted",
+    _ENGINE,
+)
+SPEC_ACCEPT_LENGTH = Gauge(
+    "radixmesh:spec_accept_length",
+    "Speculative decoding: tokens a verify step produced on average (accepted drafts plus "
+    "its own), since start",
     _ENGINE,
 )
 NUM_RETRACTED = Counter(
@@ -176,6 +193,7 @@ class SchedulerMetrics:
         self._cached_tokens = 0
         self._retractions = 0
         self._forced = 0
+        self._spec = SpeculationStats()  # the figures as last counted
         self._host_copied = HostStats()
         self._host_lost = 0
         self._storage_counted = (0, 0)  # pages stored, queries: counted so far
@@ -240,6 +258,11 @@ class SchedulerMetrics:
         self._retractions = sched.num_retractions
         FORCED_TOKENS.labels(**labels).inc(sched.num_forced_tokens - self._forced)
         self._forced = sched.num_forced_tokens
+        spec = sched.speculation.stats
+        SPEC_VERIFY_STEPS.labels(**labels).inc(spec.verify_steps - self._spec.verify_steps)
+        SPEC_ACCEPTED_TOKENS.labels(**labels).inc(spec.accepted_tokens - self._spec.accepted_tokens)
+        SPEC_ACCEPT_LENGTH.labels(**labels).set(spec.mean_accept_length)
+        self._spec = dataclasses.replace(spec)
         self._host_state(sched)
 
     def host_tier(self, up: bool, lost: int) -> None:

@@ -110,6 +110,8 @@ class ChunkAssembler:
             output_top_logprobs=[_top(t.items) for t in chunk.logprobs.output_top],
             cached_host_tokens=self.cached_host_tokens,
             cached_storage_tokens=self.cached_storage_tokens,
+            spec_verify_ct=chunk.spec_verify_ct,
+            spec_accepted_tokens=chunk.spec_accepted_tokens,
         )
         self._gather_input_logprobs(chunk)
         if chunk.HasField("finish"):

@@ -34,6 +34,9 @@ class GenerationChunk:
     # The parts of cached_tokens loaded back from the host and storage tiers.
     cached_host_tokens: int = 0
     cached_storage_tokens: int = 0
+    # Speculative decoding so far: verify steps and the draft tokens they accepted.
+    spec_verify_ct: int = 0
+    spec_accepted_tokens: int = 0
 
     @property
     def cached_tokens_details(self) -> CachedTokens:

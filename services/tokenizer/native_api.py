@@ -22,7 +22,14 @@ from typing import Any
 from aiohttp import web
 
 from radixmesh.core.finish import FinishKind, FinishReason
-from radixmesh.core.meta_info import CachedTokens, LogprobLists, TokenLogprob, TokenText, meta_info
+from radixmesh.core.meta_info import (
+    CachedTokens,
+    LogprobLists,
+    Speculated,
+    TokenLogprob,
+    TokenText,
+    meta_info,
+)
 from radixmesh.core.request import FieldNames, GenerationRequest, build_request, is_int
 from radixmesh.core.sampling_params import LogprobRequest, SamplingParams
 from radixmesh.mesh.service import health_handler, metrics_response
@@ -498,4 +505,5 @@ class NativeOutput:
             e2e_latency=time.monotonic() - self.started,
             logprobs=logprobs,
             token_text=self._token_text,
+            spec=Speculated(last.spec_verify_ct, last.spec_accepted_tokens) if last else None,
         )

@@ -26,3 +26,10 @@ class KVPool:
         """Write new tokens' K/V [T, Hkv, D] into their slots [T]."""
         self.k[layer].index_copy_(0, slots, k)
         self.v[layer].index_copy_(0, slots, v)
+
+    def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy the K/V of slots `src` to slots `dst` in every layer (accepted draft tokens
+        to the positions they were accepted at)."""
+        for k, v in zip(self.k, self.v, strict=True):
+            k.index_copy_(0, dst, k.index_select(0, src))
+            v.index_copy_(0, dst, v.index_select(0, src))

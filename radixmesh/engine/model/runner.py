@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from radixmesh.core.settings import RunnerSettings
-from radixmesh.core.step import EntryResult, NewRequest, StepBatch, StepResult
+from radixmesh.core.step import EntryResult, NewRequest, StepBatch, StepEntry, StepResult
 from radixmesh.core.tokenizer import Tokenizer
 from radixmesh.engine.model.attention import AttentionBackend, AttentionMetadata, SeqSpan
 from radixmesh.engine.model.attention_choice import check_runs_on, make_attention
@@ -174,7 +174,9 @@ class ModelRunner:
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        spans: list[SeqSpan] = []
+        spans: list[SeqSpan] = []  # each entry's fed tokens
+        attend: list[SeqSpan] = []  # what each row attends to: the spans and draft nodes
+        trees: dict[int, int] = {}  # entries with a draft -> row of its first draft token
         reqs: list[_RequestState] = []
         void: set[int] = set()  # entries whose sample a jump-forward made void
         for i, entry in enumerate(batch.entries):
@@ -183,15 +185,20 @@ class ModelRunner:
                 void.add(i)
             req.jumped = False
             new_ids = entry.input_ids or [req.last_token]
+            fed = entry.slots[: len(new_ids)]
             start = len(req.ids)
-            req.append(new_ids, entry.slots)
+            req.append(new_ids, fed)
             spans.append(SeqSpan(len(ids), len(new_ids), req.slots[: len(req.ids)]))
+            attend.append(spans[-1])
             ids.extend(new_ids)
             positions.extend(range(start, start + len(new_ids)))
-            slots.extend(entry.slots)
+            slots.extend(fed)
+            if entry.draft:
+                trees[i] = len(ids)
+                _draft_rows(entry, req, len(new_ids), ids, positions, slots, attend)
             reqs.append(req)
         device = self.device
-        meta = AttentionMetadata(torch.tensor(slots, device=device), tuple(spans))
+        meta = AttentionMetadata(torch.tensor(slots, device=device), tuple(attend))
         input_ids = torch.tensor(ids, device=device)
         input_positions = torch.tensor(positions, device=device)
         if self.graphs is not None and self.graphs.fits(meta):
@@ -201,32 +208,44 @@ class ModelRunner:
             self.attention.prepare(meta)
             hidden = self.model.forward(input_ids, input_positions, self.attention, self.pool)
         outs = result.results = [EntryResult(e.rid) for e in batch.entries]
-        # Every rank broadcasts a token per sampling entry, void ones included (as -1).
+        # Every rank broadcasts a token per sampling entry, void ones included (as -1), and
+        # after a draft's token the accepted path (see _follow).
         sampling = [i for i, e in enumerate(batch.entries) if e.sample]
         if self.tp is not None and not self.tp.is_leader:
-            self._follow(self.tp, sampling, reqs, outs)
+            self._follow(self.tp, sampling, batch.entries, reqs, outs)
             return
         for req, span, out in zip(reqs, spans, outs, strict=True):
             if req.spec.logprobs.return_logprob and req.spec.logprobs.logprob_start_len >= 0:
                 self._input_logprobs(req, span, hidden, out)
-        self._sample(sampling, void, reqs, spans, hidden, outs)
+        self._sample(sampling, void, batch.entries, reqs, spans, trees, hidden, outs)
 
     def _sample(
         self,
         sampling: list[int],
         void: set[int],
+        entries: list[StepEntry],
         reqs: list[_RequestState],
         spans: list[SeqSpan],
+        trees: dict[int, int],
         hidden: torch.Tensor,
         outs: list[EntryResult],
     ) -> None:
         picked = [i for i in sampling if i not in void]
-        tokens: list[int] = []
-        if picked:
-            tokens = self._sample_rows(picked, reqs, spans, hidden, outs)
+        plain = [i for i in picked if i not in trees]
+        tokens = dict(zip(plain, self._sample_rows(plain, reqs, spans, hidden, outs), strict=True))
+        drafted = [i for i in picked if i in trees]
+        paths = self._verify(drafted, entries, reqs, spans, trees, hidden, outs)
+        for i in drafted:
+            tokens[i] = outs[i].token_id
+            _accept(self.pool, reqs[i], entries[i], paths[i], tokens[i])
         if self.tp is not None:
-            by_entry = dict(zip(picked, tokens, strict=True))
-            self.tp.broadcast_tokens([by_entry.get(i, -1) for i in sampling])
+            flat: list[int] = []
+            for i in sampling:
+                flat.append(tokens.get(i, -1))
+                if entries[i].draft:
+                    path = paths.get(i, [])
+                    flat.extend(path + [-1] * (len(entries[i].draft) - len(path)))
+            self.tp.broadcast_tokens(flat)
 
     def _sample_rows(
         self,
@@ -236,6 +255,8 @@ class ModelRunner:
         hidden: torch.Tensor,
         outs: list[EntryResult],
     ) -> list[int]:
+        if not picked:
+            return []
         rows = [spans[i].q_start + spans[i].q_len - 1 for i in picked]
         logits = self.model.logits(hidden[torch.tensor(rows, device=hidden.device)])
         samplers = [self._sampler(reqs[i]) for i in picked]
@@ -272,23 +293,96 @@ class ModelRunner:
                 req.jumped = bool(out.forced_ids)
         return tokens
 
-    @staticmethod
+    def _verify(
+        self,
+        drafted: list[int],
+        entries: list[StepEntry],
+        reqs: list[_RequestState],
+        spans: list[SeqSpan],
+        trees: dict[int, int],
+        hidden: torch.Tensor,
+        outs: list[EntryResult],
+    ) -> dict[int, list[int]]:
+        """Walk each draft tree from its fed token: sample the model's token there, exactly as
+        a decode step would (same sampler state, same draw); where a child carries that
+        token, accept the child and sample again below it; else the sampled token ends the
+        walk. Every output token is so a sample of the model's own distribution, and greedy
+        output equals decoding without drafts. Returns each entry's accepted draft nodes."""
+        if not drafted:
+            return {}
+        first: dict[int, int] = {}  # entry -> its row in `logits`: the fed token, then nodes
+        rows: list[int] = []
+        for i in drafted:
+            first[i] = len(rows)
+            rows.append(spans[i].q_start + spans[i].q_len - 1)
+            rows.extend(range(trees[i], trees[i] + len(entries[i].draft)))
+        logits = self.model.logits(hidden[torch.tensor(rows, device=hidden.device)])
+        samplers = {i: self._sampler(reqs[i]) for i in drafted}
+        wants = {i: reqs[i].spec.logprobs for i in drafted}
+        if logits.device.type != "cpu" and (
+            any(w.return_logprob for w in wants.values())
+            or not all(s.params.is_greedy for s in samplers.values())
+        ):
+            logits = logits.cpu()  # as _sample_rows: seeded draws in CPU arithmetic
+        kids = {i: _children(entries[i]) for i in drafted}
+        at = dict.fromkeys(drafted, -1)  # the node each walk stands on (-1: the fed token)
+        paths: dict[int, list[int]] = {i: [] for i in drafted}
+        walking = list(drafted)
+        while walking:
+            index = torch.tensor([first[i] + 1 + at[i] for i in walking], device=logits.device)
+            top_n = [w.top_logprobs_num if w.return_logprob else 0 for w in map(wants.get, walking)]
+            with_logprobs = any(wants[i].return_logprob for i in walking)
+            sampled = sample(
+                logits.index_select(0, index), [samplers[i] for i in walking], top_n,
+                with_logprobs=with_logprobs,
+            )
+            still = []
+            for j, i in enumerate(walking):
+                token, out = sampled.token_ids[j], outs[i]
+                samplers[i].record(token)
+                child = kids[i].get((at[i], token))
+                if child is None:
+                    out.token_id = token
+                    if wants[i].return_logprob:
+                        out.logprob, out.top_logprobs = sampled.logprobs[j], sampled.top_logprobs[j]
+                    continue
+                out.accepted_ids.append(token)
+                if wants[i].return_logprob:
+                    out.accepted_logprobs.append(sampled.logprobs[j])
+                    out.accepted_top_logprobs.append(sampled.top_logprobs[j])
+                paths[i].append(child)
+                at[i] = child
+                still.append(i)
+            walking = still
+        return paths
+
     def _follow(
+        self,
         tp: TensorParallel,
         sampling: list[int],
+        entries: list[StepEntry],
         reqs: list[_RequestState],
         outs: list[EntryResult],
     ) -> None:
-        """A rank other than 0 takes rank 0's tokens instead of computing logits, so every
-        rank feeds the same tokens next step (sampling state lives on rank 0 only). Forced
-        tokens reach these ranks as the input_ids of the request's next entry."""
+        """A rank other than 0 takes rank 0's tokens (and accepted draft paths) instead of
+        computing logits, so every rank feeds the same tokens next step (sampling state
+        lives on rank 0 only). Forced tokens reach these ranks as the input_ids of the
+        request's next entry."""
         if not sampling:
             return
-        tokens = tp.broadcast_tokens([0] * len(sampling))
-        for i, token in zip(sampling, tokens, strict=True):
-            if token >= 0:
-                reqs[i].last_token = token
-                outs[i].token_id = token
+        size = sum(1 + len(entries[i].draft) for i in sampling)
+        flat = tp.broadcast_tokens([0] * size)
+        at = 0
+        for i in sampling:
+            token, entry = flat[at], entries[i]
+            path = [k for k in flat[at + 1 : at + 1 + len(entry.draft)] if k >= 0]
+            at += 1 + len(entry.draft)
+            if token < 0:
+                continue
+            outs[i].token_id = token
+            if entry.draft:
+                _accept(self.pool, reqs[i], entry, path, token)
+            reqs[i].last_token = token
 
     def _is_sampler(self) -> bool:
         return self.tp is None or self.tp.is_leader
@@ -372,6 +466,55 @@ class ModelRunner:
             rows = torch.arange(b - 1, e - 1, device=hidden.device) - first + span.q_start
             logprobs = torch.log_softmax(self.model.logits(hidden[rows]), dim=-1)
             _add_logprobs(out, logprobs, req.ids[b:e], top_n)
+
+
+def _draft_rows(
+    entry: StepEntry,
+    req: _RequestState,
+    fed: int,
+    ids: list[int],
+    positions: list[int],
+    slots: list[int],
+    attend: list[SeqSpan],
+) -> None:
+    """Rows for an entry's draft tokens, after its `fed` ones (already in `req`): each at
+    the position its depth gives, in the slot after the fed ones' that the entry gave it,
+    attending to the request's tokens and its own path up the tree (the tree mask, as one
+    key list per row)."""
+    prefix = req.slots[: len(req.ids)]
+    base = len(req.ids)  # the position of a child of the fed token
+    node_slots = entry.slots[fed:]
+    for k in range(len(entry.draft)):
+        path = [k]  # the node and its ancestors up to the fed token's child
+        while entry.draft_parents[path[-1]] >= 0:
+            path.append(entry.draft_parents[path[-1]])
+        own = torch.tensor([node_slots[j] for j in reversed(path)], dtype=torch.long)
+        attend.append(SeqSpan(len(ids), 1, torch.cat([prefix, own])))
+        ids.append(entry.draft[k])
+        positions.append(base + len(path) - 1)
+        slots.append(node_slots[k])
+
+
+def _children(entry: StepEntry) -> dict[tuple[int, int], int]:
+    """(parent node, token) -> child node of an entry's draft tree; -1 is the fed token."""
+    return {(p, t): k for k, (t, p) in enumerate(zip(entry.draft, entry.draft_parents,
+                                                       strict=True))}
+
+
+def _accept(
+    pool: KVPool, req: _RequestState, entry: StepEntry, path: list[int], token: int
+) -> None:
+    """Keep an accepted draft path: its tokens' K/V move to the slots of the positions they
+    hold (the first draft slots), the rest are the scheduler's to reuse; `token` follows."""
+    node_slots = entry.slots[len(entry.slots) - len(entry.draft) :]
+    if path:
+        src = [node_slots[k] for k in path]
+        dst = node_slots[: len(path)]
+        if src != dst:
+            pool.move(torch.tensor(src, device=pool.k[0].device),
+                      torch.tensor(dst, device=pool.k[0].device))
+        req.append([entry.draft[k] for k in path], dst)
+    req.last_token = token
 
 
 def _add_logprobs(

@@ -1,0 +1,228 @@
+"""Speculative decoding's drafting (the n-gram store, draft trees, adaptive draft sizes) and
+the scheduler verifying drafts against a model-free worker: the same output as without
+drafts, every KV slot accounted for after every step."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from engine_helpers import assert_nothing_held
+from fake_worker import FakeWorker, reference_output
+from test_scheduler import make_req, run
+
+from radixmesh.core.settings import SpeculativeSettings
+from radixmesh.engine.request import Req
+from radixmesh.engine.scheduler import Scheduler, SchedulerConfig
+from radixmesh.engine.speculation import NgramSpeculation, NgramStore, grow_tree
+
+NGRAM = SpeculativeSettings(speculative_algorithm="NGRAM")
+
+
+def written(store: NgramStore, tokens: list[int]) -> NgramStore:
+    cursor: list = []
+    for token in tokens:
+        cursor = store.extend(cursor, token)
+    return store
+
+
+def node(store: NgramStore, path: list[int]):
+    at = store.root
+    for token in path:
+        at = at.children[token]
+    return at
+
+
+def test_the_store_counts_every_suffix_up_to_its_depth() -> None:
+    store = written(NgramStore(max_depth=3, capacity=1000), [1, 2, 3, 1, 2, 4])
+    assert node(store, [1, 2]).count == 2
+    assert sorted(node(store, [1, 2]).children) == [3, 4]
+    assert node(store, [2, 3, 1]).count == 1
+    assert 2 not in node(store, [3, 1, 2]).children  # depth 3: no fourth token
+    # 1 2 3 4 as unigrams, 12 23 31 24 as bigrams, 123 231 312 124 as trigrams
+    assert store.size == 4 + 4 + 4
+
+
+def test_a_full_store_drops_its_oldest_half() -> None:
+    store = NgramStore(max_depth=2, capacity=1000)
+    rng = random.Random(0)
+    written(store, [rng.randrange(10_000) for _ in range(2000)])
+    assert store.generation >= 1
+    assert store.size <= 1000
+    recent = [7, 8, 9]
+    written(store, recent)
+    assert node(store, [7, 8]).count >= 1  # what was written last survives
+
+
+def test_bfs_tree_takes_recent_continuations_level_by_level() -> None:
+    store = written(NgramStore(max_depth=6, capacity=1000), [5, 1, 2, 3, 9, 5, 1, 2, 4, 8, 5, 1])
+    # After "5 1": "2" twice; below "5 1 2": "3" (older) and "4" (newer).
+    tree = grow_tree(node(store, [5, 1]), budget=4, root_breadth=2, breadth=2,
+                     branch_length=4, by_count=False)
+    assert tree.tokens == [2, 4, 3, 8]
+    assert tree.parents == [-1, 0, 0, 1]
+    narrow = grow_tree(node(store, [5, 1]), budget=8, root_breadth=1, breadth=1,
+                       branch_length=2, by_count=False)
+    assert narrow.tokens == [2, 4] and narrow.parents == [-1, 0]
+
+
+def test_prob_tree_takes_the_most_frequent_paths_first() -> None:
+    store = written(NgramStore(max_depth=4, capacity=1000),
+                    [7, 1, 0, 7, 1, 0, 7, 1, 0, 7, 2, 0, 7])
+    tree = grow_tree(node(store, [7]), budget=3, root_breadth=1, breadth=1,
+                     branch_length=3, by_count=True)
+    # 1 (3/4), then 1 0 (3/4), then 1 0 7 (3/4 * 1 * 3/3) before 2 (1/4)
+    assert tree.tokens == [1, 0, 7] and tree.parents == [-1, 0, 1]
+
+
+def test_a_request_drafts_what_it_said_before() -> None:
+    spec = NgramSpeculation(NGRAM)
+    req = make_req("r", [10, 11, 12, 13, 14, 10, 11], max_new=20)
+    draft = spec.draft(req, limit=3)
+    assert draft is not None
+    assert draft.tokens == [12, 13, 14] and draft.parents == [-1, 0, 1]
+    assert spec.draft(req, limit=0) is None
+
+
+def test_failing_drafts_shrink_then_pause() -> None:
+    spec = NgramSpeculation(NGRAM)
+    req = make_req("r", [1, 2, 3] * 10, max_new=1000)
+    sizes = []
+    for _ in range(12):
+        draft = spec.draft(req, limit=100) if spec.drafts(req) else None
+        sizes.append(0 if draft is None else len(draft.tokens))
+        if draft is not None:
+            spec.verified(req, len(draft.tokens), 0)
+    # 8 asked, 6 found: a 12-token match leaves 6 levels of an 18-deep trie below it; then
+    # halved on every failure, two failures at one token, a pause of 4 steps, and again
+    assert sizes == [6, 4, 2, 1, 1, 0, 0, 0, 0, 1, 1, 0]
+    assert spec.stats.verify_steps == 7 and spec.stats.accepted_tokens == 0
+    spec.verified(req, 1, 1)  # an accepted draft ends the pause and lifts the budget
+    assert spec.drafts(req) is False  # the pause it was in runs out first (now 8 steps)
+    assert spec.draft(req, limit=100) is not None
+
+
+def period(n: int):
+    """A model that repeats the token n back: its output copies its context."""
+    return lambda tokens: tokens[-n] if len(tokens) >= n else 0
+
+
+def spec_scheduler(num_slots: int, page_size: int = 1, chunk: int = 1024,
+                   **kw: object) -> Scheduler:
+    cfg = SchedulerConfig(num_slots=num_slots, page_size=page_size, chunked_prefill_size=chunk,
+                          speculative=NGRAM, **kw)  # type: ignore[arg-type]
+    return Scheduler(cfg)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("chunk", [7, 1024])
+def test_drafted_output_matches_running_alone(overlap: bool, page_size: int, chunk: int) -> None:
+    model = period(5)
+    sched = spec_scheduler(4096, page_size, chunk)
+    worker = FakeWorker(4096, model=model)
+    rng = random.Random(3)
+    prompts = [[rng.randrange(50) for _ in range(rng.randint(5, 30))] for _ in range(8)]
+    reqs = [make_req(f"r{i}", p, max_new=10 + 7 * i) for i, p in enumerate(prompts)]
+    for r in reqs:
+        sched.add_request(r)
+    run(sched, worker, overlap)
+    for r, p in zip(reqs, prompts, strict=True):
+        assert r.output_ids == reference_output(p, r.params.max_new_tokens, model=model)
+    stats = sched.speculation.stats
+    assert worker.accepted == stats.accepted_tokens == sum(r.spec_accepted_tokens for r in reqs)
+    # A period-5 copy is drafted right after its first period: most tokens come from drafts.
+    assert stats.accepted_tokens > sum(len(r.output_ids) for r in reqs) // 2
+    assert sched.held_slots() == 0
+    assert sched.allocator.available() + sched.cache.total_size() == 4096
+
+
+def test_nothing_to_copy_drafts_little() -> None:
+    sched = spec_scheduler(4096)
+    worker = FakeWorker(4096)  # next_token: no repeats to copy
+    reqs = [make_req(f"r{i}", [i, i + 1, i + 2] * 4, max_new=200) for i in range(2)]
+    for r in reqs:
+        sched.add_request(r)
+    steps = run(sched, worker, overlap=True)
+    for r in reqs:
+        assert r.output_ids == reference_output(r.input_ids, 200)
+    assert sum(r.spec_verify_ct for r in reqs) < 60  # paused most of the way
+    assert steps < 260
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_drafts_under_memory_pressure_and_aborts_leak_nothing(overlap: bool) -> None:
+    model = period(3)
+    sched = spec_scheduler(192, page_size=4, chunk=16, decode_reserve_ratio=0.0)
+    worker = FakeWorker(192, model=model)
+    rng = random.Random(7)
+    reqs: list[Req] = []
+    for i in range(24):
+        r = make_req(f"r{i}", [rng.randrange(50) for _ in range(rng.randint(3, 40))],
+                     max_new=rng.randint(5, 60))
+        reqs.append(r)
+        sched.add_request(r)
+
+    def abort_some(step: int) -> None:
+        if step % 5 == 0:
+            victim = rng.choice(reqs)
+            sched.abort(victim.rid)
+
+    run(sched, worker, overlap, on_step=abort_some)
+    assert sched.num_retractions > 0
+    assert all(r.finish is not None for r in reqs)
+    for r in reqs:
+        if r.finish is not None and r.finish.kind.value != "abort":
+            assert r.output_ids == reference_output(r.input_ids, r.params.max_new_tokens,
+                                                    model=model)
+    assert sched.held_slots() == 0
+    assert sched.allocator.available() + sched.cache.total_size() == 192
+    assert sched.speculation.stats.accepted_tokens > 0
+
+
+# ---- the bundled model --------------------------------------------------------------------
+
+COPY = ("Copy this list: apple, banana, cherry, plum, apple, banana, cherry, plum, apple, "
+        "banana, cherry, plum, apple,")
+
+
+@pytest.fixture(scope="module")
+def ngram_engine():
+    """The bundled model in float32 (as conftest's `engine`), drafting n-grams."""
+    from radixmesh.api import Engine
+
+    eng = Engine(dtype="float32", max_total_tokens=8192, show_progress=False, random_seed=0,
+                 speculative_algorithm="NGRAM")
+    yield eng
+    eng.shutdown()
+
+
+def test_sampling_with_drafts_keeps_the_distribution(engine, ngram_engine) -> None:
+    """A verify step samples each token with the sampler state and the (seed, position) draw
+    a plain decode step would use, so the same seed gives the same text unless float
+    rounding flips a near tie: over 48 seeds at temperature 0.8, at least 44 agree token for
+    token, and the pooled token frequencies differ by a total variation of at most 0.1."""
+    n = 48
+    params = [{"temperature": 0.8, "max_new_tokens": 16, "seed": s} for s in range(n)]
+    off = engine.generate([COPY] * n, params)
+    before = ngram_engine.server_info()
+    on = ngram_engine.generate([COPY] * n, params)
+    after = ngram_engine.server_info()
+    assert after["spec_accepted_tokens"] - before["spec_accepted_tokens"] > n
+    same = sum(a["output_ids"] == b["output_ids"] for a, b in zip(off, on, strict=True))
+    assert same >= n - 4
+    counts: dict[int, list[int]] = {}
+    for side, outs in enumerate((off, on)):
+        for out in outs:
+            for token in out["output_ids"]:
+                counts.setdefault(token, [0, 0])[side] += 1
+    totals = [sum(c[side] for c in counts.values()) for side in (0, 1)]
+    tv = sum(abs(a / totals[0] - b / totals[1]) for a, b in counts.values()) / 2
+    assert tv <= 0.1, tv
+    for out in on:
+        meta = out["meta_info"]
+        if "spec_verify_ct" in meta:
+            assert meta["spec_accept_length"] == pytest.approx(
+                (meta["spec_accepted_tokens"] + meta["spec_verify_ct"]) / meta["spec_verify_ct"],
+                abs=1e-4)
+    assert_nothing_held(ngram_engine)
