@@ -42,6 +42,7 @@ from radixmesh.core.settings import (
     KVSettings,
     ModelSettings,
     ScheduleSettings,
+    SpeculativeSettings,
 )
 from radixmesh.mesh.nats_server import EmbeddedNats, free_port, reserve_ports
 from radixmesh.supervisor import Process, Supervisor
@@ -62,6 +63,7 @@ SERVICE_CONFIGS: dict[str, type[Settings]] = {
 class MeshArgs(
     FrontDoorSettings,
     ServiceSettings,
+    SpeculativeSettings,
     HiCacheSettings,
     HiCacheStorageSettings,
     DecodingSettings,

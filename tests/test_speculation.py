@@ -10,6 +10,7 @@ import pytest
 from engine_helpers import assert_nothing_held
 from fake_worker import FakeWorker, reference_output
 from test_scheduler import make_req, run
+from tiny_model import draft_script, emitted, forward_script, save_tiny_model, tokens
 
 from radixmesh.core.settings import SpeculativeSettings
 from radixmesh.engine.request import Req
@@ -226,3 +227,28 @@ def test_sampling_with_drafts_keeps_the_distribution(engine, ngram_engine) -> No
                 (meta["spec_accepted_tokens"] + meta["spec_verify_ct"]) / meta["spec_verify_ct"],
                 abs=1e-4)
     assert_nothing_held(ngram_engine)
+
+
+# ---- the model runner verifying trees (a tiny random model) -------------------------------
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_the_runner_accepts_exactly_the_model_s_own_tokens(tmp_path, kind) -> None:
+    """A tree with a wrong sibling and a wrong leaf: the runner takes the right path, its
+    K/V moved to where the next plain step reads it; the tokens are those of plain decoding
+    (the seeded request's too: each draw is the one a plain step would make)."""
+    runner = tiny_runner(tmp_path, kind)
+    ref = tokens([runner.forward(b) for b in forward_script()])
+    steps, expected = draft_script(ref)
+    runner = tiny_runner(tmp_path, kind)
+    assert emitted([runner.forward(b) for b in steps]) == expected
+
+
+def tiny_runner(tmp_path, kind: str):
+    import torch
+
+    from radixmesh.engine.model.model_source import load_model
+    from radixmesh.engine.model.runner import ModelRunner
+
+    loaded = load_model(str(save_tiny_model(tmp_path / kind, kind)), progress=False)
+    return ModelRunner(loaded.config, loaded.weights, torch.float32, 256)

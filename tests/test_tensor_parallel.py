@@ -7,7 +7,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_model import HEADS, INTERMEDIATE, KV_HEADS, forward_script, save_tiny_model, tokens
+from tiny_model import (
+    HEADS,
+    INTERMEDIATE,
+    KV_HEADS,
+    draft_script,
+    emitted,
+    forward_script,
+    save_tiny_model,
+    tokens,
+)
 
 from radixmesh.core.step import StepResult
 from radixmesh.engine.model.attention import AttentionMetadata, SeqSpan
@@ -158,3 +167,41 @@ def test_two_ranks_match_one_process(model_dirs, tmp_path, quantization) -> None
                     list(b.input_logprobs)[1:], abs=1e-4
                 )
                 assert [t for t, _ in a.top_logprobs] == [t for t, _ in b.top_logprobs]
+
+
+def _draft_rank_main(rank: int, size: int, addr: str, model_dir: str, ref: list[list[int]],
+                     out_dir: str) -> None:
+    """One rank verifying draft_script's trees; saves the tokens it output."""
+    torch.set_num_threads(1)
+    tp = init_tensor_parallel(addr, rank, size)
+    try:
+        loaded = load_model(model_dir, progress=False)
+        shard_weights(loaded.config, loaded.weights, rank, size)
+        runner = ModelRunner(loaded.config, loaded.weights, torch.float32, 256, tp=tp)
+        steps, _ = draft_script(ref)
+        torch.save(emitted([runner.forward(b) for b in steps]), Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        destroy_tensor_parallel()
+
+
+def test_two_ranks_verify_drafts_as_one_process(model_dirs, tmp_path) -> None:
+    """Rank 0 walks the trees and sends the accepted paths; rank 1 moves the same K/V, so
+    both feed the same tokens next and output what one process does."""
+    loaded = load_model(str(model_dirs[0]), progress=False)
+    runner = ModelRunner(loaded.config, loaded.weights, torch.float32, 256)
+    ref = tokens([runner.forward(b) for b in forward_script()])
+    _, expected = draft_script(ref)
+    ctx = multiprocessing.get_context("spawn")
+    addr = f"tcp://127.0.0.1:{free_port()}"
+    procs = [
+        ctx.Process(target=_draft_rank_main,
+                    args=(rank, 2, addr, str(model_dirs[0]), ref, str(tmp_path)))
+        for rank in range(2)
+    ]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+    assert [p.exitcode for p in procs] == [0, 0]
+    for rank in range(2):
+        assert torch.load(tmp_path / f"rank{rank}.pt") == expected, f"rank {rank}"

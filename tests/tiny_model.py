@@ -241,3 +241,34 @@ def _quantized(a: np.ndarray, qtype: gguf.GGMLQuantizationType) -> np.ndarray:
         return gguf.quants.quantize(a, qtype)
     except NotImplementedError:  # the K-quants
         return random_blocks(qtype, *a.shape, seed=a.size)
+
+
+def draft_script(ref: list[list[int]]) -> tuple[list[StepBatch], list[list[int]]]:
+    """forward_script's first two steps, then a step that verifies draft trees built from
+    `ref` (forward_script's tokens, by tokens()) and a plain decode after it; with the
+    tokens each request must output, accepted drafts first, step by step.
+
+    "a" (greedy) drafts its next two tokens beside a wrong guess at each end: it must
+    accept the two and sample its third itself. "b" (seeded sampling) drafts its next three
+    as a chain, all right: it must accept them and sample its fourth."""
+    a = [ref[0][0], ref[1][0], *(step[0] for step in ref[2:])]
+    b = [ref[1][1], *(step[1] for step in ref[2:])]
+    wrong = [(t + 1) % VOCAB for t in a]
+    steps = forward_script()[:2]
+    steps.append(StepBatch(3, entries=[
+        StepEntry("a", [], list(range(13, 18)), True, [wrong[2], a[2], a[3], wrong[4]],
+                  [-1, -1, 1, 2]),
+        StepEntry("b", [], list(range(109, 113)), True, b[1:4], [-1, 0, 1]),
+    ]))
+    # "a" kept positions 13-15 (slots 13-15 after the move); "b" positions 9-12.
+    steps.append(StepBatch(4, entries=[
+        StepEntry("a", [], [18], True), StepEntry("b", [], [113], True)
+    ]))
+    expected = [[a[0]], [a[1], b[0]], [*a[2:5], *b[1:5]], [a[5], b[5]]]
+    return steps, expected
+
+
+def emitted(results: list[StepResult]) -> list[list[int]]:
+    """Each step's output tokens, accepted drafts and sampled, entry after entry."""
+    return [[t for r in result.results if r.token_id >= 0 for t in [*r.accepted_ids, r.token_id]]
+            for result in results]

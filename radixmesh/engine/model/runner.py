@@ -381,6 +381,7 @@ class ModelRunner:
                 continue
             outs[i].token_id = token
             if entry.draft:
+                outs[i].accepted_ids = [entry.draft[k] for k in path]
                 _accept(self.pool, reqs[i], entry, path, token)
             reqs[i].last_token = token
 
