@@ -25,8 +25,11 @@ GREEDY = {"temperature": 0, "max_new_tokens": 16}
 
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory) -> Iterator[Mesh]:
+    """The mesh drafts n-grams, so every test here also checks that speculation changes
+    nothing a client sees (the in-process engine it is compared with does not draft)."""
     log_dir = tmp_path_factory.mktemp("mesh-logs")
-    with running_mesh(log_dir, dtype="float32", max_total_tokens=8192) as m:
+    with running_mesh(log_dir, dtype="float32", max_total_tokens=8192,
+                      speculative_algorithm="NGRAM") as m:
         yield m
 
 
@@ -76,6 +79,28 @@ def test_mesh_output_equals_in_process_engine(client, engine):
         assert g["text"] == e["text"]
         assert g["meta_info"]["completion_tokens"] == 16
         assert g["meta_info"]["finish_reason"] == {"type": "length", "length": 16}
+
+
+def test_drafts_speed_up_copying_and_change_no_token(client, engine):
+    """A prompt whose answer repeats it: the scheduler drafts from its n-gram store, the
+    worker verifies, and the text is the in-process engine's without drafts."""
+    text = "one two three four five six seven eight nine ten, " * 3
+    body = {"text": f"Repeat: {text}", "sampling_params": {**GREEDY, "max_new_tokens": 48}}
+    expected = engine.generate(body["text"], body["sampling_params"])
+    got = client.post("/generate", json=body).json()
+    assert got["output_ids"] == expected["output_ids"]
+    meta = got["meta_info"]
+    assert meta["spec_verify_ct"] > 0 and meta["spec_accepted_tokens"] > 0
+    assert meta["spec_accept_length"] > 1
+    assert "spec_verify_ct" not in expected["meta_info"]  # no drafts, no figures
+    with client.stream("POST", "/generate", json={**body, "stream": True}) as r:
+        events = sse_events(r)
+    assert events[-1]["text"] == got["text"]
+    # A verify step's tokens arrive together: fewer chunks than tokens.
+    assert len(events) < 48
+    info = wait_idle(client)
+    assert info["spec_accepted_tokens"] >= 2 * meta["spec_accepted_tokens"]
+    assert info["avg_spec_accept_length"] > 1
 
 
 def test_native_generate_single_stream_logprobs_and_cache(client):
