@@ -6,13 +6,14 @@ from __future__ import annotations
 import time
 
 import pytest
-from fake_worker import FakeWorker
+from fake_worker import FakeWorker, Model, next_token
 from opentelemetry.trace import SpanKind, StatusCode
 from tracing_helpers import by_name, one, traced
 
 from radixmesh.core.finish import FinishKind, FinishReason
 from radixmesh.core.request import GenerationRequest
 from radixmesh.core.sampling_params import SamplingParams
+from radixmesh.core.settings import SpeculativeSettings
 from radixmesh.engine.request import Req
 from radixmesh.engine.scheduler import Scheduler, SchedulerConfig
 from radixmesh.proto import mesh_pb2 as mpb
@@ -38,9 +39,12 @@ from radixmesh.tracing.spans import current_span, start_span
 class Engine:
     """The scheduler service's loop without NATS or gRPC, with its RequestTraces."""
 
-    def __init__(self, chunk: int = 8) -> None:
-        self.sched = Scheduler(SchedulerConfig(num_slots=1024, chunked_prefill_size=chunk))
-        self.worker = FakeWorker(1024)
+    def __init__(self, chunk: int = 8, speculative: SpeculativeSettings | None = None,
+                 model: Model = next_token) -> None:
+        self.sched = Scheduler(SchedulerConfig(
+            num_slots=1024, chunked_prefill_size=chunk,
+            speculative=speculative or SpeculativeSettings()))
+        self.worker = FakeWorker(1024, model=model)
         self.updates = UpdateBuilder("e0")
         self.traces = RequestTraces("e0")
         self.sent: list[mpb.TokenUpdate] = []
@@ -61,6 +65,7 @@ class Engine:
             with self.traces.forward(batch) as metadata:
                 self.metadata.append(metadata)
                 result = self.worker.forward(batch.batch)
+                self.traces.verified(batch, result)
             self.sched.process_result(batch, result)
         for req in self.sched.drain_updates():
             trace = self.traces.sent(req.rid, len(req.output_ids), req.finish, req.cached_tokens)
@@ -172,6 +177,22 @@ def test_batch_span_links_every_request_and_names_them():
     # Without an incoming context each request starts its own trace.
     assert roots["a"].context.trace_id != roots["b"].context.trace_id
     assert first.context.trace_id == roots["a"].context.trace_id
+
+
+def test_each_verify_step_is_a_span_under_decode():
+    with traced() as exported:
+        engine = Engine(speculative=SpeculativeSettings(speculative_algorithm="NGRAM"),
+                        model=lambda tokens: tokens[-3])  # copies its context: drafts hit
+        req = engine.add("s", [1, 2, 3, 1, 2, 3], 20, None)
+        engine.run()
+        spans = exported.get_finished_spans()
+    decode = one(spans, "decode")
+    verifies = by_name(spans, "verify")
+    assert len(verifies) == req.spec_verify_ct > 0
+    assert all(v.parent.span_id == decode.context.span_id for v in verifies)
+    assert sum(v.attributes[attr.SPEC_ACCEPTED_TOKENS] for v in verifies) == (
+        req.spec_accepted_tokens)
+    assert all(0 < v.attributes[attr.SPEC_DRAFT_TOKENS] <= 8 for v in verifies)
 
 
 def test_abort_and_refusal_spans():

@@ -1,7 +1,8 @@
 """The scheduler's spans, read off what its loop does: per request "engine request" with
-queue wait, prefix match, each prefill chunk, one decode span and aborts beneath it; per
-step a "forward batch" span linked to every request in the batch, whose context travels to
-the worker. The Scheduler itself knows nothing of tracing."""
+queue wait, prefix match, each prefill chunk, one decode span (with a "verify" span for each
+step that verified its drafts) and aborts beneath it; per step a "forward batch" span linked
+to every request in the batch, whose context travels to the worker. The Scheduler itself
+knows nothing of tracing."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from dataclasses import dataclass, field
 from opentelemetry.trace import Link, Span, SpanKind, get_current_span
 
 from radixmesh.core.finish import FinishKind, FinishReason
+from radixmesh.core.step import StepResult
 from radixmesh.engine.request import Req
 from radixmesh.engine.scheduler import ScheduledBatch
 from radixmesh.tracing import attributes as attr
@@ -48,6 +50,8 @@ class RequestTraces:
         self._chunks: dict[int, list[tuple[str, Span]]] = {}
         # By step: the "load back" spans of host-tier hits the step loads before it computes.
         self._loads: dict[int, list[Span]] = {}
+        # By step: the (rid, "verify" span) pairs of the drafts the step verifies.
+        self._verifies: dict[int, list[tuple[str, Span]]] = {}
 
     def __len__(self) -> int:
         return len(self._requests)
@@ -76,6 +80,7 @@ class RequestTraces:
             return
         matched = {n.rid: len(n.prefix_ids) for n in batch.batch.new_requests}
         chunks = []
+        verifies: list[tuple[str, Span]] = []
         for entry, req in zip(batch.batch.entries, batch.reqs, strict=True):
             spans = self._requests.get(req.rid)
             if spans is None:
@@ -110,7 +115,17 @@ class RequestTraces:
                     spans.decode = start_span("decode", spans.root, {attr.RID: req.rid},
                                               start_time=ended)
                 spans.steps += 1
+                if entry.draft:
+                    verify = start_span("verify", spans.decode, {
+                        attr.RID: req.rid,
+                        attr.SPEC_DRAFT_TOKENS: len(entry.draft),
+                        attr.STEP: batch.batch.step,
+                    }, start_time=ended)
+                    if verify is not None:
+                        verifies.append((req.rid, verify))
         self._chunks[batch.batch.step] = chunks
+        if verifies:
+            self._verifies[batch.batch.step] = verifies
 
     def _admitted(
         self, spans: _RequestSpans, req: Req, matched: int, started: int, ended: int
@@ -154,8 +169,11 @@ class RequestTraces:
             return
         chunks = self._chunks.pop(batch.batch.step, [])
         loads = self._loads.pop(batch.batch.step, [])
+        verifies = self._verifies.get(batch.batch.step, [])  # verified() reads them too
         members = [(r.rid, self._requests[r.rid]) for r in batch.reqs if r.rid in self._requests]
         if not members:
+            for _, verify in self._verifies.pop(batch.batch.step, []):
+                end_span(verify)
             yield None
             return
         anchor_rid, anchor = chunks[0] if chunks else next(
@@ -184,6 +202,18 @@ class RequestTraces:
                 end_span(chunk, now, error)
             for load in loads:
                 end_span(load, now, error)
+            for _, verify in verifies:
+                end_span(verify, now, error)
+            self._verifies.pop(step.step, None)
+
+    def verified(self, batch: ScheduledBatch, result: StepResult) -> None:
+        """A step's result, before its spans end: how many drafts each verify accepted."""
+        verifies = self._verifies.get(batch.batch.step)
+        if not verifies:
+            return
+        accepted = {r.rid: len(r.accepted_ids) for r in result.results}
+        for rid, span in verifies:
+            span.set_attribute(attr.SPEC_ACCEPTED_TOKENS, accepted.get(rid, 0))
 
     def aborted(self, rid: str, stop: bool, headers: Mapping[str, str] | None) -> None:
         """An abort arrived (`stop`: a stop string matched); its span lasts until the

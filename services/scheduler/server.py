@@ -294,9 +294,11 @@ class SchedulerService:
     async def _forward(self, batch: ScheduledBatch) -> StepResult:
         with self.metrics.forward_timer(), self.traces.forward(batch) as metadata:
             try:
-                return await self.workers.forward(batch.batch, metadata)
+                result = await self.workers.forward(batch.batch, metadata)
             except grpc.aio.AioRpcError as exc:
                 raise self._going_down(f"{exc.code().name}: {exc.details()}") from exc
+            self.traces.verified(batch, result)
+            return result
 
     def _scheduled(self, batch: ScheduledBatch, started: int, ended: int) -> None:
         self.traces.scheduled(batch, started, ended)
