@@ -100,7 +100,8 @@ def step_cost(traced: bool, requests: int = 8, new_tokens: int = 32, rounds: int
 
     from radixmesh.core.sampling_params import SamplingParams
     from radixmesh.engine.request import Req
-    from radixmesh.engine.scheduler import Scheduler, SchedulerConfig
+    from radixmesh.engine.scheduler import Scheduler
+    from radixmesh.engine.scheduler_config import SchedulerConfig
     from radixmesh.proto import mesh_pb2 as mpb
     from radixmesh.services.scheduler.mesh_io import UpdateBuilder
     from radixmesh.services.scheduler.request_traces import RequestTraces

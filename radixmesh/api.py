@@ -28,7 +28,8 @@ from radixmesh.engine.host_link import HostLink
 from radixmesh.engine.loop import EngineLoop
 from radixmesh.engine.model.runner import ModelRunner, load_runner
 from radixmesh.engine.request import Req
-from radixmesh.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from radixmesh.engine.scheduler import ScheduledBatch, Scheduler
+from radixmesh.engine.scheduler_config import SchedulerConfig
 from radixmesh.engine.stores.host_pool import LocalCachectl, in_process_engine_id
 from radixmesh.engine.stores.storage import StorageBackend, open_backend
 from radixmesh.request_output import RequestStream

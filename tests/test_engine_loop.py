@@ -15,7 +15,8 @@ from radixmesh.core.sampling_params import SamplingParams
 from radixmesh.core.step import StepResult
 from radixmesh.engine.loop import EngineLoop, ExecutorLost
 from radixmesh.engine.request import Req
-from radixmesh.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from radixmesh.engine.scheduler import ScheduledBatch, Scheduler
+from radixmesh.engine.scheduler_config import SchedulerConfig
 
 SLOTS = 512
 

@@ -10,7 +10,8 @@ from fake_worker import FakeWorker, reference_output
 from test_scheduler import make_req, run
 
 from radixmesh.core.hicache import HostPoolSpec, KVGeometry
-from radixmesh.engine.scheduler import Scheduler, SchedulerConfig
+from radixmesh.engine.scheduler import Scheduler
+from radixmesh.engine.scheduler_config import SchedulerConfig
 
 DEVICE, HOST = 256, 2048
 

@@ -11,7 +11,8 @@ from prometheus_client import REGISTRY
 from radixmesh.core.finish import FinishKind, FinishReason
 from radixmesh.core.sampling_params import SamplingParams
 from radixmesh.engine.request import Req
-from radixmesh.engine.scheduler import Scheduler, SchedulerConfig
+from radixmesh.engine.scheduler import Scheduler
+from radixmesh.engine.scheduler_config import SchedulerConfig
 from radixmesh.proto import mesh_pb2 as mpb
 from radixmesh.proto import worker_pb2 as wpb
 from radixmesh.services.detokenizer import metrics as detok_metrics
@@ -210,6 +211,23 @@ def test_retractions_and_forced_tokens_are_counted_once_each() -> None:
     metrics.state(sched)
     assert value("radixmesh:num_retracted_requests_total", **labels) == 3
     assert value("radixmesh:jump_forward_tokens_total", **labels) == 14
+
+
+def test_speculation_counts_verify_steps_and_the_mean_accept_length() -> None:
+    engine = unique("engine")
+    labels = {"model_name": "m", "engine_id": engine}
+    metrics = SchedulerMetrics(engine)
+    metrics.start("m", 64)
+    sched = Scheduler(SchedulerConfig(num_slots=64))
+    stats = sched.speculation.stats
+    stats.verify_steps, stats.accepted_tokens = 4, 6
+    metrics.state(sched)
+    metrics.state(sched)
+    stats.verify_steps, stats.accepted_tokens = 10, 20
+    metrics.state(sched)
+    assert value("radixmesh:spec_verify_steps_total", **labels) == 10
+    assert value("radixmesh:spec_accepted_tokens_total", **labels) == 20
+    assert value("radixmesh:spec_accept_length", **labels) == 3.0  # (20 + 10) / 10
 
 
 # ---- worker and detokenizer ---------------------------------------------------------------

@@ -10,7 +10,8 @@ from fake_worker import FakeWorker, reference_output
 from radixmesh.core.finish import FinishKind
 from radixmesh.core.sampling_params import SamplingParams
 from radixmesh.engine.request import Req
-from radixmesh.engine.scheduler import Scheduler, SchedulerConfig
+from radixmesh.engine.scheduler import Scheduler
+from radixmesh.engine.scheduler_config import SchedulerConfig
 
 
 def make_req(rid: str, prompt: list[int], max_new: int = 8, **kw: object) -> Req:

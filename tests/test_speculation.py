@@ -14,7 +14,8 @@ from tiny_model import draft_script, emitted, forward_script, save_tiny_model, t
 
 from radixmesh.core.settings import SpeculativeSettings
 from radixmesh.engine.request import Req
-from radixmesh.engine.scheduler import Scheduler, SchedulerConfig
+from radixmesh.engine.scheduler import Scheduler
+from radixmesh.engine.scheduler_config import SchedulerConfig
 from radixmesh.engine.speculation import NgramSpeculation, NgramStore, grow_tree
 
 NGRAM = SpeculativeSettings(speculative_algorithm="NGRAM")

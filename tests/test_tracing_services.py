@@ -15,7 +15,8 @@ from radixmesh.core.request import GenerationRequest
 from radixmesh.core.sampling_params import SamplingParams
 from radixmesh.core.settings import SpeculativeSettings
 from radixmesh.engine.request import Req
-from radixmesh.engine.scheduler import Scheduler, SchedulerConfig
+from radixmesh.engine.scheduler import Scheduler
+from radixmesh.engine.scheduler_config import SchedulerConfig
 from radixmesh.proto import mesh_pb2 as mpb
 from radixmesh.services.detokenizer.server import StepReplies
 from radixmesh.services.detokenizer.step_trace import StepTrace

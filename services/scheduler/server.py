@@ -25,7 +25,8 @@ from radixmesh.core.tokenizer import Tokenizer
 from radixmesh.engine.host_link import HostLink
 from radixmesh.engine.loop import EngineLoop, ExecutorLost
 from radixmesh.engine.request import Req
-from radixmesh.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from radixmesh.engine.scheduler import ScheduledBatch, Scheduler
+from radixmesh.engine.scheduler_config import SchedulerConfig
 from radixmesh.mesh import subjects
 from radixmesh.mesh.discovery import TTL_S, Claim, claim_workers, keep_claim
 from radixmesh.mesh.service import StatusServer, connect_bus

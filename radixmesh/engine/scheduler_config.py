@@ -1,0 +1,67 @@
+"""The knobs of one engine replica's scheduler: its KV pool's capacity and page, its
+policies, and the tiers and speculation it runs with."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from radixmesh.core.settings import ReplicaSettings, SpeculativeSettings
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Capacity and policy knobs of one engine replica's scheduler."""
+
+    num_slots: int
+    page_size: int = 1
+    max_running_requests: int = 64
+    chunked_prefill_size: int = 1024
+    schedule_policy: str = "lpm"
+    eviction_policy: str = "lru"
+    context_length: int = 8192
+    eos_token_ids: tuple[int, ...] = ()
+    # Fraction of the running requests' remaining output budget kept free when admitting
+    # new prompts; retraction covers the rest when the guess is too low.
+    decode_reserve_ratio: float = 0.25
+    host_write_policy: str = "write_through"  # with the host tier (attach_host)
+    host_write_threshold: int = 2
+    # With a storage tier behind the host tier (the host pool names one).
+    storage_page_tokens: int = 64
+    prefetch_policy: str = "timeout"
+    prefetch_timeout: float = 2.0
+    prefetch_threshold: int = 256
+    model_fingerprint: str = ""  # names the weights in storage page keys
+    speculative: SpeculativeSettings = SpeculativeSettings()  # drafts (off by default)
+
+    @classmethod
+    def from_settings(
+        cls,
+        settings: ReplicaSettings,
+        page_size: int,
+        num_slots: int,
+        max_position_embeddings: int,
+        eos_token_ids: Iterable[int],
+        model_fingerprint: str = "",
+    ) -> SchedulerConfig:
+        """An engine's scheduler: its settings on the model and KV pool it got."""
+        return cls(
+            num_slots=num_slots,
+            page_size=page_size,
+            max_running_requests=settings.max_running_requests,
+            chunked_prefill_size=settings.chunked_prefill_size,
+            schedule_policy=settings.schedule_policy,
+            eviction_policy=settings.radix_eviction_policy,
+            context_length=min(
+                settings.context_length or max_position_embeddings, max_position_embeddings
+            ),
+            eos_token_ids=tuple(dict.fromkeys(eos_token_ids)),
+            host_write_policy=settings.hicache_write_policy,
+            host_write_threshold=settings.hicache_write_through_threshold,
+            storage_page_tokens=settings.hicache_storage_page_size,
+            prefetch_policy=settings.hicache_storage_prefetch_policy,
+            prefetch_timeout=settings.hicache_storage_prefetch_timeout,
+            prefetch_threshold=settings.hicache_storage_prefetch_threshold,
+            model_fingerprint=model_fingerprint,
+            speculative=settings,
+        )
