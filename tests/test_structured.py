@@ -205,6 +205,33 @@ def test_overlap_scheduling_does_not_change_a_constrained_answer(engine):
         assert [o["text"] for o in plain.generate(prompts, params)] == overlapped
 
 
+RECORDS = {"type": "array", "minItems": 3, "maxItems": 3, "items": {
+    "type": "object", "properties": {"name": {"type": "string"}, "city": {"type": "string"}},
+    "required": ["name", "city"], "additionalProperties": False}}
+COPY_RECORDS = ('Copy this JSON: [{"name": "Ann", "city": "Oslo"}, {"name": "Bob", "city": '
+                '"Rome"}, {"name": "Cy", "city": "Lima"}]')
+
+
+def test_speculation_does_not_change_a_constrained_answer(engine):
+    """Drafts the grammar refuses are not computed, accepted ones advance it, and
+    jump-forward still appends what it forces: the answers are those without drafts."""
+    params = [{**GREEDY, "json_schema": json.dumps(s)} for s in [*SCHEMAS, FORM]]
+    params.append({**GREEDY, "max_new_tokens": 96, "json_schema": json.dumps(RECORDS)})
+    params.append({**GREEDY, "regex": PHONE})
+    prompts = [*(f"Answer {i} in JSON." for i in range(len(params) - 2)), COPY_RECORDS,
+               "Call the pizza place at"]
+    plain = [o["text"] for o in engine.generate(prompts, params)]
+    with Engine(dtype="float32", show_progress=False, max_total_tokens=8192,
+                speculative_algorithm="NGRAM") as drafting:
+        assert [o["text"] for o in drafting.generate(prompts, params)] == plain
+        copied = drafting.generate(COPY_RECORDS, params[-2])
+        info = drafting.server_info()
+    assert copied["meta_info"]["spec_accepted_tokens"] > 0
+    assert info["forced_tokens"] > 0 and info["held_slots"] == 0
+    assert copied["meta_info"]["finish_reason"]["type"] == "stop", copied
+    jsonschema.validate(json.loads(copied["text"]), RECORDS)
+
+
 def test_grammar_backend_none_refuses_constraints():
     from radixmesh.core import grammar
 

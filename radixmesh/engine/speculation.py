@@ -235,8 +235,6 @@ class NgramSpeculation(NoSpeculation):
         self._writers: dict[str, _Writer] = {}
 
     def drafts(self, req: Req) -> bool:
-        if req.params.grammar is not None:
-            return False
         w = self._writers.get(req.rid)
         if w is not None and w.pause:
             w.pause -= 1

@@ -10,12 +10,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from radixmesh.core.sampling_params import LogprobRequest
 from radixmesh.core.settings import RunnerSettings
 from radixmesh.core.step import EntryResult, NewRequest, StepBatch, StepEntry, StepResult
 from radixmesh.core.tokenizer import Tokenizer
 from radixmesh.engine.model.attention import AttentionBackend, AttentionMetadata, SeqSpan
 from radixmesh.engine.model.attention_choice import check_runs_on, make_attention
 from radixmesh.engine.model.device import current, resolve_device
+from radixmesh.engine.model.draft_tree import children, draft_rows, grammar_allows, keep_path
 from radixmesh.engine.model.grammar_mask import Grammars, Matcher, Vocabulary, apply_masks
 from radixmesh.engine.model.host_copies import HostCopier
 from radixmesh.engine.model.kv_pool import KVPool
@@ -176,7 +178,7 @@ class ModelRunner:
         slots: list[int] = []
         spans: list[SeqSpan] = []  # each entry's fed tokens
         attend: list[SeqSpan] = []  # what each row attends to: the spans and draft nodes
-        trees: dict[int, int] = {}  # entries with a draft -> row of its first draft token
+        trees: dict[int, dict[int, int]] = {}  # entries with a draft -> its nodes' rows
         reqs: list[_RequestState] = []
         void: set[int] = set()  # entries whose sample a jump-forward made void
         for i, entry in enumerate(batch.entries):
@@ -194,8 +196,12 @@ class ModelRunner:
             positions.extend(range(start, start + len(new_ids)))
             slots.extend(fed)
             if entry.draft:
-                trees[i] = len(ids)
-                _draft_rows(entry, req, len(new_ids), ids, positions, slots, attend)
+                # Rank 0 alone holds the grammar: under TP every rank computes every node.
+                matcher = self._matcher(req) if self.tp is None else None
+                keep = grammar_allows(entry, matcher)
+                trees[i] = draft_rows(entry, keep, req.slots[: len(req.ids)], ids, positions,
+                                      attend)
+                slots.extend(entry.slots[len(new_ids) + k] for k in trees[i])
             reqs.append(req)
         device = self.device
         meta = AttentionMetadata(torch.tensor(slots, device=device), tuple(attend))
@@ -226,7 +232,7 @@ class ModelRunner:
         entries: list[StepEntry],
         reqs: list[_RequestState],
         spans: list[SeqSpan],
-        trees: dict[int, int],
+        trees: dict[int, dict[int, int]],
         hidden: torch.Tensor,
         outs: list[EntryResult],
     ) -> None:
@@ -236,8 +242,8 @@ class ModelRunner:
         drafted = [i for i in picked if i in trees]
         paths = self._verify(drafted, entries, reqs, spans, trees, hidden, outs)
         for i in drafted:
-            tokens[i] = outs[i].token_id
-            _accept(self.pool, reqs[i], entries[i], paths[i], tokens[i])
+            tokens[i] = reqs[i].last_token = outs[i].token_id
+            reqs[i].append(*keep_path(self.pool, entries[i], paths[i]))
         if self.tp is not None:
             flat: list[int] = []
             for i in sampling:
@@ -299,48 +305,52 @@ class ModelRunner:
         entries: list[StepEntry],
         reqs: list[_RequestState],
         spans: list[SeqSpan],
-        trees: dict[int, int],
+        trees: dict[int, dict[int, int]],
         hidden: torch.Tensor,
         outs: list[EntryResult],
     ) -> dict[int, list[int]]:
         """Walk each draft tree from its fed token: sample the model's token there, exactly as
-        a decode step would (same sampler state, same draw); where a child carries that
-        token, accept the child and sample again below it; else the sampled token ends the
-        walk. Every output token is so a sample of the model's own distribution, and greedy
-        output equals decoding without drafts. Returns each entry's accepted draft nodes."""
+        a decode step would (same sampler state, grammar mask and draw); where a child carries
+        that token, accept the child and sample again below it; else (or where the grammar
+        forces tokens next) the sampled token ends the walk. Every output token is so a sample
+        of the model's own distribution, and greedy output equals decoding without drafts.
+        Returns each entry's accepted draft nodes."""
         if not drafted:
             return {}
-        first: dict[int, int] = {}  # entry -> its row in `logits`: the fed token, then nodes
+        row_of: dict[tuple[int, int], int] = {}  # (entry, node; -1 the fed token) -> logits row
         rows: list[int] = []
         for i in drafted:
-            first[i] = len(rows)
+            row_of[i, -1] = len(rows)
             rows.append(spans[i].q_start + spans[i].q_len - 1)
-            rows.extend(range(trees[i], trees[i] + len(entries[i].draft)))
+            for node, row in trees[i].items():
+                row_of[i, node] = len(rows)
+                rows.append(row)
         logits = self.model.logits(hidden[torch.tensor(rows, device=hidden.device)])
         samplers = {i: self._sampler(reqs[i]) for i in drafted}
+        matchers = {i: self._matcher(reqs[i]) for i in drafted}
         wants = {i: reqs[i].spec.logprobs for i in drafted}
         if logits.device.type != "cpu" and (
             any(w.return_logprob for w in wants.values())
             or not all(s.params.is_greedy for s in samplers.values())
         ):
             logits = logits.cpu()  # as _sample_rows: seeded draws in CPU arithmetic
-        kids = {i: _children(entries[i]) for i in drafted}
-        at = dict.fromkeys(drafted, -1)  # the node each walk stands on (-1: the fed token)
+        kids = {i: children(entries[i], trees[i]) for i in drafted}
+        at = dict.fromkeys(drafted, -1)  # the node each walk stands on
         paths: dict[int, list[int]] = {i: [] for i in drafted}
         walking = list(drafted)
         while walking:
-            index = torch.tensor([first[i] + 1 + at[i] for i in walking], device=logits.device)
+            index = torch.tensor([row_of[i, at[i]] for i in walking], device=logits.device)
+            here = logits.index_select(0, index)
+            apply_masks(here, [matchers[i] for i in walking])
             top_n = [w.top_logprobs_num if w.return_logprob else 0 for w in map(wants.get, walking)]
-            with_logprobs = any(wants[i].return_logprob for i in walking)
-            sampled = sample(
-                logits.index_select(0, index), [samplers[i] for i in walking], top_n,
-                with_logprobs=with_logprobs,
-            )
+            sampled = sample(here, [samplers[i] for i in walking], top_n,
+                             with_logprobs=any(wants[i].return_logprob for i in walking))
             still = []
             for j, i in enumerate(walking):
                 token, out = sampled.token_ids[j], outs[i]
                 samplers[i].record(token)
-                child = kids[i].get((at[i], token))
+                forced = self._advance_grammar(reqs[i], matchers[i], token, wants[i], out)
+                child = None if forced else kids[i].get((at[i], token))
                 if child is None:
                     out.token_id = token
                     if wants[i].return_logprob:
@@ -355,6 +365,25 @@ class ModelRunner:
                 still.append(i)
             walking = still
         return paths
+
+    def _advance_grammar(
+        self, req: _RequestState, matcher: Matcher | None, token: int, wants: LogprobRequest,
+        out: EntryResult,
+    ) -> bool:
+        """Feed a sampled token to the request's grammar, as _sample_rows does; True when the
+        grammar forces tokens after it (jump-forward: out.forced_ids), which end the step."""
+        if matcher is None:
+            return False
+        if not matcher.accept(token):
+            log.warning("request %s: token %d is outside its grammar", req.spec.rid, token)
+            return False
+        if wants.return_logprob:  # a forced token has no logprob to report
+            return False
+        out.forced_ids = self._grammars().forced_tokens(matcher, token)
+        for forced in out.forced_ids:
+            self._sampler(req).record(forced)
+        req.jumped = bool(out.forced_ids)
+        return req.jumped
 
     def _follow(
         self,
@@ -381,8 +410,8 @@ class ModelRunner:
                 continue
             outs[i].token_id = token
             if entry.draft:
-                outs[i].accepted_ids = [entry.draft[k] for k in path]
-                _accept(self.pool, reqs[i], entry, path, token)
+                outs[i].accepted_ids, kept = keep_path(self.pool, entry, path)
+                reqs[i].append(outs[i].accepted_ids, kept)
             reqs[i].last_token = token
 
     def _is_sampler(self) -> bool:
@@ -467,55 +496,6 @@ class ModelRunner:
             rows = torch.arange(b - 1, e - 1, device=hidden.device) - first + span.q_start
             logprobs = torch.log_softmax(self.model.logits(hidden[rows]), dim=-1)
             _add_logprobs(out, logprobs, req.ids[b:e], top_n)
-
-
-def _draft_rows(
-    entry: StepEntry,
-    req: _RequestState,
-    fed: int,
-    ids: list[int],
-    positions: list[int],
-    slots: list[int],
-    attend: list[SeqSpan],
-) -> None:
-    """Rows for an entry's draft tokens, after its `fed` ones (already in `req`): each at
-    the position its depth gives, in the slot after the fed ones' that the entry gave it,
-    attending to the request's tokens and its own path up the tree (the tree mask, as one
-    key list per row)."""
-    prefix = req.slots[: len(req.ids)]
-    base = len(req.ids)  # the position of a child of the fed token
-    node_slots = entry.slots[fed:]
-    for k in range(len(entry.draft)):
-        path = [k]  # the node and its ancestors up to the fed token's child
-        while entry.draft_parents[path[-1]] >= 0:
-            path.append(entry.draft_parents[path[-1]])
-        own = torch.tensor([node_slots[j] for j in reversed(path)], dtype=torch.long)
-        attend.append(SeqSpan(len(ids), 1, torch.cat([prefix, own])))
-        ids.append(entry.draft[k])
-        positions.append(base + len(path) - 1)
-        slots.append(node_slots[k])
-
-
-def _children(entry: StepEntry) -> dict[tuple[int, int], int]:
-    """(parent node, token) -> child node of an entry's draft tree; -1 is the fed token."""
-    return {(p, t): k for k, (t, p) in enumerate(zip(entry.draft, entry.draft_parents,
-                                                       strict=True))}
-
-
-def _accept(
-    pool: KVPool, req: _RequestState, entry: StepEntry, path: list[int], token: int
-) -> None:
-    """Keep an accepted draft path: its tokens' K/V move to the slots of the positions they
-    hold (the first draft slots), the rest are the scheduler's to reuse; `token` follows."""
-    node_slots = entry.slots[len(entry.slots) - len(entry.draft) :]
-    if path:
-        src = [node_slots[k] for k in path]
-        dst = node_slots[: len(path)]
-        if src != dst:
-            pool.move(torch.tensor(src, device=pool.k[0].device),
-                      torch.tensor(dst, device=pool.k[0].device))
-        req.append([entry.draft[k] for k in path], dst)
-    req.last_token = token
 
 
 def _add_logprobs(
