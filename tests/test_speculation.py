@@ -86,22 +86,48 @@ def test_a_request_drafts_what_it_said_before() -> None:
     assert spec.draft(req, limit=0) is None
 
 
-def test_failing_drafts_shrink_then_pause() -> None:
+def timed(spec: NgramSpeculation, one_row_ms: float, per_row_ms: float) -> None:
+    """Steps of 1 and 9 rows timed as a + b * rows."""
+    for _ in range(40):
+        spec.stepped(1, one_row_ms)
+        spec.stepped(9, one_row_ms + 8 * per_row_ms)
+
+
+def test_a_draft_is_as_long_as_its_tokens_are_worth_their_rows() -> None:
+    copying = make_req("r", [1, 2, 3] * 10, max_new=1000)
+    cheap = NgramSpeculation(NGRAM)
+    timed(cheap, 5.0, 0.05)  # a row costs 1% of a step: a GPU
+    assert cheap.cost.row_share(1) == pytest.approx(0.05 / 5.05, rel=0.15)  # the prior fading
+    # p = 1/2 before any verify: 0.5**6 > 0.01; a 12-token match leaves 6 levels of an
+    # 18-deep trie below it
+    assert len(cheap.draft(copying, limit=100).tokens) == 6
+    dear = NgramSpeculation(NGRAM)
+    timed(dear, 4.0, 1.0)  # a row costs a fifth of a one-row step: this CPU
+    assert len(dear.draft(copying, limit=100).tokens) == 2  # 0.5, 0.25 > 0.2 > 0.125
+    for _ in range(6):
+        dear.verified(copying, 4, 4, 4)  # every draft taken: p near 0.96
+    assert len(dear.draft(copying, limit=100).tokens) == 6
+    assert dear.draft(copying, limit=3).tokens == [1, 2, 3]
+    # In a batch of 32 a row costs 32 / (4 + 32) of the step: only a sure token pays.
+    assert len(dear.draft(copying, limit=100, batch=32).tokens) <= 1
+
+
+def test_failing_drafts_pause_then_try_again() -> None:
     spec = NgramSpeculation(NGRAM)
+    timed(spec, 4.0, 1.0)
     req = make_req("r", [1, 2, 3] * 10, max_new=1000)
     sizes = []
-    for _ in range(12):
+    for _ in range(40):
         draft = spec.draft(req, limit=100) if spec.drafts(req) else None
         sizes.append(0 if draft is None else len(draft.tokens))
         if draft is not None:
-            spec.verified(req, len(draft.tokens), 0)
-    # 8 asked, 6 found: a 12-token match leaves 6 levels of an 18-deep trie below it; then
-    # halved on every failure, two failures at one token, a pause of 4 steps, and again
-    assert sizes == [6, 4, 2, 1, 1, 0, 0, 0, 0, 1, 1, 0]
-    assert spec.stats.verify_steps == 7 and spec.stats.accepted_tokens == 0
-    spec.verified(req, 1, 1)  # an accepted draft ends the pause and lifts the budget
-    assert spec.drafts(req) is False  # the pause it was in runs out first (now 8 steps)
-    assert spec.draft(req, limit=100) is not None
+            spec.verified(req, len(draft.tokens), len(draft.tokens), 0)
+    assert sizes[:2] == [2, 1]
+    assert 0 in sizes[2:12]  # paused after a few failures at one token
+    assert sizes.count(0) > 30  # mostly paused, the pauses growing
+    tries = [i for i, n in enumerate(sizes) if n]
+    assert tries[-1] > 12  # it still tries now and then
+    assert spec.stats.verify_steps == len(tries) and spec.stats.accepted_tokens == 0
 
 
 def period(n: int):
@@ -204,11 +230,12 @@ def test_sampling_with_drafts_keeps_the_distribution(engine, ngram_engine) -> No
     a plain decode step would use, so the same seed gives the same text unless float
     rounding flips a near tie: over 48 seeds at temperature 0.8, at least 44 agree token for
     token, and the pooled token frequencies differ by a total variation of at most 0.1."""
-    n = 48
+    n, group = 48, 4  # in small batches, where drafts are worth their rows
     params = [{"temperature": 0.8, "max_new_tokens": 16, "seed": s} for s in range(n)]
     off = engine.generate([COPY] * n, params)
     before = ngram_engine.server_info()
-    on = ngram_engine.generate([COPY] * n, params)
+    on = [out for i in range(0, n, group)
+          for out in ngram_engine.generate([COPY] * group, params[i : i + group])]
     after = ngram_engine.server_info()
     assert after["spec_accepted_tokens"] - before["spec_accepted_tokens"] > n
     same = sum(a["output_ids"] == b["output_ids"] for a, b in zip(off, on, strict=True))

@@ -16,7 +16,7 @@ from radixmesh.engine.radix_cache import RadixCache
 from radixmesh.engine.request import Req
 from radixmesh.engine.schedule_policy import SchedulePolicy, match_key
 from radixmesh.engine.scheduler_config import SchedulerConfig
-from radixmesh.engine.speculation import Draft, make_speculation
+from radixmesh.engine.speculation import Draft, make_speculation, tree_depth
 from radixmesh.engine.storage_tier import StorageTier
 from radixmesh.engine.tiering import HostTiers, NoTiers, StorageTiers
 from radixmesh.engine.tree_node import TreeNode
@@ -269,7 +269,7 @@ class Scheduler:
             req.remaining_new_tokens() - 1,  # the step adds a token of its own
             self.config.context_length - len(req.slots) - 1,
         )
-        draft = self.speculation.draft(req, limit)
+        draft = self.speculation.draft(req, limit, len(self.running))
         if draft is None:
             return none, None
         slots = self._grow(req, 1 + len(draft.tokens))
@@ -486,6 +486,8 @@ class Scheduler:
         self.tiers.done(result.copies_done)
         self._compiles_ended(result)
         entries = batch.batch.entries
+        if entries and not any(e.input_ids for e in entries):  # decode only: time its rows
+            self.speculation.stepped(sum(len(e.slots) for e in entries), result.forward_ms)
         for req, entry, out in zip(batch.reqs, entries, result.results, strict=True):
             if out.input_logprobs:
                 req.input_logprobs.extend(out.input_logprobs)
@@ -500,7 +502,7 @@ class Scheduler:
                 self._finish(req, FinishReason(FinishKind.LENGTH, 0))
                 continue
             if entry.draft:
-                self._verified(req, len(entry.draft), out)
+                self._verified(req, entry, out)
             tokens = [*out.accepted_ids, out.token_id]
             logprobs = [*out.accepted_logprobs, out.logprob]
             tops = [*out.accepted_top_logprobs, out.top_logprobs]
@@ -519,13 +521,13 @@ class Scheduler:
             if reason is not None:
                 self._finish(req, reason)
 
-    def _verified(self, req: Req, drafted: int, out: EntryResult) -> None:
+    def _verified(self, req: Req, entry: StepEntry, out: EntryResult) -> None:
         """Account a verify step, and give back the slots of the drafts it rejected (a
         request retracted meanwhile holds none)."""
-        accepted = len(out.accepted_ids)
+        drafted, accepted = len(entry.draft), len(out.accepted_ids)
         req.spec_verify_ct += 1
         req.spec_accepted_tokens += accepted
-        self.speculation.verified(req, drafted, accepted)
+        self.speculation.verified(req, drafted, tree_depth(entry.draft_parents), accepted)
         if req not in self.running:
             return
         keep = len(req.slots) - (drafted - accepted)

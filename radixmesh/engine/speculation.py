@@ -4,9 +4,15 @@ draft trees grown from it, and how much each request drafts.
 The scheduler asks `draft(req)` for a tree of guesses at a decoding request's next tokens;
 the model runner verifies the tree in one forward and reports the accepted path. Every token
 a request has (prompt and output) goes into one trie of bounded depth shared by the engine's
-requests, so a request drafts from its own text and from what the others wrote. A request
-whose drafts keep failing drafts less, then pauses, so text with nothing to copy runs as
-plain decode steps. `NoSpeculation` is the scheduler's collaborator when speculation is off.
+requests, so a request drafts from its own text and from what the others wrote.
+
+How much to draft weighs what a draft token is likely to give against what it costs: each
+request keeps an estimate p of how often its next draft token is accepted, and `StepCost`
+learns from the steps' forward times what one more row costs against the step (on a small
+CPU a row is far from free; on a GPU it nearly is). A request drafts k tokens while p**k
+stays above that share, so text with nothing to copy, or a batch already bound by compute,
+runs as plain decode steps, and a failing request pauses before it tries again.
+`NoSpeculation` is the scheduler's collaborator when speculation is off.
 """
 
 from __future__ import annotations
@@ -19,11 +25,16 @@ from typing import NamedTuple
 from radixmesh.core.settings import SpeculativeSettings
 from radixmesh.engine.request import Req
 
-# A request whose drafts failed this many times in a row at one token pauses drafting for
-# _PAUSE_FIRST plain steps, doubling up to _PAUSE_MOST while the failures go on.
-_FAILS_BEFORE_PAUSE = 2
+# A request whose drafts are not worth a row pauses drafting for _PAUSE_FIRST plain steps,
+# doubling up to _PAUSE_MOST while that goes on; then it tries one token.
 _PAUSE_FIRST = 4
 _PAUSE_MOST = 64
+# Past verifies count this much less with each new one (acceptance estimate, step cost fit).
+_DECAY = 0.9
+_COST_DECAY = 0.97
+# Before any step is timed: a row costs this share of a one-row step (an optimistic guess
+# that the first measured verifies correct).
+_PRIOR_ROW_SHARE = 0.1
 
 
 class Draft(NamedTuple):
@@ -167,10 +178,56 @@ class _Writer:
     cursor: list[_Node]
     generation: int
     written: int  # tokens of the request written so far
-    budget: int  # draft tokens it may propose next
-    fails: int = 0  # verifies in a row that accepted nothing at a budget of one
+    accepted: float = 0.0  # draft tokens accepted, decayed
+    rejected: float = 0.0  # draft tokens rejected first on their path, decayed
     pause: int = 0  # plain steps to take before drafting again
     next_pause: int = _PAUSE_FIRST
+
+    @property
+    def p(self) -> float:
+        """How likely its next draft token is accepted (1/2 before any verify)."""
+        return (self.accepted + 1) / (self.accepted + self.rejected + 2)
+
+
+class StepCost:
+    """A decode step's forward time as a + b * rows, fitted to recent decode steps (least
+    squares, older steps weighing less), starting from a prior of a row costing
+    _PRIOR_ROW_SHARE of a one-row step."""
+
+    def __init__(self) -> None:
+        # Weighted sums of 1, rows, ms, rows^2, rows*ms.
+        self._w = self._x = self._y = self._xx = self._xy = 0.0
+        self.fitted = False
+
+    def add(self, rows: int, ms: float) -> None:
+        """A decode step of `rows` rows took `ms`."""
+        if not self.fitted:  # the prior: two pseudo-steps scaled to the first real one
+            per_row = ms / (1 + _PRIOR_ROW_SHARE * (rows - 1))
+            for r in (1, 9):
+                self._add(r, per_row * (1 + _PRIOR_ROW_SHARE * (r - 1)), 2.0)
+            self.fitted = True
+        self._add(rows, ms, 1.0)
+
+    def _add(self, x: float, y: float, weight: float) -> None:
+        d = _COST_DECAY
+        self._w = d * self._w + weight
+        self._x = d * self._x + weight * x
+        self._y = d * self._y + weight * y
+        self._xx = d * self._xx + weight * x * x
+        self._xy = d * self._xy + weight * x * y
+
+    def row_share(self, rows: int) -> float:
+        """What one more row costs a step of `rows` rows that each give a token, counted in
+        those tokens: b * rows / (a + b * rows). A draft token is worth its row when it is
+        accepted more often than that."""
+        if not self.fitted:
+            return _PRIOR_ROW_SHARE * rows / (1 + _PRIOR_ROW_SHARE * (rows - 1))
+        var = self._w * self._xx - self._x**2
+        b = (self._w * self._xy - self._x * self._y) / var if var > 1e-9 else 0.0
+        a = (self._y - b * self._x) / self._w
+        b = max(b, 0.0)
+        step = a + b * rows
+        return min(b * rows / step, 1.0) if step > 0 else 0.0
 
 
 @dataclass
@@ -209,12 +266,17 @@ class NoSpeculation:
         it then waits out a step in flight, whose token its draft starts from."""
         return False
 
-    def draft(self, req: Req, limit: int) -> Draft | None:
-        """A draft tree of at most `limit` tokens after the request's last token, or None."""
+    def draft(self, req: Req, limit: int, batch: int = 1) -> Draft | None:
+        """A draft tree of at most `limit` tokens after the request's last token, worth its
+        rows in a step of about `batch` rows, or None."""
         return None
 
-    def verified(self, req: Req, drafted: int, accepted: int) -> None:
-        """A verify of `drafted` tokens accepted `accepted` of them."""
+    def verified(self, req: Req, drafted: int, deepest: int, accepted: int) -> None:
+        """A verify of `drafted` tokens, `deepest` of them on its longest path, accepted
+        `accepted` of them."""
+
+    def stepped(self, rows: int, forward_ms: float) -> None:
+        """A decode-only step of `rows` rows took `forward_ms` in the model runner."""
 
     def forget(self, req: Req) -> None:
         """The request is done."""
@@ -233,6 +295,7 @@ class NgramSpeculation(NoSpeculation):
             settings.speculative_ngram_max_trie_depth, settings.speculative_ngram_capacity
         )
         self._writers: dict[str, _Writer] = {}
+        self.cost = StepCost()
 
     def drafts(self, req: Req) -> bool:
         w = self._writers.get(req.rid)
@@ -241,10 +304,20 @@ class NgramSpeculation(NoSpeculation):
             return False
         return True
 
-    def draft(self, req: Req, limit: int) -> Draft | None:
-        if limit < 1:
-            return None
+    def draft(self, req: Req, limit: int, batch: int = 1) -> Draft | None:
         w = self._writer(req)
+        # Tokens worth a row each: p**k above what a row costs a step of `batch` rows. A
+        # paused request's first try after the pause is one token.
+        share, k, chance = self.cost.row_share(batch), 0, 1.0
+        while k < min(limit, self.settings.speculative_num_draft_tokens):
+            chance *= w.p
+            if chance <= share:
+                break
+            k += 1
+        if k == 0:
+            if limit >= 1:
+                self._pause(w)
+            return None
         s = self.settings
         lo = s.speculative_ngram_min_match_window_size
         hi = s.speculative_ngram_max_match_window_size
@@ -257,7 +330,7 @@ class NgramSpeculation(NoSpeculation):
             return None
         draft = grow_tree(
             match,
-            min(limit, w.budget),
+            k,
             _root_breadth(s, window),
             s.speculative_ngram_min_bfs_breadth,
             s.speculative_ngram_branch_length,
@@ -265,24 +338,26 @@ class NgramSpeculation(NoSpeculation):
         )
         return draft if draft.tokens else None
 
-    def verified(self, req: Req, drafted: int, accepted: int) -> None:
+    def verified(self, req: Req, drafted: int, deepest: int, accepted: int) -> None:
         self.stats.verify_steps += 1
         self.stats.drafted_tokens += drafted
         self.stats.accepted_tokens += accepted
         w = self._writers.get(req.rid)
         if w is None:
             return
+        w.accepted = _DECAY * w.accepted + accepted
+        w.rejected = _DECAY * w.rejected + (accepted < deepest)
         if accepted:
-            w.fails, w.next_pause = 0, _PAUSE_FIRST
-            w.budget = min(self.settings.speculative_num_draft_tokens, max(w.budget, 2 * accepted))
-            return
-        if w.budget > 1:
-            w.budget //= 2
-            return
-        w.fails += 1
-        if w.fails >= _FAILS_BEFORE_PAUSE:
-            w.pause, w.fails = w.next_pause, 0
-            w.next_pause = min(2 * w.next_pause, _PAUSE_MOST)
+            w.next_pause = _PAUSE_FIRST
+
+    def stepped(self, rows: int, forward_ms: float) -> None:
+        self.cost.add(rows, forward_ms)
+
+    def _pause(self, w: _Writer) -> None:
+        w.pause = w.next_pause
+        w.next_pause = min(2 * w.next_pause, _PAUSE_MOST)
+        # After the pause it tries again: forget part of what failed.
+        w.rejected = min(w.rejected, w.accepted + 1)
 
     def forget(self, req: Req) -> None:
         self._writers.pop(req.rid, None)
@@ -296,8 +371,7 @@ class NgramSpeculation(NoSpeculation):
         store = self.store
         w = self._writers.get(req.rid)
         if w is None:
-            w = _Writer([], store.generation, 0, self.settings.speculative_num_draft_tokens)
-            self._writers[req.rid] = w
+            w = self._writers[req.rid] = _Writer([], store.generation, 0)
         if w.generation != store.generation:  # the store pruned since: find its place again
             w.cursor, w.generation = store.cursor(tokens[: w.written]), store.generation
         for token in tokens[w.written :]:
@@ -306,6 +380,14 @@ class NgramSpeculation(NoSpeculation):
         if w.generation != store.generation:  # pruned while writing
             w.cursor, w.generation = store.cursor(tokens), store.generation
         return w
+
+
+def tree_depth(parents: list[int]) -> int:
+    """The depth of a draft tree given by its nodes' parents (-1: the fed token)."""
+    depth: list[int] = []
+    for parent in parents:
+        depth.append(1 if parent < 0 else depth[parent] + 1)
+    return max(depth, default=0)
 
 
 def make_speculation(settings: SpeculativeSettings) -> NoSpeculation:
