@@ -13,10 +13,11 @@ Workloads (chat-templated prompts, token ids made once in the parent, greedy):
           of 20 objects with name, city, age, job); to the end of the array
   free    "Write a story about ..." (nothing to copy); 256 new tokens
   copy16  16 copy prompts at once (radixmesh sides): aggregate output tok/s
-One-stream figures: decode tok/s = (n - 1) / (t_end - t_first_token), medians of --repeats
-runs after a warm-up, every run a fresh text (nothing already in the n-gram store); the
-mean accept length (tokens a verify step produced) from meta_info. Prints one table with
-ngram / off and ngram / the faster llama.cpp side.
+One-stream figures: decode tok/s = (n - 1) / (t_end - t_first_token), every run a fresh
+text (nothing already in the n-gram store); the mean accept length (tokens a verify step
+produced) from meta_info. The sides run --rounds times, in alternating order, each time
+with a warm-up and --repeats timed runs; figures are medians over all of a side's runs.
+Prints one table with ngram / off and ngram / the faster llama.cpp side.
 
 Usage:
     python benchmarks/bench_speculative.py --llama-server PATH/llama-server
@@ -230,6 +231,21 @@ def measure(runs: list[Any]) -> dict[str, Any]:
 # ---- the parent --------------------------------------------------------------------------
 
 
+def pooled(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """A side's rounds as one: per workload the median of every timed run's decode rate,
+    and the median accept length."""
+    out: dict[str, Any] = {"rounds": rounds}
+    for w in WORKLOADS:
+        got = [r[w] for r in rounds if w in r]
+        if not got:
+            continue
+        out[w] = {"decode_tok_s": statistics.median(x for g in got for x in g["runs"]),
+                  "runs": [x for g in got for x in g["runs"]]}
+        if all("accept_length" in g for g in got):
+            out[w]["accept_length"] = statistics.median(g["accept_length"] for g in got)
+    return out
+
+
 def _ratio(ngram: dict[str, Any], base: float | None) -> str:
     return f"{ngram['decode_tok_s'] / base:.2f}x" if ngram and base else ""
 
@@ -260,6 +276,7 @@ def main() -> None:
     p.add_argument("--context", type=int, default=8192, help="context / KV pool tokens")
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=2, help="passes over the sides, alternating")
     p.add_argument("--llama-args", default="", help="more llama-server flags")
     p.add_argument("--llama-spec-args", default="--spec-type ngram-simple",
                    help="llama-server's flags for its own drafts (the llama.cpp-ngram side)")
@@ -279,11 +296,12 @@ def main() -> None:
     if not args.llama_server:
         print("skipping llama.cpp: no --llama-server", file=sys.stderr)
         sides = [s for s in sides if not s.startswith("llama.cpp")]
-    results: dict[str, dict[str, Any]] = {}
+    rounds: dict[str, list[dict[str, Any]]] = {side: [] for side in sides}
     with tempfile.TemporaryDirectory() as tmp:
         data_path = Path(tmp) / "data.json"
         data_path.write_text(json.dumps(workloads(args.repeats)))
-        for side in sides:
+        order = [s for r in range(args.rounds) for s in (sides if r % 2 == 0 else sides[::-1])]
+        for side in order:
             cmd = [sys.executable, __file__, "--side", side, "--data", str(data_path),
                    "--context", str(args.context), "--new-tokens", str(args.new_tokens),
                    f"--llama-args={args.llama_args}", f"--llama-spec-args={args.llama_spec_args}"]
@@ -293,8 +311,9 @@ def main() -> None:
             out = subprocess.run(cmd, capture_output=True, text=True)
             if out.returncode:
                 raise SystemExit(f"{side} failed:\n{out.stderr[-3000:]}")
-            results[side] = json.loads(out.stdout.strip().splitlines()[-1])
-            print(f"# {side}: {json.dumps(results[side])}", file=sys.stderr, flush=True)
+            rounds[side].append(json.loads(out.stdout.strip().splitlines()[-1]))
+            print(f"# {side}: {json.dumps(rounds[side][-1])}", file=sys.stderr, flush=True)
+    results = {side: pooled(runs) for side, runs in rounds.items()}
     print(report(results))
     if args.json:
         args.json.write_text(json.dumps(results, indent=1) + "\n")

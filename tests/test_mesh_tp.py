@@ -1,6 +1,7 @@
 """`radixmesh up --tp 3` on the real SmolLM2 (9 query / 3 KV heads): three worker ranks in
 one gloo group driven by one scheduler give the in-process engine's exact tokens, free and
-constrained (rank 0 samples and jumps forward; the other ranks follow). SIGKILL of one
+constrained (rank 0 samples and jumps forward; the other ranks follow), with n-gram drafts
+verified on all three (rank 0 walks the tree, the others keep the path it sends). SIGKILL of one
 rank under load: the engine's requests end with a clear error, the supervisor restarts the
 whole group (the ranks share one collective group), and the engine serves the same exact
 tokens again."""
@@ -36,21 +37,25 @@ async def killed_under_load(url: str, pid: int, n: int) -> list[dict]:
 def test_tensor_parallel_mesh_matches_in_process_engine_and_survives_a_rank(tmp_path):
     from radixmesh.api import Engine
 
-    prompts = ["The three primary colors are", "Describe a customer as JSON."]
+    prompts = ["The three primary colors are", "Describe a customer as JSON.",
+               "Repeat: one two three four five six seven eight, one two three four five six"]
     schema = {"type": "object", "required": ["customer_full_legal_name", "years_as_customer"],
               "properties": {"customer_full_legal_name": {"type": "string", "maxLength": 12},
                              "years_as_customer": {"type": "integer", "maximum": 99}}}
     params = [{"temperature": 0, "max_new_tokens": 8},
-              {"temperature": 0, "max_new_tokens": 48, "json_schema": json.dumps(schema)}]
+              {"temperature": 0, "max_new_tokens": 48, "json_schema": json.dumps(schema)},
+              {"temperature": 0, "max_new_tokens": 24}]
     with Engine(dtype="float32", max_total_tokens=1024, show_progress=False) as engine:
         expected = [o["output_ids"] for o in engine.generate(prompts, params)]
         assert engine.server_info()["forced_tokens"] > 0
-    with running_mesh(tmp_path, tp_size=3, dtype="float32", max_total_tokens=1024) as mesh:
+    with running_mesh(tmp_path, tp_size=3, dtype="float32", max_total_tokens=1024,
+                      speculative_algorithm="NGRAM") as mesh:
         got = [generate(mesh.url, t, p)["output_ids"]
                for t, p in zip(prompts, params, strict=True)]
         info = httpx.get(mesh.url + "/server_info").json()["internal_states"][0]
         assert got == expected
         assert info["tp_size"] == 3 and info["forced_tokens"] > 0
+        assert info["spec_accepted_tokens"] > 0
 
         rank = next(c for c in mesh.children if c.name == "worker-0.1")
         started = time.monotonic()

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_model import forward_script, save_tiny_model, tokens
+from tiny_model import draft_script, emitted, forward_script, save_tiny_model, tokens
 
 from radixmesh.engine.model.attention import AttentionMetadata, SeqSpan
 from radixmesh.engine.model.attention_choice import make_attention
@@ -173,3 +173,17 @@ def test_backend_choice():
     assert isinstance(make_attention("torch", 0.5, torch.device("cuda")), TorchAttention)
     with pytest.raises(ValueError, match="attention backend"):
         make_attention("flash", 0.5, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["triton", "padded-graphs"])
+def test_draft_trees_verify_on_the_triton_path(tiny, graphs):
+    """The tree's rows, each over its own key list, through the Triton decode kernel (and
+    the padded CUDA-graph path, run eagerly): the tokens of plain decoding."""
+    loaded = tiny["llama"]
+    plain = ModelRunner(loaded.config, loaded.weights, torch.float32, 256, attention="torch")
+    ref = tokens([plain.forward(b) for b in forward_script()])
+    steps, expected = draft_script(ref)
+    runner = ModelRunner(loaded.config, loaded.weights, torch.float32, 256, attention="triton",
+                         cuda_graph_max_bs=16 if graphs else 0, eager_graphs=graphs)
+    assert emitted([runner.forward(b) for b in steps]) == expected
+    assert runner.graph_steps == (2 if graphs else 0)  # the verify and the decode after it
