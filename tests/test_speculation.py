@@ -280,3 +280,23 @@ def tiny_runner(tmp_path, kind: str):
 
     loaded = load_model(str(save_tiny_model(tmp_path / kind, kind)), progress=False)
     return ModelRunner(loaded.config, loaded.weights, torch.float32, 256)
+
+
+def test_drafts_under_memory_pressure_with_the_host_tier(engine) -> None:
+    """A pool too small for the batch: requests are retracted and readmitted, their prefixes
+    go to the host tier and come back, drafts are verified throughout, and every answer is
+    the one without drafts in a pool that holds them all."""
+    words = ["red green blue", "one two three", "north south east west", "spring summer fall",
+             "apple pear plum", "left right up down"]
+    prompts = [f"Write '{w}' again and again: {w}, {w}, {w}," for w in words]
+    params = {"temperature": 0, "max_new_tokens": 160, "ignore_eos": True}
+    expected = [o["output_ids"] for o in engine.generate(prompts, params)]
+    from radixmesh.api import Engine
+
+    with Engine(dtype="float32", max_total_tokens=640, enable_hierarchical_cache=True,
+                hicache_ratio=4, speculative_algorithm="NGRAM", show_progress=False) as small:
+        got = [o["output_ids"] for o in small.generate(prompts, params)]
+        info = assert_nothing_held(small)
+    assert got == expected
+    assert info["num_retractions"] > 0 and info["spec_accepted_tokens"] > 0
+    assert info["host_cached_tokens"] > 0
