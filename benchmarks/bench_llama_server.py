@@ -59,7 +59,7 @@ def prompts(args: argparse.Namespace) -> dict[str, Any]:
 # ---- llama.cpp -------------------------------------------------------------------------
 
 
-def _post_stream(url: str, body: dict[str, Any]) -> tuple[float, float, int]:
+def post_stream(url: str, body: dict[str, Any]) -> tuple[float, float, int]:
     """(t_first_token, t_end, tokens) of one streamed /completion."""
     req = urllib.request.Request(url + "/completion", json.dumps(body).encode(),
                                  {"Content-Type": "application/json"})
@@ -80,6 +80,22 @@ def _post_stream(url: str, body: dict[str, Any]) -> tuple[float, float, int]:
     return first, time.perf_counter() - start, n
 
 
+def wait_healthy(url: str, proc: subprocess.Popen[bytes], log: Any) -> None:
+    """Until llama-server's /health answers 200; its log's tail if it dies or takes 120 s."""
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            log.seek(0)
+            raise SystemExit(f"llama-server did not start:\n{log.read()[-2000:]!r}")
+        time.sleep(0.25)
+
+
 def run_llama(args: argparse.Namespace, data: dict[str, Any]) -> dict[str, Any]:
     from radixmesh.core.model_files import resolve_model_path
     from radixmesh.mesh.nats_server import free_port
@@ -92,28 +108,17 @@ def run_llama(args: argparse.Namespace, data: dict[str, Any]) -> dict[str, Any]:
     with tempfile.TemporaryFile() as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         try:
-            deadline = time.monotonic() + 120
-            while True:
-                try:
-                    with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                        if r.status == 200:
-                            break
-                except OSError:
-                    pass
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    log.seek(0)
-                    raise SystemExit(f"llama-server did not start:\n{log.read()[-2000:]!r}")
-                time.sleep(0.25)
+            wait_healthy(url, proc, log)
             base = {"temperature": 0, "ignore_eos": True, "cache_prompt": False, "stream": True}
 
             def stream(ids: list[int]) -> dict[str, float]:
-                first, end, n = _post_stream(url, {**base, "prompt": ids,
+                first, end, n = post_stream(url, {**base, "prompt": ids,
                                                    "n_predict": args.new_tokens})
                 assert n == args.new_tokens, n
                 return {"decode_tok_s": (n - 1) / (end - first), "ttft_ms": first * 1e3}
 
             def prefill(ids: list[int]) -> dict[str, float]:
-                _, end, _ = _post_stream(url, {**base, "prompt": ids, "n_predict": 1})
+                _, end, _ = post_stream(url, {**base, "prompt": ids, "n_predict": 1})
                 return {"prefill_tok_s": len(ids) / end}
 
             res = measure(stream, prefill, data)

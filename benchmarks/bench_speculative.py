@@ -35,9 +35,10 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
+
+from bench_llama_server import post_stream, wait_healthy  # this script's folder is on sys.path
 
 SIDES = ("off", "ngram", "llama.cpp", "llama.cpp-ngram")
 WORKLOADS = ("copy", "json", "free", "copy16")
@@ -182,42 +183,6 @@ def run_llama(args: argparse.Namespace, data: dict[str, Any], spec: bool) -> dic
         finally:
             proc.terminate()
             proc.wait(timeout=30)
-
-
-def wait_healthy(url: str, proc: subprocess.Popen[bytes], log: Any) -> None:
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            log.seek(0)
-            raise SystemExit(f"llama-server did not start:\n{log.read()[-2000:]!r}")
-        time.sleep(0.25)
-
-
-def post_stream(url: str, body: dict[str, Any]) -> tuple[float, float, int]:
-    """(t_first_token, t_end, tokens) of one streamed /completion, from its start."""
-    req = urllib.request.Request(url + "/completion", json.dumps(body).encode(),
-                                 {"Content-Type": "application/json"})
-    start, first, n = time.perf_counter(), None, 0
-    with urllib.request.urlopen(req, timeout=600) as resp:
-        for raw in resp:
-            line = raw.decode().strip()
-            if not line.startswith("data: "):
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("stop"):
-                n = int(chunk.get("tokens_predicted", n))
-                break
-            n += 1
-            if first is None:
-                first = time.perf_counter() - start
-    assert first is not None
-    return first, time.perf_counter() - start, n
 
 
 def measure(runs: list[Any]) -> dict[str, Any]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -78,6 +79,19 @@ def _rank_main(
         destroy_tensor_parallel()
 
 
+def run_ranks(target: Any, size: int, *args: Any) -> None:
+    """`target(rank, size, addr, *args)` in a spawned process per rank of one gloo group;
+    every rank must exit 0."""
+    ctx = multiprocessing.get_context("spawn")
+    addr = f"tcp://127.0.0.1:{free_port()}"
+    procs = [ctx.Process(target=target, args=(rank, size, addr, *args)) for rank in range(size)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+    assert [p.exitcode for p in procs] == [0] * size
+
+
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory) -> list[Path]:
     root = tmp_path_factory.mktemp("tiny")
@@ -133,18 +147,7 @@ def test_one_rank_keeps_the_plain_layers(model_dirs) -> None:
 def test_two_ranks_match_one_process(model_dirs, tmp_path, quantization) -> None:
     """Also with Q8_0 weights: each rank's shards are whole blocks, so its int8 inputs are
     the one process's; only the order of the final sums differs."""
-    ctx = multiprocessing.get_context("spawn")
-    addr = f"tcp://127.0.0.1:{free_port()}"
-    dirs = [str(d) for d in model_dirs]
-    procs = [
-        ctx.Process(target=_rank_main, args=(rank, 2, addr, dirs, str(tmp_path), quantization))
-        for rank in range(2)
-    ]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=120)
-    assert [p.exitcode for p in procs] == [0, 0]
+    run_ranks(_rank_main, 2, [str(d) for d in model_dirs], str(tmp_path), quantization)
     for i, model_dir in enumerate(model_dirs):
         loaded = load_model(str(model_dir), progress=False, quantization=quantization)
         ref_results, ref_logits = run_script(
@@ -191,17 +194,6 @@ def test_two_ranks_verify_drafts_as_one_process(model_dirs, tmp_path) -> None:
     runner = ModelRunner(loaded.config, loaded.weights, torch.float32, 256)
     ref = tokens([runner.forward(b) for b in forward_script()])
     _, expected = draft_script(ref)
-    ctx = multiprocessing.get_context("spawn")
-    addr = f"tcp://127.0.0.1:{free_port()}"
-    procs = [
-        ctx.Process(target=_draft_rank_main,
-                    args=(rank, 2, addr, str(model_dirs[0]), ref, str(tmp_path)))
-        for rank in range(2)
-    ]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=120)
-    assert [p.exitcode for p in procs] == [0, 0]
+    run_ranks(_draft_rank_main, 2, str(model_dirs[0]), ref, str(tmp_path))
     for rank in range(2):
         assert torch.load(tmp_path / f"rank{rank}.pt") == expected, f"rank {rank}"

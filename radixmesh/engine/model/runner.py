@@ -269,12 +269,7 @@ class ModelRunner:
         wants = [reqs[i].spec.logprobs for i in picked]
         top_n = [w.top_logprobs_num if w.return_logprob else 0 for w in wants]
         with_logprobs = any(w.return_logprob for w in wants)
-        if logits.device.type != "cpu" and (
-            with_logprobs or not all(s.params.is_greedy for s in samplers)
-        ):
-            # Only greedy picks stay on the device: the sampler's seeded draws and sums do
-            # not depend on the rest of the batch in CPU arithmetic (see sampling.py).
-            logits = logits.cpu()
+        logits = _for_sampling(logits, samplers, with_logprobs)
         matchers = [self._matcher(reqs[i]) for i in picked]
         apply_masks(logits, matchers)
         sampled = sample(logits, samplers, top_n, with_logprobs=with_logprobs)
@@ -329,11 +324,8 @@ class ModelRunner:
         samplers = {i: self._sampler(reqs[i]) for i in drafted}
         matchers = {i: self._matcher(reqs[i]) for i in drafted}
         wants = {i: reqs[i].spec.logprobs for i in drafted}
-        if logits.device.type != "cpu" and (
-            any(w.return_logprob for w in wants.values())
-            or not all(s.params.is_greedy for s in samplers.values())
-        ):
-            logits = logits.cpu()  # as _sample_rows: seeded draws in CPU arithmetic
+        logits = _for_sampling(logits, list(samplers.values()),
+                               any(w.return_logprob for w in wants.values()))
         kids = {i: children(entries[i], trees[i]) for i in drafted}
         at = dict.fromkeys(drafted, -1)  # the node each walk stands on
         paths: dict[int, list[int]] = {i: [] for i in drafted}
@@ -496,6 +488,19 @@ class ModelRunner:
             rows = torch.arange(b - 1, e - 1, device=hidden.device) - first + span.q_start
             logprobs = torch.log_softmax(self.model.logits(hidden[rows]), dim=-1)
             _add_logprobs(out, logprobs, req.ids[b:e], top_n)
+
+
+def _for_sampling(
+    logits: torch.Tensor, samplers: Sequence[RequestSampler], with_logprobs: bool
+) -> torch.Tensor:
+    """Logits where they are sampled: only greedy picks stay on the device, since the
+    sampler's seeded draws and sums do not depend on the rest of the batch in CPU
+    arithmetic (see sampling.py)."""
+    if logits.device.type != "cpu" and (
+        with_logprobs or not all(s.params.is_greedy for s in samplers)
+    ):
+        return logits.cpu()
+    return logits
 
 
 def _add_logprobs(
