@@ -26,12 +26,15 @@ from radixmesh.core.settings import SpeculativeSettings
 from radixmesh.engine.request import Req
 
 # A request whose drafts are not worth a row pauses drafting for _PAUSE_FIRST plain steps,
-# doubling up to _PAUSE_MOST while that goes on; then it tries one token.
+# doubling up to _PAUSE_MOST while that goes on; then it tries again.
 _PAUSE_FIRST = 4
 _PAUSE_MOST = 64
-# Past verifies count this much less with each new one (acceptance estimate, step cost fit).
+# Each new verify (timed step) weighs the earlier ones down by this factor.
 _DECAY = 0.9
 _COST_DECAY = 0.97
+# A new request writes at most its last this many tokens to the store (each costs a node
+# per trie level, on the scheduler's thread).
+_WRITE_FIRST = 4096
 # Before any step is timed: a row costs this share of a one-row step (an optimistic guess
 # that the first measured verifies correct).
 _PRIOR_ROW_SHARE = 0.1
@@ -371,9 +374,12 @@ class NgramSpeculation(NoSpeculation):
         store = self.store
         w = self._writers.get(req.rid)
         if w is None:
-            w = self._writers[req.rid] = _Writer([], store.generation, 0)
+            start = max(len(tokens) - _WRITE_FIRST, 0)
+            w = self._writers[req.rid] = _Writer([], store.generation, start)
         if w.generation != store.generation:  # the store pruned since: find its place again
             w.cursor, w.generation = store.cursor(tokens[: w.written]), store.generation
+        elif not w.cursor and w.written:  # a new request's cut-off start
+            w.cursor = store.cursor(tokens[: w.written])
         for token in tokens[w.written :]:
             w.cursor = store.extend(w.cursor, token)
         w.written = len(tokens)
