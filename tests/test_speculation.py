@@ -135,6 +135,12 @@ def period(n: int):
     return lambda tokens: tokens[-n] if len(tokens) >= n else 0
 
 
+def mostly(n: int, every: int):
+    """Copies the token n back, but at every `every`-th position says something new: drafts
+    are taken up to there and rejected from there on."""
+    return lambda tokens: (tokens[-1] + 1) % 50 if len(tokens) % every == 0 else tokens[-n]
+
+
 def spec_scheduler(num_slots: int, page_size: int = 1, chunk: int = 1024,
                    **kw: object) -> Scheduler:
     cfg = SchedulerConfig(num_slots=num_slots, page_size=page_size, chunked_prefill_size=chunk,
@@ -146,7 +152,7 @@ def spec_scheduler(num_slots: int, page_size: int = 1, chunk: int = 1024,
 @pytest.mark.parametrize("page_size", [1, 4])
 @pytest.mark.parametrize("chunk", [7, 1024])
 def test_drafted_output_matches_running_alone(overlap: bool, page_size: int, chunk: int) -> None:
-    model = period(5)
+    model = mostly(5, 11)
     sched = spec_scheduler(4096, page_size, chunk)
     worker = FakeWorker(4096, model=model)
     rng = random.Random(3)
@@ -159,8 +165,10 @@ def test_drafted_output_matches_running_alone(overlap: bool, page_size: int, chu
         assert r.output_ids == reference_output(p, r.params.max_new_tokens, model=model)
     stats = sched.speculation.stats
     assert worker.accepted == stats.accepted_tokens == sum(r.spec_accepted_tokens for r in reqs)
-    # A period-5 copy is drafted right after its first period: most tokens come from drafts.
-    assert stats.accepted_tokens > sum(len(r.output_ids) for r in reqs) // 2
+    # A period-5 copy is drafted right after its first period: most tokens come from drafts,
+    # and some drafts are cut short.
+    assert stats.accepted_tokens > sum(len(r.output_ids) for r in reqs) // 3
+    assert stats.accepted_tokens < stats.drafted_tokens
     assert sched.held_slots() == 0
     assert sched.allocator.available() + sched.cache.total_size() == 4096
 

@@ -572,8 +572,13 @@ class Scheduler:
         return held
 
     def check_invariants(self) -> None:
-        """free + cached + held == pool; evictable + protected == cached; tree consistent."""
+        """free + cached + held == pool; evictable + protected == cached; tree consistent;
+        no request keeps a slot past its tokens once its steps are back (a rejected draft's)."""
         self.cache.check_invariants()
+        for req in self.running:
+            assert req.pending or len(req.slots) <= req.num_tokens, (
+                f"{req.rid} holds {len(req.slots)} slots for {req.num_tokens} tokens"
+            )
         total = self.allocator.available() + self.cache.total_size() + self.held_slots()
         assert total == self.config.num_slots, (
             f"slot leak: free {self.allocator.available()} + cached {self.cache.total_size()}"
