@@ -71,6 +71,21 @@ def children(entry: StepEntry, nodes: dict[int, int]) -> dict[tuple[int, int], i
     return {(entry.draft_parents[k], entry.draft[k]): k for k in nodes}
 
 
+def forced_path(
+    kids: dict[tuple[int, int], int], at: int, tokens: list[int]
+) -> list[int] | None:
+    """The nodes that carry `tokens` one below the other from node `at` (-1: the fed
+    token), or None where the tree does not carry them all."""
+    nodes = []
+    for token in tokens:
+        node = kids.get((at, token))
+        if node is None:
+            return None
+        nodes.append(node)
+        at = node
+    return nodes
+
+
 def keep_path(pool: KVPool, entry: StepEntry, path: list[int]) -> tuple[list[int], list[int]]:
     """Keep an accepted path: its nodes' K/V move to the first draft slots, those of the
     positions they were accepted at (the rest are the scheduler's to reuse). Returns the

@@ -17,7 +17,13 @@ from radixmesh.core.tokenizer import Tokenizer
 from radixmesh.engine.model.attention import AttentionBackend, AttentionMetadata, SeqSpan
 from radixmesh.engine.model.attention_choice import check_runs_on, make_attention
 from radixmesh.engine.model.device import current, resolve_device
-from radixmesh.engine.model.draft_tree import children, draft_rows, grammar_allows, keep_path
+from radixmesh.engine.model.draft_tree import (
+    children,
+    draft_rows,
+    forced_path,
+    grammar_allows,
+    keep_path,
+)
 from radixmesh.engine.model.grammar_mask import Grammars, Matcher, Vocabulary, apply_masks
 from radixmesh.engine.model.host_copies import HostCopier
 from radixmesh.engine.model.kv_pool import KVPool
@@ -306,10 +312,10 @@ class ModelRunner:
     ) -> dict[int, list[int]]:
         """Walk each draft tree from its fed token: sample the model's token there, exactly as
         a decode step would (same sampler state, grammar mask and draw); where a child carries
-        that token, accept the child and sample again below it; else (or where the grammar
-        forces tokens next) the sampled token ends the walk. Every output token is so a sample
-        of the model's own distribution, and greedy output equals decoding without drafts.
-        Returns each entry's accepted draft nodes."""
+        that token (and the tokens jump-forward forces after it, if any), accept them and
+        sample again below; else the sampled token ends the walk, followed by what is forced.
+        Every output token is so the model's own, and greedy output equals decoding without
+        drafts. Returns each entry's accepted draft nodes."""
         if not drafted:
             return {}
         row_of: dict[tuple[int, int], int] = {}  # (entry, node; -1 the fed token) -> logits row
@@ -342,18 +348,22 @@ class ModelRunner:
                 token, out = sampled.token_ids[j], outs[i]
                 samplers[i].record(token)
                 forced = self._advance_grammar(reqs[i], matchers[i], token, wants[i], out)
-                child = None if forced else kids[i].get((at[i], token))
-                if child is None:
+                nodes = forced_path(kids[i], at[i], [token, *out.forced_ids])
+                if nodes is None:
                     out.token_id = token
                     if wants[i].return_logprob:
                         out.logprob, out.top_logprobs = sampled.logprobs[j], sampled.top_logprobs[j]
                     continue
-                out.accepted_ids.append(token)
+                # The tree carries the token, and every token jump-forward forced after it:
+                # all are accepted, their K/V computed, and the walk goes on below them.
+                out.accepted_ids += [token, *out.forced_ids]
                 if wants[i].return_logprob:
                     out.accepted_logprobs.append(sampled.logprobs[j])
                     out.accepted_top_logprobs.append(sampled.top_logprobs[j])
-                paths[i].append(child)
-                at[i] = child
+                if forced:
+                    out.forced_ids, reqs[i].jumped = [], False
+                paths[i] += nodes
+                at[i] = nodes[-1]
                 still.append(i)
             walking = still
         return paths
