@@ -89,8 +89,8 @@ def test_a_request_drafts_what_it_said_before() -> None:
 def timed(spec: NgramSpeculation, one_row_ms: float, per_row_ms: float) -> None:
     """Steps of 1 and 9 rows timed as a + b * rows."""
     for _ in range(40):
-        spec.stepped(1, one_row_ms)
-        spec.stepped(9, one_row_ms + 8 * per_row_ms)
+        spec.cost.add(1, one_row_ms)
+        spec.cost.add(9, one_row_ms + 8 * per_row_ms)
 
 
 def test_a_draft_is_as_long_as_its_tokens_are_worth_their_rows() -> None:

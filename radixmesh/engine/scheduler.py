@@ -222,7 +222,8 @@ class Scheduler:
             if req.remaining_new_tokens() <= 0 or len(req.slots) >= self.config.context_length:
                 i += 1  # its last token is in flight; the result will finish it
                 continue
-            draft, slots = Draft([], []), None
+            draft: Draft | None = None
+            slots: list[int] | None = None
             if not req.jumped and self.speculation.drafts(req):
                 if req.pending:
                     i += 1  # its draft starts from the token in flight (a verify's too)
@@ -251,9 +252,10 @@ class Scheduler:
                 if victim is req:
                     break
                 continue
-            batch.batch.entries.append(
-                StepEntry(req.rid, unfed, slots, True, draft.tokens, draft.parents)
-            )
+            entry = StepEntry(req.rid, unfed, slots, True)
+            if draft is not None:
+                entry.draft, entry.draft_parents = draft
+            batch.batch.entries.append(entry)
             batch.reqs.append(req)
             if req.jumped:
                 batch.jumps.add(req.rid)
@@ -261,21 +263,16 @@ class Scheduler:
             req.pending += 1
             i += 1
 
-    def _draft(self, req: Req) -> tuple[Draft, list[int] | None]:
+    def _draft(self, req: Req) -> tuple[Draft | None, list[int] | None]:
         """A draft to verify after the request's last token, with a slot for that token and
-        each draft token; (no draft, None) when it drafts nothing or there is no room."""
-        none = Draft([], [])
+        each draft token; (None, None) when it drafts nothing or there is no room."""
         limit = min(
             req.remaining_new_tokens() - 1,  # the step adds a token of its own
             self.config.context_length - len(req.slots) - 1,
         )
         draft = self.speculation.draft(req, limit, len(self.running))
-        if draft is None:
-            return none, None
-        slots = self._grow(req, 1 + len(draft.tokens))
-        if slots is None:
-            return none, None
-        return draft, slots
+        slots = None if draft is None else self._grow(req, 1 + len(draft.tokens))
+        return (draft, slots) if slots is not None else (None, None)
 
     def _schedule_prefills(self, batch: ScheduledBatch) -> None:
         budget = self.config.chunked_prefill_size
@@ -485,10 +482,8 @@ class Scheduler:
         """Append sampled tokens and logprobs; finish requests that hit a stop or a limit."""
         self.tiers.done(result.copies_done)
         self._compiles_ended(result)
-        entries = batch.batch.entries
-        if entries and not any(e.input_ids for e in entries):  # decode only: time its rows
-            self.speculation.stepped(sum(len(e.slots) for e in entries), result.forward_ms)
-        for req, entry, out in zip(batch.reqs, entries, result.results, strict=True):
+        self.speculation.stepped(batch.batch, result.forward_ms)
+        for req, entry, out in zip(batch.reqs, batch.batch.entries, result.results, strict=True):
             if out.input_logprobs:
                 req.input_logprobs.extend(out.input_logprobs)
                 req.input_top_logprobs.extend(out.input_top_logprobs)
@@ -501,25 +496,30 @@ class Scheduler:
             if req.params.max_new_tokens == 0:  # prefill only: the sampled token is not wanted
                 self._finish(req, FinishReason(FinishKind.LENGTH, 0))
                 continue
+            reason = None
             if entry.draft:
                 self._verified(req, entry, out)
-            tokens = [*out.accepted_ids, out.token_id]
-            logprobs = [*out.accepted_logprobs, out.logprob]
-            tops = [*out.accepted_top_logprobs, out.top_logprobs]
-            reason = None
-            for j, token in enumerate(tokens):
-                req.output_ids.append(token)
-                if req.logprobs.return_logprob:
-                    req.output_logprobs.append(logprobs[j])
-                    req.output_top_logprobs.append(tops[j])
-                reason = self._check_finish(req, token)
-                if reason is not None:
-                    break
+                for j, token in enumerate(out.accepted_ids):
+                    logprob = out.accepted_logprobs[j] if out.accepted_logprobs else 0.0
+                    top = out.accepted_top_logprobs[j] if out.accepted_top_logprobs else []
+                    if reason := self._emit(req, token, logprob, top):
+                        break
+            reason = reason or self._emit(req, out.token_id, out.logprob, out.top_logprobs)
             self._updated[req.rid] = req
             if out.forced_ids and reason is None:
                 reason = self.constraints.jump_forward(req, out.forced_ids, self._check_finish)
             if reason is not None:
                 self._finish(req, reason)
+
+    def _emit(
+        self, req: Req, token: int, logprob: float, top: list[tuple[int, float]]
+    ) -> FinishReason | None:
+        """Append one output token (and its logprobs, when asked); why it ends the request."""
+        req.output_ids.append(token)
+        if req.logprobs.return_logprob:
+            req.output_logprobs.append(logprob)
+            req.output_top_logprobs.append(top)
+        return self._check_finish(req, token)
 
     def _verified(self, req: Req, entry: StepEntry, out: EntryResult) -> None:
         """Account a verify step, and give back the slots of the drafts it rejected (a
@@ -528,7 +528,7 @@ class Scheduler:
         req.spec_verify_ct += 1
         req.spec_accepted_tokens += accepted
         self.speculation.verified(req, drafted, tree_depth(entry.draft_parents), accepted)
-        if req not in self.running:
+        if not req.slots:  # retracted while the verify ran: its slots are released
             return
         keep = len(req.slots) - (drafted - accepted)
         whole = -(-keep // self.page) * self.page  # the first slot past keep's page

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from radixmesh.core.settings import SpeculativeSettings
+from radixmesh.core.step import StepBatch
 from radixmesh.engine.request import Req
 
 # A request whose drafts are not worth a row pauses drafting for _PAUSE_FIRST plain steps,
@@ -278,8 +279,8 @@ class NoSpeculation:
         """A verify of `drafted` tokens, `deepest` of them on its longest path, accepted
         `accepted` of them."""
 
-    def stepped(self, rows: int, forward_ms: float) -> None:
-        """A decode-only step of `rows` rows took `forward_ms` in the model runner."""
+    def stepped(self, batch: StepBatch, forward_ms: float) -> None:
+        """A step took `forward_ms` in the model runner."""
 
     def forget(self, req: Req) -> None:
         """The request is done."""
@@ -353,8 +354,10 @@ class NgramSpeculation(NoSpeculation):
         if accepted:
             w.next_pause = _PAUSE_FIRST
 
-    def stepped(self, rows: int, forward_ms: float) -> None:
-        self.cost.add(rows, forward_ms)
+    def stepped(self, batch: StepBatch, forward_ms: float) -> None:
+        entries = batch.entries
+        if entries and not any(e.input_ids for e in entries):  # decode rows only
+            self.cost.add(sum(len(e.slots) for e in entries), forward_ms)
 
     def _pause(self, w: _Writer) -> None:
         w.pause = w.next_pause
@@ -373,13 +376,10 @@ class NgramSpeculation(NoSpeculation):
         tokens = req.tokens
         store = self.store
         w = self._writers.get(req.rid)
-        if w is None:
-            start = max(len(tokens) - _WRITE_FIRST, 0)
-            w = self._writers[req.rid] = _Writer([], store.generation, start)
-        if w.generation != store.generation:  # the store pruned since: find its place again
-            w.cursor, w.generation = store.cursor(tokens[: w.written]), store.generation
-        elif not w.cursor and w.written:  # a new request's cut-off start
-            w.cursor = store.cursor(tokens[: w.written])
+        if w is None or w.generation != store.generation:  # new, or the store pruned since
+            written = max(len(tokens) - _WRITE_FIRST, 0) if w is None else w.written
+            w = self._writers[req.rid] = w or _Writer([], store.generation, written)
+            w.cursor, w.generation = store.cursor(tokens[:written]), store.generation
         for token in tokens[w.written :]:
             w.cursor = store.extend(w.cursor, token)
         w.written = len(tokens)

@@ -49,11 +49,12 @@ def draft_rows(
     prefix: torch.Tensor,
     ids: list[int],
     positions: list[int],
+    slots: list[int],
     attend: list[SeqSpan],
 ) -> dict[int, int]:
     """Append a row for each draft node of `keep`: its token at the position its depth gives
-    after `prefix` (the slots of the request's tokens, the fed ones included), attending to
-    the prefix and its own path up the tree. Returns each node's row."""
+    after `prefix` (the slots of the request's tokens, the fed ones included), in its draft
+    slot, attending to the prefix and its own path up the tree. Returns each node's row."""
     node_slots = entry.slots[len(entry.slots) - len(entry.draft) :]
     rows: dict[int, int] = {}
     for k in keep:
@@ -63,6 +64,7 @@ def draft_rows(
         attend.append(SeqSpan(len(ids), 1, torch.cat([prefix, own])))
         ids.append(entry.draft[k])
         positions.append(prefix.numel() + len(path) - 1)
+        slots.append(node_slots[k])
     return rows
 
 

@@ -193,7 +193,7 @@ class ModelRunner:
                 void.add(i)
             req.jumped = False
             new_ids = entry.input_ids or [req.last_token]
-            fed = entry.slots[: len(new_ids)]
+            fed = entry.slots[: len(new_ids)] if entry.draft else entry.slots
             start = len(req.ids)
             req.append(new_ids, fed)
             spans.append(SeqSpan(len(ids), len(new_ids), req.slots[: len(req.ids)]))
@@ -205,9 +205,8 @@ class ModelRunner:
                 # Rank 0 alone holds the grammar: under TP every rank computes every node.
                 matcher = self._matcher(req) if self.tp is None else None
                 keep = grammar_allows(entry, matcher)
-                trees[i] = draft_rows(entry, keep, req.slots[: len(req.ids)], ids, positions,
+                trees[i] = draft_rows(entry, keep, spans[-1].kv_slots, ids, positions, slots,
                                       attend)
-                slots.extend(entry.slots[len(new_ids) + k] for k in trees[i])
             reqs.append(req)
         device = self.device
         meta = AttentionMetadata(torch.tensor(slots, device=device), tuple(attend))
@@ -288,16 +287,7 @@ class ModelRunner:
             if wants[j].return_logprob:
                 out.logprob = sampled.logprobs[j]
                 out.top_logprobs = sampled.top_logprobs[j]
-            matcher = matchers[j]
-            if matcher is None:
-                continue
-            if not matcher.accept(token):
-                log.warning("request %s: token %d is outside its grammar", req.spec.rid, token)
-            elif not wants[j].return_logprob:  # a forced token has no logprob to report
-                out.forced_ids = self._grammars().forced_tokens(matcher, token)
-                for forced in out.forced_ids:
-                    samplers[j].record(forced)
-                req.jumped = bool(out.forced_ids)
+            self._advance_grammar(req, matchers[j], token, wants[j], out)
         return tokens
 
     def _verify(
@@ -372,8 +362,8 @@ class ModelRunner:
         self, req: _RequestState, matcher: Matcher | None, token: int, wants: LogprobRequest,
         out: EntryResult,
     ) -> bool:
-        """Feed a sampled token to the request's grammar, as _sample_rows does; True when the
-        grammar forces tokens after it (jump-forward: out.forced_ids), which end the step."""
+        """Feed a sampled token to the request's grammar; True when the grammar forces
+        tokens after it (jump-forward: out.forced_ids, recorded by its sampler)."""
         if matcher is None:
             return False
         if not matcher.accept(token):
