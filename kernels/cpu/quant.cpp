@@ -73,8 +73,8 @@ inline float half(uint16_t h) {
 constexpr int kGroup = 16;  // output features per packed group
 constexpr int kBlock = 32;  // inputs per block of quantized x
 
-// x quantized: int8 values, a scale per 32 inputs, and per 16 inputs the sums of the int8
-// values and of the original floats.
+// x quantized: int8 values, a scale per 32 inputs, the sums of the int8 values per 16 inputs
+// and of the original floats per 32.
 struct Rows {
   int8_t* q;
   float* d;
@@ -88,7 +88,7 @@ struct Rows {
     q = reinterpret_cast<int8_t*>(p);
     d = reinterpret_cast<float*>(p + n);
     isum = reinterpret_cast<int32_t*>(p + n + n / kBlock * 4);
-    fsum = reinterpret_cast<float*>(p + n + n / kBlock * 4 + n / 16 * 4);
+    fsum = reinterpret_cast<float*>(p + n + n / kBlock * 4 + n / 16 * 4);  // [n / kBlock]
   }
 };
 
@@ -127,8 +127,8 @@ struct Isa {
 #elif RM_QUANT_ISA >= 1
 struct Isa {
   static constexpr int L = 8;
-  // Without VNNI, wide bytes (above 127) go through the sign trick, which yields the sum
-  // of (u - 128) * x: the caller's zero point is shifted to match.
+  // Without VNNI, wide bytes (above 127) go through the sign trick (block_dots), which
+  // yields the sum of (u - 128) * x: the caller's zero point is shifted to match.
   static constexpr int kWideShift = RM_QUANT_ISA == 2 ? 0 : 128;
   using I = __m256i;
   using F = __m256;
@@ -140,21 +140,10 @@ struct Isa {
     std::memcpy(&v, p, 4);
     return _mm256_set1_epi32(v);
   }
-  template <bool Wide>
-  static I dot(I acc, I u, I x) {
 #if RM_QUANT_ISA == 2
-    return _mm256_dpbusd_avx_epi32(acc, u, x);
-#else
-    const I ones = _mm256_set1_epi16(1);
-    if constexpr (Wide) {
-      const I s = _mm256_xor_si256(u, _mm256_set1_epi8(static_cast<char>(0x80)));
-      const I pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(s, s), _mm256_sign_epi8(x, s));
-      return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, ones));
-    } else {  // u < 64: the 16-bit pair sums cannot saturate
-      return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), ones));
-    }
+  template <bool Wide>
+  static I dot(I acc, I u, I x) { return _mm256_dpbusd_avx_epi32(acc, u, x); }
 #endif
-  }
   static I izero() { return _mm256_setzero_si256(); }
   static I add(I a, I b) { return _mm256_add_epi32(a, b); }
   static I sub(I a, int32_t b) { return _mm256_sub_epi32(a, _mm256_set1_epi32(b)); }
@@ -240,6 +229,84 @@ struct Epilogue {
   }
 };
 
+#if RM_QUANT_ISA == 1
+// AVX2 without VNNI: VPMADDUBSW gives 16-bit sums of two products, and VPMADDWD (by ones)
+// widens them. Where the values are narrow, several products' 16-bit sums are added before
+// one widening (u < 16: all eight of a 4-bit block, 16 products a lane, |sum| <= 30480; u <
+// 32: four; u < 64: two), so a block costs about half the multiplies. Wide bytes (Q8_0) go
+// through the sign trick, the weight's half of it once per chunk for all the rows.
+template <int R, int Bits, int Sub, bool Wide, int kSets>
+inline void block_dots(const uint8_t* q, const int8_t* const* xq, int j, int s,
+                       __m256i (&ia)[kSets][R]) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  if constexpr (Bits == 4) {
+    __m256i p[R];
+    for (int c = 0; c < 4; ++c) {
+      const __m256i v = Isa::load(q + c * 64);
+      const __m256i lo = Isa::low(v), hi = Isa::high(v);
+      for (int r = 0; r < R; ++r) {
+        const int8_t* xb = xq[r] + j * kBlock + 4 * c;
+        const __m256i both = _mm256_add_epi16(_mm256_maddubs_epi16(lo, Isa::bcast(xb)),
+                                              _mm256_maddubs_epi16(hi, Isa::bcast(xb + 16)));
+        p[r] = c == 0 ? both : _mm256_add_epi16(p[r], both);
+      }
+    }
+    for (int r = 0; r < R; ++r) ia[0][r] = _mm256_madd_epi16(p[r], ones);
+  } else if constexpr (Wide) {
+    for (int c = 0; c < 8; ++c) {
+      const __m256i w = _mm256_xor_si256(Isa::load(q + c * 64), _mm256_set1_epi8(static_cast<char>(0x80)));
+      const __m256i mag = _mm256_sign_epi8(w, w);
+      for (int r = 0; r < R; ++r) {
+        const __m256i x = _mm256_sign_epi8(Isa::bcast(xq[r] + j * kBlock + 4 * c), w);
+        ia[c % kSets][r] = _mm256_add_epi32(ia[c % kSets][r],
+                                            _mm256_madd_epi16(_mm256_maddubs_epi16(mag, x), ones));
+      }
+    }
+  } else {
+    constexpr int kPer = 8 / Sub;
+    constexpr int kRun = Sub == 2 ? 2 : 4;  // chunks whose 16-bit sums cannot overflow
+    for (int c0 = s * kPer; c0 < (s + 1) * kPer; c0 += kRun) {
+      __m256i p[R];
+      for (int c = c0; c < c0 + kRun; ++c) {
+        const __m256i v = Isa::load(q + c * 64);
+        for (int r = 0; r < R; ++r) {
+          const __m256i d = _mm256_maddubs_epi16(v, Isa::bcast(xq[r] + j * kBlock + 4 * c));
+          p[r] = c == c0 ? d : _mm256_add_epi16(p[r], d);
+        }
+      }
+      for (int r = 0; r < R; ++r) ia[0][r] = _mm256_add_epi32(ia[0][r], _mm256_madd_epi16(p[r], ones));
+    }
+  }
+}
+#else
+// The integer dot products of block j (sub-block s) for R rows, into ia.
+template <int R, int Bits, int Sub, bool Wide, int kSets>
+inline void block_dots(const uint8_t* q, const int8_t* const* xq, int j, int s,
+                       typename Isa::I (&ia)[kSets][R]) {
+  using I = typename Isa::I;
+  if constexpr (Bits == 4) {
+    for (int c = 0; c < 4; ++c) {
+      const auto v = Isa::load(q + c * 64);
+      const auto lo = Isa::low(v), hi = Isa::high(v);
+      for (int r = 0; r < R; ++r) {
+        const int8_t* xb = xq[r] + j * kBlock + 4 * c;
+        ia[0][r] = Isa::template dot<false>(ia[0][r], lo, Isa::bcast(xb));
+        ia[kSets - 1][r] = Isa::template dot<false>(ia[kSets - 1][r], hi, Isa::bcast(xb + 16));
+      }
+    }
+  } else {
+    constexpr int kPer = 8 / Sub;
+    for (int c = s * kPer; c < (s + 1) * kPer; ++c) {
+      const auto v = Isa::load(q + c * 64);
+      for (int r = 0; r < R; ++r) {
+        I& a = ia[c % kSets][r];
+        a = Isa::template dot<Wide>(a, v, Isa::bcast(xq[r] + j * kBlock + 4 * c));
+      }
+    }
+  }
+}
+#endif
+
 // Rows m0..m0+R-1 of x against features h*L .. h*L+L-1 of group g.
 template <int R, int Bits, int Sub, bool Wide, bool Min, typename S>
 void tile(const QuantWeight& w, const Rows& x, int g, int h, int m0, const Epilogue& ep) {
@@ -248,6 +315,7 @@ void tile(const QuantWeight& w, const Rows& x, int g, int h, int m0, const Epilo
   constexpr int L = Isa::L;
   constexpr int kChunks = Bits == 4 ? 4 : 8;
   constexpr int kSets = R <= 2 ? 2 : 1;  // independent integer chains for short tiles
+  static_assert(!(Min && Sub == 2), "x's float sums are kept per 32 inputs");
   const int kb = w.k / kBlock;
   const int zero = w.zero - (Wide ? Isa::kWideShift : 0);
   const uint8_t* q = w.q + static_cast<int64_t>(g) * kb * kChunks * 64 + h * L * 4;
@@ -263,38 +331,17 @@ void tile(const QuantWeight& w, const Rows& x, int g, int h, int m0, const Epilo
       I ia[kSets][R];
       for (int t = 0; t < kSets; ++t)
         for (int r = 0; r < R; ++r) ia[t][r] = Isa::izero();
-      if constexpr (Bits == 4) {
-        for (int c = 0; c < 4; ++c) {
-          const auto v = Isa::load(q + c * 64);
-          const auto lo = Isa::low(v), hi = Isa::high(v);
-          for (int r = 0; r < R; ++r) {
-            const int8_t* xb = xq[r] + j * kBlock + 4 * c;
-            ia[0][r] = Isa::template dot<false>(ia[0][r], lo, Isa::bcast(xb));
-            ia[kSets - 1][r] = Isa::template dot<false>(ia[kSets - 1][r], hi, Isa::bcast(xb + 16));
-          }
-        }
-      } else {
-        constexpr int kPer = kChunks / Sub;
-        for (int c = s * kPer; c < (s + 1) * kPer; ++c) {
-          const auto v = Isa::load(q + c * 64);
-          for (int r = 0; r < R; ++r) {
-            I& a = ia[c % kSets][r];
-            a = Isa::template dot<Wide>(a, v, Isa::bcast(xq[r] + j * kBlock + 4 * c));
-          }
-        }
-      }
+      block_dots<R, Bits, Sub, Wide, kSets>(q, xq, j, s, ia);
       const F scale = Isa::loadf(sc);
       for (int r = 0; r < R; ++r) {
-        const int64_t at = static_cast<int64_t>(m0 + r) * (x.k / 16) + j * 2;
-        const int32_t isum = Sub == 2 ? x.isum[at + s] : x.isum[at] + x.isum[at + 1];
+        const int64_t block = static_cast<int64_t>(m0 + r) * kb + j;
         I total = kSets == 2 ? Isa::add(ia[0][r], ia[1][r]) : ia[0][r];
-        total = Isa::sub(total, zero * isum);
-        const float d = x.d[static_cast<int64_t>(m0 + r) * (x.k / kBlock) + j];
-        acc[r] = Isa::fma(Isa::to_f(total), Isa::mul(scale, Isa::set(d)), acc[r]);
-        if constexpr (Min) {
-          const float fsum = Sub == 2 ? x.fsum[at + s] : x.fsum[at] + x.fsum[at + 1];
-          acc[r] = Isa::fma(Isa::loadf(mn), Isa::set(fsum), acc[r]);
+        if (!Min && zero != 0) {  // the types with a min have no zero point
+          const int32_t* is = x.isum + block * 2;
+          total = Isa::sub(total, zero * (Sub == 2 ? is[s] : is[0] + is[1]));
         }
+        acc[r] = Isa::fma(Isa::to_f(total), Isa::mul(scale, Isa::set(x.d[block])), acc[r]);
+        if constexpr (Min) acc[r] = Isa::fma(Isa::loadf(mn), Isa::set(x.fsum[block]), acc[r]);
       }
       if constexpr (Min) mn += kGroup;
     }
@@ -349,8 +396,8 @@ void gemm(const void* xbuf, int m, const QuantWeight* w, const Epilogue& ep, int
   for (int g = 0; g < groups; ++g) fn(*w, x, g, ep);
 }
 
-// One row of 32-input blocks: int8 values rounded to nearest-even, the block's scale, and
-// the sums per 16.
+// One row of 32-input blocks: int8 values rounded to nearest-even, the block's scale, the
+// int8 sums per 16 and the float sum.
 template <typename T>
 void quantize_row(const T* x, int k, int8_t* q, float* d, int32_t* isum, float* fsum) {
   for (int b = 0; b < k / kBlock; ++b) {
@@ -372,7 +419,7 @@ void quantize_row(const T* x, int k, int8_t* q, float* d, int32_t* isum, float* 
         fs += v[i];
       }
       isum[b * 2 + half] = is;
-      fsum[b * 2 + half] = fs;
+      fsum[b] = half == 0 ? fs : fsum[b] + fs;
     }
   }
 }
@@ -386,7 +433,7 @@ void quantize_rows(const T* x, int m, int k, void* buf, int threads) {
   for (int r = 0; r < m; ++r) {
     quantize_row(x + static_cast<int64_t>(r) * k, k, rows.q + static_cast<int64_t>(r) * k,
                  rows.d + static_cast<int64_t>(r) * kb, rows.isum + static_cast<int64_t>(r) * 2 * kb,
-                 rows.fsum + static_cast<int64_t>(r) * 2 * kb);
+                 rows.fsum + static_cast<int64_t>(r) * kb);
   }
 }
 
@@ -432,7 +479,7 @@ int quant_isa() { return RM_QUANT_ISA; }
 // Bytes of the buffer quantize_rows_* fills for m rows of k inputs (k a multiple of 32).
 int64_t quant_rows_bytes(int m, int k) {
   const int64_t n = static_cast<int64_t>(m) * k;
-  return n + n / kBlock * 4 + n / 16 * 8;
+  return n + n / kBlock * 8 + n / 16 * 4;
 }
 
 void quantize_rows_bf16(const uint16_t* x, int m, int k, void* buf, int threads) {
