@@ -130,6 +130,26 @@ def test_failing_drafts_pause_then_try_again() -> None:
     assert spec.stats.verify_steps == len(tries) and spec.stats.accepted_tokens == 0
 
 
+def test_where_rows_are_dear_a_failed_first_draft_is_tried_again() -> None:
+    """A row costing over a third of a step (a slow CPU's attention): after one rejected
+    token p = 1/3 is below the row's cost, yet the request probes one token after each pause,
+    and once a probe is accepted it drafts on its own again."""
+    spec = NgramSpeculation(NGRAM)
+    timed(spec, 16.0, 6.0)  # a row: 6 / 16 of a one-row step
+    req = make_req("r", [1, 2, 3] * 10, max_new=1000)
+    first = spec.draft(req, limit=100)
+    assert first is not None and len(first.tokens) == 1  # p = 1/2 > 0.375
+    spec.verified(req, 1, 1, 0)
+    sizes = []
+    for _ in range(12):
+        draft = spec.draft(req, limit=100) if spec.drafts(req) else None
+        sizes.append(0 if draft is None else len(draft.tokens))
+    assert sizes == [0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0]  # paused 4 steps, one probe
+    spec.verified(req, 1, 1, 1)  # the probe is accepted: p = 2/4 beats 0.375 again
+    draft = spec.draft(req, limit=100)
+    assert draft is not None and len(draft.tokens) == 1
+
+
 def period(n: int):
     """A model that repeats the token n back: its output copies its context."""
     return lambda tokens: tokens[-n] if len(tokens) >= n else 0

@@ -186,6 +186,7 @@ class _Writer:
     rejected: float = 0.0  # draft tokens rejected first on their path, decayed
     pause: int = 0  # plain steps to take before drafting again
     next_pause: int = _PAUSE_FIRST
+    probe: bool = False  # its next draft is one token whatever it seems worth
 
     @property
     def p(self) -> float:
@@ -311,13 +312,17 @@ class NgramSpeculation(NoSpeculation):
     def draft(self, req: Req, limit: int, batch: int = 1) -> Draft | None:
         w = self._writer(req)
         # Tokens worth a row each: p**k above what a row costs a step of `batch` rows. A
-        # paused request's first try after the pause is one token.
+        # paused request's first try after the pause is one token, whatever p says: else a
+        # request whose first draft failed where rows are dear would never learn better.
         share, k, chance = self.cost.row_share(batch), 0, 1.0
         while k < min(limit, self.settings.speculative_num_draft_tokens):
             chance *= w.p
             if chance <= share:
                 break
             k += 1
+        if k == 0 and w.probe and limit >= 1:
+            k = 1
+        w.probe = False
         if k == 0:
             if limit >= 1:
                 self._pause(w)
@@ -361,6 +366,7 @@ class NgramSpeculation(NoSpeculation):
 
     def _pause(self, w: _Writer) -> None:
         w.pause = w.next_pause
+        w.probe = True
         w.next_pause = min(2 * w.next_pause, _PAUSE_MOST)
         # After the pause it tries again: forget part of what failed.
         w.rejected = min(w.rejected, w.accepted + 1)

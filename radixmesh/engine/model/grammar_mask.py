@@ -291,11 +291,11 @@ class Grammars:
 def apply_masks(logits: torch.Tensor, matchers: Sequence[Matcher | None]) -> None:
     """Forbid, in place, every token a row's matcher does not allow next (rows without a
     matcher are left alone)."""
-    import xgrammar
-
     rows = [i for i, m in enumerate(matchers) if m is not None]
     if not rows:
         return
+    import xgrammar  # not before a step needs it: importing it takes seconds
+
     bitmask = xgrammar.allocate_token_bitmask(len(matchers), logits.shape[-1])
     for i in rows:
         matcher = matchers[i]
