@@ -11,7 +11,9 @@
 // AVX512-BF16 path: per (request, KV head), each K and V row of that head is read once for
 // all of its query heads. Scores of 16 keys are summed at once (sum16x16), exp
 // is vectorized, and V rows are widened once and accumulated for every query head.
-// Everything else takes the portable path: one task per request, a key at a time.
+// Everything else takes the portable path: a key at a time, a task per request (or per
+// request and KV head when there are few), AVX2 dot products and exp for bf16 where the CPU
+// has them.
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -23,6 +25,9 @@
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 #define RM_AVX512_BF16 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define RM_AVX2 1
 #endif
 
 namespace {
@@ -78,6 +83,69 @@ void axpy(float* acc, float p, const uint16_t* row, int dim) {
     _mm512_storeu_ps(acc + d, _mm512_fmadd_ps(scale, x, _mm512_loadu_ps(acc + d)));
   }
 }
+#elif defined(RM_AVX2)
+template <>
+float dot(const uint16_t* a, const uint16_t* b, int dim) {
+  if (dim % 16 != 0) {
+    float sum = 0.0f;
+    for (int d = 0; d < dim; ++d) sum += load(a[d]) * load(b[d]);
+    return sum;
+  }
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  for (int d = 0; d < dim; d += 16) {
+    acc0 = _mm256_fmadd_ps(radixmesh::load8(a + d), radixmesh::load8(b + d), acc0);
+    acc1 = _mm256_fmadd_ps(radixmesh::load8(a + d + 8), radixmesh::load8(b + d + 8), acc1);
+  }
+  return radixmesh::sum8(_mm256_add_ps(acc0, acc1));
+}
+
+template <>
+void axpy(float* acc, float p, const uint16_t* row, int dim) {
+  if (dim % 8 != 0) {
+    for (int d = 0; d < dim; ++d) acc[d] += p * load(row[d]);
+    return;
+  }
+  const __m256 scale = _mm256_set1_ps(p);
+  for (int d = 0; d < dim; d += 8) {
+    _mm256_storeu_ps(acc + d, _mm256_fmadd_ps(scale, radixmesh::load8(row + d),
+                                              _mm256_loadu_ps(acc + d)));
+  }
+}
+
+// s[0, len) = e^(s - top), summed. bf16 models take the vector exp (exp8); float32 ones keep
+// std::exp, which their exactness tests compare against.
+template <typename T>
+float exp_sum(float* s, int len, float top) {
+  float total = 0.0f;
+  int l = 0;
+  if constexpr (sizeof(T) == 2) {
+    const __m256 vtop = _mm256_set1_ps(top);
+    __m256 sum = _mm256_setzero_ps();
+    for (; l + 8 <= len; l += 8) {
+      const __m256 e = radixmesh::exp8(_mm256_sub_ps(_mm256_loadu_ps(s + l), vtop));
+      _mm256_storeu_ps(s + l, e);
+      sum = _mm256_add_ps(sum, e);
+    }
+    total = radixmesh::sum8(sum);
+  }
+  for (; l < len; ++l) {
+    s[l] = std::exp(s[l] - top);
+    total += s[l];
+  }
+  return total;
+}
+#endif
+
+#ifndef RM_AVX2
+template <typename T>
+float exp_sum(float* s, int len, float top) {
+  float total = 0.0f;
+  for (int l = 0; l < len; ++l) {
+    s[l] = std::exp(s[l] - top);
+    total += s[l];
+  }
+  return total;
+}
 #endif
 
 // Prefetch every cache line of one slot's row span into L2 (not L1: L2 tracks more misses at
@@ -90,41 +158,43 @@ inline void prefetch_row(const T* row, int elems) {
   }
 }
 
-// One request, every query head: K rows then V rows, each slot's row read once in full.
+// One request, the query heads of KV heads h0..h1-1: K rows then V rows, each slot's span of
+// those heads read once.
 template <typename T>
 void attend(const T* q, const T* k, const T* v, const int64_t* slots, int len, T* out,
-            int hq, int hkv, int dim, float scale) {
+            int hq, int hkv, int dim, float scale, int h0, int h1) {
   const int group = hq / hkv;
   const int row_elems = hkv * dim;
-  std::vector<float> scores(static_cast<size_t>(hq) * len);
-  std::vector<float> acc(static_cast<size_t>(hq) * dim, 0.0f);
-  std::vector<float> total(hq, 0.0f);
+  const int j0 = h0 * group, heads = (h1 - h0) * group;
+  const int span = (h1 - h0) * dim;
+  q += j0 * dim;
+  out += j0 * dim;
+  std::vector<float> scores(static_cast<size_t>(heads) * len);
+  std::vector<float> acc(static_cast<size_t>(heads) * dim, 0.0f);
+  std::vector<float> total(heads, 0.0f);
   for (int l = 0; l < len; ++l) {
-    if (l + kAhead < len) prefetch_row(k + slots[l + kAhead] * row_elems, row_elems);
+    if (l + kAhead < len) prefetch_row(k + slots[l + kAhead] * row_elems + h0 * dim, span);
     const T* row = k + slots[l] * row_elems;
-    for (int j = 0; j < hq; ++j) {
+    for (int j = 0; j < heads; ++j) {
       scores[static_cast<size_t>(j) * len + l] =
-          dot(q + j * dim, row + (j / group) * dim, dim) * scale;
+          dot(q + j * dim, row + ((j0 + j) / group) * dim, dim) * scale;
     }
   }
-  for (int j = 0; j < hq; ++j) {
+  for (int j = 0; j < heads; ++j) {
     float* s = scores.data() + static_cast<size_t>(j) * len;
     float top = -INFINITY;
     for (int l = 0; l < len; ++l) top = s[l] > top ? s[l] : top;
-    for (int l = 0; l < len; ++l) {
-      s[l] = std::exp(s[l] - top);
-      total[j] += s[l];
-    }
+    total[j] = exp_sum<T>(s, len, top);
   }
   for (int l = 0; l < len; ++l) {
-    if (l + kAhead < len) prefetch_row(v + slots[l + kAhead] * row_elems, row_elems);
+    if (l + kAhead < len) prefetch_row(v + slots[l + kAhead] * row_elems + h0 * dim, span);
     const T* row = v + slots[l] * row_elems;
-    for (int j = 0; j < hq; ++j) {
+    for (int j = 0; j < heads; ++j) {
       axpy(acc.data() + j * dim, scores[static_cast<size_t>(j) * len + l],
-           row + (j / group) * dim, dim);
+           row + ((j0 + j) / group) * dim, dim);
     }
   }
-  for (int j = 0; j < hq; ++j) {
+  for (int j = 0; j < heads; ++j) {
     const float inv = total[j] > 0.0f ? 1.0f / total[j] : 0.0f;
     for (int d = 0; d < dim; ++d) store(out + j * dim + d, acc[j * dim + d] * inv);
   }
@@ -266,11 +336,14 @@ template <typename T>
 void decode(const T* q, const T* k, const T* v, const int64_t* index, const int64_t* lens,
             T* out, int batch, int width, int hq, int hkv, int dim, float scale,
             int threads) {
+  // A task per request; with too few requests to share out, a task per (request, KV head).
+  const int parts = batch >= 2 * threads ? 1 : hkv;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
-  for (int b = 0; b < batch; ++b) {
+  for (int task = 0; task < batch * parts; ++task) {
+    const int b = task / parts, h0 = task % parts * (hkv / parts);
     const int64_t first = static_cast<int64_t>(b) * hq * dim;
     attend(q + first, k, v, index + static_cast<int64_t>(b) * width, static_cast<int>(lens[b]),
-           out + first, hq, hkv, dim, scale);
+           out + first, hq, hkv, dim, scale, h0, h0 + hkv / parts);
   }
 }
 

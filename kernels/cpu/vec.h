@@ -1,5 +1,6 @@
-// AVX-512 helpers shared by the native CPU kernels: exp, 16-way horizontal sums, bf16 loads
-// and stores of 16 floats.
+// Vector helpers shared by the native CPU kernels. AVX-512: exp, 16-way horizontal sums, bf16
+// loads and stores of 16 floats. AVX2: exp of 8 floats, 8 bf16 values widened, a horizontal
+// sum.
 #pragma once
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
@@ -59,6 +60,51 @@ inline __m512 load16(const uint16_t* p) {
 // 16 floats -> 16 bf16 values, rounded to nearest-even.
 inline void store16(uint16_t* p, __m512 x) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(x));
+}
+
+}  // namespace radixmesh
+
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__) && !(defined(__AVX512F__) && defined(__AVX512BF16__))
+#include <immintrin.h>
+
+#include <cstdint>
+
+namespace radixmesh {
+
+// e^x for 8 floats, as exp16 (2^n * e^r, degree-6 Taylor polynomial): x is held to
+// [-87.3, 88.7] so that 2^n is a normal float built in its exponent bits (below, e^x is
+// ~1e-38 rather than 0 or a subnormal; above, it would overflow anyway). NaN stays NaN.
+inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(_mm256_set1_ps(-87.3f), x);  // max/min return x when it is NaN
+  x = _mm256_min_ps(_mm256_set1_ps(88.7f), x);
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);  // ln 2 in two parts
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.0f / 720);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n),
+                                                          _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+// 8 bf16 values -> 8 floats (exact).
+inline __m256 load8(const uint16_t* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+inline float sum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
 }  // namespace radixmesh
