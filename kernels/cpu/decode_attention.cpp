@@ -53,14 +53,23 @@ void axpy(float* acc, float p, const T* row, int dim) {
   for (int d = 0; d < dim; ++d) acc[d] += p * load(row[d]);
 }
 
+#if defined(RM_AVX512_BF16) || defined(RM_AVX2)
+// The vector dot and axpy below take head dims in whole vectors; these, the rest, in order.
+float dot_scalar(const uint16_t* a, const uint16_t* b, int dim) {
+  float sum = 0.0f;
+  for (int d = 0; d < dim; ++d) sum += load(a[d]) * load(b[d]);
+  return sum;
+}
+
+void axpy_scalar(float* acc, float p, const uint16_t* row, int dim) {
+  for (int d = 0; d < dim; ++d) acc[d] += p * load(row[d]);
+}
+#endif
+
 #ifdef RM_AVX512_BF16
 template <>
 float dot(const uint16_t* a, const uint16_t* b, int dim) {
-  if (dim % 32 != 0) {
-    float sum = 0.0f;
-    for (int d = 0; d < dim; ++d) sum += load(a[d]) * load(b[d]);
-    return sum;
-  }
+  if (dim % 32 != 0) return dot_scalar(a, b, dim);
   __m512 acc = _mm512_setzero_ps();
   for (int d = 0; d < dim; d += 32) {
     const __m512i x = _mm512_loadu_si512(a + d);
@@ -72,10 +81,7 @@ float dot(const uint16_t* a, const uint16_t* b, int dim) {
 
 template <>
 void axpy(float* acc, float p, const uint16_t* row, int dim) {
-  if (dim % 16 != 0) {
-    for (int d = 0; d < dim; ++d) acc[d] += p * load(row[d]);
-    return;
-  }
+  if (dim % 16 != 0) return axpy_scalar(acc, p, row, dim);
   const __m512 scale = _mm512_set1_ps(p);
   for (int d = 0; d < dim; d += 16) {
     const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + d));
@@ -86,11 +92,7 @@ void axpy(float* acc, float p, const uint16_t* row, int dim) {
 #elif defined(RM_AVX2)
 template <>
 float dot(const uint16_t* a, const uint16_t* b, int dim) {
-  if (dim % 16 != 0) {
-    float sum = 0.0f;
-    for (int d = 0; d < dim; ++d) sum += load(a[d]) * load(b[d]);
-    return sum;
-  }
+  if (dim % 16 != 0) return dot_scalar(a, b, dim);
   __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
   for (int d = 0; d < dim; d += 16) {
     acc0 = _mm256_fmadd_ps(radixmesh::load8(a + d), radixmesh::load8(b + d), acc0);
@@ -101,10 +103,7 @@ float dot(const uint16_t* a, const uint16_t* b, int dim) {
 
 template <>
 void axpy(float* acc, float p, const uint16_t* row, int dim) {
-  if (dim % 8 != 0) {
-    for (int d = 0; d < dim; ++d) acc[d] += p * load(row[d]);
-    return;
-  }
+  if (dim % 8 != 0) return axpy_scalar(acc, p, row, dim);
   const __m256 scale = _mm256_set1_ps(p);
   for (int d = 0; d < dim; d += 8) {
     _mm256_storeu_ps(acc + d, _mm256_fmadd_ps(scale, radixmesh::load8(row + d),
@@ -112,12 +111,15 @@ void axpy(float* acc, float p, const uint16_t* row, int dim) {
   }
 }
 
-// s[0, len) = e^(s - top), summed. bf16 models take the vector exp (exp8); float32 ones keep
-// std::exp, which their exactness tests compare against.
+#endif
+
+// s[0, len) = e^(s - top), summed. bf16 on AVX2 takes the vector exp (exp8); float32 keeps
+// std::exp, which its exactness tests compare against.
 template <typename T>
 float exp_sum(float* s, int len, float top) {
   float total = 0.0f;
   int l = 0;
+#ifdef RM_AVX2
   if constexpr (sizeof(T) == 2) {
     const __m256 vtop = _mm256_set1_ps(top);
     __m256 sum = _mm256_setzero_ps();
@@ -128,25 +130,13 @@ float exp_sum(float* s, int len, float top) {
     }
     total = radixmesh::sum8(sum);
   }
+#endif
   for (; l < len; ++l) {
     s[l] = std::exp(s[l] - top);
     total += s[l];
   }
   return total;
 }
-#endif
-
-#ifndef RM_AVX2
-template <typename T>
-float exp_sum(float* s, int len, float top) {
-  float total = 0.0f;
-  for (int l = 0; l < len; ++l) {
-    s[l] = std::exp(s[l] - top);
-    total += s[l];
-  }
-  return total;
-}
-#endif
 
 // Prefetch every cache line of one slot's row span into L2 (not L1: L2 tracks more misses at
 // once, which is what scattered rows need; measured 1.2-1.4x over L1 prefetches).
