@@ -22,6 +22,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "bf16.h"
 #include "entry.h"
@@ -307,9 +308,11 @@ inline void block_dots(const uint8_t* q, const int8_t* const* xq, int j, int s,
 }
 #endif
 
-// Rows m0..m0+R-1 of x against features h*L .. h*L+L-1 of group g.
+// Rows m0..m0+R-1 of x against features h*L .. h*L+L-1 of group g, whose packed values
+// start at q (in w, or unpacked to 8 bits).
 template <int R, int Bits, int Sub, bool Wide, bool Min, typename S>
-void tile(const QuantWeight& w, const Rows& x, int g, int h, int m0, const Epilogue& ep) {
+void tile(const QuantWeight& w, const uint8_t* q, const Rows& x, int g, int h, int m0,
+          const Epilogue& ep) {
   using I = typename Isa::I;
   using F = typename Isa::F;
   constexpr int L = Isa::L;
@@ -318,7 +321,7 @@ void tile(const QuantWeight& w, const Rows& x, int g, int h, int m0, const Epilo
   static_assert(!(Min && Sub == 2), "x's float sums are kept per 32 inputs");
   const int kb = w.k / kBlock;
   const int zero = w.zero - (Wide ? Isa::kWideShift : 0);
-  const uint8_t* q = w.q + static_cast<int64_t>(g) * kb * kChunks * 64 + h * L * 4;
+  q += h * L * 4;
   const int64_t scale_at = static_cast<int64_t>(g) * kb * Sub * kGroup + h * L;
   const S* sc = static_cast<const S*>(w.scale) + scale_at;
   const S* mn = Min ? static_cast<const S*>(w.min) + scale_at : nullptr;
@@ -355,23 +358,55 @@ void tile(const QuantWeight& w, const Rows& x, int g, int h, int m0, const Epilo
   }
 }
 
-// Every row against group g: tiles of kTileRows rows, then of 4, 2 and 1.
+// Every row against group g (values at q): tiles of kTileRows rows, then of 4, 2 and 1.
 template <int Bits, int Sub, bool Wide, bool Min, typename S>
-void features(const QuantWeight& w, const Rows& x, int g, const Epilogue& ep) {
+void rows(const QuantWeight& w, const uint8_t* q, const Rows& x, int g, const Epilogue& ep) {
   for (int h = 0; h < kGroup / Isa::L; ++h) {
     int m0 = 0;
     for (; m0 + kTileRows <= x.m; m0 += kTileRows) {
-      tile<kTileRows, Bits, Sub, Wide, Min, S>(w, x, g, h, m0, ep);
+      tile<kTileRows, Bits, Sub, Wide, Min, S>(w, q, x, g, h, m0, ep);
     }
     if (kTileRows > 4 && m0 + 4 <= x.m) {
-      tile<4, Bits, Sub, Wide, Min, S>(w, x, g, h, m0, ep);
+      tile<4, Bits, Sub, Wide, Min, S>(w, q, x, g, h, m0, ep);
       m0 += 4;
     }
     if (m0 + 2 <= x.m) {
-      tile<2, Bits, Sub, Wide, Min, S>(w, x, g, h, m0, ep);
+      tile<2, Bits, Sub, Wide, Min, S>(w, q, x, g, h, m0, ep);
       m0 += 2;
     }
-    if (m0 < x.m) tile<1, Bits, Sub, Wide, Min, S>(w, x, g, h, m0, ep);
+    if (m0 < x.m) tile<1, Bits, Sub, Wide, Min, S>(w, q, x, g, h, m0, ep);
+  }
+}
+
+// With VNNI, a 4-bit group that several row tiles pass over is unpacked once to the 8-bit
+// layout (chunk c's low nibbles become chunk c, its high ones chunk c + 4) rather than in
+// every tile. The integer sums are the same either way, so the output does not change.
+constexpr bool kUnpackOnce = RM_QUANT_ISA >= 2;
+
+const uint8_t* unpack_group(const QuantWeight& w, int g) {
+  thread_local std::vector<uint8_t> wide;
+  const int kb = w.k / kBlock;
+  wide.resize(static_cast<size_t>(kb) * 8 * 64);
+  const uint8_t* q = w.q + static_cast<int64_t>(g) * kb * 4 * 64;
+  for (int j = 0; j < kb * 4; ++j) {
+    const uint8_t* in = q + j * 64;
+    uint8_t* out = wide.data() + (j / 4 * 8 + j % 4) * 64;
+    for (int i = 0; i < 64; ++i) {
+      out[i] = in[i] & 15;
+      out[i + 4 * 64] = in[i] >> 4;
+    }
+  }
+  return wide.data();
+}
+
+template <int Bits, int Sub, bool Wide, bool Min, typename S>
+void features(const QuantWeight& w, const Rows& x, int g, const Epilogue& ep) {
+  const int kb = w.k / kBlock;
+  if (Bits == 4 && kUnpackOnce && x.m >= 2 * kTileRows) {
+    rows<8, Sub, Wide, Min, S>(w, unpack_group(w, g), x, g, ep);
+  } else {
+    rows<Bits, Sub, Wide, Min, S>(w, w.q + static_cast<int64_t>(g) * kb * (Bits == 4 ? 4 : 8) * 64,
+                                  x, g, ep);
   }
 }
 
@@ -397,7 +432,96 @@ void gemm(const void* xbuf, int m, const QuantWeight* w, const Epilogue& ep, int
 }
 
 // One row of 32-input blocks: int8 values rounded to nearest-even, the block's scale, the
-// int8 sums per 16 and the float sum.
+// int8 sums per 16 and the float sum. The vector paths round the same products the same way
+// (the default rounding mode is nearest-even) and add the float sum in the same order, one
+// input after another per 16 (its adds overlap the vector work): every path stores the same
+// bytes.
+inline float sum_in_order(const float* v) {
+  float halves[2] = {0.0f, 0.0f};
+  for (int half = 0; half < 2; ++half) {
+    for (int i = half * 16; i < half * 16 + 16; ++i) halves[half] += v[i];
+  }
+  return halves[0] + halves[1];
+}
+
+#if RM_QUANT_ISA == 3
+inline void widen(const uint16_t* x, __m512 (&v)[2]) {
+  for (int i = 0; i < 2; ++i) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16 * i));
+    v[i] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+}
+inline void widen(const float* x, __m512 (&v)[2]) {
+  for (int i = 0; i < 2; ++i) v[i] = _mm512_loadu_ps(x + 16 * i);
+}
+
+template <typename T>
+void quantize_row(const T* x, int k, int8_t* q, float* d, int32_t* isum, float* fsum) {
+  for (int b = 0; b < k / kBlock; ++b) {
+    __m512 v[2];
+    widen(x + b * kBlock, v);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])));
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    d[b] = amax / 127.0f;
+    for (int i = 0; i < 2; ++i) {
+      const __m512i qi = _mm512_cvtps_epi32(_mm512_mul_ps(v[i], _mm512_set1_ps(inv)));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * kBlock + 16 * i), _mm512_cvtepi32_epi8(qi));
+      isum[b * 2 + i] = _mm512_reduce_add_epi32(qi);
+    }
+    float f[kBlock];
+    _mm512_storeu_ps(f, v[0]);
+    _mm512_storeu_ps(f + 16, v[1]);
+    fsum[b] = sum_in_order(f);
+  }
+}
+#elif RM_QUANT_ISA >= 1
+inline void widen(const uint16_t* x, __m256 (&v)[4]) {
+  for (int i = 0; i < 4; ++i) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x + 8 * i));
+    v[i] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+}
+inline void widen(const float* x, __m256 (&v)[4]) {
+  for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(x + 8 * i);
+}
+
+inline float max8(__m256 v) {
+  __m128 r = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  r = _mm_max_ps(r, _mm_movehl_ps(r, r));
+  return _mm_cvtss_f32(_mm_max_ps(r, _mm_movehdup_ps(r)));
+}
+
+inline int32_t sum8(__m256i v) {
+  __m128i r = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  r = _mm_add_epi32(r, _mm_unpackhi_epi64(r, r));
+  return _mm_cvtsi128_si32(_mm_add_epi32(r, _mm_shuffle_epi32(r, 1)));
+}
+
+template <typename T>
+void quantize_row(const T* x, int k, int8_t* q, float* d, int32_t* isum, float* fsum) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  for (int b = 0; b < k / kBlock; ++b) {
+    __m256 v[4];
+    widen(x + b * kBlock, v);
+    const __m256 a = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                                   _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+    const float amax = max8(a);
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    d[b] = amax / 127.0f;
+    __m256i qi[4];
+    for (int i = 0; i < 4; ++i) qi[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(inv)));
+    // The packs interleave 128-bit lanes: the permute puts the 32 bytes back in order.
+    const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + b * kBlock),
+                        _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    isum[b * 2] = sum8(_mm256_add_epi32(qi[0], qi[1]));
+    isum[b * 2 + 1] = sum8(_mm256_add_epi32(qi[2], qi[3]));
+    float f[kBlock];
+    for (int i = 0; i < 4; ++i) _mm256_storeu_ps(f + 8 * i, v[i]);
+    fsum[b] = sum_in_order(f);
+  }
+}
+#else
 template <typename T>
 void quantize_row(const T* x, int k, int8_t* q, float* d, int32_t* isum, float* fsum) {
   for (int b = 0; b < k / kBlock; ++b) {
@@ -411,18 +535,17 @@ void quantize_row(const T* x, int k, int8_t* q, float* d, int32_t* isum, float* 
     d[b] = amax / 127.0f;
     for (int half = 0; half < 2; ++half) {
       int32_t is = 0;
-      float fs = 0.0f;
       for (int i = half * 16; i < half * 16 + 16; ++i) {
         const int8_t qi = static_cast<int8_t>(std::nearbyint(v[i] * inv));
         q[b * kBlock + i] = qi;
         is += qi;
-        fs += v[i];
       }
       isum[b * 2 + half] = is;
-      fsum[b] = half == 0 ? fs : fsum[b] + fs;
     }
+    fsum[b] = sum_in_order(v);
   }
 }
+#endif
 
 template <typename T>
 void quantize_rows(const T* x, int m, int k, void* buf, int threads) {
