@@ -432,16 +432,28 @@ void gemm(const void* xbuf, int m, const QuantWeight* w, const Epilogue& ep, int
 }
 
 // One row of 32-input blocks: int8 values rounded to nearest-even, the block's scale, the
-// int8 sums per 16 and the float sum. The vector paths round the same products the same way
-// (the default rounding mode is nearest-even) and add the float sum in the same order, one
-// input after another per 16 (its adds overlap the vector work): every path stores the same
-// bytes.
-inline float sum_in_order(const float* v) {
-  float halves[2] = {0.0f, 0.0f};
-  for (int half = 0; half < 2; ++half) {
-    for (int i = half * 16; i < half * 16 + 16; ++i) halves[half] += v[i];
+// int8 sums per 16 (quantize_row) and the float sum (float_sums). The vector paths round the
+// same products the same way (the default rounding mode is nearest-even), and the float sums
+// are added in one order everywhere, one input after another per 16: every path stores the
+// same bytes.
+
+// N blocks' sums at once: 2N independent chains of adds keep the adder busy.
+template <int N>
+void float_sums(const float* x, float* fsum) {
+  float lo[N] = {}, hi[N] = {};
+  for (int i = 0; i < 16; ++i) {
+    for (int b = 0; b < N; ++b) {
+      lo[b] += x[b * kBlock + i];
+      hi[b] += x[b * kBlock + 16 + i];
+    }
   }
-  return halves[0] + halves[1];
+  for (int b = 0; b < N; ++b) fsum[b] = lo[b] + hi[b];
+}
+
+void float_sums(const float* x, int k, float* fsum) {
+  int b = 0;
+  for (; b + 4 <= k / kBlock; b += 4) float_sums<4>(x + b * kBlock, fsum + b);
+  for (; b < k / kBlock; ++b) float_sums<1>(x + b * kBlock, fsum + b);
 }
 
 #if RM_QUANT_ISA == 3
@@ -455,11 +467,14 @@ inline void widen(const float* x, __m512 (&v)[2]) {
   for (int i = 0; i < 2; ++i) v[i] = _mm512_loadu_ps(x + 16 * i);
 }
 
+// x's values widened to float go to f, for float_sums.
 template <typename T>
-void quantize_row(const T* x, int k, int8_t* q, float* d, int32_t* isum, float* fsum) {
+void quantize_row(const T* x, int k, int8_t* q, float* d, int32_t* isum, float* f) {
   for (int b = 0; b < k / kBlock; ++b) {
     __m512 v[2];
     widen(x + b * kBlock, v);
+    _mm512_storeu_ps(f + b * kBlock, v[0]);
+    _mm512_storeu_ps(f + b * kBlock + 16, v[1]);
     const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])));
     const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
     d[b] = amax / 127.0f;
@@ -468,10 +483,6 @@ void quantize_row(const T* x, int k, int8_t* q, float* d, int32_t* isum, float* 
       _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * kBlock + 16 * i), _mm512_cvtepi32_epi8(qi));
       isum[b * 2 + i] = _mm512_reduce_add_epi32(qi);
     }
-    float f[kBlock];
-    _mm512_storeu_ps(f, v[0]);
-    _mm512_storeu_ps(f + 16, v[1]);
-    fsum[b] = sum_in_order(f);
   }
 }
 #elif RM_QUANT_ISA >= 1
@@ -498,11 +509,12 @@ inline int32_t sum8(__m256i v) {
 }
 
 template <typename T>
-void quantize_row(const T* x, int k, int8_t* q, float* d, int32_t* isum, float* fsum) {
+void quantize_row(const T* x, int k, int8_t* q, float* d, int32_t* isum, float* f) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
   for (int b = 0; b < k / kBlock; ++b) {
     __m256 v[4];
     widen(x + b * kBlock, v);
+    for (int i = 0; i < 4; ++i) _mm256_storeu_ps(f + b * kBlock + 8 * i, v[i]);
     const __m256 a = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
                                    _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
     const float amax = max8(a);
@@ -516,16 +528,13 @@ void quantize_row(const T* x, int k, int8_t* q, float* d, int32_t* isum, float* 
                         _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
     isum[b * 2] = sum8(_mm256_add_epi32(qi[0], qi[1]));
     isum[b * 2 + 1] = sum8(_mm256_add_epi32(qi[2], qi[3]));
-    float f[kBlock];
-    for (int i = 0; i < 4; ++i) _mm256_storeu_ps(f + 8 * i, v[i]);
-    fsum[b] = sum_in_order(f);
   }
 }
 #else
 template <typename T>
-void quantize_row(const T* x, int k, int8_t* q, float* d, int32_t* isum, float* fsum) {
+void quantize_row(const T* x, int k, int8_t* q, float* d, int32_t* isum, float* f) {
   for (int b = 0; b < k / kBlock; ++b) {
-    float v[kBlock];
+    float* v = f + b * kBlock;
     float amax = 0.0f;
     for (int i = 0; i < kBlock; ++i) {
       v[i] = load(x[b * kBlock + i]);
@@ -542,7 +551,6 @@ void quantize_row(const T* x, int k, int8_t* q, float* d, int32_t* isum, float* 
       }
       isum[b * 2 + half] = is;
     }
-    fsum[b] = sum_in_order(v);
   }
 }
 #endif
@@ -554,9 +562,12 @@ void quantize_rows(const T* x, int m, int k, void* buf, int threads) {
   const int used = static_cast<int64_t>(m) * k >= (1 << 16) ? threads : 1;
 #pragma omp parallel for schedule(static) num_threads(used)
   for (int r = 0; r < m; ++r) {
+    thread_local std::vector<float> wide;
+    wide.resize(k);
     quantize_row(x + static_cast<int64_t>(r) * k, k, rows.q + static_cast<int64_t>(r) * k,
                  rows.d + static_cast<int64_t>(r) * kb, rows.isum + static_cast<int64_t>(r) * 2 * kb,
-                 rows.fsum + static_cast<int64_t>(r) * kb);
+                 wide.data());
+    float_sums(wide.data(), k, rows.fsum + static_cast<int64_t>(r) * kb);
   }
 }
 
