@@ -9,8 +9,10 @@
 //
 // bf16 with D a multiple of 32 (up to 256) and up to 8 query heads per KV head takes the
 // AVX512-BF16 path: per (request, KV head), each K and V row of that head is read once for
-// all of its query heads. Scores of 16 keys are summed at once (sum16x16), exp
-// is vectorized, and V rows are widened once and accumulated for every query head.
+// all of its query heads. Scores of 16 keys are summed at once (sum16x16), exp is
+// vectorized, and the weighted sum of V takes two keys per VDPBF16PS: the softmax weights
+// are rounded to bf16 there (as flash attention rounds them on GPUs), V rows go in as
+// stored.
 // Everything else takes the portable path: a key at a time, a task per request (or per
 // request and KV head when there are few), AVX2 dot products and exp for bf16 where the CPU
 // has them.
@@ -258,24 +260,51 @@ void attend_head(const uint16_t* q, const uint16_t* k, const uint16_t* v,
     const float sum = _mm512_reduce_add_ps(total);
     inv[j] = sum > 0.0f ? 1.0f / sum : 0.0f;
   }
+  // P as bf16, two keys to a 32-bit pair (zeros past len), and V two rows at a time,
+  // interleaved so that one VDPBF16PS adds both keys' terms for 16 dims: accumulator
+  // 2c + s of a head holds dims 32c + 8i + 4s + t in lane 4i + t.
+  const int pairs = (len + 1) / 2;
+  thread_local std::vector<uint32_t> pbuf;
+  pbuf.resize(static_cast<size_t>(g) * (padded / 2 + 8));
+  const int pstride = padded / 2 + 8;
+  for (int j = 0; j < g; ++j) {
+    const float* s = scores + j * padded;
+    uint16_t* pj = reinterpret_cast<uint16_t*>(pbuf.data() + j * pstride);
+    for (int l = 0; l < padded; l += 16) {
+      radixmesh::store16(pj + l, _mm512_mul_ps(_mm512_loadu_ps(s + l), _mm512_set1_ps(inv[j])));
+    }
+  }
   __m512 acc[kMaxGroup][C];
   for (int j = 0; j < g; ++j) {
     for (int c = 0; c < C; ++c) acc[j][c] = _mm512_setzero_ps();
   }
-  for (int l = 0; l < len; ++l) {
+  for (int i = 0; i < pairs; ++i) {
+    const int l = 2 * i;
     if (l + kAhead < len) prefetch_row(v + slots[l + kAhead] * row_elems + head, fetch);
-    const uint16_t* row = v + slots[l] * row_elems + head;
-    __m512 vals[C];
-    for (int c = 0; c < C; ++c) vals[c] = radixmesh::load16(row + 16 * c);
-    for (int j = 0; j < g; ++j) {
-      const __m512 p = _mm512_set1_ps(scores[j * padded + l]);
-      for (int c = 0; c < C; ++c) acc[j][c] = _mm512_fmadd_ps(p, vals[c], acc[j][c]);
+    if (l + 1 + kAhead < len) prefetch_row(v + slots[l + 1 + kAhead] * row_elems + head, fetch);
+    const uint16_t* a = v + slots[l] * row_elems + head;
+    const uint16_t* b = l + 1 < len ? v + slots[l + 1] * row_elems + head : nullptr;
+    for (int c = 0; c < C / 2; ++c) {
+      const __m512i va = _mm512_loadu_si512(a + 32 * c);
+      const __m512i vb = b != nullptr ? _mm512_loadu_si512(b + 32 * c) : _mm512_setzero_si512();
+      const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(va, vb);
+      const __m512bh hi = (__m512bh)_mm512_unpackhi_epi16(va, vb);
+      for (int j = 0; j < g; ++j) {
+        const __m512bh p = (__m512bh)_mm512_set1_epi32(static_cast<int>(pbuf[j * pstride + i]));
+        acc[j][2 * c] = _mm512_dpbf16_ps(acc[j][2 * c], p, lo);
+        acc[j][2 * c + 1] = _mm512_dpbf16_ps(acc[j][2 * c + 1], p, hi);
+      }
     }
   }
+  // Back to dim order: dims 32c .. 32c + 15 from lanes 0-7 of both accumulators, then 16-31.
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second = _mm512_add_epi32(first, _mm512_set1_epi32(8));
   for (int j = 0; j < g; ++j) {
-    const __m512 scale_j = _mm512_set1_ps(inv[j]);
-    for (int c = 0; c < C; ++c) {
-      radixmesh::store16(out + j * dim + 16 * c, _mm512_mul_ps(acc[j][c], scale_j));
+    for (int c = 0; c < C / 2; ++c) {
+      radixmesh::store16(out + j * dim + 32 * c,
+                         _mm512_permutex2var_ps(acc[j][2 * c], first, acc[j][2 * c + 1]));
+      radixmesh::store16(out + j * dim + 32 * c + 16,
+                         _mm512_permutex2var_ps(acc[j][2 * c], second, acc[j][2 * c + 1]));
     }
   }
 }
