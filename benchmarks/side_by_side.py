@@ -116,11 +116,14 @@ class Processes:
         cpu = (int(fields[11]) + int(fields[12])) / ticks
         return cpu, int(fields[21]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
+    def _total(self, field: int) -> dict[str, float]:
+        return {name: sum(self._stat(p)[field] for p in pids) for name, pids in self.pids.items()}
+
     def cpu(self) -> dict[str, float]:
-        return {name: sum(self._stat(p)[0] for p in pids) for name, pids in self.pids.items()}
+        return self._total(0)
 
     def rss_mib(self) -> dict[str, float]:
-        return {name: sum(self._stat(p)[1] for p in pids) for name, pids in self.pids.items()}
+        return self._total(1)
 
 
 async def measure(target: str, backend: Backend, sizes: Sizes, pool: list[int],

@@ -263,10 +263,9 @@ void attend_head(const uint16_t* q, const uint16_t* k, const uint16_t* v,
   // P as bf16, two keys to a 32-bit pair (zeros past len), and V two rows at a time,
   // interleaved so that one VDPBF16PS adds both keys' terms for 16 dims: accumulator
   // 2c + s of a head holds dims 32c + 8i + 4s + t in lane 4i + t.
-  const int pairs = (len + 1) / 2;
+  const int pairs = (len + 1) / 2, pstride = padded / 2;
   thread_local std::vector<uint32_t> pbuf;
-  pbuf.resize(static_cast<size_t>(g) * (padded / 2 + 8));
-  const int pstride = padded / 2 + 8;
+  pbuf.resize(static_cast<size_t>(g) * pstride);
   for (int j = 0; j < g; ++j) {
     const float* s = scores + j * padded;
     uint16_t* pj = reinterpret_cast<uint16_t*>(pbuf.data() + j * pstride);

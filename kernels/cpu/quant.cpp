@@ -194,6 +194,9 @@ struct Isa {  // one feature at a time: its four bytes of a chunk in a uint32
 
 constexpr int kTileRows = Isa::L == 16 ? 8 : 4;
 
+// 4-byte chunks of 16 features per 32-input block: 4 bits hold two quads a byte.
+constexpr int chunks(int bits) { return bits == 4 ? 4 : 8; }
+
 // Where a tile's sums go: out = (sum + bias), rounded to the output type, + residual
 // (rounded again), bf16 or float32 alike.
 struct Epilogue {
@@ -316,7 +319,7 @@ void tile(const QuantWeight& w, const uint8_t* q, const Rows& x, int g, int h, i
   using I = typename Isa::I;
   using F = typename Isa::F;
   constexpr int L = Isa::L;
-  constexpr int kChunks = Bits == 4 ? 4 : 8;
+  constexpr int kChunks = chunks(Bits);
   constexpr int kSets = R <= 2 ? 2 : 1;  // independent integer chains for short tiles
   static_assert(!(Min && Sub == 2), "x's float sums are kept per 32 inputs");
   const int kb = w.k / kBlock;
@@ -386,9 +389,9 @@ constexpr bool kUnpackOnce = RM_QUANT_ISA >= 2;
 const uint8_t* unpack_group(const QuantWeight& w, int g) {
   thread_local std::vector<uint8_t> wide;
   const int kb = w.k / kBlock;
-  wide.resize(static_cast<size_t>(kb) * 8 * 64);
-  const uint8_t* q = w.q + static_cast<int64_t>(g) * kb * 4 * 64;
-  for (int j = 0; j < kb * 4; ++j) {
+  wide.resize(static_cast<size_t>(kb) * chunks(8) * 64);
+  const uint8_t* q = w.q + static_cast<int64_t>(g) * kb * chunks(4) * 64;
+  for (int j = 0; j < kb * chunks(4); ++j) {
     const uint8_t* in = q + j * 64;
     uint8_t* out = wide.data() + (j / 4 * 8 + j % 4) * 64;
     for (int i = 0; i < 64; ++i) {
@@ -405,8 +408,8 @@ void features(const QuantWeight& w, const Rows& x, int g, const Epilogue& ep) {
   if (Bits == 4 && kUnpackOnce && x.m >= 2 * kTileRows) {
     rows<8, Sub, Wide, Min, S>(w, unpack_group(w, g), x, g, ep);
   } else {
-    rows<Bits, Sub, Wide, Min, S>(w, w.q + static_cast<int64_t>(g) * kb * (Bits == 4 ? 4 : 8) * 64,
-                                  x, g, ep);
+    rows<Bits, Sub, Wide, Min, S>(w, w.q + static_cast<int64_t>(g) * kb * chunks(Bits) * 64, x, g,
+                                  ep);
   }
 }
 
@@ -578,13 +581,13 @@ inline float scale_of(const QuantWeight& w, const void* p, int64_t at) {
 // Row n of the weight as floats (then rounded to T).
 template <typename T>
 void dequantize_rows(const QuantWeight* w, const int64_t* rows, int count, T* out, int threads) {
-  const int kb = w->k / kBlock, chunks = w->bits == 4 ? 4 : 8, sub = kBlock / w->block;
+  const int kb = w->k / kBlock, per_block = chunks(w->bits), sub = kBlock / w->block;
 #pragma omp parallel for schedule(static) num_threads(threads)
   for (int i = 0; i < count; ++i) {
     const int64_t n = rows[i], g = n / kGroup, f = n % kGroup;
     T* dst = out + static_cast<int64_t>(i) * w->k;
     for (int j = 0; j < kb; ++j) {
-      const uint8_t* blk = w->q + (g * kb + j) * chunks * 64 + f * 4;
+      const uint8_t* blk = w->q + (g * kb + j) * per_block * 64 + f * 4;
       for (int e = 0; e < kBlock; ++e) {
         int u;
         if (w->bits == 4) {

@@ -21,9 +21,12 @@ import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from radixmesh.bench.workloads import Workload
+
+if TYPE_CHECKING:
+    from radixmesh.engine.model.model_config import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -37,7 +40,7 @@ class ModelCost:
     kv_bytes: float  # one cached token's K and V over every layer
 
     @classmethod
-    def of(cls, config: Any, weight_bytes: float, kv_element_bytes: int = 2) -> ModelCost:
+    def of(cls, config: ModelConfig, weight_bytes: float, kv_element_bytes: int = 2) -> ModelCost:
         """From a ModelConfig and the served weights' size."""
         h, d = config.hidden_size, config.head_dim
         q, kv = config.num_heads * d, config.num_kv_heads * d
