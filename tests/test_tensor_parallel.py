@@ -68,7 +68,7 @@ def _rank_main(
             loaded = load_model(model_dir, progress=False, quantization=quantization)
             shard_weights(loaded.config, loaded.weights, rank, size)
             runner = ModelRunner(loaded.config, loaded.weights, torch.float32, 256, tp=tp)
-            assert (runner.model.layers[0].down.kind == "quant") == (quantization == "q8_0")
+            assert (runner.model.layers[0].mlp.down.kind == "quant") == (quantization == "q8_0")
             results, logits = run_script(runner)
             saved = {
                 "results": [result_to_proto(r).SerializeToString() for r in results],
@@ -134,7 +134,7 @@ def test_one_rank_keeps_the_plain_layers(model_dirs) -> None:
     loaded = load_model(str(model_dirs[0]), progress=False)
     runner = ModelRunner(loaded.config, loaded.weights, torch.float32, 64)
     layer = runner.model.layers[0]
-    assert type(layer.o) is Linear and type(layer.down) is Linear
+    assert type(layer.o) is Linear and type(layer.mlp.down) is Linear
     assert runner.pool.k[0].shape[1] == KV_HEADS
     tp = TensorParallel(rank=0, size=2)
     shard_weights(loaded.config, loaded.weights, 0, 2)

@@ -72,6 +72,19 @@ def save_tiny_model(path: Path, kind: str = "llama", seed: int = 0) -> Path:
     return path
 
 
+def save_word_tokenizer(path: Path, vocab: int = VOCAB) -> None:
+    """A word-level tokenizer.json for a tiny model ("t0 t1 ..." -> 0, 1, ...), so that the
+    Engine can load the directory; prompts are best given as ids."""
+    import tokenizers
+    from tokenizers import models, pre_tokenizers
+
+    tokenizer = tokenizers.Tokenizer(
+        models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0")
+    )
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(str(path / "tokenizer.json"))
+
+
 def forward_script(decode_steps: int = 6) -> list[StepBatch]:
     """Two requests: "a" prefilled whole with prompt logprobs, "b" sampled with a seed and
     prefilled in two chunks, then both decode together."""
@@ -110,14 +123,16 @@ def hf_config(
     kind: str, vocab: int, hidden: int, intermediate: int, layers: int, heads: int,
     kv_heads: int, **fields: object,
 ):
-    """A transformers config of `kind` ("llama", "qwen2" or "qwen3") of these sizes, with
-    `fields` (rope, norms, tokens, ...) as given."""
+    """A transformers config of `kind` ("llama", "qwen2", "qwen3", "qwen3_moe" or "mixtral")
+    of these sizes, with `fields` (rope, norms, tokens, experts, ...) as given."""
     import transformers
 
     config_cls = {
         "llama": transformers.LlamaConfig,
         "qwen2": transformers.Qwen2Config,
         "qwen3": transformers.Qwen3Config,
+        "qwen3_moe": transformers.Qwen3MoeConfig,
+        "mixtral": transformers.MixtralConfig,
     }[kind]
     return config_cls(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
@@ -160,13 +175,22 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, half, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+# A transformers 5 model's fused experts -> llama.cpp's stacked expert tensors.
+_EXPERTS_TO_GGUF = {
+    "gate_up_proj": ("ffn_gate_exps", "ffn_up_exps"),
+    "down_proj": ("ffn_down_exps",),
+}
+
+
 def write_tiny_gguf(
     tmp_path: Path, arch: str, model, weight_type: gguf.GGMLQuantizationType | None = None
 ) -> Path:
     """Write ``model`` the way llama.cpp would: names, permuted q/k for llama, Q8_0 embeddings
-    and an F16 ffn_up. With `weight_type`, every matrix (embeddings and output included) is in
-    that type instead: quantized from the model's weights where the gguf package can, else
-    random blocks with small scales (the K-quants)."""
+    and an F16 ffn_up. With `weight_type`, every matrix (embeddings, output and stacked experts
+    included; routers stay F32, as llama.cpp keeps them) is in that type instead: quantized
+    from the model's weights where the gguf package can, else random blocks with small scales
+    (the K-quants). A mixture-of-experts model (arch "qwen3moe", or "llama" for Mixtral) gets
+    its experts stacked as 3-D `ffn_{gate,up,down}_exps` tensors and the expert metadata."""
     cfg = model.config
     suffix = "" if weight_type is None else f"-{weight_type.name}"
     path = tmp_path / f"tiny-{arch}{suffix}.gguf"
@@ -175,6 +199,13 @@ def write_tiny_gguf(
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
     w.add_feed_forward_length(cfg.intermediate_size)
+    experts = getattr(cfg, "num_local_experts", 0)
+    if experts:
+        w.add_expert_count(experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        w.add_expert_weights_norm(getattr(cfg, "norm_topk_prob", True))  # Mixtral: always
+        if arch == "qwen3moe":  # Mixtral's files take the experts' width from the above
+            w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
     w.add_key_length(head_dim(cfg))
@@ -195,6 +226,20 @@ def write_tiny_gguf(
             continue
         elif name == "model.norm.weight":
             gname = "output_norm.weight"
+        elif ".mlp.experts." in name:  # [E, 2I, H] gate rows first, or [E, H, I]
+            layer, fused = name.split(".")[2], name.rsplit(".", 1)[1]
+            gnames = _EXPERTS_TO_GGUF[fused]
+            for gname, part in zip(gnames, np.split(a, len(gnames), axis=1), strict=True):
+                part = np.ascontiguousarray(part)
+                full = f"blk.{layer}.{gname}.weight"
+                if weight_type is None:
+                    w.add_tensor(full, part)
+                else:
+                    w.add_tensor(full, _quantized(part, weight_type), raw_dtype=weight_type)
+            continue
+        elif name.endswith(".mlp.gate.weight"):  # the router: F32 in every llama.cpp file
+            w.add_tensor(f"blk.{name.split('.')[2]}.ffn_gate_inp.weight", a)
+            continue
         else:
             _, _, layer, rest = name.split(".", 3)
             module, kind = rest.rsplit(".", 1)

@@ -1,4 +1,5 @@
-"""A Llama-family decoder (Llama/SmolLM2, Qwen2, Qwen3) over a slot-indexed KV pool."""
+"""A Llama-family decoder (Llama/SmolLM2, Qwen2, Qwen3, and the mixture-of-experts
+Qwen3-MoE and Mixtral) over a slot-indexed KV pool."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ import torch.nn.functional as F
 from radixmesh.engine.model.attention import AttentionBackend
 from radixmesh.engine.model.kv_pool import KVPool
 from radixmesh.engine.model.linear import Linear, Weight
+from radixmesh.engine.model.mlp import GatedMLP
 from radixmesh.engine.model.model_config import ModelConfig
+from radixmesh.engine.model.moe import SparseMoE
 from radixmesh.engine.model.parallel import TensorParallel, row_parallel
 from radixmesh.engine.model.rope import RotaryEmbedding, RotaryStep
 from radixmesh.kernels import native
@@ -24,15 +27,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if native.rms_norm_supported(x, weight):
         return native.rms_norm(x, weight, eps)
     return F.rms_norm(x, weight.shape, weight, eps)
-
-
-def silu_mul(x: torch.Tensor) -> torch.Tensor:
-    """[gate | up] [T, 2I] -> silu(gate) * up [T, I]: one native pass for bf16 where it is
-    built, else torch's two ops."""
-    if native.silu_mul_supported(x):
-        return native.silu_mul(x)
-    gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate).mul_(up)
 
 
 class _Cast(Mapping[str, Weight]):
@@ -67,16 +61,18 @@ class _Cast(Mapping[str, Weight]):
 
 
 class DecoderLayer:
-    """Attention + gated MLP with pre-norms; q/k/v and gate/up are fused into one matmul each.
+    """Attention + MLP with pre-norms; q/k/v and gate/up are fused into one matmul each. The
+    MLP is dense, or the experts of a sparse layer (`sparse`).
 
     Under tensor parallelism `cfg` is this rank's share (see parallel.local_config)."""
 
     def __init__(
         self,
         cfg: ModelConfig,
-        w: Mapping[str, torch.Tensor],
+        w: _Cast,
         prefix: str,
         tp: TensorParallel | None = None,
+        sparse: bool = False,
     ) -> None:
         attn = f"{prefix}.self_attn"
         self.cfg = cfg
@@ -92,8 +88,12 @@ class DecoderLayer:
         self.q_norm = w.tensor(f"{attn}.q_norm.weight") if cfg.qk_norm else None
         self.k_norm = w.tensor(f"{attn}.k_norm.weight") if cfg.qk_norm else None
         mlp = f"{prefix}.mlp"
-        self.gate_up = Linear([w[f"{mlp}.gate_proj.weight"], w[f"{mlp}.up_proj.weight"]])
-        self.down = row_parallel(w[f"{mlp}.down_proj.weight"], tp)
+        self.mlp: GatedMLP | SparseMoE = (
+            SparseMoE(w, mlp, cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob, tp)
+            if sparse
+            else GatedMLP(w[f"{mlp}.gate_proj.weight"], w[f"{mlp}.up_proj.weight"],
+                          w[f"{mlp}.down_proj.weight"], tp)
+        )
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
 
@@ -125,7 +125,7 @@ class DecoderLayer:
         out = attn.forward(layer, q, k, v, pool)
         hidden = self.o(out.reshape(-1, self.q_size), residual=hidden)
         x = rms_norm(hidden, self.post_norm, cfg.rms_norm_eps)
-        return self.down(silu_mul(self.gate_up(x)), residual=hidden)
+        return self.mlp(x, hidden)
 
 
 class CausalLM:
@@ -146,7 +146,10 @@ class CausalLM:
         self.embed = w["model.embed_tokens.weight"]
         self.lm_head = Linear(self.embed if cfg.tie_word_embeddings else w["lm_head.weight"])
         self.norm = w.tensor("model.norm.weight")
-        self.layers = [DecoderLayer(cfg, w, f"model.layers.{i}", tp) for i in range(cfg.num_layers)]
+        self.layers = [
+            DecoderLayer(cfg, w, f"model.layers.{i}", tp, i in cfg.sparse_layers)
+            for i in range(cfg.num_layers)
+        ]
         self.native_layers = self._native_layers(tp)
         self.rope = RotaryEmbedding(
             cfg.head_dim,
@@ -183,16 +186,17 @@ class CausalLM:
     def _native_layers(self, tp: TensorParallel | None) -> LayerStack | None:
         """Every layer as one native call, where each of its parts runs natively here (bf16
         activations, weights in bf16 on an AVX512-BF16 CPU or quantized, no q/k norm, one
-        rank) and the attention backend plans it."""
+        rank, dense MLPs: experts run layer by layer in Python) and the attention backend
+        plans it."""
         cfg = self.cfg
-        if tp is not None or cfg.qk_norm or self.dtype != torch.bfloat16:
+        if tp is not None or cfg.qk_norm or cfg.is_moe or self.dtype != torch.bfloat16:
             return None
         stack: list[dict[str, torch.Tensor | list[QuantizedWeight] | None]] = []
         for layer in self.layers:
-            projections = {
-                name: getattr(layer, name).native_weight()
-                for name in ("qkv", "o", "gate_up", "down")
-            }
+            assert isinstance(layer.mlp, GatedMLP)
+            linears = {"qkv": layer.qkv, "o": layer.o, "gate_up": layer.mlp.gate_up,
+                       "down": layer.mlp.down}
+            projections = {name: linear.native_weight() for name, linear in linears.items()}
             if any(p is None for p in projections.values()):
                 return None
             stack.append({"input_norm": layer.input_norm, "post_norm": layer.post_norm,

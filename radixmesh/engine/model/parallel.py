@@ -2,7 +2,9 @@
 
 Attention heads and MLP columns are split across ranks (Megatron-style): q/k/v and
 gate/up are column-parallel, o_proj and down_proj row-parallel and summed over the
-group; embeddings, norms and the LM head are replicated."""
+group; embeddings, norms and the LM head are replicated. Each expert of a sparse MLP is
+split the same way (its weights carry the same projection names) and its router is
+replicated (moe.SparseMoE)."""
 
 from __future__ import annotations
 
@@ -86,14 +88,20 @@ def destroy_tensor_parallel() -> None:
 
 
 def check_divisible(config: ModelConfig, size: int) -> None:
-    """Raise ValueError unless heads, KV heads and the MLP width split evenly over `size`."""
-    for name in ("num_heads", "num_kv_heads", "intermediate_size"):
+    """Raise ValueError unless heads, KV heads and the MLP widths (the experts' too) split
+    evenly over `size`."""
+    names = ("num_heads", "num_kv_heads", "intermediate_size") + (
+        ("moe_intermediate_size",) if config.is_moe else ()
+    )
+    for name in names:
         value = getattr(config, name)
         if value % size:
+            experts = (f" and expert intermediate size {config.moe_intermediate_size}"
+                       if config.is_moe else "")
             raise ValueError(
                 f"tensor parallel size {size} does not divide the model's {name} ({value}); "
-                f"it must divide {config.num_heads} heads, {config.num_kv_heads} KV heads "
-                f"and intermediate size {config.intermediate_size}"
+                f"it must divide {config.num_heads} heads, {config.num_kv_heads} KV heads, "
+                f"intermediate size {config.intermediate_size}{experts}"
             )
 
 
@@ -105,6 +113,7 @@ def local_config(config: ModelConfig, size: int) -> ModelConfig:
         num_heads=config.num_heads // size,
         num_kv_heads=config.num_kv_heads // size,
         intermediate_size=config.intermediate_size // size,
+        moe_intermediate_size=config.moe_intermediate_size // size,
     )
 
 

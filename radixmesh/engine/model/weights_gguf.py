@@ -6,7 +6,7 @@ Dequantization to float32 is delegated to ``gguf.quants.dequantize``.
 from __future__ import annotations
 
 import mmap
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -14,6 +14,7 @@ import numpy as np
 
 from radixmesh.core.gguf import GGUFFile, GGUFTensorInfo, gguf_eos_token_ids, read_gguf
 from radixmesh.engine.model.model_config import ModelConfig
+from radixmesh.engine.model.moe import expert_weight_name
 from radixmesh.kernels.native_quant import QUANT_TYPES, QuantizedWeight
 
 if TYPE_CHECKING:
@@ -22,7 +23,11 @@ if TYPE_CHECKING:
     from radixmesh.engine.model.linear import Weight
 
 _Rows = TypeVar("_Rows", np.ndarray, "torch.Tensor")
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe")
+# llama.cpp's name for an architecture where Hugging Face's differs (Mixtral is "llama" with
+# experts: see config_from_gguf).
+_HF_ARCHITECTURE = {"qwen3moe": "qwen3_moe"}
+_SOFTMAX_GATING = 1  # gguf.ExpertGatingFuncType.SOFTMAX: the only routing served
 
 # ggml tensor types whose float32 conversion needs no block decoding.
 _GGML_F32, _GGML_F16, _GGML_BF16 = 0, 1, 30
@@ -64,8 +69,10 @@ def config_from_gguf(gf: GGUFFile, name: str | None = None) -> ModelConfig:
             rope_scaling["original_max_position_embeddings"] = int(orig)
 
     bos = md.get("tokenizer.ggml.bos_token_id")
+    experts = int(key("expert_count", 0))
+    architecture = "mixtral" if arch == "llama" and experts else _HF_ARCHITECTURE.get(arch, arch)
     return ModelConfig(
-        architecture=arch,
+        architecture=architecture,
         vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=int(key("feed_forward_length")),
@@ -83,7 +90,39 @@ def config_from_gguf(gf: GGUFFile, name: str | None = None) -> ModelConfig:
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=gguf_eos_token_ids(md),
         name=name or gf.path.name.removesuffix(".gguf"),
+        **_moe_shape(gf, arch, experts),
     )
+
+
+def _moe_shape(gf: GGUFFile, arch: str, experts: int) -> dict[str, Any]:
+    """The ModelConfig fields of a mixture-of-experts GGUF (none for a dense one). The
+    sparse layers are those with a router (`blk.N.ffn_gate_inp`); llama.cpp renormalizes
+    the top-k weights for both qwen3moe and Mixtral unless `expert_weights_norm` says not."""
+    if not experts:
+        return {}
+    md = gf.metadata
+
+    def key(k: str, default: Any = None) -> Any:
+        return md.get(f"{arch}.{k}", default)
+
+    if key("expert_gating_func", _SOFTMAX_GATING) != _SOFTMAX_GATING:
+        raise ValueError(f"{gf.path}: only softmax expert routing is supported, not "
+                         f"{arch}.expert_gating_func={key('expert_gating_func')}")
+    if key("expert_shared_count", 0):
+        raise ValueError(f"{gf.path}: shared experts ({arch}.expert_shared_count) are not "
+                         "supported")
+    layers = int(key("block_count"))
+    return {
+        "num_experts": experts,
+        "num_experts_per_tok": int(key("expert_used_count")),
+        "moe_intermediate_size": int(
+            key("expert_feed_forward_length") or key("feed_forward_length")
+        ),
+        "norm_topk_prob": bool(key("expert_weights_norm", True)),
+        "sparse_layers": tuple(
+            i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" in gf.tensors
+        ),
+    }
 
 
 _TOP_LEVEL_NAMES = {
@@ -103,19 +142,44 @@ _BLOCK_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",
+}
+# Experts stacked into one 3-D tensor [experts, rows, inputs] per projection.
+_EXPERT_NAMES = {
+    "ffn_gate_exps": "gate_proj",
+    "ffn_up_exps": "up_proj",
+    "ffn_down_exps": "down_proj",
 }
 # Tensors llama.cpp adds that have no Hugging Face parameter (precomputed RoPE factors).
 _IGNORED = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
 
 
 def hf_name(gguf_name: str) -> str:
-    """Map a llama.cpp tensor name to the Hugging Face parameter name."""
+    """Map a llama.cpp tensor name to the Hugging Face parameter name. Old Mixtral files
+    name each expert's tensor (`blk.N.ffn_gate.E.weight`); see expert_names for the
+    stacked ones."""
     if gguf_name in _TOP_LEVEL_NAMES:
         return _TOP_LEVEL_NAMES[gguf_name]
     parts = gguf_name.split(".")
     if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _BLOCK_NAMES:
         return f"model.layers.{parts[1]}.{_BLOCK_NAMES[parts[2]]}.{parts[3]}"
+    if (len(parts) == 5 and parts[0] == "blk" and parts[1].isdigit() and parts[3].isdigit()
+            and parts[2] in ("ffn_gate", "ffn_up", "ffn_down") and parts[4] == "weight"):
+        projection = _EXPERT_NAMES[f"{parts[2]}_exps"]
+        return expert_weight_name(f"model.layers.{parts[1]}.mlp", int(parts[3]), projection)
     raise ValueError(f"unknown GGUF tensor {gguf_name!r}")
+
+
+def expert_names(gguf_name: str, experts: int) -> list[str] | None:
+    """The per-expert Hugging Face names of a stacked expert tensor, in its order along
+    dim 0, or None if `gguf_name` is no such tensor."""
+    parts = gguf_name.split(".")
+    if len(parts) != 4 or parts[0] != "blk" or parts[2] not in _EXPERT_NAMES:
+        return None
+    if not experts:
+        raise ValueError(f"{gguf_name}: stacked experts in a file without an expert_count")
+    prefix = f"model.layers.{parts[1]}.mlp"
+    return [expert_weight_name(prefix, e, _EXPERT_NAMES[parts[2]]) for e in range(experts)]
 
 
 def dequantize_tensor(mm: Any, info: GGUFTensorInfo) -> np.ndarray:
@@ -148,6 +212,31 @@ def unpermute_rows(w: _Rows, n_head: int) -> _Rows:
     return w.reshape(n_head, half, 2, *rest).swapaxes(1, 2).reshape(w.shape)
 
 
+def _split_experts(
+    mm: Any,
+    info: GGUFTensorInfo,
+    names: list[str],
+    keep_quantized: bool,
+    pages: _Pages,
+    convert: Callable[[str, torch.Tensor], Weight] | None,
+) -> Iterator[tuple[str, Weight]]:
+    """A stacked expert tensor [experts, rows, inputs] as one weight per expert, under
+    `names`. Each expert's rows are contiguous in the file, so a quantized one splits into
+    whole rows of blocks without decoding."""
+    import torch
+
+    experts, rows, inputs = info.shape
+    if keep_quantized and info.ggml_type in QUANT_TYPES:
+        raw = np.frombuffer(mm, np.uint8, count=info.nbytes, offset=info.offset)
+        for name, part in zip(names, raw.reshape(experts, rows, -1), strict=True):
+            yield name, QuantizedWeight.from_gguf(part, info.ggml_type, rows, inputs,
+                                                  done=pages.drop)
+        return
+    for name, part in zip(names, dequantize_tensor(mm, info), strict=True):
+        tensor = torch.from_numpy(part)
+        yield name, tensor if convert is None else convert(name, tensor)
+
+
 class _Pages:
     """Drops the file's pages from this process's memory as tensors are read in file order:
     a file the size of the weights is not held twice while loading. Everything before the
@@ -178,15 +267,16 @@ def load_gguf(
     convert: Callable[[str, torch.Tensor], Weight] | None = None,
 ) -> tuple[ModelConfig, dict[str, Weight]]:
     """Read a GGUF model: its ModelConfig and weights under Hugging Face names. Quantized
-    2-D tensors of a type the native kernels take stay quantized with `keep_quantized`
-    (read straight from the file into their packed form); every other tensor is float32,
-    passed through `convert` (name, tensor) if given."""
+    matrices (and stacked experts, one matrix each; never routers) of a type the native
+    kernels take stay quantized with `keep_quantized` (read straight from the file into their
+    packed form); every other tensor is float32, passed through `convert` (name, tensor) if
+    given."""
     import torch
     from tqdm import tqdm
 
     gf = read_gguf(path)
     config = config_from_gguf(gf, name=name)
-    permuted = config.architecture == "llama"
+    permuted = gf.metadata["general.architecture"] == "llama"  # Mixtral's files too
     weights: dict[str, Weight] = {}
     with open(gf.path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
         pages = _Pages(mm)
@@ -198,7 +288,11 @@ def load_gguf(
             n_head = None
             if permuted and len(parts) == 4 and parts[2] in ("attn_q", "attn_k"):
                 n_head = config.num_heads if parts[2] == "attn_q" else config.num_kv_heads
-            if keep_quantized and info.ggml_type in QUANT_TYPES and len(info.shape) == 2:
+            names = expert_names(info.name, config.num_experts)
+            if names is not None:
+                weights.update(_split_experts(mm, info, names, keep_quantized, pages, convert))
+            elif (keep_quantized and info.ggml_type in QUANT_TYPES and len(info.shape) == 2
+                  and parts[2:3] != ["ffn_gate_inp"]):  # routers stay float: see moe.py
                 raw = np.frombuffer(mm, np.uint8, count=info.nbytes, offset=info.offset)
                 raw = raw.reshape(info.shape[0], -1)
                 if n_head is not None:  # whole rows of blocks move (a copy)

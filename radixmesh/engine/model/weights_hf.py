@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from radixmesh.engine.model.model_config import ModelConfig
+from radixmesh.engine.model.moe import expert_weight_name
 
 if TYPE_CHECKING:
     import torch
@@ -18,6 +19,8 @@ if TYPE_CHECKING:
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 # Buffers some checkpoints carry that are not parameters.
 _DROPPED_SUFFIXES = ("rotary_emb.inv_freq",)
+# Mixtral's per-expert projections (w1 gate, w3 up, w2 down) under moe.py's names.
+_MIXTRAL_EXPERT = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
 def _eos_list(value: Any) -> list[int]:
@@ -56,13 +59,44 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
+def expert_tensors(key: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+    """A checkpoint tensor under the names the model takes: expert weights one per expert
+    (moe.expert_weight_name), everything else as it is.
+
+    transformers 5 writes experts one by one by default (Qwen3-MoE
+    `mlp.experts.{e}.{gate,up,down}_proj.weight`; Mixtral
+    `block_sparse_moe.experts.{e}.w1/w3/w2.weight`, router `block_sparse_moe.gate.weight`),
+    and fused 3-D tensors with save_original_format=False or from its own runtime layout:
+    `mlp.experts.gate_up_proj` [E, 2I, hidden] (gate rows first) and `mlp.experts.down_proj`
+    [E, hidden, I]."""
+    key = key.replace(".block_sparse_moe.", ".mlp.")
+    head, _, last = key.rpartition(".experts.")
+    if not head:
+        yield key, tensor
+        return
+    parts = last.split(".")
+    if tensor.dim() == 3 and last in ("gate_up_proj", "down_proj"):
+        for e, weight in enumerate(tensor.unbind(0)):
+            if last == "down_proj":
+                yield expert_weight_name(head, e, "down_proj"), weight
+            else:
+                gate, up = weight.chunk(2, dim=0)
+                yield expert_weight_name(head, e, "gate_proj"), gate
+                yield expert_weight_name(head, e, "up_proj"), up
+    elif len(parts) == 3 and parts[1] in _MIXTRAL_EXPERT:
+        yield expert_weight_name(head, int(parts[0]), _MIXTRAL_EXPERT[parts[1]]), tensor
+    else:
+        yield key, tensor
+
+
 def load_hf_dir(
     model_dir: str | Path,
     progress: bool = True,
     convert: Callable[[str, torch.Tensor], Weight] | None = None,
 ) -> tuple[ModelConfig, dict[str, Weight]]:
-    """Read config and weights from a Hugging Face directory; weights converted to float32,
-    then passed through `convert` (name, tensor) one by one if given."""
+    """Read config and weights from a Hugging Face directory; weights converted to float32
+    (experts one by one, see expert_tensors), then passed through `convert` (name, tensor)
+    one by one if given."""
     import torch
     from safetensors import safe_open
     from tqdm import tqdm
@@ -81,9 +115,10 @@ def load_hf_dir(
                 for key in keys:
                     if key.endswith(_DROPPED_SUFFIXES):
                         continue
-                    t = fh.get_tensor(key)
-                    t = t.to(torch.float32).contiguous()
-                    weights[key] = t if convert is None else convert(key, t)
+                    t = fh.get_tensor(key).to(torch.float32)
+                    for name, part in expert_tensors(key, t):
+                        part = part.contiguous()
+                        weights[name] = part if convert is None else convert(name, part)
                     bar.update()
     if config.tie_word_embeddings:
         weights.pop("lm_head.weight", None)

@@ -1,0 +1,34 @@
+"""The gated SiLU MLP of a decoder layer (and of each expert of a sparse one, moe.py)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from radixmesh.engine.model.linear import Linear, Weight
+from radixmesh.engine.model.parallel import TensorParallel, row_parallel
+from radixmesh.kernels import native
+
+
+def silu_mul(x: torch.Tensor) -> torch.Tensor:
+    """[gate | up] [T, 2I] -> silu(gate) * up [T, I]: one native pass for bf16 where it is
+    built, else torch's two ops."""
+    if native.silu_mul_supported(x):
+        return native.silu_mul(x)
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate).mul_(up)
+
+
+class GatedMLP:
+    """down(silu(gate(x)) * up(x)), gate and up fused into one matmul; `mlp(x, residual)`
+    adds the residual in the down projection's epilogue. With `tp`, down is row-parallel
+    (summed over the group); without, a plain Linear."""
+
+    def __init__(
+        self, gate: Weight, up: Weight, down: Weight, tp: TensorParallel | None = None
+    ) -> None:
+        self.gate_up = Linear([gate, up])
+        self.down = row_parallel(down, tp)
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        return self.down(silu_mul(self.gate_up(x)), residual=residual)

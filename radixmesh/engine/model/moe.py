@@ -1,0 +1,108 @@
+"""A sparse mixture-of-experts MLP (Qwen3-MoE, Mixtral): a router picks each token's top-k
+experts, each a gated SiLU MLP, and the token's output is their weighted sum.
+
+The experts' weights come in whatever form the loader gave (float tensors or GGUF
+`QuantizedWeight`s), each wrapped in a `Linear`, so the same dense or native quantized
+kernels as the dense MLP run them. Experts are named one by one, as Hugging Face's per-expert
+checkpoints spell them: `{prefix}.experts.{e}.{gate,up,down}_proj.weight`, router
+`{prefix}.gate.weight`; the loaders bring every other layout to these names."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from radixmesh.engine.model.linear import Weight
+from radixmesh.engine.model.mlp import GatedMLP
+from radixmesh.engine.model.parallel import TensorParallel
+
+# An expert's projections, in the order GatedMLP takes them.
+EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+def expert_weight_name(prefix: str, expert: int, projection: str) -> str:
+    """The name one expert's projection goes by: `prefix` is the layer's `...mlp`."""
+    return f"{prefix}.experts.{expert}.{projection}.weight"
+
+
+class Routing(NamedTuple):
+    """Each token's chosen experts, best first, and their weights (float32), [T, k] each."""
+
+    experts: torch.Tensor
+    weights: torch.Tensor
+
+
+def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> Routing:
+    """Router logits [T, E] -> the top-k experts of the softmax over all E (in float32, as
+    transformers does), their probabilities rescaled to sum to 1 if `renormalize`.
+
+    torch.topk decides ties, exactly as in transformers."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, experts = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return Routing(experts, weights)
+
+
+class SparseMoE:
+    """The sparse MLP of one layer: `block(x, residual)` -> residual + MoE(x).
+
+    Under tensor parallelism every expert is split like the dense MLP (gate/up by output
+    rows, down by input columns; parallel.shard_weights does it, by name) and the router is
+    replicated: each rank routes the same tokens the same way, sums its experts' partial
+    outputs, and one all-reduce per layer completes them."""
+
+    def __init__(
+        self,
+        w: Mapping[str, Weight],
+        prefix: str,
+        num_experts: int,
+        top_k: int,
+        renormalize: bool,
+        tp: TensorParallel | None = None,
+    ) -> None:
+        router = w[f"{prefix}.gate.weight"]
+        # The router runs as transformers runs it (F.linear on the float weight, in the
+        # activations' dtype): routing is discontinuous, so its logits should differ from
+        # the reference's as little as they can. It is tiny (experts x hidden).
+        if not isinstance(router, torch.Tensor) or router.shape[0] != num_experts:
+            raise ValueError(f"{prefix}.gate.weight must be a float [{num_experts}, hidden] "
+                             f"router, got {type(router).__name__} {list(router.shape)}")
+        self.router = router
+        # No reduction per expert: the block reduces their weighted sum once.
+        self.experts: list[GatedMLP] = []
+        for e in range(num_experts):
+            gate, up, down = (w[expert_weight_name(prefix, e, p)] for p in EXPERT_PROJECTIONS)
+            self.experts.append(GatedMLP(gate, up, down))
+        self.top_k, self.renormalize, self.tp = top_k, renormalize, tp
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] (post-attention-normed), residual [T, hidden] -> the layer's output."""
+        routing = route(F.linear(x, self.router), self.top_k, self.renormalize)
+        tokens, k = routing.experts.shape
+        # Sort the T*k (token, expert) picks by expert: each expert's tokens are one
+        # contiguous run, so its two GEMMs run once over all of them.
+        picks = routing.experts.flatten()
+        order = torch.argsort(picks, stable=True)
+        counts = torch.bincount(picks, minlength=len(self.experts)).tolist()
+        rows = x[order // k]
+        out = torch.empty_like(rows)
+        start = 0
+        for expert, count in zip(self.experts, counts, strict=True):
+            if count:
+                run = slice(start, start + count)
+                out[run] = expert(rows[run])
+                start += count
+        # Back to (token, pick) order, then each token's weighted sum over its k picks,
+        # accumulated in float32.
+        unsorted = torch.empty_like(out)
+        unsorted[order] = out
+        mixed = torch.bmm(
+            routing.weights.unsqueeze(1), unsorted.view(tokens, k, -1).float()
+        ).squeeze(1)
+        if self.tp is not None:
+            mixed = self.tp.all_reduce(mixed)
+        return residual + mixed.to(residual.dtype)
