@@ -49,7 +49,8 @@ RUN if ! command -v g++ >/dev/null; then \
         && apt-get install -y --no-install-recommends g++ libgomp1 \
         && rm -rf /var/lib/apt/lists/*; \
     fi \
-    && useradd --create-home --uid 10001 radixmesh
+    && useradd --create-home --uid 10001 radixmesh \
+    && install -d -o radixmesh -g radixmesh /home/radixmesh/.cache/huggingface
 COPY --from=build /opt /opt
 ENV PATH=/opt/venv/bin:$PATH PYTHONUNBUFFERED=1 RADIXMESH_CACHE=/opt/radixmesh-cache
 USER radixmesh

@@ -13,7 +13,7 @@ import threading
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 from radixmesh.core.finish import FinishKind, FinishReason
@@ -91,12 +91,15 @@ class Engine:
 
     def __init__(self, model_path: str | None = None, **kwargs: Any) -> None:
         self.args = a = EngineArgs(model_path=model_path, **kwargs)
-        path = resolve_model_path(model_path)
+        # Resolved once: the tokenizer and the weights come from one snapshot of a hub repo.
+        path = resolve_model_path(a.model_path, a.revision)
         self.tokenizer = Tokenizer.from_path(str(path))
         # Every torch call runs on this one thread: a second thread running parallel torch
         # ops starts a second OpenMP team, and the two slow each other down by ~1.5x.
         self._torch = ThreadPoolExecutor(1, thread_name_prefix="radixmesh-worker")
-        self.runner = self._torch.submit(load_runner, a, progress=a.show_progress).result()
+        self.runner = self._torch.submit(
+            load_runner, replace(a, model_path=str(path)), progress=a.show_progress
+        ).result()
         self.model_config = loaded = self.runner.config
         self.scheduler = Scheduler(
             SchedulerConfig.from_settings(

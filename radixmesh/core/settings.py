@@ -90,8 +90,15 @@ class ModelSettings(Settings):
 
     model_path: str | None = setting(
         None,
-        help="GGUF file or Hugging Face model directory (weights and tokenizer); "
-        "empty: the bundled SmolLM2-135M-Instruct GGUF",
+        help="GGUF file or Hugging Face model directory (weights and tokenizer), or a model "
+        "on the Hugging Face Hub: ORG/NAME (its safetensors, or its only .gguf file), "
+        "ORG/NAME:FILE.gguf or ORG/NAME:QUANT (the .gguf file of that quant, e.g. :Q4_K_M), "
+        "fetched into the Hugging Face cache (HF_HOME, HF_HUB_OFFLINE, HF_TOKEN); empty: the "
+        "bundled SmolLM2-135M-Instruct GGUF",
+    )
+    revision: str | None = setting(
+        None,
+        help="the branch, tag or commit of a Hugging Face Hub model_path to load; empty: main",
     )
 
 

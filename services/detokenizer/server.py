@@ -163,8 +163,10 @@ class DetokenizerService:
         """Load the tokenizer, then take TokenSteps from NATS."""
         await self._status.start()
         if self.tokenizer is None:
-            path = str(resolve_model_path(self.config.model_path))
-            self.tokenizer = await asyncio.to_thread(Tokenizer.from_path, path)
+            path = await asyncio.to_thread(
+                resolve_model_path, self.config.model_path, self.config.revision
+            )
+            self.tokenizer = await asyncio.to_thread(Tokenizer.from_path, str(path))
         self._nc = await connect_bus(self.config.nats_url,
                                      f"detokenizer-{self.config.replica_id}")
         await self._nc.subscribe(subjects.DETOK, queue=subjects.DETOK_QUEUE, cb=self._on_step)

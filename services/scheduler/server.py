@@ -75,7 +75,9 @@ class SchedulerService:
         await self._status.start()
         self._nc = await connect_bus(self.config.nats_url, f"scheduler-{self.engine_id}")
         self.info = await self._connect_workers()
-        model_path = resolve_model_path(self.config.model_path)
+        model_path = await asyncio.to_thread(
+            resolve_model_path, self.config.model_path, self.config.revision
+        )
         tokenizer = Tokenizer.from_path(str(model_path))
         self.scheduler = Scheduler(
             SchedulerConfig.from_settings(

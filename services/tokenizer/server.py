@@ -53,7 +53,7 @@ class TokenizerServer:
     async def start(self) -> None:
         """Load the tokenizer, join the mesh, then open the HTTP and gRPC ports."""
         cfg = self.config
-        model_path = resolve_model_path(cfg.model_path)
+        model_path = await asyncio.to_thread(resolve_model_path, cfg.model_path, cfg.revision)
         tokenizer = self._tokenizer or await asyncio.to_thread(Tokenizer.from_path, str(model_path))
         self._nc = await connect_bus(cfg.nats_url, f"tokenizer-{cfg.replica_id}",
                                      self._bus_back)

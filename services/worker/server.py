@@ -8,6 +8,8 @@ import contextlib
 import logging
 import socket
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -90,13 +92,17 @@ class WorkerService(wgrpc.WorkerServicer):
         where = f"gRPC on {c.host}:{self.port}, /metrics on {c.host}:{self._status.port}"
         log.info("worker rank %d/%d: %s", c.tp_rank, c.tp_size, where)
         loop = asyncio.get_running_loop()
-        self.runner = await loop.run_in_executor(self._torch, self._load)
+        # Resolved once: the snapshot of a hub repo loaded is the one reported.
+        model_path = await loop.run_in_executor(
+            self._torch, resolve_model_path, c.model_path, c.revision
+        )
+        self.runner = await loop.run_in_executor(self._torch, self._load, model_path)
         self.info = wpb.WorkerInfo(
             num_slots=self.runner.pool.num_slots,
             vocab_size=self.runner.config.vocab_size,
             max_position_embeddings=self.runner.config.max_position_embeddings,
             eos_token_ids=list(self.runner.config.eos_token_ids),
-            model_path=str(resolve_model_path(c.model_path)),
+            model_path=str(model_path),
             dtype=c.dtype,
             tp_rank=c.tp_rank,
             tp_size=c.tp_size,
@@ -105,7 +111,7 @@ class WorkerService(wgrpc.WorkerServicer):
             head_dim=self.runner.config.head_dim,
             quantization=self.runner.quantization,
         )
-        self.metrics.loaded(served_name(resolve_model_path(c.model_path)), self.info.num_slots)
+        self.metrics.loaded(served_name(model_path), self.info.num_slots)
         for name in ("", SERVICE_NAME):
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info("model %s loaded: %d KV slots", self.info.model_path, self.info.num_slots)
@@ -127,10 +133,12 @@ class WorkerService(wgrpc.WorkerServicer):
         group = c.dist_init_addr if c.tp_size > 1 and c.dist_init_addr else addr
         return WorkerRank(group=group, rank=c.tp_rank, tp_size=c.tp_size, addr=addr)
 
-    def _load(self) -> ModelRunner:
-        """Load (and, with tp_size > 1, join the group and shard) on the torch thread."""
+    def _load(self, model_path: Path) -> ModelRunner:
+        """Load the model at `model_path` (and, with tp_size > 1, join the group and shard) on
+        the torch thread."""
         c = self.config
-        runner = load_runner(c, c.tp_rank, c.tp_size, c.dist_init_addr)
+        runner = load_runner(replace(c, model_path=str(model_path)), c.tp_rank, c.tp_size,
+                             c.dist_init_addr)
         log.info(
             "rank %d on %s: %s attention, CUDA graphs for decode batches up to %d, "
             "native CPU kernels %s",

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from radixmesh.core.model_files import resolve_model_path
 from radixmesh.core.sampling_params import LogprobRequest
 from radixmesh.core.settings import RunnerSettings
 from radixmesh.core.step import EntryResult, NewRequest, StepBatch, StepEntry, StepResult
@@ -89,8 +90,9 @@ class ModelRunner:
     `attention` is a backend or its name (see attention_choice.make_attention).
 
     With the Triton backend on CUDA, decode-only steps of up to `cuda_graph_max_bs`
-    requests replay CUDA graphs (cuda_graphs.DecodeGraphs; 0: never). `eager_graphs` runs
-    that padded path eagerly instead, on any device: how it is tested without a GPU.
+    requests replay CUDA graphs (cuda_graphs.DecodeGraphs; 0: never; never for a
+    mixture-of-experts model). `eager_graphs` runs that padded path eagerly instead, on any
+    device: how it is tested without a GPU.
 
     A step's KVCopy list moves KV between the pool and the engine's host pool
     (host_copies.HostCopier): loads before the forward, backups started after it."""
@@ -135,7 +137,9 @@ class ModelRunner:
         self.quantization = "bf16"
 
     def _decode_graphs(self, max_batch: int, eager: bool, num_slots: int) -> DecodeGraphs | None:
-        if max_batch == 0 or isinstance(self.attention, TorchAttention):
+        # A sparse MLP reads how many tokens each expert got back on the host: no graph can
+        # hold that.
+        if max_batch == 0 or isinstance(self.attention, TorchAttention) or self.config.is_moe:
             return None
         if self.device.type != "cuda" and not eager:
             return None
@@ -533,7 +537,9 @@ def load_runner(
     where = resolve_device(settings.device, tp_rank)
     if where.type == "cuda":
         torch.cuda.set_device(where)
-    loaded = load_model(settings.model_path, progress=progress,
+    # Resolved once: the weights and the grammars' vocabulary come from the same snapshot.
+    model_path = str(resolve_model_path(settings.model_path, settings.revision))
+    loaded = load_model(model_path, progress=progress,
                         quantization=settings.quantization, device=where.type,
                         dtype=settings.dtype)
     tp: TensorParallel | None = None
@@ -560,7 +566,7 @@ def load_runner(
     release_free_memory()
     if settings.grammar_backend != "none":
         runner.grammars = Grammars(
-            lambda: _vocabulary(settings.model_path, runner.config.vocab_size, stop_ids),
+            lambda: _vocabulary(model_path, runner.config.vocab_size, stop_ids),
             backend=settings.grammar_backend,
             jump_forward=not settings.disable_jump_forward,
         )
