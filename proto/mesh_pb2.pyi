@@ -166,7 +166,7 @@ class TextChunks(_message.Message):
     def __init__(self, chunks: _Optional[_Iterable[_Union[TextChunk, _Mapping]]] = ...) -> None: ...
 
 class EngineStatus(_message.Message):
-    __slots__ = ("engine_id", "running", "waiting", "num_slots", "free_slots", "cached_tokens", "context_length", "vocab_size", "model_path", "uptime_s", "down", "instance")
+    __slots__ = ("engine_id", "running", "waiting", "num_slots", "free_slots", "cached_tokens", "context_length", "vocab_size", "model_path", "uptime_s", "down", "instance", "architecture", "num_experts", "num_experts_per_tok")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -179,6 +179,9 @@ class EngineStatus(_message.Message):
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
     DOWN_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
+    NUM_EXPERTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_EXPERTS_PER_TOK_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     running: int
     waiting: int
@@ -191,7 +194,10 @@ class EngineStatus(_message.Message):
     uptime_s: float
     down: bool
     instance: str
-    def __init__(self, engine_id: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., num_slots: _Optional[int] = ..., free_slots: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., model_path: _Optional[str] = ..., uptime_s: _Optional[float] = ..., down: _Optional[bool] = ..., instance: _Optional[str] = ...) -> None: ...
+    architecture: str
+    num_experts: int
+    num_experts_per_tok: int
+    def __init__(self, engine_id: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., num_slots: _Optional[int] = ..., free_slots: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., model_path: _Optional[str] = ..., uptime_s: _Optional[float] = ..., down: _Optional[bool] = ..., instance: _Optional[str] = ..., architecture: _Optional[str] = ..., num_experts: _Optional[int] = ..., num_experts_per_tok: _Optional[int] = ...) -> None: ...
 
 class CacheEvent(_message.Message):
     __slots__ = ("engine_id", "inserted", "flushed")

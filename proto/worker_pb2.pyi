@@ -11,7 +11,7 @@ class WorkerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("num_slots", "vocab_size", "max_position_embeddings", "eos_token_ids", "model_path", "dtype", "tp_rank", "tp_size", "num_layers", "num_kv_heads", "head_dim", "quantization")
+    __slots__ = ("num_slots", "vocab_size", "max_position_embeddings", "eos_token_ids", "model_path", "dtype", "tp_rank", "tp_size", "num_layers", "num_kv_heads", "head_dim", "quantization", "architecture", "num_experts", "num_experts_per_tok")
     NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_POSITION_EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
@@ -24,6 +24,9 @@ class WorkerInfo(_message.Message):
     NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
     QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
+    ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
+    NUM_EXPERTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_EXPERTS_PER_TOK_FIELD_NUMBER: _ClassVar[int]
     num_slots: int
     vocab_size: int
     max_position_embeddings: int
@@ -36,7 +39,10 @@ class WorkerInfo(_message.Message):
     num_kv_heads: int
     head_dim: int
     quantization: str
-    def __init__(self, num_slots: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_position_embeddings: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., model_path: _Optional[str] = ..., dtype: _Optional[str] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., quantization: _Optional[str] = ...) -> None: ...
+    architecture: str
+    num_experts: int
+    num_experts_per_tok: int
+    def __init__(self, num_slots: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_position_embeddings: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., model_path: _Optional[str] = ..., dtype: _Optional[str] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., quantization: _Optional[str] = ..., architecture: _Optional[str] = ..., num_experts: _Optional[int] = ..., num_experts_per_tok: _Optional[int] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens", "stop_token_ids", "seed", "ignore_eos", "json_schema", "regex", "ebnf")

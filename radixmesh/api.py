@@ -18,7 +18,8 @@ from typing import Any
 
 from radixmesh.core.finish import FinishKind, FinishReason
 from radixmesh.core.hicache import DEFAULT_NATS_URL, KVGeometry, shm_root
-from radixmesh.core.model_files import model_fingerprint, resolve_model_path
+from radixmesh.core.model_files import model_fingerprint, resolve_model_path, served_name
+from radixmesh.core.model_info import model_info, model_shape
 from radixmesh.core.request import FieldNames, ModelLimits, build_request
 from radixmesh.core.sampling_params import LogprobRequest
 from radixmesh.core.settings import EngineArgs
@@ -92,7 +93,7 @@ class Engine:
     def __init__(self, model_path: str | None = None, **kwargs: Any) -> None:
         self.args = a = EngineArgs(model_path=model_path, **kwargs)
         # Resolved once: the tokenizer and the weights come from one snapshot of a hub repo.
-        path = resolve_model_path(a.model_path, a.revision)
+        path = self.model_path = resolve_model_path(a.model_path, a.revision)
         self.tokenizer = Tokenizer.from_path(str(path))
         # Every torch call runs on this one thread: a second thread running parallel torch
         # ops starts a second OpenMP team, and the two slow each other down by ~1.5x.
@@ -188,12 +189,22 @@ class Engine:
             done = self.loop.flush()
         return done.result()
 
+    def model_info(self) -> dict[str, Any]:
+        """The served model as /get_model_info describes it: its path and name, and its
+        architecture and experts."""
+        path = self.model_path
+        return model_info(str(path), served_name(path), model_shape(self.model_config))
+
     def server_info(self) -> dict[str, Any]:
-        """Pool and cache occupancy, read consistently between steps, and how the weights
-        are held (quantization)."""
+        """Pool and cache occupancy, read consistently between steps, how the weights are
+        held (quantization), and the model's architecture and experts."""
         with self._open():
             done = self.loop.info()
-        return {**done.result(), "quantization": self.runner.quantization}
+        return {
+            **done.result(),
+            "quantization": self.runner.quantization,
+            **model_shape(self.model_config),
+        }
 
     def shutdown(self) -> None:
         """Stop the scheduler thread and the worker; unfinished requests raise RuntimeError."""

@@ -17,6 +17,9 @@ from radixmesh.mesh import subjects
 from radixmesh.proto import mesh_pb2 as mpb
 from radixmesh.proto import worker_pb2 as wpb
 
+# The model shape the fake's heartbeats report.
+MOE_SHAPE = {"architecture": "qwen3_moe", "num_experts": 8, "num_experts_per_tok": 2}
+
 
 def token_text(token_id: int) -> str:
     """The text the fake engine gives each output token."""
@@ -53,7 +56,8 @@ class FakeEngine:
     later finish that must be ignored; `hold` sends one chunk and waits for the abort;
     `delay_s` spaces the chunks; `lose` ends each request at once as an engine that lost its
     workers does; `gap` never sends a request's first chunk (as if a detokenizer died with
-    it). `down` makes its heartbeats say it is down."""
+    it). `down` makes its heartbeats say it is down. Its heartbeats report a mixture-of-experts
+    model (MOE_SHAPE)."""
 
     def __init__(
         self,
@@ -136,6 +140,7 @@ class FakeEngine:
             vocab_size=self.vocab_size,
             model_path="fake",
             down=self.down,
+            **MOE_SHAPE,
         )
 
     async def _beat(self) -> None:

@@ -21,6 +21,8 @@ from radixmesh.proto import generate_pb2 as gpb
 from radixmesh.proto import generate_pb2_grpc as ggrpc
 
 GREEDY = {"temperature": 0, "max_new_tokens": 16}
+# SmolLM2 is a dense Llama.
+SMOLLM2_SHAPE = {"architecture": "llama", "num_experts": 0, "num_experts_per_tok": 0}
 
 
 @pytest.fixture(scope="module")
@@ -79,6 +81,18 @@ def test_mesh_output_equals_in_process_engine(client, engine):
         assert g["text"] == e["text"]
         assert g["meta_info"]["completion_tokens"] == 16
         assert g["meta_info"]["finish_reason"] == {"type": "length", "length": 16}
+
+
+def test_model_and_server_info_name_the_architecture(client, engine):
+    """Worker, scheduler heartbeat and tokenizer carry the model's shape to every answer
+    that describes the model; the in-process engine answers as the mesh does."""
+    model = client.get("/get_model_info").json()
+    assert {k: model[k] for k in SMOLLM2_SHAPE} == SMOLLM2_SHAPE
+    assert engine.model_info() == model
+    server = client.get("/server_info").json()
+    assert {k: server[k] for k in SMOLLM2_SHAPE} == SMOLLM2_SHAPE
+    assert {k: engine_info(client)[k] for k in SMOLLM2_SHAPE} == SMOLLM2_SHAPE
+    assert {k: engine.server_info()[k] for k in SMOLLM2_SHAPE} == SMOLLM2_SHAPE
 
 
 def test_drafts_speed_up_copying_and_change_no_token(client, engine):

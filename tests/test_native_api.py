@@ -10,7 +10,15 @@ import os
 import aiohttp
 import nats
 import pytest
-from fake_engine import FakeEngine, echo_ids, host_part, input_logprob, output_logprob, token_text
+from fake_engine import (
+    MOE_SHAPE,
+    FakeEngine,
+    echo_ids,
+    host_part,
+    input_logprob,
+    output_logprob,
+    token_text,
+)
 
 from radixmesh.core.service_settings import TokenizerServiceConfig
 from radixmesh.services.tokenizer.server import TokenizerServer
@@ -334,15 +342,22 @@ async def test_health_follows_engines_and_health_generate_probes(stack):
 
 
 async def test_model_and_server_info(stack):
+    status, info = await stack.get("/get_model_info")
+    assert status == 200  # no engine yet: the model's shape is not known
+    assert {k: info[k] for k in MOE_SHAPE} == dict.fromkeys(MOE_SHAPE)
     engine = await stack.add_engine()
     status, info = await stack.get("/get_model_info")
     assert status == 200
     assert info["model_path"].endswith(".gguf") and info["is_generation"] is True
     assert info["served_model_name"] == "SmolLM2-135M-Instruct.Q4_1"
+    assert info["tokenizer_path"] == info["model_path"]
+    assert info["preferred_sampling_params"] is None
+    assert {k: info[k] for k in MOE_SHAPE} == MOE_SHAPE  # as the engine's heartbeat says
     for path in ("/server_info", "/get_server_info"):
         status, info = await stack.get(path)
         assert status == 200
         assert info["context_length"] == CONTEXT and info["engines"] == [engine.engine_id]
+        assert {k: info[k] for k in MOE_SHAPE} == MOE_SHAPE
         assert info["internal_states"] == [{"engine_id": engine.engine_id, "fake": True}]
         assert info["port"] == 0 and info["replica_id"]
 

@@ -22,6 +22,8 @@ from radixmesh.services.scheduler.server import SchedulerService
 
 NUM_SLOTS = 256
 REPLY = "rm.tokenizer.test.out"
+# The fake worker says it serves a mixture of experts.
+MOE_SHAPE = {"architecture": "qwen3_moe", "num_experts": 8, "num_experts_per_tok": 2}
 
 
 class FakeWorkerServicer(wgrpc.WorkerServicer):
@@ -45,7 +47,7 @@ class FakeWorkerServicer(wgrpc.WorkerServicer):
     async def GetInfo(self, request: wpb.WorkerInfoRequest, context: object) -> wpb.WorkerInfo:
         return wpb.WorkerInfo(
             num_slots=NUM_SLOTS, vocab_size=50, max_position_embeddings=200, tp_size=1,
-            model_path="fake", dtype="float32",
+            model_path="fake", dtype="float32", **MOE_SHAPE,
         )
 
 
@@ -129,6 +131,24 @@ def test_requests_stream_exact_tokens_in_order(nats_url, overlap):
             assert info["held_slots"] == 0 and info["running"] == 0
             assert info["cached_tokens"] > 0
             service.scheduler.check_invariants()
+
+    asyncio.run(run())
+
+
+def test_info_and_heartbeat_carry_the_model_shape(nats_url):
+    async def run() -> None:
+        async with mesh(nats_url) as (_, nc):
+            heard: asyncio.Queue[mpb.EngineStatus] = asyncio.Queue()
+
+            async def on_status(msg: object) -> None:
+                heard.put_nowait(mpb.EngineStatus.FromString(msg.data))  # type: ignore[attr-defined]
+
+            await nc.subscribe(subjects.ENGINES, cb=on_status)
+            status = await asyncio.wait_for(heard.get(), 5)
+            assert {k: getattr(status, k) for k in MOE_SHAPE} == MOE_SHAPE
+            info = json.loads((await nc.request(
+                subjects.engine_control("e1"), b'{"op": "info"}', timeout=5)).data)
+            assert {k: info[k] for k in MOE_SHAPE} == MOE_SHAPE
 
     asyncio.run(run())
 

@@ -1,5 +1,6 @@
 """The worker service as a process: GetInfo, gRPC health, Forward against an in-process
-ModelRunner, /metrics, SIGTERM; and two tensor-parallel ranks behind gRPC."""
+ModelRunner, /metrics, SIGTERM; and two tensor-parallel ranks behind gRPC. And GetInfo's
+answer for a mixture-of-experts model, without one."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import sys
 import threading
 import urllib.request
 from pathlib import Path
+from types import SimpleNamespace
 
 import grpc
 import pytest
@@ -26,14 +28,16 @@ from tiny_model import (
     tokens,
 )
 
+from radixmesh.core.service_settings import WorkerConfig
 from radixmesh.core.step import StepResult
+from radixmesh.engine.model.model_config import ModelConfig
 from radixmesh.engine.model.model_source import load_model
 from radixmesh.engine.model.runner import ModelRunner
 from radixmesh.mesh.nats_server import free_port
 from radixmesh.proto import worker_pb2 as wpb
 from radixmesh.proto import worker_pb2_grpc as wgrpc
 from radixmesh.proto.convert import batch_to_proto, result_from_proto
-from radixmesh.services.worker.server import SERVICE_NAME
+from radixmesh.services.worker.server import SERVICE_NAME, worker_info
 
 _LISTENING = re.compile(r"gRPC on (\S+):(\d+), /metrics on (\S+):(\d+)")
 START_TIMEOUT = 120.0
@@ -130,6 +134,7 @@ def test_worker_serves_forward(model_dir, reference) -> None:
             num_kv_heads=KV_HEADS,
             head_dim=HEAD_DIM,
             quantization="bf16",  # a safetensors model, not asked to quantize
+            architecture="llama",  # dense: no experts
         )
         got = [result_from_proto(worker.stub.Forward(batch_to_proto(b))) for b in forward_script()]
         assert_same_results(got, reference)
@@ -148,6 +153,18 @@ def test_worker_serves_forward(model_dir, reference) -> None:
         assert worker.terminate() == 0
     finally:
         worker.kill()
+
+
+def test_worker_info_carries_the_experts_of_a_mixture_of_experts() -> None:
+    moe = ModelConfig(
+        architecture="qwen3_moe", vocab_size=256, hidden_size=64, intermediate_size=128,
+        num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, eos_token_ids=(EOS,),
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, sparse_layers=(0, 1),
+    )
+    runner = SimpleNamespace(config=moe, pool=SimpleNamespace(num_slots=96), quantization="bf16")
+    info = worker_info(runner, Path("/models/moe"), WorkerConfig(dtype="float32"))
+    assert (info.architecture, info.num_experts, info.num_experts_per_tok) == ("qwen3_moe", 8, 2)
+    assert info.model_path == "/models/moe" and info.num_slots == 96 and info.num_layers == 2
 
 
 def test_two_ranks_behind_grpc(model_dir, reference) -> None:

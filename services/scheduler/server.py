@@ -19,6 +19,7 @@ from nats.errors import Error as NatsError
 from radixmesh.core.finish import FinishKind, FinishReason
 from radixmesh.core.hicache import KVGeometry
 from radixmesh.core.model_files import model_fingerprint, resolve_model_path, served_name
+from radixmesh.core.model_info import model_shape
 from radixmesh.core.service_settings import SchedulerServiceConfig
 from radixmesh.core.step import StepResult
 from radixmesh.core.tokenizer import Tokenizer
@@ -370,6 +371,7 @@ class SchedulerService:
             "dtype": self.info.dtype,
             "quantization": self.info.quantization,
             "tp_size": self.info.tp_size,
+            **model_shape(self.info),
         }
 
     async def _heartbeat_loop(self) -> None:
@@ -399,5 +401,6 @@ class SchedulerService:
             uptime_s=time.monotonic() - self._started,
             down=self._down,
             instance=self._instance,
+            **model_shape(self.info),
         )
         asyncio.ensure_future(self._nc.publish(subjects.ENGINES, status.SerializeToString()))

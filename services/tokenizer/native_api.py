@@ -30,6 +30,7 @@ from radixmesh.core.meta_info import (
     TokenText,
     meta_info,
 )
+from radixmesh.core.model_info import model_info
 from radixmesh.core.request import FieldNames, GenerationRequest, build_request, is_int
 from radixmesh.core.sampling_params import LogprobRequest, SamplingParams
 from radixmesh.mesh.service import health_handler, metrics_response
@@ -187,15 +188,11 @@ class NativeApi:
     # ---- the rest ------------------------------------------------------------------------
 
     async def model_info(self, _: web.Request) -> web.Response:
-        """What SGLang's frontend reads to pick a chat template."""
+        """What SGLang's frontend reads to pick a chat template, and the model's shape as
+        the engines report it."""
+        client = self.client
         return web.json_response(
-            {
-                "model_path": self.model_path,
-                "tokenizer_path": self.model_path,
-                "served_model_name": self.client.model_name,
-                "is_generation": True,
-                "preferred_sampling_params": None,
-            }
+            model_info(self.model_path, client.model_name, client.engines.model_shape)
         )
 
     async def server_info(self, _: web.Request) -> web.Response:
@@ -206,6 +203,7 @@ class NativeApi:
                 **self.server_args,
                 "served_model_name": client.model_name,
                 "context_length": client.context_length,
+                **client.engines.model_shape,
                 "engines": client.engines.ids,
                 "internal_states": await client.engine_infos(),
             },

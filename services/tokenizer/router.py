@@ -13,8 +13,9 @@ import time
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
+from radixmesh.core.model_info import MODEL_SHAPE, model_shape
 from radixmesh.core.service_settings import RouterSettings
 
 # A full tree is cut to this share of its bound, so the cost of a full scan is spread over
@@ -274,6 +275,9 @@ class EngineStatus:
     uptime_s: float = 0.0
     down: bool = False  # lost its workers: takes no requests until they are back
     instance: str = ""  # random per scheduler process: a new one is a restart
+    architecture: str = ""  # the model family ("llama", "qwen3_moe", ...)
+    num_experts: int = 0  # experts per sparse layer (0: a dense model)
+    num_experts_per_tok: int = 0
 
 
 @dataclass
@@ -337,6 +341,13 @@ class EngineRegistry:
     def vocab_size(self) -> int:
         """The vocabulary size engines report (0 when none does)."""
         return next((e.status.vocab_size for e in self._engines.values() if e.status.vocab_size), 0)
+
+    @property
+    def model_shape(self) -> dict[str, Any]:
+        """The served model's architecture and experts as engines report them (None each
+        until one does)."""
+        status = next((e.status for e in self._engines.values() if e.status.architecture), None)
+        return dict.fromkeys(MODEL_SHAPE) if status is None else model_shape(status)
 
 
 def _now(now: float | None) -> float:

@@ -17,6 +17,7 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from radixmesh.core.model_files import resolve_model_path, served_name
+from radixmesh.core.model_info import model_shape
 from radixmesh.core.service_settings import WorkerConfig
 from radixmesh.engine.model.parallel import destroy_tensor_parallel
 from radixmesh.engine.model.runner import ModelRunner, load_runner
@@ -44,6 +45,26 @@ def _set_threads(num_threads: int) -> None:
     # On the torch thread itself: OpenMP's thread count is per calling thread.
     if num_threads > 0:
         torch.set_num_threads(num_threads)
+
+
+def worker_info(runner: ModelRunner, model_path: Path, config: WorkerConfig) -> wpb.WorkerInfo:
+    """What GetInfo answers for `runner`, loaded from `model_path`."""
+    model = runner.config
+    return wpb.WorkerInfo(
+        num_slots=runner.pool.num_slots,
+        vocab_size=model.vocab_size,
+        max_position_embeddings=model.max_position_embeddings,
+        eos_token_ids=list(model.eos_token_ids),
+        model_path=str(model_path),
+        dtype=config.dtype,
+        tp_rank=config.tp_rank,
+        tp_size=config.tp_size,
+        num_layers=model.num_layers,
+        num_kv_heads=model.num_kv_heads,
+        head_dim=model.head_dim,
+        quantization=runner.quantization,
+        **model_shape(model),
+    )
 
 
 class WorkerService(wgrpc.WorkerServicer):
@@ -97,20 +118,7 @@ class WorkerService(wgrpc.WorkerServicer):
             self._torch, resolve_model_path, c.model_path, c.revision
         )
         self.runner = await loop.run_in_executor(self._torch, self._load, model_path)
-        self.info = wpb.WorkerInfo(
-            num_slots=self.runner.pool.num_slots,
-            vocab_size=self.runner.config.vocab_size,
-            max_position_embeddings=self.runner.config.max_position_embeddings,
-            eos_token_ids=list(self.runner.config.eos_token_ids),
-            model_path=str(model_path),
-            dtype=c.dtype,
-            tp_rank=c.tp_rank,
-            tp_size=c.tp_size,
-            num_layers=self.runner.config.num_layers,
-            num_kv_heads=self.runner.config.num_kv_heads,
-            head_dim=self.runner.config.head_dim,
-            quantization=self.runner.quantization,
-        )
+        self.info = worker_info(self.runner, model_path, c)
         self.metrics.loaded(served_name(model_path), self.info.num_slots)
         for name in ("", SERVICE_NAME):
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)

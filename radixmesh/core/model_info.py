@@ -1,0 +1,29 @@
+"""What /get_model_info and /server_info say of the served model, built alike by the
+tokenizer's HTTP API and the in-process Engine."""
+
+from __future__ import annotations
+
+from typing import Any
+
+# The model's shape as users see it: attributes named alike on the worker's ModelConfig, its
+# WorkerInfo, the engine's EngineStatus heartbeat and the tokenizer's record of it.
+MODEL_SHAPE = ("architecture", "num_experts", "num_experts_per_tok")
+
+
+def model_shape(source: object) -> dict[str, Any]:
+    """The MODEL_SHAPE attributes of `source`: the model family and, for a mixture of
+    experts, the experts per sparse layer and per token (0 and 0 for a dense model)."""
+    return {name: getattr(source, name) for name in MODEL_SHAPE}
+
+
+def model_info(model_path: str, served_model_name: str, shape: dict[str, Any]) -> dict[str, Any]:
+    """The /get_model_info answer: SGLang's keys (what its frontend reads to pick a chat
+    template), then the model's shape."""
+    return {
+        "model_path": model_path,
+        "tokenizer_path": model_path,
+        "served_model_name": served_model_name,
+        "is_generation": True,
+        "preferred_sampling_params": None,
+        **shape,
+    }
