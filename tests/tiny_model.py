@@ -5,6 +5,7 @@ file (float or in a quantized type)."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import gguf
@@ -123,12 +124,15 @@ def hf_config(
     kind: str, vocab: int, hidden: int, intermediate: int, layers: int, heads: int,
     kv_heads: int, **fields: object,
 ):
-    """A transformers config of `kind` ("llama", "qwen2", "qwen3", "qwen3_moe" or "mixtral")
-    of these sizes, with `fields` (rope, norms, tokens, experts, ...) as given."""
+    """A transformers config of `kind` ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe",
+    "mixtral" or "phi3") of these sizes, with `fields` (rope, norms, tokens, experts, ...) as
+    given."""
     import transformers
 
     config_cls = {
         "llama": transformers.LlamaConfig,
+        "mistral": transformers.MistralConfig,
+        "phi3": transformers.Phi3Config,
         "qwen2": transformers.Qwen2Config,
         "qwen3": transformers.Qwen3Config,
         "qwen3_moe": transformers.Qwen3MoeConfig,
@@ -166,6 +170,8 @@ _TO_GGUF = {
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
+    "self_attn.qkv_proj": "attn_qkv",  # Phi-3's fused projections, fused in its files too
+    "mlp.gate_up_proj": "ffn_up",
 }
 
 
@@ -190,7 +196,8 @@ def write_tiny_gguf(
     included; routers stay F32, as llama.cpp keeps them) is in that type instead: quantized
     from the model's weights where the gguf package can, else random blocks with small scales
     (the K-quants). A mixture-of-experts model (arch "qwen3moe", or "llama" for Mixtral) gets
-    its experts stacked as 3-D `ffn_{gate,up,down}_exps` tensors and the expert metadata."""
+    its experts stacked as 3-D `ffn_{gate,up,down}_exps` tensors and the expert metadata; a
+    Phi-3 model ("phi3") its fused tensors as they are and its rope metadata (add_phi3_rope)."""
     cfg = model.config
     suffix = "" if weight_type is None else f"-{weight_type.name}"
     path = tmp_path / f"tiny-{arch}{suffix}.gguf"
@@ -214,6 +221,8 @@ def write_tiny_gguf(
     w.add_layer_norm_rms_eps(1e-5)
     w.add_bos_token_id(0)
     w.add_eos_token_id(1)
+    if arch == "phi3":
+        add_phi3_rope(w, cfg)
     for name, t in model.state_dict().items():
         a = t.detach().float().numpy().copy()
         if name == "lm_head.weight":
@@ -221,7 +230,7 @@ def write_tiny_gguf(
                 continue
             gname = "output.weight"
         elif name == "model.embed_tokens.weight":
-            qtype = weight_type or gguf.GGMLQuantizationType.Q8_0
+            qtype = gguf.GGMLQuantizationType.Q8_0 if weight_type is None else weight_type
             w.add_tensor("token_embd.weight", _quantized(a, qtype), raw_dtype=qtype)
             continue
         elif name == "model.norm.weight":
@@ -260,6 +269,23 @@ def write_tiny_gguf(
     w.close()
     return path
 
+
+def add_phi3_rope(w: gguf.GGUFWriter, cfg) -> None:
+    """What llama.cpp's converter writes of a Phi-3 config: the rotated dims, the original
+    context, the sliding window (0: none) and, for LongRoPE, its factors as two F32 tensors
+    and its attention factor."""
+    rope = cfg.rope_parameters
+    original = cfg.original_max_position_embeddings
+    w.add_rope_dimension_count(int(head_dim(cfg) * rope.get("partial_rotary_factor", 1.0)))
+    w.add_rope_scaling_orig_ctx_len(original)
+    w.add_sliding_window(cfg.sliding_window or 0)
+    if rope["rope_type"] == "longrope":
+        scale = cfg.max_position_embeddings / original
+        w.add_rope_scaling_attn_factors(
+            math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0
+        )
+        w.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], np.float32))
+        w.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], np.float32))
 
 
 # Byte offsets of the float16 scales (and mins) in each quantized type's blocks.

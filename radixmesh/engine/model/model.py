@@ -1,5 +1,5 @@
-"""A Llama-family decoder (Llama/SmolLM2, Qwen2, Qwen3, and the mixture-of-experts
-Qwen3-MoE and Mixtral) over a slot-indexed KV pool."""
+"""A Llama-family decoder (Llama/SmolLM2, Mistral, Qwen2, Qwen3, Phi-3, and the
+mixture-of-experts Qwen3-MoE and Mixtral) over a slot-indexed KV pool."""
 
 from __future__ import annotations
 
@@ -158,6 +158,7 @@ class CausalLM:
             dtype,
             cfg.rope_scaling,
             device=self.device,
+            rotary_dim=cfg.rope_dim,
         )
 
     def forward(
@@ -185,11 +186,12 @@ class CausalLM:
 
     def _native_layers(self, tp: TensorParallel | None) -> LayerStack | None:
         """Every layer as one native call, where each of its parts runs natively here (bf16
-        activations, weights in bf16 on an AVX512-BF16 CPU or quantized, no q/k norm, one
-        rank, dense MLPs: experts run layer by layer in Python) and the attention backend
-        plans it."""
+        activations, weights in bf16 on an AVX512-BF16 CPU or quantized, no q/k norm, RoPE
+        over whole heads, one rank, dense MLPs: experts run layer by layer in Python) and
+        the attention backend plans it."""
         cfg = self.cfg
-        if tp is not None or cfg.qk_norm or cfg.is_moe or self.dtype != torch.bfloat16:
+        if (tp is not None or cfg.qk_norm or cfg.is_moe or cfg.rope_dim != cfg.head_dim
+                or self.dtype != torch.bfloat16):
             return None
         stack: list[dict[str, torch.Tensor | list[QuantizedWeight] | None]] = []
         for layer in self.layers:

@@ -11,13 +11,21 @@ from radixmesh.kernels import native
 
 
 def inverse_frequencies(
-    head_dim: int, theta: float, scaling: dict[str, Any] | None
+    dim: int, theta: float, scaling: dict[str, Any] | None
 ) -> torch.Tensor:
-    """Per-pair rotation frequencies, with the checkpoint's rope scaling applied."""
+    """Per-pair rotation frequencies of `dim` rotated dims, with the checkpoint's rope
+    scaling applied."""
     # float32 throughout, as the checkpoints' reference implementation computes it.
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
-    inv_freq = 1.0 / (theta**exponents)
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
     kind = (scaling or {}).get("rope_type") or (scaling or {}).get("type") or "default"
+    if kind == "longrope":  # see model_config.longrope_scaling
+        assert scaling is not None
+        factors = torch.tensor(scaling["short_factor"], dtype=torch.float32)
+        if factors.shape != exponents.shape:
+            raise ValueError(f"longrope short_factor has {factors.numel()} values; the {dim} "
+                             f"rotated dims need {exponents.numel()}")
+        return 1.0 / (factors * theta**exponents)
+    inv_freq = 1.0 / (theta**exponents)
     if kind == "default":
         return inv_freq
     assert scaling is not None
@@ -37,7 +45,8 @@ def inverse_frequencies(
 
 
 class RotaryEmbedding:
-    """cos/sin tables per position, looked up once per step and shared by every layer."""
+    """cos/sin tables per position, looked up once per step and shared by every layer, for
+    the leading `rotary_dim` dims of each head (all of `head_dim` if not given)."""
 
     def __init__(
         self,
@@ -47,16 +56,29 @@ class RotaryEmbedding:
         dtype: torch.dtype,
         scaling: dict[str, Any] | None = None,
         device: torch.device | str = "cpu",
+        rotary_dim: int | None = None,
     ) -> None:
-        inv_freq = inverse_frequencies(head_dim, theta, scaling)
+        self.dim = rotary_dim or head_dim
+        scaling = scaling or {}
+        if (scaling.get("rope_type") == "longrope"
+                and max_positions > scaling["original_max_position_embeddings"]):
+            raise ValueError("longrope past the original context "
+                             f"({scaling['original_max_position_embeddings']}) is not "
+                             "implemented: cap the context to it (model_config does)")
+        inv_freq = inverse_frequencies(self.dim, theta, scaling)
         angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq.float())
         angles = torch.cat((angles, angles), dim=-1)
+        cos, sin = angles.cos(), angles.sin()
+        # LongRoPE scales both (in float32, before the cast, as transformers does).
+        attention_factor = scaling.get("attention_factor", 1.0)
+        if attention_factor != 1.0:
+            cos, sin = cos * attention_factor, sin * attention_factor
         # Cast like the reference does, so bf16 models rotate in bf16 as they were trained.
-        self.cos = angles.cos().to(device, dtype)
-        self.sin = angles.sin().to(device, dtype)
+        self.cos = cos.to(device, dtype)
+        self.sin = sin.to(device, dtype)
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin [T, 1, D] for the step's token positions [T]."""
+        """cos and sin [T, 1, rotary_dim] for the step's token positions [T]."""
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
 
@@ -70,11 +92,18 @@ class RotaryStep:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H, D] rotated; x itself (rotated in place) on the native path."""
+        rotated = self.rope.dim
+        if rotated < x.shape[-1]:  # a partial rotary: the native kernel rotates whole heads
+            head = apply_rotary(x[..., :rotated], *self._lookup())
+            return torch.cat((head, x[..., rotated:]), dim=-1)
         if native.rotary_supported(x, self.rope.cos):
             return native.rotary_(x, self.positions, self.rope.cos, self.rope.sin)
+        return apply_rotary(x, *self._lookup())
+
+    def _lookup(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self._tables is None:
             self._tables = self.rope.tables(self.positions)
-        return apply_rotary(x, *self._tables)
+        return self._tables
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

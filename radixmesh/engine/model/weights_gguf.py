@@ -5,6 +5,7 @@ Dequantization to float32 is delegated to ``gguf.quants.dequantize``.
 
 from __future__ import annotations
 
+import dataclasses
 import mmap
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -13,7 +14,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import numpy as np
 
 from radixmesh.core.gguf import GGUFFile, GGUFTensorInfo, gguf_eos_token_ids, read_gguf
-from radixmesh.engine.model.model_config import ModelConfig
+from radixmesh.engine.model.model_config import ModelConfig, capped_context, longrope_scaling
 from radixmesh.engine.model.moe import expert_weight_name
 from radixmesh.kernels.native_quant import QUANT_TYPES, QuantizedWeight
 
@@ -23,11 +24,14 @@ if TYPE_CHECKING:
     from radixmesh.engine.model.linear import Weight
 
 _Rows = TypeVar("_Rows", np.ndarray, "torch.Tensor")
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "phi3")
 # llama.cpp's name for an architecture where Hugging Face's differs (Mixtral is "llama" with
 # experts: see config_from_gguf).
 _HF_ARCHITECTURE = {"qwen3moe": "qwen3_moe"}
 _SOFTMAX_GATING = 1  # gguf.ExpertGatingFuncType.SOFTMAX: the only routing served
+# Architectures whose `attention.sliding_window` transformers would apply (Mistral's files are
+# "llama"; llama.cpp's converter writes the window for Phi-3, 0 for none).
+_WINDOWED = ("llama", "phi3")
 
 # ggml tensor types whose float32 conversion needs no block decoding.
 _GGML_F32, _GGML_F16, _GGML_BF16 = 0, 1, 30
@@ -39,7 +43,8 @@ def _f32(value: Any) -> float:
 
 
 def config_from_gguf(gf: GGUFFile, name: str | None = None) -> ModelConfig:
-    """ModelConfig from GGUF metadata (llama / qwen2 / qwen3 keys) and the tensor directory."""
+    """ModelConfig from GGUF metadata (llama / qwen2 / qwen3 / qwen3moe / phi3 keys) and the
+    tensor directory (with LongRoPE's factors, read from their tensors)."""
     md = gf.metadata
     arch = md.get("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
@@ -60,9 +65,18 @@ def config_from_gguf(gf: GGUFFile, name: str | None = None) -> ModelConfig:
     if vocab is None:
         vocab = embd.shape[0] if embd is not None else len(md["tokenizer.ggml.tokens"])
 
+    context = int(key("context_length", 4096))
     rope_scaling = None
     scaling_type = key("rope.scaling.type")
-    if scaling_type and scaling_type != "none":
+    if "rope_factors_short.weight" in gf.tensors:  # LongRoPE (Phi-3 128k), as llama.cpp stores it
+        attention_factor = key("rope.scaling.attn_factor")
+        rope_scaling = longrope_scaling(
+            _read_floats(gf, "rope_factors_short.weight"),
+            int(key("rope.scaling.original_context_length")),
+            context,
+            None if attention_factor is None else _f32(attention_factor),
+        )
+    elif scaling_type and scaling_type != "none":
         rope_scaling = {"rope_type": scaling_type, "factor": _f32(key("rope.scaling.factor", 1.0))}
         orig = key("rope.scaling.original_context_length")
         if orig is not None:
@@ -83,7 +97,10 @@ def config_from_gguf(gf: GGUFFile, name: str | None = None) -> ModelConfig:
         rms_norm_eps=_f32(key("attention.layer_norm_rms_epsilon", 1e-6)),
         rope_theta=_f32(key("rope.freq_base", 10000.0)),
         rope_scaling=rope_scaling,
-        max_position_embeddings=int(key("context_length", 4096)),
+        max_position_embeddings=capped_context(
+            context, key("attention.sliding_window") if arch in _WINDOWED else None,
+            rope_scaling, name or gf.path.name,
+        ),
         tie_word_embeddings="output.weight" not in gf.tensors,
         attention_bias="blk.0.attn_q.bias" in gf.tensors,
         qk_norm="blk.0.attn_q_norm.weight" in gf.tensors,
@@ -91,7 +108,17 @@ def config_from_gguf(gf: GGUFFile, name: str | None = None) -> ModelConfig:
         eos_token_ids=gguf_eos_token_ids(md),
         name=name or gf.path.name.removesuffix(".gguf"),
         **_moe_shape(gf, arch, experts),
+        rotary_dim=int(key("rope.dimension_count") or head_dim),
     )
+
+
+def _read_floats(gf: GGUFFile, name: str) -> list[float]:
+    """A small float tensor's values, read straight from the file."""
+    info = gf.tensors[name]
+    with open(gf.path, "rb") as fh:
+        fh.seek(info.offset)
+        raw = fh.read(info.nbytes)
+    return dequantize_tensor(raw, dataclasses.replace(info, offset=0)).ravel().tolist()
 
 
 def _moe_shape(gf: GGUFFile, arch: str, experts: int) -> dict[str, Any]:
@@ -212,27 +239,58 @@ def unpermute_rows(w: _Rows, n_head: int) -> _Rows:
     return w.reshape(n_head, half, 2, *rest).swapaxes(1, 2).reshape(w.shape)
 
 
-def _split_experts(
+def stacked_parts(
+    info: GGUFTensorInfo, config: ModelConfig, tensors: dict[str, GGUFTensorInfo]
+) -> list[tuple[str, int]] | None:
+    """The Hugging Face weights a GGUF tensor stacks along its rows, in order, each with its
+    row count; None for a tensor that is one weight. Stacked experts [experts, rows, inputs]
+    hold one weight per expert; Phi-3's fused `attn_qkv` holds q | k | v, and its fused
+    `ffn_up` (a layer without `ffn_gate`) gate | up: llama.cpp's SwiGLU takes the gate from
+    the first half, as transformers' Phi-3 MLP does."""
+    names = expert_names(info.name, config.num_experts)
+    if names is not None:
+        return [(name, info.shape[1]) for name in names]
+    parts = info.name.split(".")
+    if len(parts) != 4 or parts[0] != "blk" or parts[3] != "weight":
+        return None
+    layer = f"model.layers.{parts[1]}"
+    if parts[2] == "attn_qkv":
+        q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+        return [(f"{layer}.self_attn.{p}_proj.weight", rows)
+                for p, rows in (("q", q), ("k", kv), ("v", kv))]
+    if parts[2] == "ffn_up" and f"blk.{parts[1]}.ffn_gate.weight" not in tensors:
+        width = config.intermediate_size
+        return [(f"{layer}.mlp.gate_proj.weight", width), (f"{layer}.mlp.up_proj.weight", width)]
+    return None
+
+
+def _split_rows(
     mm: Any,
     info: GGUFTensorInfo,
-    names: list[str],
+    parts: list[tuple[str, int]],
     keep_quantized: bool,
     pages: _Pages,
     convert: Callable[[str, torch.Tensor], Weight] | None,
 ) -> Iterator[tuple[str, Weight]]:
-    """A stacked expert tensor [experts, rows, inputs] as one weight per expert, under
-    `names`. Each expert's rows are contiguous in the file, so a quantized one splits into
-    whole rows of blocks without decoding."""
+    """A tensor stacking weights along its rows (leading dims flattened; see stacked_parts)
+    as one weight each. Each weight's rows are contiguous in the file, so a quantized one
+    splits into whole rows of blocks without decoding."""
     import torch
 
-    experts, rows, inputs = info.shape
+    inputs = info.shape[-1]
+    rows = int(np.prod(info.shape[:-1], dtype=np.int64))
+    if rows != sum(n for _, n in parts):
+        raise ValueError(f"{info.name}: {rows} rows, expected "
+                         f"{' + '.join(str(n) for _, n in parts)}")
+    bounds = np.cumsum([n for _, n in parts])[:-1]
     if keep_quantized and info.ggml_type in QUANT_TYPES:
         raw = np.frombuffer(mm, np.uint8, count=info.nbytes, offset=info.offset)
-        for name, part in zip(names, raw.reshape(experts, rows, -1), strict=True):
-            yield name, QuantizedWeight.from_gguf(part, info.ggml_type, rows, inputs,
+        for (name, n), part in zip(parts, np.split(raw.reshape(rows, -1), bounds), strict=True):
+            yield name, QuantizedWeight.from_gguf(part, info.ggml_type, n, inputs,
                                                   done=pages.drop)
         return
-    for name, part in zip(names, dequantize_tensor(mm, info), strict=True):
+    array = dequantize_tensor(mm, info).reshape(rows, inputs)
+    for (name, _), part in zip(parts, np.split(array, bounds), strict=True):
         tensor = torch.from_numpy(part)
         yield name, tensor if convert is None else convert(name, tensor)
 
@@ -267,10 +325,10 @@ def load_gguf(
     convert: Callable[[str, torch.Tensor], Weight] | None = None,
 ) -> tuple[ModelConfig, dict[str, Weight]]:
     """Read a GGUF model: its ModelConfig and weights under Hugging Face names. Quantized
-    matrices (and stacked experts, one matrix each; never routers) of a type the native
-    kernels take stay quantized with `keep_quantized` (read straight from the file into their
-    packed form); every other tensor is float32, passed through `convert` (name, tensor) if
-    given."""
+    matrices (and stacked ones, one matrix per weight: experts, Phi-3's fused q/k/v and
+    gate/up; never routers) of a type the native kernels take stay quantized with
+    `keep_quantized` (read straight from the file into their packed form); every other tensor
+    is float32, passed through `convert` (name, tensor) if given."""
     import torch
     from tqdm import tqdm
 
@@ -288,9 +346,9 @@ def load_gguf(
             n_head = None
             if permuted and len(parts) == 4 and parts[2] in ("attn_q", "attn_k"):
                 n_head = config.num_heads if parts[2] == "attn_q" else config.num_kv_heads
-            names = expert_names(info.name, config.num_experts)
-            if names is not None:
-                weights.update(_split_experts(mm, info, names, keep_quantized, pages, convert))
+            stacked = stacked_parts(info, config, gf.tensors)
+            if stacked is not None:
+                weights.update(_split_rows(mm, info, stacked, keep_quantized, pages, convert))
             elif (keep_quantized and info.ggml_type in QUANT_TYPES and len(info.shape) == 2
                   and parts[2:3] != ["ffn_gate_inp"]):  # routers stay float: see moe.py
                 raw = np.frombuffer(mm, np.uint8, count=info.nbytes, offset=info.offset)

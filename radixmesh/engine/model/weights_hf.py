@@ -89,14 +89,41 @@ def expert_tensors(key: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.
         yield key, tensor
 
 
+def checkpoint_tensors(
+    key: str, tensor: torch.Tensor, config: ModelConfig
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """A checkpoint tensor under the names the model takes: Phi-3's fused projections split
+    (`self_attn.qkv_proj` into q/k/v_proj, rows q | k | v; `mlp.gate_up_proj` into
+    gate/up_proj, gate rows first), experts one by one (expert_tensors), the rest as it is.
+
+    One layout for every family keeps one model and one tensor-parallel sharding, which
+    splits q/k/v and gate/up by name; the model fuses them again into one matmul each."""
+    head, _, last = key.rpartition(".")
+    if head.endswith(".self_attn.qkv_proj"):
+        prefix = head.removesuffix("qkv_proj")
+        q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+        parts = {"q_proj": q, "k_proj": kv, "v_proj": kv}
+    elif head.endswith(".mlp.gate_up_proj") and tensor.dim() == 2:
+        prefix = head.removesuffix("gate_up_proj")
+        parts = {"gate_proj": config.intermediate_size, "up_proj": config.intermediate_size}
+    else:
+        yield from expert_tensors(key, tensor)
+        return
+    if tensor.shape[0] != sum(parts.values()):
+        raise ValueError(f"{key}: {tensor.shape[0]} rows, expected "
+                         f"{' + '.join(f'{n} {r}' for n, r in parts.items())}")
+    for name, part in zip(parts, tensor.split(list(parts.values())), strict=True):
+        yield f"{prefix}{name}.{last}", part
+
+
 def load_hf_dir(
     model_dir: str | Path,
     progress: bool = True,
     convert: Callable[[str, torch.Tensor], Weight] | None = None,
 ) -> tuple[ModelConfig, dict[str, Weight]]:
     """Read config and weights from a Hugging Face directory; weights converted to float32
-    (experts one by one, see expert_tensors), then passed through `convert` (name, tensor)
-    one by one if given."""
+    (fused projections split and experts one by one, see checkpoint_tensors), then passed
+    through `convert` (name, tensor) one by one if given."""
     import torch
     from safetensors import safe_open
     from tqdm import tqdm
@@ -116,7 +143,7 @@ def load_hf_dir(
                     if key.endswith(_DROPPED_SUFFIXES):
                         continue
                     t = fh.get_tensor(key).to(torch.float32)
-                    for name, part in expert_tensors(key, t):
+                    for name, part in checkpoint_tensors(key, t, config):
                         part = part.contiguous()
                         weights[name] = part if convert is None else convert(name, part)
                     bar.update()
