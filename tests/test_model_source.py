@@ -10,7 +10,7 @@ import pytest
 import torch
 from tiny_model import head_dim, hf_config, llama_cpp_permute, random_hf_model, write_tiny_gguf
 
-from radixmesh.core.gguf import read_gguf
+from radixmesh.core.gguf import TOKEN_TYPE_CONTROL, gguf_eos_token_ids, read_gguf
 from radixmesh.core.model_files import resolve_model_path
 from radixmesh.engine.model.model_source import LoadedModel, load_model
 from radixmesh.engine.model.weights_gguf import unpermute_rows
@@ -249,3 +249,23 @@ def test_hf_dir_rope_scaling_from_rope_parameters(tmp_path):
     assert c.rope_theta == 500000.0
     assert c.rope_scaling is not None
     assert {k: c.rope_scaling[k] for k in scaling} == scaling
+
+
+@pytest.mark.parametrize(
+    ("template", "marker"),
+    [("{{'<|im_start|>'}}...<|im_end|>", "<|im_end|>"), ("<|user|>{{m}}<|end|>", "<|end|>"),
+     ("<start_of_turn>{{m}}<end_of_turn>", "<end_of_turn>")],
+)
+def test_end_of_turn_marker_ends_generation(template, marker):
+    normal, control = 1, TOKEN_TYPE_CONTROL
+    meta = {
+        "tokenizer.ggml.eos_token_id": 0,
+        "tokenizer.ggml.tokens": ["</s>", "a", marker, "<|im_end|>x"],
+        "tokenizer.ggml.token_type": [control, normal, control, normal],
+        "tokenizer.chat_template": template,
+    }
+    assert gguf_eos_token_ids(meta) == (0, 2)
+    meta["tokenizer.ggml.token_type"] = [control, normal, normal, normal]  # plain text
+    assert gguf_eos_token_ids(meta) == (0,)
+    meta["tokenizer.chat_template"] = "no marker"
+    assert gguf_eos_token_ids(meta) == (0,)

@@ -169,8 +169,13 @@ def read_gguf(path: str | Path, *, tensors: bool = True) -> GGUFFile:
         return out
 
 
+END_OF_TURN_MARKERS = ("<|im_end|>", "<|end|>", "<end_of_turn>")
+
+
 def gguf_eos_token_ids(metadata: dict[str, Any]) -> tuple[int, ...]:
-    """Token ids that end a generation: eos, eot, eom and, for ChatML, ``<|im_end|>``."""
+    """Token ids that end a generation: eos, eot, eom and the end-of-turn marker the chat
+    template writes (ChatML's ``<|im_end|>``, Phi-3's ``<|end|>``, Gemma's
+    ``<end_of_turn>``), where it is a control token: GGUF files often name only eos."""
     ids: list[int] = []
     for key in ("eos_token_id", "eot_token_id", "eom_token_id"):
         value = metadata.get(f"tokenizer.ggml.{key}")
@@ -179,8 +184,10 @@ def gguf_eos_token_ids(metadata: dict[str, Any]) -> tuple[int, ...]:
     tokens = metadata.get("tokenizer.ggml.tokens") or []
     types = metadata.get("tokenizer.ggml.token_type") or []
     template = metadata.get("tokenizer.chat_template") or ""
-    if "<|im_end|>" in template and "<|im_end|>" in tokens:
-        im_end = tokens.index("<|im_end|>")
-        if im_end < len(types) and types[im_end] == TOKEN_TYPE_CONTROL and im_end not in ids:
-            ids.append(im_end)
+    for marker in END_OF_TURN_MARKERS:
+        if marker not in template or marker not in tokens:
+            continue
+        index = tokens.index(marker)
+        if index < len(types) and types[index] == TOKEN_TYPE_CONTROL and index not in ids:
+            ids.append(index)
     return tuple(ids)
