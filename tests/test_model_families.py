@@ -17,7 +17,7 @@ import torch
 from test_model_vs_hf import greedy
 from test_native_layer import BF16_NATIVE, STEPS, assert_same, run_both_ways
 from test_quantized import prompt_logits
-from tiny_model import hf_config, save_word_tokenizer, write_tiny_gguf
+from tiny_model import hf_config, hf_greedy, save_word_tokenizer, spread_weights, write_tiny_gguf
 
 from radixmesh.api import Engine
 from radixmesh.core.request import RequestError
@@ -64,12 +64,7 @@ def tiny_model(family: str):
     )
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
-            else:
-                p.normal_(0.0, p.shape[-1] ** -0.5)
+    spread_weights(model)
     return model
 
 
@@ -85,11 +80,7 @@ def saved(request, tmp_path_factory) -> tuple[str, Any, Path]:
 
 
 def hf_tokens(model, ids: list[int]) -> list[int]:
-    """transformers' greedy continuation of one prompt (no eos stop)."""
-    with torch.inference_mode():
-        out = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False,
-                             eos_token_id=None, pad_token_id=0)
-    return out[0, len(ids):].tolist()
+    return hf_greedy(model, ids, NEW_TOKENS)
 
 
 # ---- config ---------------------------------------------------------------------------

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from test_model_vs_hf import greedy
 from test_quantized import prompt_logits
-from tiny_model import hf_config, save_word_tokenizer, write_tiny_gguf
+from tiny_model import hf_config, hf_greedy, save_word_tokenizer, spread_weights, write_tiny_gguf
 
 from radixmesh.api import Engine
 from radixmesh.engine.model.model import CausalLM
@@ -60,13 +60,7 @@ def tiny_moe(kind: str, seed: int = 0):
     )
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
-            else:
-                scale = 2.0 if name.endswith("mlp.gate.weight") else 1.0
-                p.normal_(0.0, scale * p.shape[-1] ** -0.5)
+    spread_weights(model, router_scale=2.0)
     return model
 
 
@@ -82,11 +76,7 @@ def saved(request, tmp_path_factory) -> tuple[str, Any, Path]:
 
 
 def hf_tokens(model, ids: list[int], steps: int = NEW_TOKENS) -> list[int]:
-    """transformers' greedy continuation of one prompt (no eos stop)."""
-    with torch.inference_mode():
-        out = model.generate(torch.tensor([ids]), max_new_tokens=steps, do_sample=False,
-                             eos_token_id=None, pad_token_id=0)
-    return out[0, len(ids):].tolist()
+    return hf_greedy(model, ids, steps)
 
 
 # ---- config ---------------------------------------------------------------------------

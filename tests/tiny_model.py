@@ -154,6 +154,27 @@ def random_hf_model(config):
     return transformers.AutoModelForCausalLM.from_config(config).eval()
 
 
+def spread_weights(model, router_scale: float = 1.0) -> None:
+    """Redraw a tiny transformers model's weights so its greedy output moves: norms in
+    [0.5, 1.5], every matrix N(0, 1/fan_in), a MoE router (`mlp.gate`) `router_scale` times
+    wider so that its choices differ from token to token."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+            else:
+                scale = router_scale if name.endswith("mlp.gate.weight") else 1.0
+                p.normal_(0.0, scale * p.shape[-1] ** -0.5)
+
+
+def hf_greedy(model, ids: list[int], steps: int) -> list[int]:
+    """transformers' greedy continuation of one prompt, `steps` tokens (no eos stop)."""
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=steps, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
 def head_dim(cfg) -> int:
     return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
 
