@@ -183,22 +183,27 @@ def llama_flags(args: argparse.Namespace) -> list[str]:
             *args.llama_args.split()]
 
 
-def llama_command(args: argparse.Namespace, port: int) -> list[str]:
+def llama_command(args: argparse.Namespace, port: int, model: Path | None = None) -> list[str]:
+    """The peer's command line, on `model` (default: the bundled GGUF)."""
     from radixmesh.core.model_files import resolve_model_path
 
-    return [args.llama_server, "-m", str(resolve_model_path(None)), "--host", "127.0.0.1",
+    model = model or resolve_model_path(None)
+    return [args.llama_server, "-m", str(model), "--host", "127.0.0.1",
             "--port", str(port), *llama_flags(args)]
 
 
 @contextmanager
-def llama_server(args: argparse.Namespace) -> Iterator[tuple[str, int]]:
-    """Start the peer on a free port; its base URL and pid until the block ends."""
+def llama_server(
+    args: argparse.Namespace, model: Path | None = None
+) -> Iterator[tuple[str, int]]:
+    """Start the peer on a free port (on `model`, default the bundled GGUF); its base URL
+    and pid until the block ends."""
     from radixmesh.mesh.nats_server import free_port
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     with tempfile.TemporaryFile() as logfile:
-        proc = subprocess.Popen(llama_command(args, port), stdout=logfile,
+        proc = subprocess.Popen(llama_command(args, port, model), stdout=logfile,
                                 stderr=subprocess.STDOUT)
         try:
             deadline = time.monotonic() + 180
