@@ -141,7 +141,7 @@ async def measure(backend: Backend, pool: list[int], quick: bool) -> dict[str, A
             log(f"warning: {run['failed']} failed, exact lengths {run['exact_output_lengths']}, "
                 f"{run['errors'][:3]}")
     return {"one_stream_tok_s": single["output_throughput"],
-            "one_stream_itl_ms": single["itl_ms"]["median"],
+            "one_stream_itl_ms": single["itl_ms"]["p50"],
             "streams16_tok_s": multi["output_throughput"]}
 
 
