@@ -151,14 +151,8 @@ def run_radixmesh(model: Path, tok: Tokenizer, pool: list[int], quick: bool) -> 
     with tempfile.TemporaryDirectory(prefix="moe-mesh-") as logs:
         args = MeshArgs(model_path=str(model), port=0, grpc_port=0, log_dir=logs)
         with Mesh(args).start() as mesh:
-            pids: dict[str, list[int]] = {}
-            for child in mesh.children:
-                pids.setdefault(child.service, []).append(child.proc.pid)
-            if mesh.nats is not None and mesh.nats.pid is not None:
-                pids["nats"] = [mesh.nats.pid]
-            procs = Processes(pids)
             result = asyncio.run(measure(RadixmeshBackend(mesh.url, tok), pool, quick))
-            result["rss_mib"] = sum(procs.rss_mib().values())
+            result["rss_mib"] = sum(Processes.of_mesh(mesh).rss_mib().values())
     return result
 
 

@@ -125,6 +125,16 @@ class Processes:
     def rss_mib(self) -> dict[str, float]:
         return self._total(1)
 
+    @classmethod
+    def of_mesh(cls, mesh: Any) -> Processes:
+        """A running launcher.Mesh's processes by service, its embedded NATS included."""
+        pids: dict[str, list[int]] = {}
+        for child in mesh.children:
+            pids.setdefault(child.service, []).append(child.proc.pid)
+        if mesh.nats is not None and mesh.nats.pid is not None:
+            pids["nats"] = [mesh.nats.pid]
+        return cls(pids)
+
 
 async def measure(target: str, backend: Backend, sizes: Sizes, pool: list[int],
                   procs: Processes) -> dict[str, Any]:
@@ -161,14 +171,9 @@ def run_radixmesh(args: argparse.Namespace, tok: Tokenizer, pool: list[int]) -> 
     with tempfile.TemporaryDirectory(prefix="sbs-mesh-") as logs:
         mesh_args = MeshArgs(dtype=args.dtype, port=0, grpc_port=0, log_dir=logs)
         with Mesh(mesh_args).start() as mesh:
-            pids: dict[str, list[int]] = {}
-            for child in mesh.children:
-                pids.setdefault(child.service, []).append(child.proc.pid)
-            if mesh.nats is not None and mesh.nats.pid is not None:
-                pids["nats"] = [mesh.nats.pid]
             backend = RadixmeshBackend(mesh.url, tok)
             result = asyncio.run(measure("radixmesh", backend, args.sizes, pool,
-                                         Processes(pids)))
+                                         Processes.of_mesh(mesh)))
     result["flags"] = {"dtype": args.dtype, "schedule_policy": mesh_args.schedule_policy,
                        "chunked_prefill_size": mesh_args.chunked_prefill_size,
                        "max_total_tokens": mesh_args.max_total_tokens,

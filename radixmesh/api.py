@@ -13,12 +13,12 @@ import threading
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from typing import Any
 
 from radixmesh.core.finish import FinishKind, FinishReason
 from radixmesh.core.hicache import DEFAULT_NATS_URL, KVGeometry, shm_root
-from radixmesh.core.model_files import model_fingerprint, resolve_model_path, served_name
+from radixmesh.core.model_files import model_fingerprint, served_name
 from radixmesh.core.model_info import model_info, model_shape
 from radixmesh.core.request import FieldNames, ModelLimits, build_request
 from radixmesh.core.sampling_params import LogprobRequest
@@ -92,15 +92,14 @@ class Engine:
 
     def __init__(self, model_path: str | None = None, **kwargs: Any) -> None:
         self.args = a = EngineArgs(model_path=model_path, **kwargs)
-        # Resolved once: the tokenizer and the weights come from one snapshot of a hub repo.
-        path = self.model_path = resolve_model_path(a.model_path, a.revision)
-        self.tokenizer = Tokenizer.from_path(str(path))
         # Every torch call runs on this one thread: a second thread running parallel torch
         # ops starts a second OpenMP team, and the two slow each other down by ~1.5x.
         self._torch = ThreadPoolExecutor(1, thread_name_prefix="radixmesh-worker")
-        self.runner = self._torch.submit(
-            load_runner, replace(a, model_path=str(path)), progress=a.show_progress
-        ).result()
+        self.runner = self._torch.submit(load_runner, a, progress=a.show_progress).result()
+        # The tokenizer from the snapshot the weights came from (a hub repo resolved once).
+        path = self.model_path = self.runner.model_path
+        assert path is not None
+        self.tokenizer = Tokenizer.from_path(str(path))
         self.model_config = loaded = self.runner.config
         self.scheduler = Scheduler(
             SchedulerConfig.from_settings(

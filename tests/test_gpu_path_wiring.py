@@ -361,9 +361,7 @@ def test_worker_service_builds_its_runner_from_the_config(model_dir) -> None:
     async def load() -> ModelRunner:
         service = WorkerService(config)
         try:  # on the service's torch thread, as start() does
-            return await asyncio.get_running_loop().run_in_executor(
-                service._torch, service._load, model_dir
-            )
+            return await asyncio.get_running_loop().run_in_executor(service._torch, service._load)
         finally:
             await service.stop()
 

@@ -17,7 +17,13 @@ import torch
 from test_model_vs_hf import greedy
 from test_native_layer import BF16_NATIVE, STEPS, assert_same, run_both_ways
 from test_quantized import prompt_logits
-from tiny_model import hf_config, hf_greedy, save_word_tokenizer, spread_weights, write_tiny_gguf
+from tiny_model import (
+    hf_config,
+    hf_greedy,
+    save_with_word_tokenizer,
+    spread_weights,
+    write_tiny_gguf,
+)
 
 from radixmesh.api import Engine
 from radixmesh.core.request import RequestError
@@ -73,14 +79,8 @@ def saved(request, tmp_path_factory) -> tuple[str, Any, Path]:
     """(family, the transformers model, its directory with a word-level tokenizer)."""
     family = request.param
     model = tiny_model(family)
-    path = tmp_path_factory.mktemp(family) / "model"
-    model.save_pretrained(path)
-    save_word_tokenizer(path)
+    path = save_with_word_tokenizer(model, tmp_path_factory.mktemp(family) / "model")
     return family, model, path
-
-
-def hf_tokens(model, ids: list[int]) -> list[int]:
-    return hf_greedy(model, ids, NEW_TOKENS)
 
 
 # ---- config ---------------------------------------------------------------------------
@@ -145,7 +145,7 @@ def test_engine_greedy_matches_transformers(saved):
     token-identical to transformers run alone; the first again, from the cache; the context
     the engine serves, and a request past it refused."""
     family, model, path = saved
-    refs = [hf_tokens(model, ids) for ids in PROMPTS]
+    refs = [hf_greedy(model, ids, NEW_TOKENS) for ids in PROMPTS]
     assert len({t for ref in refs for t in ref}) > NEW_TOKENS  # the model says something
     with Engine(str(path), dtype="float32", max_total_tokens=512, chunked_prefill_size=16,
                 show_progress=False) as engine:

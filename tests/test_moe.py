@@ -17,7 +17,13 @@ import torch
 import torch.nn.functional as F
 from test_model_vs_hf import greedy
 from test_quantized import prompt_logits
-from tiny_model import hf_config, hf_greedy, save_word_tokenizer, spread_weights, write_tiny_gguf
+from tiny_model import (
+    hf_config,
+    hf_greedy,
+    save_with_word_tokenizer,
+    spread_weights,
+    write_tiny_gguf,
+)
 
 from radixmesh.api import Engine
 from radixmesh.engine.model.model import CausalLM
@@ -69,14 +75,8 @@ def saved(request, tmp_path_factory) -> tuple[str, Any, Path]:
     """(kind, the transformers model, its directory with a word-level tokenizer)."""
     kind = request.param
     model = tiny_moe(kind)
-    path = tmp_path_factory.mktemp(kind) / "model"
-    model.save_pretrained(path)
-    save_word_tokenizer(path)
+    path = save_with_word_tokenizer(model, tmp_path_factory.mktemp(kind) / "model")
     return kind, model, path
-
-
-def hf_tokens(model, ids: list[int], steps: int = NEW_TOKENS) -> list[int]:
-    return hf_greedy(model, ids, steps)
 
 
 # ---- config ---------------------------------------------------------------------------
@@ -133,7 +133,7 @@ def test_engine_greedy_matches_transformers(saved):
     """Four prompts at once (37, 5, 21 and 1 tokens) through 16-token prefill chunks, each
     token-identical to transformers run alone; then the first again, from the cache."""
     _, model, path = saved
-    refs = [hf_tokens(model, ids) for ids in PROMPTS]
+    refs = [hf_greedy(model, ids, NEW_TOKENS) for ids in PROMPTS]
     assert len({t for ref in refs for t in ref}) > NEW_TOKENS  # the model says something
     with Engine(str(path), dtype="float32", max_total_tokens=512, chunked_prefill_size=16,
                 show_progress=False) as engine:

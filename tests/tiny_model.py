@@ -167,6 +167,13 @@ def spread_weights(model, router_scale: float = 1.0) -> None:
                 p.normal_(0.0, scale * p.shape[-1] ** -0.5)
 
 
+def save_with_word_tokenizer(model, path: Path) -> Path:
+    """`model` saved by transformers at `path`, with a word-level tokenizer beside it."""
+    model.save_pretrained(path)
+    save_word_tokenizer(path)
+    return path
+
+
 def hf_greedy(model, ids: list[int], steps: int) -> list[int]:
     """transformers' greedy continuation of one prompt, `steps` tokens (no eos stop)."""
     with torch.inference_mode():

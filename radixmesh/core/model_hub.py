@@ -54,7 +54,7 @@ def fetch_model(repo_id: str, select: str = "", revision: str | None = None) -> 
             gguf = _pick_gguf(label, repo_id, listing.files, select)
             return Path(hf_hub_download(repo_id, gguf, revision=listing.commit,
                                         local_files_only=listing.cached))
-        return _fetch_snapshot(repo_id, listing)
+        return _fetch_snapshot(repo_id, listing, top)
     except LocalEntryNotFoundError as exc:
         raise _not_cached(label, exc.__cause__ or exc) from exc
     except GatedRepoError as exc:
@@ -127,10 +127,10 @@ def _pick_gguf(label: str, repo_id: str, files: list[str], select: str) -> str:
                      + ", ".join(chosen))
 
 
-def _fetch_snapshot(repo_id: str, listing: Listing) -> Path:
+def _fetch_snapshot(repo_id: str, listing: Listing, top: list[str]) -> Path:
     """A safetensors repo's snapshot directory with what the engine reads: `HF_FILES`, then
-    the weights its index names (without an index, every .safetensors file at its top)."""
-    top = [f for f in listing.files if "/" not in f]
+    the weights its index names (without an index, every .safetensors file at its top
+    level, `top`)."""
     snapshot = Path(snapshot_download(repo_id, revision=listing.commit,
                                       allow_patterns=[f for f in top if f in HF_FILES],
                                       local_files_only=listing.cached))

@@ -8,7 +8,6 @@ import contextlib
 import logging
 import socket
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +15,7 @@ import grpc
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from radixmesh.core.model_files import resolve_model_path, served_name
+from radixmesh.core.model_files import served_name
 from radixmesh.core.model_info import model_shape
 from radixmesh.core.service_settings import WorkerConfig
 from radixmesh.engine.model.parallel import destroy_tensor_parallel
@@ -47,15 +46,15 @@ def _set_threads(num_threads: int) -> None:
         torch.set_num_threads(num_threads)
 
 
-def worker_info(runner: ModelRunner, model_path: Path, config: WorkerConfig) -> wpb.WorkerInfo:
-    """What GetInfo answers for `runner`, loaded from `model_path`."""
+def worker_info(runner: ModelRunner, config: WorkerConfig) -> wpb.WorkerInfo:
+    """What GetInfo answers for `runner`."""
     model = runner.config
     return wpb.WorkerInfo(
         num_slots=runner.pool.num_slots,
         vocab_size=model.vocab_size,
         max_position_embeddings=model.max_position_embeddings,
         eos_token_ids=list(model.eos_token_ids),
-        model_path=str(model_path),
+        model_path=str(runner.model_path),
         dtype=config.dtype,
         tp_rank=config.tp_rank,
         tp_size=config.tp_size,
@@ -113,13 +112,9 @@ class WorkerService(wgrpc.WorkerServicer):
         where = f"gRPC on {c.host}:{self.port}, /metrics on {c.host}:{self._status.port}"
         log.info("worker rank %d/%d: %s", c.tp_rank, c.tp_size, where)
         loop = asyncio.get_running_loop()
-        # Resolved once: the snapshot of a hub repo loaded is the one reported.
-        model_path = await loop.run_in_executor(
-            self._torch, resolve_model_path, c.model_path, c.revision
-        )
-        self.runner = await loop.run_in_executor(self._torch, self._load, model_path)
-        self.info = worker_info(self.runner, model_path, c)
-        self.metrics.loaded(served_name(model_path), self.info.num_slots)
+        self.runner = await loop.run_in_executor(self._torch, self._load)
+        self.info = worker_info(self.runner, c)
+        self.metrics.loaded(served_name(Path(self.info.model_path)), self.info.num_slots)
         for name in ("", SERVICE_NAME):
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info("model %s loaded: %d KV slots", self.info.model_path, self.info.num_slots)
@@ -141,12 +136,10 @@ class WorkerService(wgrpc.WorkerServicer):
         group = c.dist_init_addr if c.tp_size > 1 and c.dist_init_addr else addr
         return WorkerRank(group=group, rank=c.tp_rank, tp_size=c.tp_size, addr=addr)
 
-    def _load(self, model_path: Path) -> ModelRunner:
-        """Load the model at `model_path` (and, with tp_size > 1, join the group and shard) on
-        the torch thread."""
+    def _load(self) -> ModelRunner:
+        """Load (and, with tp_size > 1, join the group and shard) on the torch thread."""
         c = self.config
-        runner = load_runner(replace(c, model_path=str(model_path)), c.tp_rank, c.tp_size,
-                             c.dist_init_addr)
+        runner = load_runner(c, c.tp_rank, c.tp_size, c.dist_init_addr)
         log.info(
             "rank %d on %s: %s attention, CUDA graphs for decode batches up to %d, "
             "native CPU kernels %s",

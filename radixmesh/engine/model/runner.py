@@ -6,6 +6,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -133,8 +134,10 @@ class ModelRunner:
         self.requests: dict[str, _RequestState] = {}
         # Constrained decoding; load_runner gives the model's vocabulary to compile against.
         self.grammars: Grammars | None = None
-        # How load_runner loaded the weights (see DeviceSettings.quantization).
+        # How load_runner loaded the weights (see DeviceSettings.quantization), and from
+        # where (a hub repo resolved to its snapshot).
         self.quantization = "bf16"
+        self.model_path: Path | None = None
 
     def _decode_graphs(self, max_batch: int, eager: bool, num_slots: int) -> DecodeGraphs | None:
         # A sparse MLP reads how many tokens each expert got back on the host: no graph can
@@ -538,8 +541,8 @@ def load_runner(
     if where.type == "cuda":
         torch.cuda.set_device(where)
     # Resolved once: the weights and the grammars' vocabulary come from the same snapshot.
-    model_path = str(resolve_model_path(settings.model_path, settings.revision))
-    loaded = load_model(model_path, progress=progress,
+    model_path = resolve_model_path(settings.model_path, settings.revision)
+    loaded = load_model(str(model_path), progress=progress,
                         quantization=settings.quantization, device=where.type,
                         dtype=settings.dtype)
     tp: TensorParallel | None = None
@@ -561,12 +564,13 @@ def load_runner(
         cuda_graph_max_bs=settings.cuda_graph_max_bs,
     )
     runner.quantization = loaded.quantization
+    runner.model_path = model_path
     stop_ids = loaded.config.eos_token_ids
     del loaded
     release_free_memory()
     if settings.grammar_backend != "none":
         runner.grammars = Grammars(
-            lambda: _vocabulary(model_path, runner.config.vocab_size, stop_ids),
+            lambda: _vocabulary(str(model_path), runner.config.vocab_size, stop_ids),
             backend=settings.grammar_backend,
             jump_forward=not settings.disable_jump_forward,
         )
