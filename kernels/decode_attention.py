@@ -15,6 +15,14 @@ _MAX_SPLITS = 32
 
 
 @triton.jit
+def soft_cap(scores, SOFTCAP: tl.constexpr):
+    """Base-2 logits capped to SOFTCAP * tanh(scores / SOFTCAP), SOFTCAP being the natural
+    logits' cap times log2(e): the same as capping the natural logits. tanh(x) = 1 - 2 /
+    (exp(2x) + 1), as the interpreter has no tanh."""
+    return SOFTCAP * (1.0 - 2.0 / (tl.exp(scores * (2.0 / SOFTCAP)) + 1.0))
+
+
+@triton.jit
 def _split_kernel(
     q_ptr,
     k_ptr,
@@ -39,14 +47,18 @@ def _split_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr,
+    WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,  # in base-2 logits, as the scores are (see soft_cap)
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(lens_ptr + b)
-    # Each split takes a whole number of blocks, so only the last block of a split is partial.
-    chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    start = split * chunk
+    # The splits share out the keys the query sees (with a window, only the last WINDOW); each
+    # takes a whole number of blocks, so only the last block of a split is partial.
+    first = tl.maximum(seq_len - WINDOW, 0) if WINDOW > 0 else 0
+    chunk = tl.cdiv(tl.cdiv(seq_len - first, num_splits), BLOCK_N) * BLOCK_N
+    start = first + split * chunk
     end = tl.minimum(start + chunk, seq_len)
 
     rows = tl.arange(0, BLOCK_H)
@@ -73,6 +85,8 @@ def _split_kernel(
             other=0.0,
         )
         scores = mma(q, tl.trans(k), UPCAST) * qk_scale
+        if SOFTCAP > 0:
+            scores = soft_cap(scores, SOFTCAP)
         scores = tl.where(ok[None, :], scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, 1))
         alpha = tl.exp2(m - m_new)
@@ -161,11 +175,15 @@ def decode_attention(
     page_size: int = 1,
     num_splits: int | None = None,
     block_n: int = 64,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """q [B, Hq, D] over the first seq_lens[b] tokens of row b of page_table -> [B, Hq, D].
 
     page_table [B, W] int32 holds slots when page_size is 1, else page indices (slot =
-    page * page_size + offset). A row with seq_len 0 yields zeros."""
+    page * page_size + offset). A row with seq_len 0 yields zeros. window > 0: the query
+    (the last token) sees only the last `window` tokens. softcap > 0: scaled scores become
+    softcap * tanh(scores / softcap) before the softmax."""
     batch, q_heads, head_dim = q.shape
     kv_heads = k_pool.shape[1]
     assert q_heads % kv_heads == 0, "query heads must be a multiple of KV heads"
@@ -173,6 +191,8 @@ def decode_attention(
     group = q_heads // kv_heads
     if num_splits is None:
         max_len = page_table.shape[1] * page_size
+        if window > 0:
+            max_len = min(max_len, window)
         num_splits = pick_num_splits(batch, kv_heads, max_len, block_n, q.device)
     mid_o = torch.empty(batch, q_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
     mid_lse = torch.empty(batch, q_heads, num_splits, dtype=torch.float32, device=q.device)
@@ -204,6 +224,8 @@ def decode_attention(
         BLOCK_D=block_d,
         BLOCK_N=block_n,
         UPCAST=upcast_dots(q.dtype),
+        WINDOW=window,
+        SOFTCAP=softcap * _LOG2E,
         num_warps=4,
         num_stages=2,
     )
@@ -232,6 +254,8 @@ def decode_attention_reference(
     page_size: int = 1,
     num_splits: int | None = None,
     block_n: int = 64,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Plain torch, one request at a time, softmax in float32 (split arguments are ignored)."""
     out = torch.zeros_like(q)
@@ -240,8 +264,12 @@ def decode_attention_reference(
         if n == 0:
             continue
         slots = table_slots(page_table[b], n, page_size)
+        if window > 0:
+            slots = slots[-window:]
         keys = k_pool[slots].float().repeat_interleave(group, dim=1)  # [n, Hq, D]
         values = v_pool[slots].float().repeat_interleave(group, dim=1)
         scores = torch.einsum("hd,nhd->hn", q[b].float(), keys) * scale
+        if softcap > 0:
+            scores = softcap * torch.tanh(scores / softcap)
         out[b] = torch.einsum("hn,nhd->hd", scores.softmax(-1), values).to(q.dtype)
     return out

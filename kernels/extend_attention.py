@@ -7,17 +7,22 @@ import triton
 import triton.language as tl
 
 from radixmesh.kernels.common import load_slots, mma, upcast_dots
+from radixmesh.kernels.decode_attention import soft_cap
 from radixmesh.kernels.paging import table_slots
 
 _LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _online_update(m, denom, acc, scores, v, UPCAST: tl.constexpr):
-    """Fold one block of scores (base-2 logits, -inf where masked) and values into the state."""
+def _online_update(m, denom, acc, scores, v, UPCAST: tl.constexpr, EMPTY_ROWS: tl.constexpr):
+    """Fold one block of scores (base-2 logits, -inf where masked) and values into the state.
+
+    EMPTY_ROWS: a row may have seen no key yet and none in this block either (a window);
+    it then stays empty (m = -inf, denom = 0) instead of turning NaN."""
     m_new = tl.maximum(m, tl.max(scores, 1))
-    alpha = tl.exp2(m - m_new)
-    p = tl.exp2(scores - m_new[:, None])
+    top = tl.where(m_new == float("-inf"), 0.0, m_new) if EMPTY_ROWS else m_new
+    alpha = tl.exp2(m - top)
+    p = tl.exp2(scores - top[:, None])
     denom = denom * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, UPCAST)
     return m_new, denom, acc
@@ -56,6 +61,8 @@ def _extend_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     UPCAST: tl.constexpr,
+    WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,  # in base-2 logits, as the scores are (see soft_cap)
 ):
     b = tl.program_id(0)
     head = tl.program_id(1)
@@ -80,9 +87,18 @@ def _extend_kernel(
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     denom = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    # New token r sits at key position prefix + r. With a window it sees key positions after
+    # prefix + r - WINDOW, so the block's first row bounds where reading starts.
+    if WINDOW > 0:
+        first = tl.maximum(prefix + q_block * BLOCK_M - WINDOW + 1, 0)
+        first_new = tl.maximum(q_block * BLOCK_M - WINDOW + 1, 0)
+    else:
+        first = 0
+        first_new = 0
 
-    # The cached prefix, read through the page table: every new token sees all of it.
-    for n0 in range(0, prefix, BLOCK_N):
+    # The cached prefix, read through the page table: without a window every new token sees
+    # all of it.
+    for n0 in range(first, prefix, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         ok = pos < prefix
         slot = load_slots(table_ptr + b * stride_tb, pos, ok, PAGE_SIZE)
@@ -93,17 +109,22 @@ def _extend_kernel(
             other=0.0,
         )
         scores = mma(q, tl.trans(k), UPCAST) * qk_scale
-        scores = tl.where(ok[None, :], scores, float("-inf"))
+        if SOFTCAP > 0:
+            scores = soft_cap(scores, SOFTCAP)
+        visible = ok[None, :]
+        if WINDOW > 0:
+            visible = visible & (pos[None, :] > prefix + rows[:, None] - WINDOW)
+        scores = tl.where(visible, scores, float("-inf"))
         v = tl.load(
             v_pool_ptr + slot[:, None] * stride_vs + kv_head * stride_vph + dims[None, :],
             mask=kv_mask,
             other=0.0,
         )
-        m, denom, acc = _online_update(m, denom, acc, scores, v, UPCAST)
+        m, denom, acc = _online_update(m, denom, acc, scores, v, UPCAST, WINDOW > 0)
 
     # The new tokens themselves, read from the step's K/V: causal, so stop at the diagonal.
     end = tl.minimum(q_len, (q_block + 1) * BLOCK_M)
-    for n0 in range(0, end, BLOCK_N):
+    for n0 in range(first_new, end, BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)
         col_ok = cols < q_len
         col_tokens = (q_start + cols).to(tl.int64)
@@ -114,14 +135,18 @@ def _extend_kernel(
             other=0.0,
         )
         scores = mma(q, tl.trans(k), UPCAST) * qk_scale
+        if SOFTCAP > 0:
+            scores = soft_cap(scores, SOFTCAP)
         visible = (cols[None, :] <= rows[:, None]) & col_ok[None, :]
+        if WINDOW > 0:
+            visible = visible & (cols[None, :] > rows[:, None] - WINDOW)
         scores = tl.where(visible, scores, float("-inf"))
         v = tl.load(
             v_ptr + col_tokens[:, None] * stride_vt + kv_head * stride_vh + dims[None, :],
             mask=kv_mask,
             other=0.0,
         )
-        m, denom, acc = _online_update(m, denom, acc, scores, v, UPCAST)
+        m, denom, acc = _online_update(m, denom, acc, scores, v, UPCAST, WINDOW > 0)
 
     # Every row sees at least its own token, so denom > 0 on the rows that are stored.
     out = acc / tl.where(row_ok, denom, 1.0)[:, None]
@@ -148,12 +173,17 @@ def extend_attention(
     out: torch.Tensor | None = None,
     block_m: int = 64,
     block_n: int = 64,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Attention of new tokens q [T, Hq, D] (k/v [T, Hkv, D]) for B ragged requests.
 
     Request b owns rows q_starts[b] : q_starts[b] + q_lens[b]; they see its first
     prefix_lens[b] cached tokens (row b of page_table, as in decode_attention) and each
-    other causally. Only those rows of `out` ([T, Hq, D], made when None) are written."""
+    other causally. Only those rows of `out` ([T, Hq, D], made when None) are written.
+    window > 0: new token i, at key position prefix_lens[b] + i, sees only the `window`
+    positions up to its own. softcap > 0: scaled scores become softcap * tanh(scores /
+    softcap) before the softmax."""
     q_heads, head_dim = q.shape[1], q.shape[2]
     kv_heads = k.shape[1]
     assert q_heads % kv_heads == 0, "query heads must be a multiple of KV heads"
@@ -196,6 +226,8 @@ def extend_attention(
         BLOCK_N=block_n,
         BLOCK_D=triton.next_power_of_2(head_dim),
         UPCAST=upcast_dots(q.dtype),
+        WINDOW=window,
+        SOFTCAP=softcap * _LOG2E,
         num_warps=4,
         num_stages=2,
     )
@@ -218,6 +250,8 @@ def extend_attention_reference(
     out: torch.Tensor | None = None,
     block_m: int = 64,
     block_n: int = 64,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Plain torch, one request at a time, softmax in float32 (block sizes are ignored)."""
     out = torch.zeros_like(q) if out is None else out
@@ -231,7 +265,11 @@ def extend_attention_reference(
         keys = keys.repeat_interleave(group, dim=1)
         values = values.repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q[start : start + n].float(), keys) * scale
+        if softcap > 0:
+            scores = softcap * torch.tanh(scores / softcap)
         hidden = torch.ones(n, prefix + n, dtype=torch.bool).triu(prefix + 1)
+        if window > 0:
+            hidden |= torch.ones_like(hidden).tril(prefix - window)
         scores = scores.masked_fill(hidden, float("-inf"))
         attended = torch.einsum("hqk,khd->qhd", scores.softmax(-1), values)
         out[start : start + n] = attended.to(q.dtype)

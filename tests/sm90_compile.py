@@ -77,6 +77,7 @@ def main() -> None:
     from radixmesh.kernels.activation import silu_and_mul
     from radixmesh.kernels.decode_attention import decode_attention
     from radixmesh.kernels.extend_attention import extend_attention
+    from radixmesh.kernels.fused_moe import fused_moe
     from radixmesh.kernels.kv_store import store_kv
     from radixmesh.kernels.rms_norm import fused_add_rms_norm, rms_norm
     from radixmesh.kernels.rotary import rotary_embedding
@@ -97,6 +98,17 @@ def main() -> None:
         decode_attention(q, pool, pool, _ints(4, 4), lens, 0.1, page, num_splits=2)
         extend_attention(q, kv, kv, pool, pool, _ints(4, 4), lens, lens, lens, 1, 0.1, page)
         store_kv(kv, kv, pool, pool, lens)
+    # Gemma's layers: a sliding window, soft-capped scores.
+    q, kv = torch.zeros(4, 8, 256, dtype=bf16), torch.zeros(4, 4, 256, dtype=bf16)
+    pool, lens = torch.zeros(64, 4, 256, dtype=bf16), _ints(4) + 1
+    decode_attention(q, pool, pool, _ints(4, 4), lens, 0.1, 1, num_splits=2, window=512,
+                     softcap=50.0)
+    extend_attention(q, kv, kv, pool, pool, _ints(4, 4), lens, lens, lens, 1, 0.1, 1,
+                     window=512, softcap=50.0)
+    for dtype in (bf16, f32):
+        experts = torch.zeros(4, 2, dtype=torch.long)
+        fused_moe(torch.zeros(4, 512, dtype=dtype), torch.zeros(8, 2 * 256, 512, dtype=dtype),
+                  torch.zeros(8, 512, 256, dtype=dtype), experts, torch.zeros(4, 2))
     x = torch.zeros(4, 1024, dtype=bf16)
     rms_norm(x, x[0], 1e-6)
     fused_add_rms_norm(x, x, x[0], 1e-6)

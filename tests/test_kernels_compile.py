@@ -31,10 +31,14 @@ def test_all_kernels_compile_for_sm90():
         "_rotary_kernel",
         "_silu_and_mul_kernel",
         "_bitmask_kernel",
+        "_grouped_gemm_kernel",
     }
     assert all(r["shared_bytes"] <= SM90_SHARED_BYTES for r in reports)
     # bf16 attention runs its matrix products on tensor cores; float32 stays IEEE (no TF32)
     attention = [r for r in reports if r["kernel"] in ("_split_kernel", "_extend_kernel")]
     bf16 = [r["signature"]["q_ptr"] == "*bf16" for r in attention]
-    assert bf16.count(True) == 6 and bf16.count(False) == 2
+    assert bf16.count(True) == 8 and bf16.count(False) == 2
     assert [r["tensor_cores"] for r in attention] == bf16
+    # so do the fused MoE's grouped GEMMs
+    moe = [r for r in reports if r["kernel"] == "_grouped_gemm_kernel"]
+    assert sorted(r["tensor_cores"] for r in moe) == [False, False, True, True]

@@ -1,6 +1,7 @@
 """Mistral and Phi-3: tiny random models greedy-identical to transformers in float32 through
 the Engine (batched, chunked, from a cached prefix), with an explicit head_dim, a sliding
-window and LongRoPE (with a partial rotary, as Phi-4-mini) capping the context; Phi-3's fused
+window the prompts outgrow and LongRoPE (with a partial rotary, as Phi-4-mini) capping the
+context; Phi-3's fused
 projections split at load; tiny GGUF files laid out as llama.cpp writes each family (F32, and
 Q8_0 for Phi-3's fused tensors) loading exactly the safetensors weights; the default bf16 path
 (the native whole layers where they apply) following float32."""
@@ -40,15 +41,15 @@ VOCAB, HIDDEN, INTERMEDIATE, LAYERS, HEADS, KV_HEADS = 256, 64, 96, 2, 4, 2
 LONGROPE = {"rope_type": "longrope", "short_factor": [1.0, 1.2, 1.5, 2.0, 3.0, 4.0],
             "long_factor": [1.5, 2.0, 3.0, 5.0, 8.0, 12.0]}
 # (model type, config fields, the context the engine serves). Mistral: head_dim 32 where
-# hidden / heads is 16, no window; a window of 48 under 256 positions. Phi-3: the 4k models'
+# hidden / heads is 16, no window; a window of 16 under 256 positions. Phi-3: the 4k models'
 # shape (window one short of the context, no rope scaling); the 128k ones' LongRoPE, its
 # original context 48 of 512, over 12 of 16 head dims.
 FAMILIES: dict[str, tuple[str, dict[str, Any], int]] = {
     "mistral": ("mistral", {"head_dim": 32, "sliding_window": None,
                             "max_position_embeddings": 256}, 256),
-    "mistral_window": ("mistral", {"sliding_window": 48, "max_position_embeddings": 256}, 48),
+    "mistral_window": ("mistral", {"sliding_window": 16, "max_position_embeddings": 256}, 256),
     "phi3": ("phi3", {"max_position_embeddings": 256, "original_max_position_embeddings": 256,
-                      "sliding_window": 255}, 255),
+                      "sliding_window": 255}, 256),
     "phi3_longrope": ("phi3", {"max_position_embeddings": 512,
                                "original_max_position_embeddings": 48,
                                "partial_rotary_factor": 0.75, "rope_scaling": LONGROPE}, 48),
@@ -95,19 +96,22 @@ def test_mistral_config_fields():
     config = ModelConfig.from_hf_dict(hf_dict("mistral", head_dim=32, sliding_window=None,
                                               max_position_embeddings=32768))
     assert (config.head_dim, config.rope_dim, config.max_position_embeddings) == (32, 32, 32768)
+    assert config.layer_windows == ()
     windowed = hf_dict("mistral", sliding_window=4096, max_position_embeddings=32768)
-    assert ModelConfig.from_hf_dict(windowed).max_position_embeddings == 4096
+    assert ModelConfig.from_hf_dict(windowed).layer_windows == (4096,)
     # Without the key transformers' MistralConfig takes a 4096 window.
     unset = ModelConfig.from_hf_dict(hf_dict("mistral", max_position_embeddings=32768))
-    assert unset.max_position_embeddings == 4096 and unset.head_dim == 16
+    assert unset.layer_windows == (4096,) and unset.max_position_embeddings == 32768
+    assert unset.head_dim == 16
 
 
 def test_phi3_config_fields():
     """Phi-3-mini-4k's window; Phi-3-mini-128k's "su" LongRoPE (attention factor derived as
     transformers derives it, context capped to the original 4096); Phi-4-mini's partial
     rotary given in rope_parameters, as transformers 5 writes it."""
-    mini_4k = hf_dict("phi3", max_position_embeddings=4096, sliding_window=2047)
-    assert ModelConfig.from_hf_dict(mini_4k).max_position_embeddings == 2047
+    mini_4k = ModelConfig.from_hf_dict(hf_dict("phi3", max_position_embeddings=4096,
+                                               sliding_window=2047))
+    assert (mini_4k.layer_windows, mini_4k.max_position_embeddings) == ((2047,), 4096)
     short = [1.0] * 8  # 16 head dims rotate in 8 pairs
     mini_128k = ModelConfig.from_hf_dict(hf_dict(
         "phi3", max_position_embeddings=131072, original_max_position_embeddings=4096,
@@ -202,7 +206,8 @@ def test_f32_gguf_loads_exactly_and_generates_the_same(family, tmp_path):
     loaded = load_model(str(gguf_path), progress=False)
     reference = load_model(str(tmp_path / "hf"), progress=False)
     fields = ("num_heads", "num_kv_heads", "head_dim", "rope_dim", "intermediate_size",
-              "max_position_embeddings", "tie_word_embeddings", "rope_theta", "rms_norm_eps")
+              "max_position_embeddings", "tie_word_embeddings", "rope_theta", "rms_norm_eps",
+              "layer_windows")
     ours, theirs = loaded.config, reference.config
     assert [getattr(ours, f) for f in fields] == [getattr(theirs, f) for f in fields]
     tables = [RotaryEmbedding(c.head_dim, c.max_position_embeddings, c.rope_theta, torch.float32,

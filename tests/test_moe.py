@@ -108,22 +108,22 @@ def test_qwen3_moe_config_fields():
     assert ModelConfig.from_hf_dict({**base, "num_experts": 0}).is_moe is False
     # Qwen's windowed attention counts only with use_sliding_window.
     windowed = {**base, "sliding_window": 1024}
-    assert ModelConfig.from_hf_dict(windowed).max_position_embeddings == 4096
+    assert ModelConfig.from_hf_dict(windowed).layer_windows == ()
     on = ModelConfig.from_hf_dict({**windowed, "use_sliding_window": True})
-    assert on.max_position_embeddings == 1024
+    assert on.layer_windows == (1024,) * 6 and on.max_position_embeddings == 4096
 
 
-def test_mixtral_sliding_window_caps_the_context():
+def test_mixtral_sliding_window_windows_every_layer():
+    """A window every layer applies, where it is narrower than the context; the context is
+    the model's whole either way."""
     cfg = {"model_type": "mixtral", "vocab_size": 8, "hidden_size": 8, "intermediate_size": 8,
            "num_hidden_layers": 2, "num_attention_heads": 2, "num_local_experts": 4,
            "num_experts_per_tok": 2, "max_position_embeddings": 32768}
-    assert ModelConfig.from_hf_dict(cfg).max_position_embeddings == 32768
-    unset = ModelConfig.from_hf_dict({**cfg, "sliding_window": None})
-    assert unset.max_position_embeddings == 32768
-    capped = ModelConfig.from_hf_dict({**cfg, "sliding_window": 4096})
-    assert capped.max_position_embeddings == 4096
-    wide = ModelConfig.from_hf_dict({**cfg, "sliding_window": 65536})
-    assert wide.max_position_embeddings == 32768
+    for window, windows in ((None, ()), (4096, (4096, 4096)), (65536, ())):
+        config = ModelConfig.from_hf_dict({**cfg, "sliding_window": window})
+        assert config.layer_windows == windows
+        assert config.max_position_embeddings == 32768
+    assert ModelConfig.from_hf_dict(cfg).layer_windows == ()
 
 
 # ---- the Engine against transformers ----------------------------------------------------

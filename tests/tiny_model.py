@@ -125,8 +125,8 @@ def hf_config(
     kv_heads: int, **fields: object,
 ):
     """A transformers config of `kind` ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe",
-    "mixtral" or "phi3") of these sizes, with `fields` (rope, norms, tokens, experts, ...) as
-    given."""
+    "mixtral", "phi3", "gemma2" or "gemma3_text") of these sizes, with `fields` (rope,
+    norms, tokens, experts, ...) as given."""
     import transformers
 
     config_cls = {
@@ -137,6 +137,8 @@ def hf_config(
         "qwen3": transformers.Qwen3Config,
         "qwen3_moe": transformers.Qwen3MoeConfig,
         "mixtral": transformers.MixtralConfig,
+        "gemma2": transformers.Gemma2Config,
+        "gemma3_text": transformers.Gemma3TextConfig,
     }[kind]
     return config_cls(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
@@ -201,6 +203,15 @@ _TO_GGUF = {
     "self_attn.qkv_proj": "attn_qkv",  # Phi-3's fused projections, fused in its files too
     "mlp.gate_up_proj": "ffn_up",
 }
+# Gemma's norms around the attention and the MLP: its `ffn_norm` is the MLP's pre-norm.
+_GEMMA_TO_GGUF = {
+    **_TO_GGUF,
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
+# llama.cpp's period of Gemma's windowed layers (all but the last of each period windowed).
+_GEMMA_WINDOW_PERIOD = {"gemma2": 2, "gemma3": 6}
 
 
 def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -225,8 +236,12 @@ def write_tiny_gguf(
     from the model's weights where the gguf package can, else random blocks with small scales
     (the K-quants). A mixture-of-experts model (arch "qwen3moe", or "llama" for Mixtral) gets
     its experts stacked as 3-D `ffn_{gate,up,down}_exps` tensors and the expert metadata; a
-    Phi-3 model ("phi3") its fused tensors as they are and its rope metadata (add_phi3_rope)."""
+    Phi-3 model ("phi3") its fused tensors as they are and its rope metadata (add_phi3_rope);
+    a Gemma 2 or 3 model ("gemma2", "gemma3") its norms plus one, its norm names and its
+    metadata (add_gemma_metadata)."""
     cfg = model.config
+    gemma = arch in _GEMMA_WINDOW_PERIOD
+    names = _GEMMA_TO_GGUF if gemma else _TO_GGUF
     suffix = "" if weight_type is None else f"-{weight_type.name}"
     path = tmp_path / f"tiny-{arch}{suffix}.gguf"
     w = gguf.GGUFWriter(str(path), arch)
@@ -245,14 +260,19 @@ def write_tiny_gguf(
     w.add_head_count_kv(cfg.num_key_value_heads)
     w.add_key_length(head_dim(cfg))
     w.add_value_length(head_dim(cfg))
-    w.add_rope_freq_base(5000.0)
-    w.add_layer_norm_rms_eps(1e-5)
+    if gemma:
+        add_gemma_metadata(w, arch, cfg)
+    else:
+        w.add_rope_freq_base(5000.0)
+        w.add_layer_norm_rms_eps(1e-5)
     w.add_bos_token_id(0)
     w.add_eos_token_id(1)
     if arch == "phi3":
         add_phi3_rope(w, cfg)
     for name, t in model.state_dict().items():
         a = t.detach().float().numpy().copy()
+        if gemma and name.endswith("norm.weight"):
+            a += 1  # Gemma's norms scale by 1 + weight: the converter stores the sum
         if name == "lm_head.weight":
             if cfg.tie_word_embeddings:
                 continue
@@ -280,7 +300,7 @@ def write_tiny_gguf(
         else:
             _, _, layer, rest = name.split(".", 3)
             module, kind = rest.rsplit(".", 1)
-            gname = f"blk.{layer}.{_TO_GGUF[module]}.{kind}"
+            gname = f"blk.{layer}.{names[module]}.{kind}"
             if arch == "llama" and module == "self_attn.q_proj":
                 a = llama_cpp_permute(a, cfg.num_attention_heads)
             elif arch == "llama" and module == "self_attn.k_proj":
@@ -314,6 +334,33 @@ def add_phi3_rope(w: gguf.GGUFWriter, cfg) -> None:
         )
         w.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], np.float32))
         w.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], np.float32))
+
+
+def add_gemma_metadata(w: gguf.GGUFWriter, arch: str, cfg) -> None:
+    """What llama.cpp's converter writes of a Gemma config besides the shape: the norm
+    epsilon and the window; Gemma 2's soft caps (no RoPE base: llama.cpp takes 10000);
+    Gemma 3's global RoPE base and linear scaling, its windowed layers' base and its final
+    soft cap, if any. The converter writes no layer pattern (llama.cpp's default period
+    holds for every released model); layer types that period would not give are written as
+    `sliding_window_pattern`, one flag per layer, which llama.cpp reads."""
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_sliding_window(cfg.sliding_window)
+    if arch == "gemma2":
+        w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+        w.add_final_logit_softcapping(cfg.final_logit_softcapping)
+    else:
+        full = cfg.rope_parameters["full_attention"]
+        w.add_rope_freq_base(full["rope_theta"])
+        if full["rope_type"] == "linear":
+            w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            w.add_rope_scaling_factor(full["factor"])
+        w.add_rope_freq_base_swa(cfg.rope_parameters["sliding_attention"]["rope_theta"])
+        if cfg.final_logit_softcapping:
+            w.add_final_logit_softcapping(cfg.final_logit_softcapping)
+    period = _GEMMA_WINDOW_PERIOD[arch]
+    windowed = [kind == "sliding_attention" for kind in cfg.layer_types]
+    if windowed != [i % period < period - 1 for i in range(cfg.num_hidden_layers)]:
+        w.add_sliding_window_pattern(windowed)
 
 
 # Byte offsets of the float16 scales (and mins) in each quantized type's blocks.

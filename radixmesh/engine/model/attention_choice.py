@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from radixmesh.core.settings import ATTENTION_BACKENDS
@@ -10,19 +12,25 @@ from radixmesh.engine.model.torch_attention import TorchAttention
 
 
 def make_attention(
-    name: str, scale: float, device: torch.device, page_size: int = 1
+    name: str,
+    scale: float,
+    device: torch.device,
+    page_size: int = 1,
+    windows: Sequence[int] = (),
+    softcap: float = 0.0,
 ) -> AttentionBackend:
-    """The backend called `name` ("auto": triton on CUDA, torch elsewhere) for `device`."""
+    """The backend called `name` ("auto": triton on CUDA, torch elsewhere) for `device`,
+    with each layer's sliding window (`windows`, 0: none) and the scores' soft cap."""
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"attention backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
     if name == "torch":
-        return TorchAttention(scale)
+        return TorchAttention(scale, windows=windows, softcap=softcap)
     # Imported here: triton is an optional dependency that a CPU-only install may lack.
     from radixmesh.engine.model.triton_attention import TritonAttention
 
-    return TritonAttention(scale, page_size, device)
+    return TritonAttention(scale, page_size, device, windows=windows, softcap=softcap)
 
 
 def check_runs_on(attention: AttentionBackend, device: torch.device) -> None:

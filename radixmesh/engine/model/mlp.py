@@ -1,4 +1,5 @@
-"""The gated SiLU MLP of a decoder layer (and of each expert of a sparse one, moe.py)."""
+"""The gated MLP of a decoder layer, SiLU or tanh-GELU (Gemma), and of each expert of a
+sparse one (moe.py)."""
 
 from __future__ import annotations
 
@@ -19,16 +20,31 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate).mul_(up)
 
 
+def gelu_tanh_mul(x: torch.Tensor) -> torch.Tensor:
+    """[gate | up] [T, 2I] -> gelu(gate, tanh approximation) * up [T, I]."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh").mul_(up)
+
+
+ACTIVATIONS = {"silu": silu_mul, "gelu_tanh": gelu_tanh_mul}
+
+
 class GatedMLP:
-    """down(silu(gate(x)) * up(x)), gate and up fused into one matmul; `mlp(x, residual)`
-    adds the residual in the down projection's epilogue. With `tp`, down is row-parallel
-    (summed over the group); without, a plain Linear."""
+    """down(act(gate(x)) * up(x)), act SiLU or tanh-GELU (`hidden_act`), gate and up fused
+    into one matmul; `mlp(x, residual)` adds the residual in the down projection's epilogue.
+    With `tp`, down is row-parallel (summed over the group); without, a plain Linear."""
 
     def __init__(
-        self, gate: Weight, up: Weight, down: Weight, tp: TensorParallel | None = None
+        self,
+        gate: Weight,
+        up: Weight,
+        down: Weight,
+        tp: TensorParallel | None = None,
+        hidden_act: str = "silu",
     ) -> None:
         self.gate_up = Linear([gate, up])
         self.down = row_parallel(down, tp)
+        self.act = ACTIVATIONS[hidden_act]
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        return self.down(silu_mul(self.gate_up(x)), residual=residual)
+        return self.down(self.act(self.gate_up(x)), residual=residual)

@@ -1,4 +1,4 @@
-"""A Llama-family decoder (Llama/SmolLM2, Mistral, Qwen2, Qwen3, Phi-3, and the
+"""A Llama-family decoder (Llama/SmolLM2, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2 and 3, and the
 mixture-of-experts Qwen3-MoE and Mixtral) over a slot-indexed KV pool."""
 
 from __future__ import annotations
@@ -61,8 +61,9 @@ class _Cast(Mapping[str, Weight]):
 
 
 class DecoderLayer:
-    """Attention + MLP with pre-norms; q/k/v and gate/up are fused into one matmul each. The
-    MLP is dense, or the experts of a sparse layer (`sparse`).
+    """Attention + MLP with pre-norms (and Gemma's norms of their outputs too); q/k/v and
+    gate/up are fused into one matmul each. The MLP is dense, or the experts of a sparse
+    layer (`sparse`).
 
     Under tensor parallelism `cfg` is this rank's share (see parallel.local_config)."""
 
@@ -77,7 +78,14 @@ class DecoderLayer:
         attn = f"{prefix}.self_attn"
         self.cfg = cfg
         self.input_norm = w.tensor(f"{prefix}.input_layernorm.weight")
+        # Without sandwich norms post_attention_layernorm is the MLP's pre-norm; with them it
+        # norms the attention's output, and the MLP has a norm on each side.
         self.post_norm = w.tensor(f"{prefix}.post_attention_layernorm.weight")
+        self.mlp_norms = (
+            (w.tensor(f"{prefix}.pre_feedforward_layernorm.weight"),
+             w.tensor(f"{prefix}.post_feedforward_layernorm.weight"))
+            if cfg.sandwich_norms else None
+        )
         qkv_bias = (
             torch.cat([w.tensor(f"{attn}.{p}_proj.bias") for p in "qkv"])
             if cfg.attention_bias
@@ -92,7 +100,7 @@ class DecoderLayer:
             SparseMoE(w, mlp, cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob, tp)
             if sparse
             else GatedMLP(w[f"{mlp}.gate_proj.weight"], w[f"{mlp}.up_proj.weight"],
-                          w[f"{mlp}.down_proj.weight"], tp)
+                          w[f"{mlp}.down_proj.weight"], tp, cfg.hidden_act)
         )
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
@@ -122,10 +130,14 @@ class DecoderLayer:
             )
         # q and k heads rotate together: one set of elementwise ops instead of two.
         q, k = rope(qk).split([cfg.num_heads, cfg.num_kv_heads], dim=1)
-        out = attn.forward(layer, q, k, v, pool)
-        hidden = self.o(out.reshape(-1, self.q_size), residual=hidden)
-        x = rms_norm(hidden, self.post_norm, cfg.rms_norm_eps)
-        return self.mlp(x, hidden)
+        out = attn.forward(layer, q, k, v, pool).reshape(-1, self.q_size)
+        eps = cfg.rms_norm_eps
+        if self.mlp_norms is None:
+            hidden = self.o(out, residual=hidden)
+            return self.mlp(rms_norm(hidden, self.post_norm, eps), hidden)
+        pre, post = self.mlp_norms
+        hidden = hidden + rms_norm(self.o(out), self.post_norm, eps)
+        return hidden + rms_norm(self.mlp(rms_norm(hidden, pre, eps)), post, eps)
 
 
 class CausalLM:
@@ -160,6 +172,12 @@ class CausalLM:
             device=self.device,
             rotary_dim=cfg.rope_dim,
         )
+        # Gemma 3's windowed layers rotate with a base of their own, unscaled.
+        self.local_rope = (
+            RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.local_rope_theta,
+                            dtype, device=self.device, rotary_dim=cfg.rope_dim)
+            if cfg.local_rope_theta else None
+        )
 
     def forward(
         self,
@@ -173,6 +191,8 @@ class CausalLM:
             hidden = self.embed.rows(input_ids, self.dtype)
         else:
             hidden = self.embed[input_ids]
+        if self.cfg.embed_scale != 1.0:
+            hidden = hidden * torch.tensor(self.cfg.embed_scale, dtype=hidden.dtype)
         if self.native_layers is not None and (plan := attn.native_plan()) is not None:
             self.native_layers.forward(
                 hidden, pool.k, pool.v, positions, self.rope.cos, self.rope.sin,
@@ -180,17 +200,20 @@ class CausalLM:
             )
         else:
             rope = RotaryStep(self.rope, positions)
+            local = rope if self.local_rope is None else RotaryStep(self.local_rope, positions)
+            windows = self.cfg.layer_windows
             for i, layer in enumerate(self.layers):
-                hidden = layer(i, hidden, rope, attn, pool)
+                hidden = layer(i, hidden, local if windows and windows[i] else rope, attn, pool)
         return rms_norm(hidden, self.norm, self.cfg.rms_norm_eps)
 
     def _native_layers(self, tp: TensorParallel | None) -> LayerStack | None:
         """Every layer as one native call, where each of its parts runs natively here (bf16
         activations, weights in bf16 on an AVX512-BF16 CPU or quantized, no q/k norm, RoPE
-        over whole heads, one rank, dense MLPs: experts run layer by layer in Python) and
-        the attention backend plans it."""
+        over whole heads, one rank, dense SiLU MLPs with pre-norms only: experts and Gemma's
+        layers run layer by layer in Python) and the attention backend plans it."""
         cfg = self.cfg
         if (tp is not None or cfg.qk_norm or cfg.is_moe or cfg.rope_dim != cfg.head_dim
+                or cfg.sandwich_norms or cfg.hidden_act != "silu" or cfg.embed_scale != 1.0
                 or self.dtype != torch.bfloat16):
             return None
         stack: list[dict[str, torch.Tensor | list[QuantizedWeight] | None]] = []
@@ -210,5 +233,8 @@ class CausalLM:
         )
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final hidden states [N, hidden] -> float32 logits [N, vocab]."""
-        return self.lm_head(hidden).float()
+        """Final hidden states [N, hidden] -> float32 logits [N, vocab] (soft-capped where
+        the model caps them)."""
+        logits = self.lm_head(hidden).float()
+        cap = self.cfg.final_logit_softcap
+        return logits if not cap else torch.tanh(logits / cap).mul_(cap)

@@ -1,4 +1,5 @@
-"""The shape of a Llama-family model, independent of where its weights come from."""
+"""The shape of a Llama-family model (Gemma 2 and 3 included), independent of where its
+weights come from."""
 
 from __future__ import annotations
 
@@ -10,8 +11,15 @@ from typing import Any
 log = logging.getLogger("radixmesh.worker")
 
 # Hugging Face model types served; the Qwen3 family norms q and k per head.
-_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "phi3")
-_QK_NORM = ("qwen3", "qwen3_moe")
+_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "phi3", "gemma2",
+                "gemma3_text")
+_QK_NORM = ("qwen3", "qwen3_moe", "gemma3_text")
+GEMMA = ("gemma2", "gemma3_text")
+# Gemma's layers windowed by default: every second from the first (Gemma 2), five of every
+# six (Gemma 3), as transformers lays out `layer_types` when config.json has none.
+_GEMMA_WINDOW_PATTERN = {"gemma2": 2, "gemma3_text": 6}
+# Gemma 3's RoPE bases when config.json gives none: global layers, windowed ones.
+_GEMMA3_THETA = (1_000_000.0, 10_000.0)
 # Model types whose transformers attention honours the config's `sliding_window`.
 _WINDOWED = ("mistral", "mixtral", "qwen3_moe", "phi3")
 # What MistralConfig takes for a config.json without the key (the others take None).
@@ -22,10 +30,11 @@ _PHI3_ORIGINAL_CONTEXT = 4096
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Architecture of a Llama / Mistral / Qwen2 / Qwen3 / Phi-3 style decoder, dense or
-    with sparse mixture-of-experts MLPs (Qwen3-MoE, Mixtral) in `sparse_layers`."""
+    """Architecture of a Llama / Mistral / Qwen2 / Qwen3 / Phi-3 / Gemma 2 / Gemma 3 style
+    decoder, dense or with sparse mixture-of-experts MLPs (Qwen3-MoE, Mixtral) in
+    `sparse_layers`."""
 
-    architecture: str  # "llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "phi3"
+    architecture: str  # one of _MODEL_TYPES
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -49,11 +58,29 @@ class ModelConfig:
     norm_topk_prob: bool = False  # renormalize the top-k routing weights to sum to 1
     sparse_layers: tuple[int, ...] = ()  # layers whose MLP is the experts; the rest dense
     rotary_dim: int = 0  # leading dims of each head RoPE rotates (0: all of head_dim)
+    # Each layer's sliding attention window: a token sees the last `window` keys, itself
+    # included (0: all of them; empty: no layer windowed).
+    layer_windows: tuple[int, ...] = ()
+    local_rope_theta: float = 0.0  # RoPE base of the windowed layers, unscaled (0: rope_theta)
+    hidden_act: str = "silu"  # the gated MLP's activation: "silu" or "gelu_tanh"
+    # Gemma: embeddings scaled by sqrt(hidden); norms around the attention and the MLP
+    # outputs as well as before them; attention scaled by query_pre_attn_scalar^-0.5; scores
+    # and final logits soft-capped (cap * tanh(x / cap); 0: none).
+    embed_scale: float = 1.0
+    sandwich_norms: bool = False
+    query_pre_attn_scalar: float = 0.0
+    attn_logit_softcap: float = 0.0
+    final_logit_softcap: float = 0.0
 
     @property
     def is_moe(self) -> bool:
         """Whether any layer's MLP is a mixture of experts."""
         return bool(self.sparse_layers)
+
+    @property
+    def attention_scale(self) -> float:
+        """What q . k is multiplied by before the softmax."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     @property
     def rope_dim(self) -> int:
@@ -65,6 +92,10 @@ class ModelConfig:
     def from_hf_dict(cls, cfg: dict[str, Any], name: str = "model") -> ModelConfig:
         """Build from a Hugging Face config.json dictionary."""
         model_type = cfg.get("model_type", "llama")
+        if model_type == "gemma3" and "text_config" in cfg:  # the multimodal file's text part
+            outer = {k: v for k, v in cfg.items() if not k.endswith("_config")}
+            cfg = {**outer, **cfg["text_config"], "model_type": "gemma3_text"}
+            model_type = "gemma3_text"
         if model_type not in _MODEL_TYPES:
             raise ValueError(f"unsupported model_type {model_type!r}")
         heads = cfg["num_attention_heads"]
@@ -72,6 +103,9 @@ class ModelConfig:
         # Older config.json files carry rope_theta + rope_scaling, newer ones rope_parameters
         # (theta, the partial rotary factor and any scaling in one dict).
         rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+        local_theta = 0.0
+        if model_type == "gemma3_text":
+            rope, local_theta = _gemma3_rope(rope, cfg)
         theta = rope.pop("rope_theta", None) or cfg.get("rope_theta", 10000.0)
         partial = rope.pop("partial_rotary_factor", None) or cfg.get("partial_rotary_factor", 1.0)
         scaling = _rope_scaling(rope, cfg, model_type)
@@ -89,8 +123,10 @@ class ModelConfig:
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=theta,
             rope_scaling=scaling,
-            max_position_embeddings=_context_length(cfg, model_type, scaling, name),
-            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            max_position_embeddings=capped_context(
+                cfg.get("max_position_embeddings", 4096), scaling, name
+            ),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", model_type in GEMMA),
             attention_bias=cfg.get("attention_bias", model_type == "qwen2"),
             qk_norm=model_type in _QK_NORM,
             bos_token_id=cfg.get("bos_token_id"),
@@ -98,6 +134,9 @@ class ModelConfig:
             name=name,
             **_moe_shape(cfg, model_type),
             rotary_dim=int(head_dim * partial),  # rounded down, as transformers does
+            layer_windows=_layer_windows(cfg, model_type),
+            local_rope_theta=local_theta,
+            **_gemma_fields(cfg, model_type),
         )
 
 
@@ -185,35 +224,65 @@ def _moe_shape(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
     }
 
 
-def _context_length(
-    cfg: dict[str, Any], model_type: str, rope_scaling: dict[str, Any] | None, name: str
-) -> int:
-    """max_position_embeddings, capped to the sliding attention window transformers applies
-    for this config and to LongRoPE's original context (see capped_context)."""
+def _layer_windows(cfg: dict[str, Any], model_type: str) -> tuple[int, ...]:
+    """Each layer's sliding window as transformers applies it for this config (empty: none,
+    or one no smaller than the context, which never binds)."""
     window = cfg.get("sliding_window")
     if model_type == "mistral" and "sliding_window" not in cfg:
         window = _MISTRAL_DEFAULT_WINDOW
-    if model_type not in _WINDOWED:
+    if model_type not in _WINDOWED + GEMMA:
         window = None
     if model_type == "qwen3_moe" and not cfg.get("use_sliding_window", False):
         window = None  # Qwen3-MoE uses its window only when use_sliding_window is set
-    return capped_context(cfg.get("max_position_embeddings", 4096), window, rope_scaling, name)
+    if not window or window >= cfg.get("max_position_embeddings", 4096):
+        return ()
+    layers = cfg["num_hidden_layers"]
+    if model_type not in GEMMA:
+        return (int(window),) * layers
+    every = cfg.get("sliding_window_pattern") or _GEMMA_WINDOW_PATTERN[model_type]
+    types = cfg.get("layer_types") or [
+        "sliding_attention" if (i + 1) % every else "full_attention" for i in range(layers)
+    ]
+    return tuple(int(window) if t == "sliding_attention" else 0 for t in types)
 
 
-def capped_context(
-    context: int, window: int | None, rope_scaling: dict[str, Any] | None, name: str
-) -> int:
-    """`context`, capped to a sliding attention `window` smaller than it (None or 0: none)
-    and to a LongRoPE scaling's original context (see longrope_scaling).
+def _gemma3_rope(rope: dict[str, Any], cfg: dict[str, Any]) -> tuple[dict[str, Any], float]:
+    """Gemma 3's rope parameters: (those of its global layers, the windowed layers' base).
+    transformers 5 writes one dict per layer type; older files rope_theta,
+    rope_local_base_freq and a rope_scaling for the global layers."""
+    if "full_attention" in rope or "sliding_attention" in rope:
+        local = rope.get("sliding_attention") or {}
+        full = dict(rope.get("full_attention") or {})
+        full.setdefault("rope_theta", _GEMMA3_THETA[0])
+        return full, float(local.get("rope_theta", _GEMMA3_THETA[1]))
+    rope.setdefault("rope_theta", cfg.get("rope_theta", _GEMMA3_THETA[0]))
+    return rope, float(cfg.get("rope_local_base_freq", _GEMMA3_THETA[1]))
 
-    Attention here is always full: within the window the two agree exactly, beyond it they
-    do not. Capping (rather than refusing the model) keeps such models servable, exactly,
-    with contexts up to the cap; the engine's context length never exceeds this value."""
-    if window and window < context:
-        log.warning("%s: sliding_window %d < max_position_embeddings %d: context capped to "
-                    "%d (sliding-window attention is not implemented)", name, window,
-                    context, window)
-        context = window
+
+def _gemma_fields(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
+    """The ModelConfig fields only Gemma sets (none for the other families); Gemma 2's soft
+    caps default to transformers' Gemma2Config values, Gemma 3 has none by default."""
+    if model_type not in GEMMA:
+        return {}
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise ValueError(f"unsupported Gemma hidden_activation {act!r}")
+    caps = (50.0, 30.0) if model_type == "gemma2" else (None, None)
+    attn_cap = cfg.get("attn_logit_softcapping", caps[0])
+    final_cap = cfg.get("final_logit_softcapping", caps[1])
+    return {
+        "hidden_act": "gelu_tanh",
+        "embed_scale": cfg["hidden_size"] ** 0.5,
+        "sandwich_norms": True,
+        "query_pre_attn_scalar": float(cfg.get("query_pre_attn_scalar", 256)),
+        "attn_logit_softcap": float(attn_cap or 0.0),
+        "final_logit_softcap": float(final_cap or 0.0),
+    }
+
+
+def capped_context(context: int, rope_scaling: dict[str, Any] | None, name: str) -> int:
+    """`context`, capped to a LongRoPE scaling's original context (see longrope_scaling):
+    within it the model is exact; the engine's context length never exceeds this value."""
     original = (rope_scaling or {}).get("original_max_position_embeddings", context)
     if (rope_scaling or {}).get("rope_type") == "longrope" and original < context:
         log.warning("%s: longrope rope scaling: context capped to its original %d (its long "

@@ -1,15 +1,19 @@
 """A sparse mixture-of-experts MLP (Qwen3-MoE, Mixtral): a router picks each token's top-k
 experts, each a gated SiLU MLP, and the token's output is their weighted sum.
 
-The experts' weights come in whatever form the loader gave (float tensors or GGUF
-`QuantizedWeight`s), each wrapped in a `Linear`, so the same dense or native quantized
-kernels as the dense MLP run them. Experts are named one by one, as Hugging Face's per-expert
+On a CUDA device with dense expert weights, the experts are stacked once into [E, 2I, H]
+(gate|up) and [E, H, I] (down) and the Triton fused MoE kernel (kernels/fused_moe.py) runs
+them all in two grouped GEMMs. Otherwise (the CPU, quantized experts) each expert's weights,
+in whatever form the loader gave (float tensors or GGUF `QuantizedWeight`s), are wrapped in
+a `Linear`, so the same dense or native quantized kernels as the dense MLP run them, one
+expert after another. Experts are named one by one, as Hugging Face's per-expert
 checkpoints spell them: `{prefix}.experts.{e}.{gate,up,down}_proj.weight`, router
 `{prefix}.gate.weight`; the loaders bring every other layout to these names."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
+from itertools import chain
 from typing import NamedTuple
 
 import torch
@@ -47,13 +51,39 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> Routing:
     return Routing(experts, weights)
 
 
+def stack_experts(
+    experts: Iterable[tuple[Weight, ...]], num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each expert's (gate, up, down) copied into [E, 2I, H] (gate rows, then up) and
+    [E, H, I], one expert at a time: only one expert's weights are held besides the stacks."""
+    gate_up = down = torch.empty(0)
+    for e, weights in enumerate(experts):
+        gate, up, proj = weights
+        if not (isinstance(gate, torch.Tensor) and isinstance(up, torch.Tensor)
+                and isinstance(proj, torch.Tensor)):
+            raise ValueError("the fused MoE kernel takes dense expert weights, not quantized ones")
+        inter = gate.shape[0]
+        if e == 0:
+            gate_up = gate.new_empty(num_experts, 2 * inter, gate.shape[1])
+            down = proj.new_empty(num_experts, *proj.shape)
+        gate_up[e, :inter] = gate
+        gate_up[e, inter:] = up
+        down[e] = proj
+    return gate_up, down
+
+
 class SparseMoE:
     """The sparse MLP of one layer: `block(x, residual)` -> residual + MoE(x).
+
+    `fused` runs the experts through the fused Triton kernel (None: when their weights are
+    dense tensors on a CUDA device; True on the CPU runs it under TRITON_INTERPRET=1), else
+    one GatedMLP per expert.
 
     Under tensor parallelism every expert is split like the dense MLP (gate/up by output
     rows, down by input columns; parallel.shard_weights does it, by name) and the router is
     replicated: each rank routes the same tokens the same way, sums its experts' partial
-    outputs, and one all-reduce per layer completes them."""
+    outputs (the fused path stacks this rank's shards), and one all-reduce per layer
+    completes them."""
 
     def __init__(
         self,
@@ -63,6 +93,7 @@ class SparseMoE:
         top_k: int,
         renormalize: bool,
         tp: TensorParallel | None = None,
+        fused: bool | None = None,
     ) -> None:
         router = w[f"{prefix}.gate.weight"]
         # The router runs as transformers runs it (F.linear on the float weight, in the
@@ -72,16 +103,40 @@ class SparseMoE:
             raise ValueError(f"{prefix}.gate.weight must be a float [{num_experts}, hidden] "
                              f"router, got {type(router).__name__} {list(router.shape)}")
         self.router = router
+        # Fetched one expert at a time (the model's weight mapping may move each to the GPU).
+        experts = (
+            tuple(w[expert_weight_name(prefix, e, p)] for p in EXPERT_PROJECTIONS)
+            for e in range(num_experts)
+        )
+        first = next(experts)
+        if fused is None:
+            fused = all(isinstance(t, torch.Tensor) and t.is_cuda for t in first)
+        self.fused = fused
         # No reduction per expert: the block reduces their weighted sum once.
         self.experts: list[GatedMLP] = []
-        for e in range(num_experts):
-            gate, up, down = (w[expert_weight_name(prefix, e, p)] for p in EXPERT_PROJECTIONS)
-            self.experts.append(GatedMLP(gate, up, down))
+        if fused:
+            self.w_gate_up, self.w_down = stack_experts(chain([first], experts), num_experts)
+        else:
+            self.experts = [GatedMLP(*weights) for weights in chain([first], experts)]
         self.top_k, self.renormalize, self.tp = top_k, renormalize, tp
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] (post-attention-normed), residual [T, hidden] -> the layer's output."""
         routing = route(F.linear(x, self.router), self.top_k, self.renormalize)
+        mixed = self._fused(x, routing) if self.fused else self._expert_by_expert(x, routing)
+        if self.tp is not None:
+            mixed = self.tp.all_reduce(mixed)
+        return residual + mixed.to(residual.dtype)
+
+    def _fused(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """The experts' weighted sum [T, hidden] through the fused kernel, in x's dtype."""
+        # Imported here: triton is an optional dependency that a CPU-only install may lack.
+        from radixmesh.kernels.fused_moe import fused_moe
+
+        return fused_moe(x, self.w_gate_up, self.w_down, routing.experts, routing.weights)
+
+    def _expert_by_expert(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """The experts' weighted sum [T, hidden], one GatedMLP per expert, in float32."""
         tokens, k = routing.experts.shape
         # Sort the T*k (token, expert) picks by expert: each expert's tokens are one
         # contiguous run, so its two GEMMs run once over all of them.
@@ -100,9 +155,6 @@ class SparseMoE:
         # accumulated in float32.
         unsorted = torch.empty_like(out)
         unsorted[order] = out
-        mixed = torch.bmm(
+        return torch.bmm(
             routing.weights.unsqueeze(1), unsorted.view(tokens, k, -1).float()
         ).squeeze(1)
-        if self.tp is not None:
-            mixed = self.tp.all_reduce(mixed)
-        return residual + mixed.to(residual.dtype)

@@ -119,7 +119,8 @@ class ModelRunner:
         self.attention = (
             attention
             if isinstance(attention, AttentionBackend)
-            else make_attention(attention, config.head_dim**-0.5, self.device, page_size)
+            else make_attention(attention, config.attention_scale, self.device, page_size,
+                                config.layer_windows, config.attn_logit_softcap)
         )
         check_runs_on(self.attention, self.device)
         with current(self.device):

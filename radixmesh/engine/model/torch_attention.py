@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
@@ -23,41 +25,61 @@ _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 class TorchAttention(AttentionBackend):
     """Decode by the native CPU kernel where it is built, else batched over a padded gather
     of the pool; extend one request at a time, natively for bf16. native=False keeps the
-    torch paths."""
+    torch paths.
 
-    def __init__(self, scale: float, native: bool = True) -> None:
+    `windows` gives each layer's sliding window (a token sees its last `window` keys, itself
+    included; 0 or none given: all), `softcap` caps scores to softcap * tanh(s / softcap)
+    (0: not at all). A decode under a window reads only the window's keys (natively too);
+    soft-capped scores and windowed prompts take the torch paths."""
+
+    def __init__(
+        self,
+        scale: float,
+        native: bool = True,
+        windows: Sequence[int] = (),
+        softcap: float = 0.0,
+    ) -> None:
         self.scale = scale
         self.native = native
+        self.windows = tuple(windows)
+        self.softcap = softcap
         self._meta: AttentionMetadata | None = None
         self._decode_rows = torch.empty(0, dtype=torch.long)
-        self._decode_kv = torch.empty(0, dtype=torch.long)
-        self._decode_lens = torch.empty(0, dtype=torch.long)
-        self._decode_bias: torch.Tensor | None = None
+        # The decodes' keys: (pool rows [B, L], lens [B]), all of them under 0, their last
+        # `window` under each window that some request of the step outgrows.
+        self._decode_keys: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._decode_bias: dict[int, torch.Tensor | None] = {}
+        self._binding: set[int] = set()  # the windows some request of the step outgrows
         self._extends: list[tuple[int, int, torch.Tensor]] = []
 
     def prepare(self, meta: AttentionMetadata) -> None:
         self._meta = meta
         decodes = [s for s in meta.seqs if s.q_len == 1]
         self._extends = [(s.q_start, s.q_len, s.kv_slots) for s in meta.seqs if s.q_len > 1]
+        longest = max((s.kv_slots.numel() for s in meta.seqs), default=0)
+        self._binding = {w for w in self.windows if 0 < w < longest}
+        self._decode_keys, self._decode_bias = {}, {}  # biases made by the torch path
         if not decodes:
             self._decode_rows = torch.empty(0, dtype=torch.long)
             return
         self._decode_rows = torch.tensor([s.q_start for s in decodes], dtype=torch.long)
-        self._decode_kv = pad_sequence([s.kv_slots for s in decodes], batch_first=True)
-        self._decode_lens = torch.tensor([s.kv_slots.numel() for s in decodes])
-        self._decode_bias = None  # made by the torch decode path when it first needs it
+        for window in (0, *self._binding):
+            keys = [s.kv_slots[-window:] if window else s.kv_slots for s in decodes]
+            self._decode_keys[window] = (
+                pad_sequence(keys, batch_first=True), torch.tensor([k.numel() for k in keys])
+            )
 
     def native_plan(self) -> NativePlan | None:
         rows = self._decode_rows
-        if not self.native or self._meta is None:
+        if not self.native or self._meta is None or self.softcap or self._binding:
             return None
         runs: list[AttentionRun] = []
         if rows.numel():
             first = int(rows[0])
             if int(rows[-1]) - first + 1 != rows.numel():
                 return None  # decodes interleaved with prompts: not one run
-            kv = self._decode_kv
-            runs.append(AttentionRun(first, rows.numel(), kv, kv.shape[1], self._decode_lens))
+            kv, lens = self._decode_keys[0]
+            runs.append(AttentionRun(first, rows.numel(), kv, kv.shape[1], lens))
         for start, n, slots in self._extends:
             total = slots.numel()
             lens = native.causal_lens(n, total)
@@ -70,26 +92,31 @@ class TorchAttention(AttentionBackend):
         assert self._meta is not None, "prepare() must run before forward()"
         pool.store(layer, self._meta.out_slots, k, v)
         k_pool, v_pool = pool.k[layer], pool.v[layer]
+        window = self.windows[layer] if self.windows else 0
+        window = window if window in self._binding else 0  # one no request outgrows: none
         if not self._extends and self._decode_rows.numel():
             # Decode only: every row is a decode, in order; no scatter into a second buffer.
-            return self._decode(q, k_pool, v_pool)
+            return self._decode(q, k_pool, v_pool, window)
         out = torch.empty_like(q)
         if self._decode_rows.numel():
-            out[self._decode_rows] = self._decode(q[self._decode_rows], k_pool, v_pool)
+            out[self._decode_rows] = self._decode(q[self._decode_rows], k_pool, v_pool, window)
         for start, n, slots in self._extends:
-            out[start : start + n] = self._extend(q[start : start + n], k_pool, v_pool, slots)
+            out[start : start + n] = self._extend(
+                q[start : start + n], k_pool, v_pool, slots, window
+            )
         return out
 
-    def _decode(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> torch.Tensor:
+    def _decode(
+        self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, window: int
+    ) -> torch.Tensor:
         # Grouped matmuls over contiguous per-head K/V beat CPU SDPA by ~10x for one query
         # token per request, and index_select on a 2-D view gathers ~10x faster than
         # advanced indexing (both measured).
-        if self.native and native.decode_supported(q, k_pool):
-            return native.decode_attention(
-                q, k_pool, v_pool, self._decode_kv, self._decode_lens, self.scale
-            )
+        index, lens = self._decode_keys[window]
+        if self.native and not self.softcap and native.decode_supported(q, k_pool):
+            return native.decode_attention(q, k_pool, v_pool, index, lens, self.scale)
         b, hq, d = q.shape
-        keys, values = _gather(k_pool, self._decode_kv), _gather(v_pool, self._decode_kv)
+        keys, values = _gather(k_pool, index), _gather(v_pool, index)
         if keys.dtype != torch.float32 and keys.numel() <= _SMALL_DECODE:
             # Tiny bf16 batched matmuls are dominated by oneDNN's fixed cost; float32 ones
             # are ~3x cheaper at this size (measured), and the upcast is cheap.
@@ -99,28 +126,42 @@ class TorchAttention(AttentionBackend):
             out_dtype = q.dtype
         q = q.view(b, keys.shape[1], hq // keys.shape[1], d)  # [B, Hkv, group, D]
         scores = torch.matmul(q * self.scale, keys.transpose(-1, -2))
-        bias = self._padding_bias()
+        if self.softcap:
+            scores = torch.tanh(scores / self.softcap).mul_(self.softcap)
+        bias = self._padding_bias(window)
         if bias is not None:
             scores = scores + bias
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
         return torch.matmul(probs, values).view(b, hq, d).to(out_dtype)
 
-    def _padding_bias(self) -> torch.Tensor | None:
-        """-inf past each request's length in the padded decode index (None: no padding)."""
-        lens, width = self._decode_lens, self._decode_kv.shape[1]
-        if self._decode_bias is None and int(lens.min()) < width:
-            padding = torch.arange(width) >= lens.unsqueeze(1)
-            bias = torch.zeros(lens.numel(), width).masked_fill_(padding, float("-inf"))
-            self._decode_bias = bias[:, None, None, :]
-        return self._decode_bias
+    def _padding_bias(self, window: int) -> torch.Tensor | None:
+        """-inf past each request's length in the padded decode index of `window`'s keys
+        (None: no padding)."""
+        if window not in self._decode_bias:
+            index, lens = self._decode_keys[window]
+            bias = None
+            if int(lens.min()) < index.shape[1]:
+                padding = torch.arange(index.shape[1]) >= lens.unsqueeze(1)
+                bias = torch.zeros(padding.shape).masked_fill_(padding, float("-inf"))
+                bias = bias[:, None, None, :]
+            self._decode_bias[window] = bias
+        return self._decode_bias[window]
 
     def _extend(
-        self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor
+        self,
+        q: torch.Tensor,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+        slots: torch.Tensor,
+        window: int,
     ) -> torch.Tensor:
         """New tokens q [n, Hq, D], the last n of the request's keys at pool rows `slots`: all
-        of the prefix, causally among themselves. bf16 runs the native kernel token by token,
-        reading K/V in place (faster than torch's flash attention up to 2048 new tokens at
-        head dim 64, measured); otherwise flash attention over gathered rows."""
+        of the prefix (or its last `window` keys), causally among themselves. bf16 runs the
+        native kernel token by token, reading K/V in place (faster than torch's flash
+        attention up to 2048 new tokens at head dim 64, measured); otherwise flash attention
+        over gathered rows; a window or soft-capped scores, a masked softmax."""
+        if window or self.softcap:
+            return self._masked(q, k_pool[slots], v_pool[slots], window)
         if self.native and q.dtype == torch.bfloat16 and native.decode_supported(q, k_pool):
             return native.extend_attention(q, k_pool, v_pool, slots, self.scale)
         return self._flash(q, k_pool[slots], v_pool[slots])
@@ -148,6 +189,30 @@ class TorchAttention(AttentionBackend):
             merged = (out.float() * w_new + out_p.float() * w_pre) / (w_new + w_pre)
             out = merged.to(q.dtype)
         return out.squeeze(0).transpose(0, 1)
+
+
+    def _masked(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, window: int
+    ) -> torch.Tensor:
+        """New tokens q [n, Hq, D], the last n of keys/values [L, Hkv, D], in float32: the
+        scores soft-capped, then causal and within `window` (0: all)."""
+        n, hq, d = q.shape
+        total, hkv = keys.shape[0], keys.shape[1]
+        if window:  # keys before the first token's window are never seen
+            first = max(0, total - n - window + 1)
+            keys, values, total = keys[first:], values[first:], total - first
+        qf = q.float().view(n, hkv, hq // hkv, d).permute(1, 2, 0, 3)  # [Hkv, group, n, D]
+        scores = torch.matmul(qf, keys.float().permute(1, 2, 0).unsqueeze(1)) * self.scale
+        if self.softcap:
+            scores = torch.tanh(scores / self.softcap).mul_(self.softcap)
+        at = torch.arange(total - n, total).unsqueeze(1)  # each new token's position
+        key = torch.arange(total)
+        hidden = key > at
+        if window:
+            hidden |= key <= at - window
+        probs = torch.softmax(scores.masked_fill_(hidden, float("-inf")), dim=-1)
+        out = torch.matmul(probs, values.float().permute(1, 0, 2).unsqueeze(1))
+        return out.permute(2, 0, 1, 3).reshape(n, hq, d).to(q.dtype)
 
 
 def _gather(pool: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

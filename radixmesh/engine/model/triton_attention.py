@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -54,14 +55,24 @@ class _ExtendPart:
 class TritonAttention(AttentionBackend):
     """Split-K decode for one-token requests, prefix + causal extend for the rest.
 
-    Requests' slots must come in whole pages when page_size > 1 (see kernels.paging)."""
+    Requests' slots must come in whole pages when page_size > 1 (see kernels.paging).
+    `windows` gives each layer's sliding window (a token sees its last `window` keys, itself
+    included; 0 or none given: all), `softcap` caps scores to softcap * tanh(s / softcap)
+    (0: not at all)."""
 
     def __init__(
-        self, scale: float, page_size: int = 1, device: torch.device | str = "cpu"
+        self,
+        scale: float,
+        page_size: int = 1,
+        device: torch.device | str = "cpu",
+        windows: Sequence[int] = (),
+        softcap: float = 0.0,
     ) -> None:
         self.scale = scale
         self.page_size = page_size
         self.device = torch.device(device)
+        self.windows = tuple(windows)
+        self.softcap = softcap
         self._out_slots = torch.empty(0, dtype=torch.int32)
         self._decode: _DecodePart | None = None
         self._decode_rows: torch.Tensor | None = None  # None: every row of the step decodes
@@ -113,16 +124,33 @@ class TritonAttention(AttentionBackend):
         assert self._decode is not None or self._extend is not None, "prepare() must run first"
         k_pool, v_pool = pool.k[layer], pool.v[layer]
         store_kv(k, v, k_pool, v_pool, self._out_slots)
+        window, softcap = self.windows[layer] if self.windows else 0, self.softcap
         d = self._decode
         if d is not None and self._decode_rows is None:
             return decode_attention(
-                q, k_pool, v_pool, d.page_table, d.seq_lens, self.scale, self.page_size
+                q,
+                k_pool,
+                v_pool,
+                d.page_table,
+                d.seq_lens,
+                self.scale,
+                self.page_size,
+                window=window,
+                softcap=softcap,
             )
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if d is not None and self._decode_rows is not None:
             rows = self._decode_rows
             out[rows] = decode_attention(
-                q[rows], k_pool, v_pool, d.page_table, d.seq_lens, self.scale, self.page_size
+                q[rows],
+                k_pool,
+                v_pool,
+                d.page_table,
+                d.seq_lens,
+                self.scale,
+                self.page_size,
+                window=window,
+                softcap=softcap,
             )
         e = self._extend
         if e is not None:
@@ -140,6 +168,8 @@ class TritonAttention(AttentionBackend):
                 self.scale,
                 self.page_size,
                 out=out,
+                window=window,
+                softcap=softcap,
             )
         return out
 

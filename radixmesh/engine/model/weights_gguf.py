@@ -24,14 +24,22 @@ if TYPE_CHECKING:
     from radixmesh.engine.model.linear import Weight
 
 _Rows = TypeVar("_Rows", np.ndarray, "torch.Tensor")
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "phi3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "phi3", "gemma2", "gemma3")
 # llama.cpp's name for an architecture where Hugging Face's differs (Mixtral is "llama" with
 # experts: see config_from_gguf).
-_HF_ARCHITECTURE = {"qwen3moe": "qwen3_moe"}
+_HF_ARCHITECTURE = {"qwen3moe": "qwen3_moe", "gemma3": "gemma3_text"}
 _SOFTMAX_GATING = 1  # gguf.ExpertGatingFuncType.SOFTMAX: the only routing served
 # Architectures whose `attention.sliding_window` transformers would apply (Mistral's files are
 # "llama"; llama.cpp's converter writes the window for Phi-3, 0 for none).
 _WINDOWED = ("llama", "phi3")
+# What llama.cpp takes for Gemma where the file says nothing: the period of the windowed
+# layers (all but the last of each period windowed), Gemma 2's window and soft caps (its
+# converter writes all three), the base of Gemma 3's windowed layers.
+_GEMMA_WINDOW_PERIOD = {"gemma2": 2, "gemma3": 6}
+_GEMMA2_WINDOW, _GEMMA2_CAPS = 4096, (50.0, 30.0)
+_GEMMA3_LOCAL_THETA = 10000.0
+# The layer counts of Gemma 2 27B and Gemma 3 27B: see _gemma_fields.
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 
 # ggml tensor types whose float32 conversion needs no block decoding.
 _GGML_F32, _GGML_F16, _GGML_BF16 = 0, 1, 30
@@ -43,8 +51,9 @@ def _f32(value: Any) -> float:
 
 
 def config_from_gguf(gf: GGUFFile, name: str | None = None) -> ModelConfig:
-    """ModelConfig from GGUF metadata (llama / qwen2 / qwen3 / qwen3moe / phi3 keys) and the
-    tensor directory (with LongRoPE's factors, read from their tensors)."""
+    """ModelConfig from GGUF metadata (llama / qwen2 / qwen3 / qwen3moe / phi3 / gemma2 /
+    gemma3 keys) and the tensor directory (with LongRoPE's factors, read from their
+    tensors)."""
     md = gf.metadata
     arch = md.get("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
@@ -66,6 +75,7 @@ def config_from_gguf(gf: GGUFFile, name: str | None = None) -> ModelConfig:
         vocab = embd.shape[0] if embd is not None else len(md["tokenizer.ggml.tokens"])
 
     context = int(key("context_length", 4096))
+    layers = int(key("block_count"))
     rope_scaling = None
     scaling_type = key("rope.scaling.type")
     if "rope_factors_short.weight" in gf.tensors:  # LongRoPE (Phi-3 128k), as llama.cpp stores it
@@ -90,17 +100,14 @@ def config_from_gguf(gf: GGUFFile, name: str | None = None) -> ModelConfig:
         vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=int(key("feed_forward_length")),
-        num_layers=int(key("block_count")),
+        num_layers=layers,
         num_heads=heads,
         num_kv_heads=int(kv_heads),
         head_dim=head_dim,
         rms_norm_eps=_f32(key("attention.layer_norm_rms_epsilon", 1e-6)),
         rope_theta=_f32(key("rope.freq_base", 10000.0)),
         rope_scaling=rope_scaling,
-        max_position_embeddings=capped_context(
-            context, key("attention.sliding_window") if arch in _WINDOWED else None,
-            rope_scaling, name or gf.path.name,
-        ),
+        max_position_embeddings=capped_context(context, rope_scaling, name or gf.path.name),
         tie_word_embeddings="output.weight" not in gf.tensors,
         attention_bias="blk.0.attn_q.bias" in gf.tensors,
         qk_norm="blk.0.attn_q_norm.weight" in gf.tensors,
@@ -109,7 +116,67 @@ def config_from_gguf(gf: GGUFFile, name: str | None = None) -> ModelConfig:
         name=name or gf.path.name.removesuffix(".gguf"),
         **_moe_shape(gf, arch, experts),
         rotary_dim=int(key("rope.dimension_count") or head_dim),
+        layer_windows=_layer_windows(md, arch, context, layers),
+        **_gemma_fields(md, arch, hidden, heads, head_dim, layers),
     )
+
+
+def _layer_windows(md: dict[str, Any], arch: str, context: int, layers: int) -> tuple[int, ...]:
+    """Each layer's sliding window (0: none) as llama.cpp applies the file's: on every layer
+    of the _WINDOWED architectures; for Gemma on the layers `attention.sliding_window_pattern`
+    marks (a period, all but its last layer windowed, or one flag per layer), else on those
+    of _GEMMA_WINDOW_PERIOD. Empty where no window can bind."""
+    window = md.get(f"{arch}.attention.sliding_window")
+    if arch == "gemma2" and window is None:
+        window = _GEMMA2_WINDOW
+    if not window or window >= context:
+        return ()
+    if arch not in _GEMMA_WINDOW_PERIOD:
+        return (int(window),) * layers if arch in _WINDOWED else ()
+    pattern = md.get(f"{arch}.attention.sliding_window_pattern", _GEMMA_WINDOW_PERIOD[arch])
+    if isinstance(pattern, list):
+        windowed = [bool(flag) for flag in pattern]
+    else:  # llama.cpp's set_swa_pattern: a period of 0 windows every layer
+        windowed = [not pattern or i % pattern < pattern - 1 for i in range(layers)]
+    if len(windowed) != layers:
+        raise ValueError(f"{arch}.attention.sliding_window_pattern has {len(windowed)} "
+                         f"flags for {layers} layers")
+    return tuple(int(window) if w else 0 for w in windowed)
+
+
+def _gemma_fields(
+    md: dict[str, Any], arch: str, hidden: int, heads: int, head_dim: int, layers: int
+) -> dict[str, Any]:
+    """The ModelConfig fields only Gemma sets (none for the other architectures), as llama.cpp
+    reads them: Gemma 2's soft caps, Gemma 3's final cap if any and the base of its windowed
+    layers (which the global layers' linear scaling, if any, leaves alone).
+
+    A GGUF carries no query_pre_attn_scalar: llama.cpp scales attention by head_dim^-0.5,
+    except for the 27B models, where Gemma scales by (hidden / heads)^-0.5. It tells those
+    apart by the layer count alone (46: Gemma 2 27B, 62: Gemma 3 27B), and so does this."""
+    if arch not in _GEMMA_WINDOW_PERIOD:
+        return {}
+
+    def key(k: str, default: Any = None) -> Any:
+        return md.get(f"{arch}.{k}", default)
+
+    if arch == "gemma2":
+        attn_cap = _f32(key("attn_logit_softcapping", _GEMMA2_CAPS[0]))
+        final_cap = _f32(key("final_logit_softcapping", _GEMMA2_CAPS[1]))
+        local_theta = 0.0
+    else:
+        attn_cap, final_cap = 0.0, _f32(key("final_logit_softcapping", 0.0))
+        local_theta = _f32(key("rope.freq_base_swa", _GEMMA3_LOCAL_THETA))
+    scalar = hidden // heads if layers == _GEMMA_27B_LAYERS[arch] else head_dim
+    return {
+        "local_rope_theta": local_theta,
+        "hidden_act": "gelu_tanh",
+        "embed_scale": hidden**0.5,
+        "sandwich_norms": True,
+        "query_pre_attn_scalar": float(scalar),
+        "attn_logit_softcap": attn_cap,
+        "final_logit_softcap": final_cap,
+    }
 
 
 def _read_floats(gf: GGUFFile, name: str) -> list[float]:
@@ -171,6 +238,13 @@ _BLOCK_NAMES = {
     "ffn_down": "mlp.down_proj",
     "ffn_gate_inp": "mlp.gate",
 }
+# Gemma's norms around the attention and the MLP: its `ffn_norm` is the MLP's pre-norm.
+_GEMMA_BLOCK_NAMES = {
+    **_BLOCK_NAMES,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
 # Experts stacked into one 3-D tensor [experts, rows, inputs] per projection.
 _EXPERT_NAMES = {
     "ffn_gate_exps": "gate_proj",
@@ -181,15 +255,16 @@ _EXPERT_NAMES = {
 _IGNORED = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
 
 
-def hf_name(gguf_name: str) -> str:
-    """Map a llama.cpp tensor name to the Hugging Face parameter name. Old Mixtral files
-    name each expert's tensor (`blk.N.ffn_gate.E.weight`); see expert_names for the
-    stacked ones."""
+def hf_name(gguf_name: str, arch: str = "llama") -> str:
+    """Map a llama.cpp tensor name of an `arch` file to the Hugging Face parameter name. Old
+    Mixtral files name each expert's tensor (`blk.N.ffn_gate.E.weight`); see expert_names
+    for the stacked ones."""
     if gguf_name in _TOP_LEVEL_NAMES:
         return _TOP_LEVEL_NAMES[gguf_name]
+    blocks = _GEMMA_BLOCK_NAMES if arch in _GEMMA_WINDOW_PERIOD else _BLOCK_NAMES
     parts = gguf_name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _BLOCK_NAMES:
-        return f"model.layers.{parts[1]}.{_BLOCK_NAMES[parts[2]]}.{parts[3]}"
+    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in blocks:
+        return f"model.layers.{parts[1]}.{blocks[parts[2]]}.{parts[3]}"
     if (len(parts) == 5 and parts[0] == "blk" and parts[1].isdigit() and parts[3].isdigit()
             and parts[2] in ("ffn_gate", "ffn_up", "ffn_down") and parts[4] == "weight"):
         projection = _EXPERT_NAMES[f"{parts[2]}_exps"]
@@ -334,7 +409,8 @@ def load_gguf(
 
     gf = read_gguf(path)
     config = config_from_gguf(gf, name=name)
-    permuted = gf.metadata["general.architecture"] == "llama"  # Mixtral's files too
+    arch = gf.metadata["general.architecture"]
+    permuted = arch == "llama"  # Mixtral's files too
     weights: dict[str, Weight] = {}
     with open(gf.path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
         pages = _Pages(mm)
@@ -355,7 +431,7 @@ def load_gguf(
                 raw = raw.reshape(info.shape[0], -1)
                 if n_head is not None:  # whole rows of blocks move (a copy)
                     raw = unpermute_rows(raw, n_head)
-                weights[hf_name(info.name)] = QuantizedWeight.from_gguf(
+                weights[hf_name(info.name, arch)] = QuantizedWeight.from_gguf(
                     raw, info.ggml_type, *info.shape, done=pages.drop
                 )
                 del raw  # a view of the map, which cannot close while one is alive
@@ -364,7 +440,7 @@ def load_gguf(
                 if n_head is not None:
                     array = unpermute_rows(array, n_head)
                 tensor = torch.from_numpy(array)
-                key = hf_name(info.name)
+                key = hf_name(info.name, arch)
                 weights[key] = tensor if convert is None else convert(key, tensor)
             pages.drop_to(info.offset + info.nbytes)
     if config.tie_word_embeddings:

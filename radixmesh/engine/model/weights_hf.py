@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from radixmesh.engine.model.model_config import ModelConfig
+from radixmesh.engine.model.model_config import GEMMA, ModelConfig
 from radixmesh.engine.model.moe import expert_weight_name
 
 if TYPE_CHECKING:
@@ -19,6 +19,12 @@ if TYPE_CHECKING:
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 # Buffers some checkpoints carry that are not parameters.
 _DROPPED_SUFFIXES = ("rotary_emb.inv_freq",)
+# A multimodal Gemma 3 checkpoint's text model under the text-only names; its vision parts
+# are not read.
+_TEXT_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
+                  ("language_model.lm_head.", "lm_head."))
+_VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+                    "model.multi_modal_projector.")
 # Mixtral's per-expert projections (w1 gate, w3 up, w2 down) under moe.py's names.
 _MIXTRAL_EXPERT = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
@@ -97,7 +103,19 @@ def checkpoint_tensors(
     gate/up_proj, gate rows first), experts one by one (expert_tensors), the rest as it is.
 
     One layout for every family keeps one model and one tensor-parallel sharding, which
-    splits q/k/v and gate/up by name; the model fuses them again into one matmul each."""
+    splits q/k/v and gate/up by name; the model fuses them again into one matmul each.
+
+    Gemma's norms scale by 1 + weight: the weight is stored plus one (as llama.cpp's files
+    hold it), so every family's norm is the same product. A multimodal Gemma 3 file gives
+    its text model's tensors under the text model's names, nothing of its vision parts."""
+    if key.startswith(_VISION_PREFIXES):
+        return
+    for old, new in _TEXT_PREFIXES:
+        if key.startswith(old):
+            key = new + key.removeprefix(old)
+    if config.architecture in GEMMA and key.endswith("norm.weight"):
+        yield key, tensor + 1
+        return
     head, _, last = key.rpartition(".")
     if head.endswith(".self_attn.qkv_proj"):
         prefix = head.removesuffix("qkv_proj")
