@@ -365,6 +365,55 @@ def linear_reference(
     return out if bias is None else out + bias.to(torch.float64)
 
 
+class ExpertWeights:
+    """A sparse layer's experts, every projection quantized, as `moe_experts` takes them:
+    gate and up [I, hidden] and down [hidden, I] of each expert, in expert order."""
+
+    def __init__(
+        self,
+        gate: list[QuantizedWeight],
+        up: list[QuantizedWeight],
+        down: list[QuantizedWeight],
+    ) -> None:
+        inter, hidden = gate[0].shape
+        if any(w.shape != (inter, hidden) for w in (*gate, *up)) or any(
+            w.shape != (hidden, inter) for w in down
+        ):
+            raise ValueError("experts of one layer must share their shapes")
+        array = _QuantWeight * len(gate)
+        self.gate, self.up, self.down = (array(*(w.struct for w in ws)) for ws in (gate, up, down))
+        self._weights = (gate, up, down)  # the packed tensors the structs point into
+        self.num_experts, self.hidden = len(gate), hidden
+
+    @classmethod
+    def of(cls, experts: list[tuple[object, object, object]]) -> ExpertWeights | None:
+        """From each expert's (gate, up, down) weights where all are quantized and the native
+        kernels are built here; else None."""
+        weights = [w for expert in experts for w in expert]
+        if not supported() or not all(isinstance(w, QuantizedWeight) for w in weights):
+            return None
+        quantized = [w for w in weights if isinstance(w, QuantizedWeight)]
+        return cls(quantized[0::3], quantized[1::3], quantized[2::3])
+
+
+def moe_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
+                w: ExpertWeights) -> torch.Tensor:
+    """x [T, hidden] bf16, each token's experts [T, k] and router weights [T, k] -> float32
+    [T, hidden]: each token's weighted sum over its experts' gated SiLU MLPs (cpu/moe.cpp),
+    every expert of the step in one native call."""
+    lib = _quant_library()
+    assert x.dtype == torch.bfloat16 and x.shape[1] == w.hidden
+    experts = experts.to(torch.int64).contiguous()
+    weights = weights.to(torch.float32).contiguous()
+    check_rows("expert ids", experts, w.num_experts)
+    x = x.contiguous()
+    out = torch.empty(x.shape, dtype=torch.float32)
+    lib.moe_quant_bf16(x.data_ptr(), x.shape[0], w.hidden, experts.shape[1], experts.data_ptr(),
+                       weights.data_ptr(), w.gate, w.up, w.down, w.num_experts, out.data_ptr(),
+                       torch.get_num_threads())
+    return out
+
+
 def _at(t: torch.Tensor | None, column: int, size: int) -> int | None:
     return None if t is None else t.data_ptr() + column * size
 
@@ -385,6 +434,10 @@ def _quant_library() -> Any:
             _INT, _INT
         ]
         getattr(lib, name).restype = None
+    weights = ctypes.POINTER(_QuantWeight)
+    lib.moe_quant_bf16.argtypes = [_PTR, _INT, _INT, _INT, _PTR, _PTR, weights, weights, weights,
+                                   _INT, _PTR, _INT]
+    lib.moe_quant_bf16.restype = None
     for name in ("dequantize_rows_bf16", "dequantize_rows_f32"):
         getattr(lib, name).argtypes = [ctypes.POINTER(_QuantWeight), _PTR, _INT, _PTR, _INT]
         getattr(lib, name).restype = None

@@ -283,6 +283,51 @@ def test_ties_choose_as_transformers_does(kind):
         run_block(block_weights(10, router), x)
 
 
+# ---- quantized experts: one native call a step --------------------------------------------
+
+QH, QFF = 64, 32  # the quantized kernels take widths in whole blocks of 32
+
+
+def quantized_block(seed: int, router: torch.Tensor | None = None) -> dict[str, Any]:
+    """One sparse block under prefix "mlp", every expert's projections Q8_0 (a float
+    router, given or random)."""
+    g = torch.Generator().manual_seed(seed)
+    router = torch.randn(E, QH, generator=g) if router is None else router
+    w: dict[str, Any] = {"mlp.gate.weight": router.bfloat16()}
+    for e in range(E):
+        for proj, shape in (("gate_proj", (QFF, QH)), ("up_proj", (QFF, QH)),
+                            ("down_proj", (QH, QFF))):
+            weight = torch.randn(*shape, generator=g) * shape[1] ** -0.5
+            w[expert_weight_name("mlp", e, proj)] = QuantizedWeight.quantize_q8_0(weight)
+    return w
+
+
+@pytest.mark.parametrize("tokens, top_k, hot", [(1, 3, False), (23, 2, False), (17, 2, True),
+                                                 (9, 1, True)])
+def test_quantized_experts_run_in_one_native_call(tokens, top_k, hot):
+    """Every expert quantized: the step's experts run in one native call (kernels/cpu/moe.cpp)
+    with bf16 activations, each expert's output the same bits as one Linear after another,
+    the picks' weighted sum the same float32 sum. `hot`: every token on experts 2 and 5, the
+    others never picked."""
+    router = None
+    if hot:
+        router = torch.zeros(E, QH)
+        router[2], router[5] = 5.0, 3.0
+    block = SparseMoE(quantized_block(13, router), "mlp", E, top_k, True)
+    assert block.native is not None
+    g = torch.Generator().manual_seed(tokens)
+    x = (torch.rand if hot else torch.randn)(tokens, QH, generator=g).bfloat16()
+    residual = torch.randn(tokens, QH, generator=g).bfloat16()
+    native = block(x, residual)
+    spy = Spy(block)
+    block.native = None
+    one_by_one = block(x, residual)
+    assert torch.equal(native, one_by_one)
+    assert sum(spy.tokens) == tokens * top_k
+    if hot:
+        assert spy.tokens == [0, 0, tokens, 0, 0, tokens if top_k == 2 else 0]
+
+
 def test_tensor_parallel_shards_sum_to_the_block():
     """Each expert split like the dense MLP over two ranks, the router replicated: the ranks'
     partial outputs (before their one all-reduce) sum to the whole block's."""

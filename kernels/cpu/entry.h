@@ -1,5 +1,6 @@
-// The bf16 entry points of the native kernels that cpu/layer.cpp composes; each kernel's
-// source includes this too, so a definition that drifts from its declaration fails to build.
+// The bf16 entry points of the native kernels that cpu/layer.cpp and cpu/moe.cpp compose;
+// each kernel's source includes this too, so a definition that drifts from its declaration
+// fails to build.
 // QuantWeight is a quantized weight as cpu/quant.cpp packs it (native_quant._QuantWeight).
 #pragma once
 
@@ -33,4 +34,6 @@ int64_t quant_rows_bytes(int m, int k);
 void quantize_rows_bf16(const uint16_t* x, int m, int k, void* buf, int threads);
 void gemm_quant_bf16(const void* xbuf, int m, const QuantWeight* w, const uint16_t* bias,
                      const uint16_t* residual, uint16_t* out, int ldo, int threads);
+void gemm_quant_groups_bf16(const void* xbuf, int m, const QuantWeight* w, uint16_t* out,
+                            int ldo, int first, int last);
 }

@@ -632,6 +632,17 @@ void gemm_quant_bf16(const void* xbuf, int m, const QuantWeight* w, const uint16
   gemm(xbuf, m, w, Epilogue{bias, residual, out, ldo, true}, threads);
 }
 
+// Output groups [first, last) of x @ w^T (16 features each) into out [m, ldo], bf16, on the
+// calling thread: for callers that share several weights' groups among their own threads
+// (cpu/moe.cpp). The same sums as gemm_quant_bf16's.
+void gemm_quant_groups_bf16(const void* xbuf, int m, const QuantWeight* w, uint16_t* out,
+                            int ldo, int first, int last) {
+  const Rows x(const_cast<void*>(xbuf), m, w->k);
+  const GroupFn fn = w->half_scales ? pick_scales<uint16_t>(*w) : pick_scales<float>(*w);
+  const Epilogue ep{nullptr, nullptr, out, ldo, true};
+  for (int g = first; g < last; ++g) fn(*w, x, g, ep);
+}
+
 void gemm_quant_f32(const void* xbuf, int m, const QuantWeight* w, const float* bias,
                     const float* residual, float* out, int ldo, int threads) {
   gemm(xbuf, m, w, Epilogue{bias, residual, out, ldo, false}, threads);

@@ -3,12 +3,14 @@ experts, each a gated SiLU MLP, and the token's output is their weighted sum.
 
 On a CUDA device with dense expert weights, the experts are stacked once into [E, 2I, H]
 (gate|up) and [E, H, I] (down) and the Triton fused MoE kernel (kernels/fused_moe.py) runs
-them all in two grouped GEMMs. Otherwise (the CPU, quantized experts) each expert's weights,
-in whatever form the loader gave (float tensors or GGUF `QuantizedWeight`s), are wrapped in
-a `Linear`, so the same dense or native quantized kernels as the dense MLP run them, one
-expert after another. Experts are named one by one, as Hugging Face's per-expert
-checkpoints spell them: `{prefix}.experts.{e}.{gate,up,down}_proj.weight`, router
-`{prefix}.gate.weight`; the loaders bring every other layout to these names."""
+them all in two grouped GEMMs. On the CPU with every expert quantized (GGUF types), one
+native call runs all of a step's experts (kernels/cpu/moe.cpp) with bf16 activations.
+Otherwise each expert's weights, in whatever form the loader gave (float tensors or GGUF
+`QuantizedWeight`s), are wrapped in a `Linear`, so the same dense or native quantized
+kernels as the dense MLP run them, one expert after another. Experts are named one by one,
+as Hugging Face's per-expert checkpoints spell them:
+`{prefix}.experts.{e}.{gate,up,down}_proj.weight`, router `{prefix}.gate.weight`; the
+loaders bring every other layout to these names."""
 
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import torch.nn.functional as F
 from radixmesh.engine.model.linear import Weight
 from radixmesh.engine.model.mlp import GatedMLP
 from radixmesh.engine.model.parallel import TensorParallel
+from radixmesh.kernels.native_quant import ExpertWeights, moe_experts
 
 # An expert's projections, in the order GatedMLP takes them.
 EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -114,16 +117,25 @@ class SparseMoE:
         self.fused = fused
         # No reduction per expert: the block reduces their weighted sum once.
         self.experts: list[GatedMLP] = []
+        self.native: ExpertWeights | None = None
         if fused:
             self.w_gate_up, self.w_down = stack_experts(chain([first], experts), num_experts)
         else:
-            self.experts = [GatedMLP(*weights) for weights in chain([first], experts)]
+            weights = [first, *experts]
+            self.experts = [GatedMLP(*expert) for expert in weights]
+            # Every expert quantized: all of a step's experts in one native call.
+            self.native = ExpertWeights.of(weights)
         self.top_k, self.renormalize, self.tp = top_k, renormalize, tp
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] (post-attention-normed), residual [T, hidden] -> the layer's output."""
         routing = route(F.linear(x, self.router), self.top_k, self.renormalize)
-        mixed = self._fused(x, routing) if self.fused else self._expert_by_expert(x, routing)
+        if self.fused:
+            mixed = self._fused(x, routing)
+        elif self.native is not None and x.dtype == torch.bfloat16:
+            mixed = moe_experts(x, routing.experts, routing.weights, self.native)
+        else:
+            mixed = self._expert_by_expert(x, routing)
         if self.tp is not None:
             mixed = self.tp.all_reduce(mixed)
         return residual + mixed.to(residual.dtype)
