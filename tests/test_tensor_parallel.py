@@ -146,7 +146,11 @@ def test_one_rank_keeps_the_plain_layers(model_dirs) -> None:
 @pytest.mark.parametrize("quantization", ["bf16", "q8_0"])
 def test_two_ranks_match_one_process(model_dirs, tmp_path, quantization) -> None:
     """Also with Q8_0 weights: each rank's shards are whole blocks, so its int8 inputs are
-    the one process's; only the order of the final sums differs."""
+    the one process's; only the order of the final sums differs. Under Q8_0 that order can
+    move an activation across an int8 rounding boundary of the next layer's input: one
+    input's step of amax / 127 (measured: one prompt logprob 1.4e-3 away, on an Intel Xeon),
+    so its logprobs are held to 5e-3 there."""
+    tol = 1e-4 if quantization == "bf16" else 5e-3
     run_ranks(_rank_main, 2, [str(d) for d in model_dirs], str(tmp_path), quantization)
     for i, model_dir in enumerate(model_dirs):
         loaded = load_model(str(model_dir), progress=False, quantization=quantization)
@@ -164,10 +168,10 @@ def test_two_ranks_match_one_process(model_dirs, tmp_path, quantization) -> None
         torch.testing.assert_close(ranks[0]["logits"], ref_logits, atol=1e-4, rtol=1e-4)
         for ours, ref in zip(got[0], ref_results, strict=True):
             for a, b in zip(ours.results, ref.results, strict=True):
-                assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+                assert a.logprob == pytest.approx(b.logprob, abs=tol)
                 assert a.input_logprobs_start == b.input_logprobs_start
                 assert list(a.input_logprobs)[1:] == pytest.approx(
-                    list(b.input_logprobs)[1:], abs=1e-4
+                    list(b.input_logprobs)[1:], abs=tol
                 )
                 assert [t for t, _ in a.top_logprobs] == [t for t, _ in b.top_logprobs]
 
