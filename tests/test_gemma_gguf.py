@@ -13,6 +13,7 @@ import gguf
 import pytest
 import torch
 from test_gemma import HIDDEN, PROMPTS, WINDOW, tiny_model, variant
+from test_model_families import assert_q8_0_as_dequantized
 from test_model_vs_hf import greedy
 from tiny_model import hf_greedy, write_tiny_gguf
 
@@ -21,7 +22,6 @@ from radixmesh.engine.model.model_config import ModelConfig
 from radixmesh.engine.model.model_source import load_model
 from radixmesh.engine.model.runner import ModelRunner
 from radixmesh.engine.model.weights_gguf import config_from_gguf
-from radixmesh.kernels.native_quant import QuantizedWeight
 
 pytest.importorskip("transformers")
 
@@ -91,18 +91,8 @@ def test_q8_0_gguf_keeps_matrices_quantized(family: str, tmp_path: Path):
     """Every matrix stays Q8_0 and dequantizes to exactly what the float path loads from the
     same file; the norms (plus one) are as they are."""
     q8 = gguf.GGMLQuantizationType.Q8_0
-    path = write_tiny_gguf(tmp_path, family, gguf_model(family), q8)
-    quantized = load_model(str(path), progress=False, quantization="gguf").weights
-    dense = load_model(str(path), progress=False, quantization="bf16").weights
-    assert set(quantized) == set(dense)
+    dense = assert_q8_0_as_dequantized(write_tiny_gguf(tmp_path, family, gguf_model(family), q8))
     assert "model.layers.0.pre_feedforward_layernorm.weight" in dense
-    for name, w in dense.items():
-        got = quantized[name]
-        if w.dim() == 2:
-            assert isinstance(got, QuantizedWeight) and got.qtype.name == "Q8_0", name
-            assert torch.equal(got.dequantize(), w), name
-        else:
-            assert torch.equal(got, w), name
 
 
 def write_metadata(path: Path, arch: str, layers: int, hidden: int, heads: int,

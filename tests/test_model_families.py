@@ -223,8 +223,13 @@ def test_q8_0_gguf_splits_phi3_fused_tensors_quantized(tmp_path):
     """attn_qkv and ffn_up stay Q8_0, cut into q/k/v and gate/up by whole rows of blocks:
     each part dequantizes to exactly what the float path loads from the same file."""
     model = tiny_model("phi3")
-    q8 = gguf.GGMLQuantizationType.Q8_0
-    gguf_path = write_tiny_gguf(tmp_path, "phi3", model, q8)
+    gguf_path = write_tiny_gguf(tmp_path, "phi3", model, gguf.GGMLQuantizationType.Q8_0)
+    assert_q8_0_as_dequantized(gguf_path)
+
+
+def assert_q8_0_as_dequantized(gguf_path: Path) -> dict:
+    """Every matrix of a Q8_0 file stays Q8_0 and dequantizes to exactly what the float path
+    loads from it; every other tensor is the same. The float path's weights."""
     quantized = load_model(str(gguf_path), progress=False, quantization="gguf").weights
     dense = load_model(str(gguf_path), progress=False, quantization="bf16").weights
     assert set(quantized) == set(dense)
@@ -235,6 +240,7 @@ def test_q8_0_gguf_splits_phi3_fused_tensors_quantized(tmp_path):
             assert torch.equal(got.dequantize(), w), name
         else:
             assert torch.equal(got, w), name
+    return dense
 
 
 # ---- bf16, the default ------------------------------------------------------------------

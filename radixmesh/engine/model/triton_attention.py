@@ -127,31 +127,11 @@ class TritonAttention(AttentionBackend):
         window, softcap = self.windows[layer] if self.windows else 0, self.softcap
         d = self._decode
         if d is not None and self._decode_rows is None:
-            return decode_attention(
-                q,
-                k_pool,
-                v_pool,
-                d.page_table,
-                d.seq_lens,
-                self.scale,
-                self.page_size,
-                window=window,
-                softcap=softcap,
-            )
+            return self._decode_attention(q, k_pool, v_pool, d, window)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if d is not None and self._decode_rows is not None:
             rows = self._decode_rows
-            out[rows] = decode_attention(
-                q[rows],
-                k_pool,
-                v_pool,
-                d.page_table,
-                d.seq_lens,
-                self.scale,
-                self.page_size,
-                window=window,
-                softcap=softcap,
-            )
+            out[rows] = self._decode_attention(q[rows], k_pool, v_pool, d, window)
         e = self._extend
         if e is not None:
             extend_attention(
@@ -172,6 +152,13 @@ class TritonAttention(AttentionBackend):
                 softcap=softcap,
             )
         return out
+
+    def _decode_attention(
+        self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, d: _DecodePart,
+        window: int,
+    ) -> torch.Tensor:
+        return decode_attention(q, k_pool, v_pool, d.page_table, d.seq_lens, self.scale,
+                                self.page_size, window=window, softcap=self.softcap)
 
     def _table(self, seqs: list[SeqSpan]) -> torch.Tensor:
         return page_table([s.kv_slots for s in seqs], self.page_size).to(self.device)
