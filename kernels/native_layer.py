@@ -25,7 +25,7 @@ class _Proj(ctypes.Structure):
 class _LayerWeights(ctypes.Structure):
     _fields_ = [
         ("input_norm", _PTR), ("post_norm", _PTR), ("qkv", _Proj), ("qkv_bias", _PTR),
-        ("o", _Proj), ("gate_up", _Proj), ("down", _Proj),
+        ("o", _Proj), ("gate_up", _Proj), ("down", _Proj), ("q_norm", _PTR), ("k_norm", _PTR),
     ]
 
 
@@ -57,8 +57,9 @@ class LayerStack:
     """The decoder layers of a bf16 model run natively, a call per layer (cpu/layer.cpp):
     the Python layer's kernels in its order, so the same bits.
 
-    Each entry of `layers` names a layer's tensors: input_norm, post_norm, qkv_bias (or
-    None), and its projections qkv, o, gate_up and down (each a `Projection`)."""
+    Each entry of `layers` names a layer's tensors: input_norm, post_norm, qkv_bias, q_norm
+    and k_norm (each or None), and its projections qkv, o, gate_up and down (each a
+    `Projection`)."""
 
     def __init__(
         self,

@@ -1,5 +1,5 @@
-// One decoder layer of a Llama-family model (pre-norm attention + gated MLP) for a step's
-// tokens, in bf16, as one call: the same kernels in the same order as the worker's
+// One decoder layer of a Llama-family model (pre-norm attention, q/k norms where the model has
+// them, gated MLP) for a step's tokens, in bf16, as one call: the same kernels in the same order as the worker's
 // Python layer (services/worker/model.py), so the result is bit for bit the same, without
 // the per-op Python work and fresh output tensors (30 layers at batch 32: 1.03x the time of
 // the bare kernels, where the Python layer takes 1.17x).
@@ -25,6 +25,8 @@ struct LayerWeights {
   Proj qkv;
   const uint16_t* qkv_bias;  // or null
   Proj o, gate_up, down;
+  const uint16_t* q_norm;  // per-head RMSNorm weights of q and k (Qwen3), or null
+  const uint16_t* k_norm;
 };
 
 struct LayerShape {
@@ -104,6 +106,13 @@ void decoder_layer_bf16(uint16_t* hidden, uint16_t* k_pool, uint16_t* v_pool,
 
   rms_norm_bf16(hidden, w->input_norm, x, t, h, s->eps, th);
   linear(w->qkv, x, w->qkv_bias, nullptr, qkv, t, qkv_size, h, qbuf, th);
+  if (w->q_norm != nullptr) {  // each head of q and of k normed on its own, before RoPE
+    for (int i = 0; i < t; ++i) {
+      uint16_t* row = qkv + static_cast<int64_t>(i) * qkv_size;
+      rms_norm_bf16(row, w->q_norm, row, s->heads, d, s->eps, 1);
+      rms_norm_bf16(row + q_size, w->k_norm, row + q_size, s->kv_heads, d, s->eps, 1);
+    }
+  }
   rotary_bf16(qkv, step->positions, step->cos, step->sin, t, s->heads + s->kv_heads, qkv_size,
               d, th);
   for (int i = 0; i < t; ++i) {

@@ -208,11 +208,11 @@ class CausalLM:
 
     def _native_layers(self, tp: TensorParallel | None) -> LayerStack | None:
         """Every layer as one native call, where each of its parts runs natively here (bf16
-        activations, weights in bf16 on an AVX512-BF16 CPU or quantized, no q/k norm, RoPE
-        over whole heads, one rank, dense SiLU MLPs with pre-norms only: experts and Gemma's
-        layers run layer by layer in Python) and the attention backend plans it."""
+        activations, weights in bf16 on an AVX512-BF16 CPU or quantized, RoPE over whole
+        heads, one rank, dense SiLU MLPs with pre-norms only: experts and Gemma's layers run
+        layer by layer in Python) and the attention backend plans it."""
         cfg = self.cfg
-        if (tp is not None or cfg.qk_norm or cfg.is_moe or cfg.rope_dim != cfg.head_dim
+        if (tp is not None or cfg.is_moe or cfg.rope_dim != cfg.head_dim
                 or cfg.sandwich_norms or cfg.hidden_act != "silu" or cfg.embed_scale != 1.0
                 or self.dtype != torch.bfloat16):
             return None
@@ -225,7 +225,8 @@ class CausalLM:
             if any(p is None for p in projections.values()):
                 return None
             stack.append({"input_norm": layer.input_norm, "post_norm": layer.post_norm,
-                          "qkv_bias": layer.qkv.bias, **projections})
+                          "qkv_bias": layer.qkv.bias, "q_norm": layer.q_norm,
+                          "k_norm": layer.k_norm, **projections})
         return LayerStack(
             stack,
             cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
