@@ -6,11 +6,12 @@ from __future__ import annotations
 import ctypes
 import functools
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
 from radixmesh.kernels.native import check_rows, library
-from radixmesh.kernels.native_quant import QuantizedWeight, _QuantWeight
+from radixmesh.kernels.native_quant import ExpertWeights, QuantizedWeight, _QuantWeight
 
 _PTR, _INT, _FLOAT = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 # A projection's weight: packed by native.pack_gemm_weight, or quantized parts side by side.
@@ -22,11 +23,29 @@ class _Proj(ctypes.Structure):
     _fields_ = [("packed", _PTR), ("parts", _PTR), ("num_parts", _INT)]
 
 
+class _Experts(ctypes.Structure):
+    _fields_ = [
+        ("router", _PTR), ("num_experts", _INT), ("top_k", _INT), ("renormalize", _INT),
+        ("gate", _PTR), ("up", _PTR), ("down", _PTR),
+    ]
+
+
 class _LayerWeights(ctypes.Structure):
     _fields_ = [
         ("input_norm", _PTR), ("post_norm", _PTR), ("qkv", _Proj), ("qkv_bias", _PTR),
         ("o", _Proj), ("gate_up", _Proj), ("down", _Proj), ("q_norm", _PTR), ("k_norm", _PTR),
+        ("experts", _PTR),
     ]
+
+
+class SparseLayer(NamedTuple):
+    """A sparse layer's MLP as the native layer takes it: its bf16 router [E, hidden], top-k,
+    whether the top-k weights are renormalized, and its quantized experts."""
+
+    router: torch.Tensor
+    top_k: int
+    renormalize: bool
+    experts: ExpertWeights
 
 
 class _LayerShape(ctypes.Structure):
@@ -58,12 +77,13 @@ class LayerStack:
     the Python layer's kernels in its order, so the same bits.
 
     Each entry of `layers` names a layer's tensors: input_norm, post_norm, qkv_bias, q_norm
-    and k_norm (each or None), and its projections qkv, o, gate_up and down (each a
-    `Projection`)."""
+    and k_norm (each or None), its projections qkv, o, gate_up and down (each a
+    `Projection`; gate_up and down None in a sparse layer) and `experts` (a `SparseLayer`, or
+    None in a dense one)."""
 
     def __init__(
         self,
-        layers: list[dict[str, torch.Tensor | list[QuantizedWeight] | None]],
+        layers: list[dict[str, torch.Tensor | list[QuantizedWeight] | SparseLayer | None]],
         hidden: int,
         heads: int,
         kv_heads: int,
@@ -73,18 +93,32 @@ class LayerStack:
     ) -> None:
         self._tensors = layers  # keeps every pointer below alive
         self._parts: list[ctypes.Array[_QuantWeight]] = []
+        self._experts: list[_Experts] = []
         self._weights = []
         for w in layers:
             fields = {}
             for name, _ in _LayerWeights._fields_:
-                value = w[name]
-                if name in _PROJECTIONS:
-                    fields[name] = self._projection(value)
+                value = w.get(name)
+                if name == "experts":
+                    fields[name] = self._sparse(value)
+                elif name in _PROJECTIONS:
+                    fields[name] = _Proj() if value is None else self._projection(value)
                 else:
                     assert value is None or isinstance(value, torch.Tensor)
                     fields[name] = None if value is None else value.data_ptr()
             self._weights.append(_LayerWeights(**fields))
         self._shape = (hidden, heads, kv_heads, head_dim, intermediate, eps)
+
+    def _sparse(self, value: object) -> int | None:
+        if value is None:
+            return None
+        assert isinstance(value, SparseLayer) and value.router.dtype == torch.bfloat16
+        e = value.experts
+        self._experts.append(_Experts(
+            value.router.data_ptr(), e.num_experts, value.top_k, int(value.renormalize),
+            *(ctypes.addressof(part) for part in (e.gate, e.up, e.down)),
+        ))
+        return ctypes.addressof(self._experts[-1])
 
     def _projection(self, value: object) -> _Proj:
         if isinstance(value, torch.Tensor):

@@ -396,6 +396,23 @@ class ExpertWeights:
         return cls(quantized[0::3], quantized[1::3], quantized[2::3])
 
 
+def moe_route(
+    x: torch.Tensor, router: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each bf16 row's top-k experts [T, k] and router weights [T, k] float32, as
+    cpu/moe.cpp routes (the bf16 logits' softmax in float32; ties: the lower expert): the
+    routing of the native layers, so the Python layers route the same way."""
+    lib = _quant_library()
+    assert x.dtype == router.dtype == torch.bfloat16 and router.is_contiguous()
+    x = x.contiguous()
+    experts = torch.empty(x.shape[0], top_k, dtype=torch.int64)
+    weights = torch.empty(x.shape[0], top_k, dtype=torch.float32)
+    lib.moe_route_bf16(x.data_ptr(), x.shape[0], x.shape[1], router.data_ptr(), router.shape[0],
+                       top_k, int(renormalize), experts.data_ptr(), weights.data_ptr(),
+                       torch.get_num_threads())
+    return experts, weights
+
+
 def moe_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
                 w: ExpertWeights) -> torch.Tensor:
     """x [T, hidden] bf16, each token's experts [T, k] and router weights [T, k] -> float32
@@ -438,6 +455,8 @@ def _quant_library() -> Any:
     lib.moe_quant_bf16.argtypes = [_PTR, _INT, _INT, _INT, _PTR, _PTR, weights, weights, weights,
                                    _INT, _PTR, _INT]
     lib.moe_quant_bf16.restype = None
+    lib.moe_route_bf16.argtypes = [_PTR, _INT, _INT, _PTR, _INT, _INT, _INT, _PTR, _PTR, _INT]
+    lib.moe_route_bf16.restype = None
     for name in ("dequantize_rows_bf16", "dequantize_rows_f32"):
         getattr(lib, name).argtypes = [ctypes.POINTER(_QuantWeight), _PTR, _INT, _PTR, _INT]
         getattr(lib, name).restype = None

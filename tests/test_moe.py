@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from test_model_vs_hf import greedy
+from test_native_layer import BF16_NATIVE, STEPS, assert_same, run_both_ways
 from test_quantized import prompt_logits
 from tiny_model import (
     hf_config,
@@ -29,10 +30,10 @@ from radixmesh.api import Engine
 from radixmesh.engine.model.model import CausalLM
 from radixmesh.engine.model.model_config import ModelConfig
 from radixmesh.engine.model.model_source import load_model
-from radixmesh.engine.model.moe import SparseMoE, expert_weight_name, route
+from radixmesh.engine.model.moe import Routing, SparseMoE, expert_weight_name, route
 from radixmesh.engine.model.parallel import TensorParallel, local_config, shard_weights
 from radixmesh.engine.model.runner import ModelRunner
-from radixmesh.kernels.native_quant import QuantizedWeight
+from radixmesh.kernels.native_quant import QuantizedWeight, moe_route
 
 transformers = pytest.importorskip("transformers")
 
@@ -305,10 +306,11 @@ def quantized_block(seed: int, router: torch.Tensor | None = None) -> dict[str, 
 @pytest.mark.parametrize("tokens, top_k, hot", [(1, 3, False), (23, 2, False), (17, 2, True),
                                                  (9, 1, True)])
 def test_quantized_experts_run_in_one_native_call(tokens, top_k, hot):
-    """Every expert quantized: the step's experts run in one native call (kernels/cpu/moe.cpp)
-    with bf16 activations, each expert's output the same bits as one Linear after another,
-    the picks' weighted sum the same float32 sum. `hot`: every token on experts 2 and 5, the
-    others never picked."""
+    """Every expert quantized: with bf16 activations the step is routed natively (the same
+    experts as torch's routing, the same weights within float32 rounding) and its experts
+    run in one native call (kernels/cpu/moe.cpp), each expert's output the same bits as one
+    Linear after another, the picks' weighted sum the same float32 sum. `hot`: every token
+    on experts 2 and 5, the others never picked."""
     router = None
     if hot:
         router = torch.zeros(E, QH)
@@ -318,14 +320,33 @@ def test_quantized_experts_run_in_one_native_call(tokens, top_k, hot):
     g = torch.Generator().manual_seed(tokens)
     x = (torch.rand if hot else torch.randn)(tokens, QH, generator=g).bfloat16()
     residual = torch.randn(tokens, QH, generator=g).bfloat16()
+    experts, weights = moe_route(x, block.router, top_k, True)
+    theirs = route(F.linear(x, block.router), top_k, True)
+    assert torch.equal(experts, theirs.experts)
+    torch.testing.assert_close(weights, theirs.weights, rtol=1e-6, atol=1e-7)
     native = block(x, residual)
     spy = Spy(block)
-    block.native = None
-    one_by_one = block(x, residual)
-    assert torch.equal(native, one_by_one)
+    one_by_one = block._expert_by_expert(x, Routing(experts, weights))
+    assert torch.equal(native, residual + one_by_one.to(torch.bfloat16))
     assert sum(spy.tokens) == tokens * top_k
     if hot:
         assert spy.tokens == [0, 0, tokens, 0, 0, tokens if top_k == 2 else 0]
+
+
+def test_native_layers_run_quantized_experts(saved, tmp_path):
+    """A Q8_0 MoE file in bf16 runs every layer natively, experts included (routing, experts
+    and the residual add in cpu/layer.cpp), bit for bit the Python layers: decodes, a prompt,
+    and both in one step."""
+    kind, model, _ = saved
+    gguf_path = write_tiny_gguf(tmp_path, GGUF_ARCH[kind], model, gguf.GGMLQuantizationType.Q8_0)
+    loaded = load_model(str(gguf_path), progress=False, quantization="gguf")
+    bf16 = CausalLM(loaded.config, loaded.weights, torch.bfloat16)
+    if not BF16_NATIVE:
+        assert bf16.native_layers is None  # no AVX512-BF16: the Python layers run
+        return
+    assert bf16.native_layers is not None
+    for parts in STEPS:
+        assert_same(run_both_ways(bf16, parts, seed=len(parts)))
 
 
 def test_tensor_parallel_shards_sum_to_the_block():

@@ -34,6 +34,12 @@ int64_t quant_rows_bytes(int m, int k);
 void quantize_rows_bf16(const uint16_t* x, int m, int k, void* buf, int threads);
 void gemm_quant_bf16(const void* xbuf, int m, const QuantWeight* w, const uint16_t* bias,
                      const uint16_t* residual, uint16_t* out, int ldo, int threads);
+void moe_route_bf16(const uint16_t* x, int tokens, int hidden, const uint16_t* router,
+                    int num_experts, int k, int renormalize, int64_t* experts, float* weights,
+                    int threads);
+void moe_quant_bf16(const uint16_t* x, int tokens, int hidden, int k, const int64_t* experts,
+                    const float* weights, const QuantWeight* gate, const QuantWeight* up,
+                    const QuantWeight* down, int num_experts, float* out, int threads);
 void gemm_quant_groups_bf16(const void* xbuf, int m, const QuantWeight* w, uint16_t* out,
                             int ldo, int first, int last);
 }

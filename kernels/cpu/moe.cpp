@@ -6,6 +6,7 @@
 // float32. Each expert runs the same kernels in the same order as the Python path
 // (radixmesh/engine/model/moe.py), so its output is bit for bit the same; what goes is the
 // parallel region and the Python call that each of a decode step's small GEMMs paid for.
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -33,6 +34,49 @@ void add_items(std::vector<Item>& items, int expert, int part, int n) {
 }  // namespace
 
 extern "C" {
+
+// Each token's top-k experts: logits = x @ router^T (float32 sums rounded to bf16, as a bf16
+// linear layer rounds them), their softmax in float32, the k most probable (ties: the lower
+// expert first), their probabilities rescaled to sum to 1 if `renormalize`. x [T, hidden],
+// router [E, hidden] bf16 -> experts [T, k], weights [T, k] float32.
+void moe_route_bf16(const uint16_t* x, int tokens, int hidden, const uint16_t* router,
+                    int num_experts, int k, int renormalize, int64_t* experts, float* weights,
+                    int threads) {
+  const int64_t work = static_cast<int64_t>(tokens) * num_experts * hidden;
+#pragma omp parallel for schedule(static) num_threads(threads) if (work >= (1 << 20))
+  for (int t = 0; t < tokens; ++t) {
+    std::vector<float> probs(num_experts);
+    const uint16_t* row = x + static_cast<int64_t>(t) * hidden;
+    float top = -INFINITY;
+    for (int e = 0; e < num_experts; ++e) {
+      const uint16_t* w = router + static_cast<int64_t>(e) * hidden;
+      float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+      for (int h = 0; h < hidden; ++h) sum += radixmesh::load(row[h]) * radixmesh::load(w[h]);
+      probs[e] = radixmesh::load(radixmesh::to_bf16(sum));
+      top = probs[e] > top ? probs[e] : top;
+    }
+    float total = 0.0f;
+    for (int e = 0; e < num_experts; ++e) total += probs[e] = std::exp(probs[e] - top);
+    for (int e = 0; e < num_experts; ++e) probs[e] /= total;
+    int64_t* chosen = experts + static_cast<int64_t>(t) * k;
+    float* weight = weights + static_cast<int64_t>(t) * k;
+    float kept = 0.0f;
+    for (int j = 0; j < k; ++j) {
+      int best = -1;
+      for (int e = 0; e < num_experts; ++e) {
+        bool taken = false;
+        for (int i = 0; i < j; ++i) taken = taken || chosen[i] == e;
+        if (!taken && (best < 0 || probs[e] > probs[best])) best = e;
+      }
+      chosen[j] = best;
+      kept += weight[j] = probs[best];
+    }
+    if (renormalize) {
+      for (int j = 0; j < k; ++j) weight[j] /= kept;
+    }
+  }
+}
 
 // x [T, hidden] bf16; experts and weights [T, k] (each token's experts and their router
 // weights); gate, up [E] weights of [I, hidden], down [E] of [hidden, I] -> out [T, hidden]

@@ -17,7 +17,7 @@ from radixmesh.engine.model.moe import SparseMoE
 from radixmesh.engine.model.parallel import TensorParallel, row_parallel
 from radixmesh.engine.model.rope import RotaryEmbedding, RotaryStep
 from radixmesh.kernels import native
-from radixmesh.kernels.native_layer import LayerStack
+from radixmesh.kernels.native_layer import LayerStack, SparseLayer
 from radixmesh.kernels.native_quant import QuantizedWeight
 
 
@@ -209,24 +209,30 @@ class CausalLM:
     def _native_layers(self, tp: TensorParallel | None) -> LayerStack | None:
         """Every layer as one native call, where each of its parts runs natively here (bf16
         activations, weights in bf16 on an AVX512-BF16 CPU or quantized, RoPE over whole
-        heads, one rank, dense SiLU MLPs with pre-norms only: experts and Gemma's layers run
-        layer by layer in Python) and the attention backend plans it."""
+        heads, one rank, SiLU MLPs with pre-norms only, experts all quantized: Gemma's
+        layers run layer by layer in Python) and the attention backend plans it."""
         cfg = self.cfg
-        if (tp is not None or cfg.is_moe or cfg.rope_dim != cfg.head_dim
+        if (tp is not None or cfg.rope_dim != cfg.head_dim
                 or cfg.sandwich_norms or cfg.hidden_act != "silu" or cfg.embed_scale != 1.0
                 or self.dtype != torch.bfloat16):
             return None
-        stack: list[dict[str, torch.Tensor | list[QuantizedWeight] | None]] = []
+        stack: list[dict[str, torch.Tensor | list[QuantizedWeight] | SparseLayer | None]] = []
         for layer in self.layers:
-            assert isinstance(layer.mlp, GatedMLP)
-            linears = {"qkv": layer.qkv, "o": layer.o, "gate_up": layer.mlp.gate_up,
-                       "down": layer.mlp.down}
+            linears = {"qkv": layer.qkv, "o": layer.o}
+            experts = None
+            if isinstance(layer.mlp, GatedMLP):
+                linears |= {"gate_up": layer.mlp.gate_up, "down": layer.mlp.down}
+            elif layer.mlp.native is not None:
+                mlp = layer.mlp
+                experts = SparseLayer(mlp.router, mlp.top_k, mlp.renormalize, mlp.native)
+            else:
+                return None
             projections = {name: linear.native_weight() for name, linear in linears.items()}
             if any(p is None for p in projections.values()):
                 return None
             stack.append({"input_norm": layer.input_norm, "post_norm": layer.post_norm,
                           "qkv_bias": layer.qkv.bias, "q_norm": layer.q_norm,
-                          "k_norm": layer.k_norm, **projections})
+                          "k_norm": layer.k_norm, "experts": experts, **projections})
         return LayerStack(
             stack,
             cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,

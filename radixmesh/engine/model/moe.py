@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from radixmesh.engine.model.linear import Weight
 from radixmesh.engine.model.mlp import GatedMLP
 from radixmesh.engine.model.parallel import TensorParallel
-from radixmesh.kernels.native_quant import ExpertWeights, moe_experts
+from radixmesh.kernels.native_quant import ExpertWeights, moe_experts, moe_route
 
 # An expert's projections, in the order GatedMLP takes them.
 EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -129,13 +129,14 @@ class SparseMoE:
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] (post-attention-normed), residual [T, hidden] -> the layer's output."""
-        routing = route(F.linear(x, self.router), self.top_k, self.renormalize)
-        if self.fused:
-            mixed = self._fused(x, routing)
-        elif self.native is not None and x.dtype == torch.bfloat16:
-            mixed = moe_experts(x, routing.experts, routing.weights, self.native)
+        if self.native is not None and x.dtype == torch.bfloat16:
+            # Routed and run natively, as the native whole layers (cpu/layer.cpp) do.
+            experts, weights = moe_route(x, self.router, self.top_k, self.renormalize)
+            mixed = moe_experts(x, experts, weights, self.native)
         else:
-            mixed = self._expert_by_expert(x, routing)
+            routing = route(F.linear(x, self.router), self.top_k, self.renormalize)
+            mixed = (self._fused(x, routing) if self.fused
+                     else self._expert_by_expert(x, routing))
         if self.tp is not None:
             mixed = self.tp.all_reduce(mixed)
         return residual + mixed.to(residual.dtype)
