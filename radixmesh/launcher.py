@@ -15,7 +15,6 @@ import urllib.request
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import start_http_server
@@ -45,6 +44,7 @@ from radixmesh.core.settings import (
     ScheduleSettings,
     SpeculativeSettings,
 )
+from radixmesh.mesh.bus import bus_redacted
 from radixmesh.mesh.nats_server import EmbeddedNats, free_port, reserve_ports
 from radixmesh.supervisor import Process, Supervisor
 from radixmesh.tracing.config import exporter_env, instance_env
@@ -331,9 +331,9 @@ def serve(args: MeshArgs) -> int:
         print(f"radixmesh: serving at {url} (OpenAI: {url}/v1, gRPC Generate: {addr})",
               flush=True)
     print(f"radixmesh: restarts and replicas given up at {mesh.metrics_url}", flush=True)
-    bus = urlsplit(mesh.nats_url)  # its credentials, if any, stay out of the terminal
-    print(f"radixmesh: NATS at {bus.scheme}://{bus.hostname}:{bus.port} (services started by "
-          "hand join with NATS_URL)", flush=True)
+    # its credentials, if any, stay out of the terminal
+    print(f"radixmesh: NATS at {bus_redacted(mesh.nats_url)} (services started by hand join "
+          "with NATS_URL)", flush=True)
     if args.trace_file:
         print(f"radixmesh: spans go to {args.trace_file}; see one request with "
               f"`radixmesh trace <request id> --file {args.trace_file}`", flush=True)

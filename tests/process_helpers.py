@@ -1,10 +1,13 @@
-"""Real processes for tests: the whole mesh, one service module, or a Redis of their own."""
+"""Real processes for tests: the whole mesh, one service module, a NATS cluster or a Redis of
+their own."""
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -13,7 +16,7 @@ from typing import Any
 import pytest
 
 from radixmesh.launcher import Mesh, MeshArgs
-from radixmesh.mesh.nats_server import free_port, wait_for_port
+from radixmesh.mesh.nats_server import EmbeddedNats, free_port, wait_for_port
 
 
 @contextmanager
@@ -23,6 +26,49 @@ def running_mesh(log_dir: str | Path, **args: Any) -> Iterator[Mesh]:
     mesh_args = MeshArgs(port=0, grpc_port=0, log_dir=str(log_dir), **args)
     with Mesh(mesh_args).start(timeout=300) as mesh:
         yield mesh
+
+
+@contextmanager
+def nats_cluster(size: int = 3) -> Iterator[list[EmbeddedNats]]:
+    """`size` NATS servers with JetStream on loopback ports, routed into one cluster (its
+    URL list: ",".join(node.url for node in nodes)); yielded once JetStream answers, stopped
+    after the block."""
+    routes = [free_port() for _ in range(size)]
+    nodes = [
+        EmbeddedNats(jetstream=True, args=[
+            "--server_name", f"node{i}", "--cluster_name", "radixmesh",
+            "--cluster", f"nats://127.0.0.1:{port}",
+            "--routes", ",".join(f"nats://127.0.0.1:{p}" for p in routes if p != port),
+        ])
+        for i, port in enumerate(routes)
+    ]
+    try:
+        for node in nodes:
+            node.start()
+        asyncio.run(_jetstream_ready(",".join(node.url for node in nodes)))
+        yield nodes
+    finally:
+        for node in nodes:
+            node.stop()
+
+
+async def _jetstream_ready(url: str, timeout: float = 60.0) -> None:
+    """Until the cluster's JetStream has a leader and answers."""
+    import nats
+
+    deadline = time.monotonic() + timeout
+    nc = await nats.connect(url.split(","))
+    try:
+        while True:
+            try:
+                await nc.jetstream(timeout=2).account_info()
+                return
+            except Exception:
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.5)
+    finally:
+        await nc.close()
 
 
 @contextmanager

@@ -79,7 +79,8 @@ class NatsSettings(Settings):
         env=("NATS_URL",),
         secret=True,
         help="NATS server to connect to (nats://[user:password@]host:port or "
-        "nats://token@host:port)",
+        "nats://token@host:port), or a comma-separated list of a NATS cluster's servers "
+        "(the mesh's JetStream buckets then keep a replica on up to 3 of them)",
     )
 
 @dataclass(frozen=True, kw_only=True)
@@ -118,7 +119,8 @@ class MeshSettings(Settings):
     nats_url: str | None = setting(
         None,
         env=("NATS_URL",),
-        help="NATS server every service connects to; empty: start an embedded one on host",
+        help="NATS server every service connects to, or a comma-separated list of a NATS "
+        "cluster's servers; empty: start an embedded one on host",
     )
     log_dir: str | None = setting(
         None,

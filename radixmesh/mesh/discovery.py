@@ -30,6 +30,7 @@ from nats.js.errors import (
 )
 from nats.js.kv import KeyValue
 
+from radixmesh.mesh.bus import bus_replicas
 from radixmesh.mesh.service import connect_bus
 
 log = logging.getLogger("radixmesh.discovery")
@@ -69,12 +70,14 @@ class Claim:
 
 
 async def bucket(nc: NATS, name: str) -> KeyValue:
-    """The bucket, created (with the expiry) by whoever comes first."""
+    """The bucket, created (with the expiry, replicated over a cluster: bus_replicas) by
+    whoever comes first."""
     js = nc.jetstream()
     try:
         return await js.key_value(name)
     except BucketNotFoundError:
-        return await js.create_key_value(bucket=name, ttl=TTL_S, history=1)
+        return await js.create_key_value(bucket=name, ttl=TTL_S, history=1,
+                                         replicas=bus_replicas(nc))
 
 
 class Announcer:

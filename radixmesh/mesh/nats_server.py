@@ -12,6 +12,7 @@ import sys
 import sysconfig
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 
@@ -84,11 +85,13 @@ def wait_for_port(host: str, port: int, timeout: float) -> None:
 
 class EmbeddedNats:
     """Start with `start()`, connect to `url`, end with `stop()` (or use as a context).
-    With `user` and `password`, clients must give them (the url carries them)."""
+    With `user` and `password`, clients must give them (the url carries them); `args` go
+    to nats-server as they are (a cluster's name and routes, say)."""
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, jetstream: bool = False,
-                 user: str = "", password: str = "") -> None:
+                 user: str = "", password: str = "", args: Sequence[str] = ()) -> None:
         self.host = host
+        self.args = list(args)
         self.port = port or free_port(host)
         self.jetstream = jetstream
         self.user, self.password = user, password
@@ -112,6 +115,7 @@ class EmbeddedNats:
         if self.jetstream:
             self._store = tempfile.TemporaryDirectory(prefix="radixmesh-nats-")
             args += ["-js", "-sd", self._store.name]
+        args += self.args
         self._proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             wait_for_port(self.host, self.port, timeout)

@@ -18,6 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from radixmesh.core.flags import parse_config, shown
 from radixmesh.core.service_settings import ServiceSettings
+from radixmesh.mesh.bus import bus_servers
 from radixmesh.tracing import init_tracing
 
 C = TypeVar("C", bound=ServiceSettings)
@@ -45,8 +46,9 @@ def configure_service(config_cls: type[C], service: str, instance: Callable[[C],
 async def connect_bus(
     url: str, name: str, on_reconnect: Callable[[], Awaitable[None]] | None = None
 ) -> NATS:
-    """Connect to NATS as `name` (credentials in the URL are used), reconnecting forever
-    every second while it is away (logged); `on_reconnect` runs once it is back
+    """Connect to NATS (`url`: a server, or a comma-separated list of a cluster's) as
+    `name` (credentials in the URL are used), reconnecting forever every second while it
+    is away, to any server of the cluster (logged); `on_reconnect` runs once it is back
     (subscriptions come back by themselves)."""
     bus = logging.getLogger("radixmesh.nats")
 
@@ -62,7 +64,7 @@ async def connect_bus(
             await on_reconnect()
 
     return await nats.connect(
-        url, name=name, max_reconnect_attempts=-1, reconnect_time_wait=1.0,
+        bus_servers(url), name=name, max_reconnect_attempts=-1, reconnect_time_wait=1.0,
         error_cb=error, disconnected_cb=disconnected, reconnected_cb=reconnected,
     )
 

@@ -57,6 +57,8 @@ from nats.js.object_store import OBJ_CHUNKS_PRE_TEMPLATE, OBJ_STREAM_TEMPLATE, O
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
+from radixmesh.mesh.bus import bus_redacted, bus_replicas, bus_servers
+
 log = logging.getLogger("radixmesh.cachectl")
 
 MAGIC = b"RMKV"
@@ -297,7 +299,7 @@ class NatsBackend:
     name = "nats"
 
     def __init__(self, nats_url: str, bucket: str, timeout: float = DEFAULT_TIMEOUT_S) -> None:
-        self.url = _redacted(nats_url)
+        self.url = bus_redacted(nats_url)
         self.bucket = bucket
         self.timeout = timeout
         self._nats_url = nats_url
@@ -336,7 +338,7 @@ class NatsBackend:
                     # connection has the timeout alone.
                     await asyncio.wait_for(
                         nc.connect(
-                            self._nats_url,
+                            bus_servers(self._nats_url),
                             name=f"cachectl-storage-{self.bucket}",
                             connect_timeout=self.timeout,
                             reconnect_time_wait=min(self.timeout, 1.0),
@@ -353,7 +355,8 @@ class NatsBackend:
                 try:
                     store = await js.object_store(self.bucket)
                 except BucketNotFoundError:
-                    store = await js.create_object_store(self.bucket)
+                    store = await js.create_object_store(self.bucket,
+                                                         replicas=bus_replicas(nc))
         except BaseException:
             await _close_quietly(nc)
             raise
