@@ -28,6 +28,27 @@ def running_mesh(log_dir: str | Path, **args: Any) -> Iterator[Mesh]:
         yield mesh
 
 
+def mesh_generates(
+    model_path: str | Path, log_dir: str | Path, prompts: list[list[int]],
+    sampling_params: dict[str, Any],
+) -> tuple[dict[str, Any], list[list[int]]]:
+    """A float32 mesh on `model_path`: its /get_model_info, and each prompt's output ids
+    through /generate (each asserted to succeed)."""
+    import httpx
+
+    with running_mesh(log_dir, model_path=str(model_path), dtype="float32",
+                      max_total_tokens=512) as mesh, httpx.Client(base_url=mesh.url,
+                                                                   timeout=120) as client:
+        info = client.get("/get_model_info").json()
+        outputs = []
+        for ids in prompts:
+            out = client.post("/generate", json={"input_ids": ids,
+                                                 "sampling_params": sampling_params})
+            assert out.status_code == 200, out.text
+            outputs.append(out.json()["output_ids"])
+    return info, outputs
+
+
 @contextmanager
 def nats_cluster(size: int = 3) -> Iterator[list[EmbeddedNats]]:
     """`size` NATS servers with JetStream on loopback ports, routed into one cluster (its

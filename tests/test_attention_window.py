@@ -14,6 +14,7 @@ os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module is imported: @t
 
 import pytest
 import torch
+from test_kernels_attention import paged_slots
 
 from radixmesh.engine.model.attention import AttentionMetadata, SeqSpan
 from radixmesh.engine.model.attention_choice import make_attention
@@ -55,18 +56,6 @@ def dense(
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), values)
 
 
-def paged_slots(lengths: list[int], page_size: int, pool_pages: int) -> list[torch.Tensor]:
-    """Each request's token slots: whole pages scattered over the pool in random order."""
-    pages = torch.randperm(pool_pages)
-    out, used = [], 0
-    for n in lengths:
-        count = -(-n // page_size)
-        mine = pages[used : used + count]
-        used += count
-        out.append((mine[:, None] * page_size + torch.arange(page_size)).flatten()[:n])
-    return out
-
-
 def close(actual: torch.Tensor, expected: torch.Tensor) -> None:
     torch.testing.assert_close(actual.float(), expected.float(), atol=1e-5, rtol=1e-5)
 
@@ -87,7 +76,7 @@ def test_decode(page_size, q_heads, kv_heads, window, softcap):
     # one token, a padding row, shorter than the window, one and two blocks, several blocks
     lengths = [1, 0, 5, 16, 17, 40]
     k_pool, v_pool = (torch.randn(256, kv_heads, DIM) for _ in range(2))
-    slots = paged_slots(lengths, page_size, 256 // page_size)
+    slots = paged_slots(lengths, page_size, 256 // page_size, seed=0)
     table = page_table(slots, page_size)
     seq_lens = torch.tensor(lengths, dtype=torch.int32)
     q = torch.randn(len(lengths), q_heads, DIM)
@@ -125,7 +114,7 @@ def test_extend(page_size, q_heads, kv_heads, window, softcap):
     q_lens = [n for n, _ in requests]
     prefixes = [p for _, p in requests]
     k_pool, v_pool = (torch.randn(256, kv_heads, DIM) for _ in range(2))
-    slots = paged_slots(prefixes, page_size, 256 // page_size)
+    slots = paged_slots(prefixes, page_size, 256 // page_size, seed=1)
     starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0)[:-1].tolist()], dtype=torch.int32)
     q = torch.randn(sum(q_lens), q_heads, DIM)
     k, v = (torch.randn(sum(q_lens), kv_heads, DIM) for _ in range(2))

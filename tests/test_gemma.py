@@ -9,10 +9,9 @@ import copy
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 import torch
-from process_helpers import running_mesh
+from process_helpers import mesh_generates
 from tiny_model import hf_config, hf_greedy, save_with_word_tokenizer, spread_weights
 
 from radixmesh.api import Engine
@@ -199,12 +198,6 @@ def test_the_mesh_serves_gemma(tmp_path):
     model = tiny_model("gemma2")
     path = save_with_word_tokenizer(model, tmp_path / "model")
     refs = [hf_greedy(model, ids, NEW_TOKENS) for ids in PROMPTS[:2]]
-    with running_mesh(tmp_path / "logs", model_path=str(path), dtype="float32",
-                      max_total_tokens=512) as mesh, httpx.Client(base_url=mesh.url,
-                                                                   timeout=120) as client:
-        info = client.get("/get_model_info").json()
-        assert info["architecture"] == "gemma2"
-        for ids, ref in zip(PROMPTS[:2], refs, strict=True):
-            out = client.post("/generate", json={"input_ids": ids, "sampling_params": GREEDY})
-            assert out.status_code == 200, out.text
-            assert out.json()["output_ids"] == ref
+    info, outputs = mesh_generates(path, tmp_path / "logs", PROMPTS[:2], GREEDY)
+    assert info["architecture"] == "gemma2"
+    assert outputs == refs

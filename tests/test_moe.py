@@ -12,11 +12,10 @@ from pathlib import Path
 from typing import Any
 
 import gguf
-import httpx
 import pytest
 import torch
 import torch.nn.functional as F
-from process_helpers import running_mesh
+from process_helpers import mesh_generates
 from test_model_vs_hf import greedy
 from test_native_layer import BF16_NATIVE, STEPS, assert_same, run_both_ways
 from test_quantized import prompt_logits
@@ -158,16 +157,10 @@ def test_the_mesh_serves_a_moe_model(tmp_path):
     model = tiny_moe("qwen3_moe")
     path = save_with_word_tokenizer(model, tmp_path / "model")
     refs = [hf_greedy(model, ids, NEW_TOKENS) for ids in PROMPTS[:2]]
-    with running_mesh(tmp_path / "logs", model_path=str(path), dtype="float32",
-                      max_total_tokens=512) as mesh, httpx.Client(base_url=mesh.url,
-                                                                   timeout=120) as client:
-        info = client.get("/get_model_info").json()
-        assert (info["architecture"], info["num_experts"], info["num_experts_per_tok"]) == (
-            "qwen3_moe", 8, 2)
-        for ids, ref in zip(PROMPTS[:2], refs, strict=True):
-            out = client.post("/generate", json={"input_ids": ids, "sampling_params": GREEDY})
-            assert out.status_code == 200, out.text
-            assert out.json()["output_ids"] == ref
+    info, outputs = mesh_generates(path, tmp_path / "logs", PROMPTS[:2], GREEDY)
+    assert (info["architecture"], info["num_experts"], info["num_experts_per_tok"]) == (
+        "qwen3_moe", 8, 2)
+    assert outputs == refs
 
 
 def test_bf16_follows_float32(saved):
