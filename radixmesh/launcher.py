@@ -19,6 +19,7 @@ from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import start_http_server
 
+from radixmesh.core.bus import bus_redacted
 from radixmesh.core.flags import Settings, secrets_env, shared_values, to_flags
 from radixmesh.core.hicache import shm_root
 from radixmesh.core.model_files import resolve_model_path
@@ -44,7 +45,6 @@ from radixmesh.core.settings import (
     ScheduleSettings,
     SpeculativeSettings,
 )
-from radixmesh.mesh.bus import bus_redacted
 from radixmesh.mesh.nats_server import EmbeddedNats, free_port, reserve_ports
 from radixmesh.supervisor import Process, Supervisor
 from radixmesh.tracing.config import exporter_env, instance_env

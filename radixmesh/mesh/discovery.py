@@ -30,7 +30,7 @@ from nats.js.errors import (
 )
 from nats.js.kv import KeyValue
 
-from radixmesh.mesh.bus import bus_replicas
+from radixmesh.core.bus import bus_replicas
 from radixmesh.mesh.service import connect_bus
 
 log = logging.getLogger("radixmesh.discovery")

@@ -16,9 +16,9 @@ from aiohttp import web
 from nats.aio.client import Client as NATS
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from radixmesh.core.bus import bus_servers
 from radixmesh.core.flags import parse_config, shown
 from radixmesh.core.service_settings import ServiceSettings
-from radixmesh.mesh.bus import bus_servers
 from radixmesh.tracing import init_tracing
 
 C = TypeVar("C", bound=ServiceSettings)

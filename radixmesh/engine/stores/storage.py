@@ -57,7 +57,7 @@ from nats.js.object_store import OBJ_CHUNKS_PRE_TEMPLATE, OBJ_STREAM_TEMPLATE, O
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
-from radixmesh.mesh.bus import bus_redacted, bus_replicas, bus_servers
+from radixmesh.core.bus import bus_redacted, bus_replicas, bus_servers
 
 log = logging.getLogger("radixmesh.cachectl")
 

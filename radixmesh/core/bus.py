@@ -3,11 +3,19 @@ what follows from it for the JetStream buckets the mesh keeps."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 from urllib.parse import urlsplit
 
-if TYPE_CHECKING:
-    from nats.aio.client import Client as NATS
+
+class _Connection(Protocol):
+    """What bus_replicas reads of a NATS client: its server pool, and which of it the
+    cluster told it of."""
+
+    @property
+    def servers(self) -> list[Any]: ...
+
+    @property
+    def discovered_servers(self) -> list[Any]: ...
 
 
 def bus_servers(url: str) -> list[str]:
@@ -22,7 +30,7 @@ def bus_redacted(url: str) -> str:
     )
 
 
-def bus_replicas(nc: NATS) -> int:
+def bus_replicas(nc: _Connection) -> int:
     """Replicas for a JetStream bucket the mesh creates: one per server named in the NATS
     URL, up to 3 (a cluster's R3), so that losing a node loses nothing stored; 1 on a lone
     server."""
