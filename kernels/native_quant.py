@@ -390,9 +390,9 @@ class ExpertWeights:
         """From each expert's (gate, up, down) weights where all are quantized and the native
         kernels are built here; else None."""
         weights = [w for expert in experts for w in expert]
-        if not supported() or not all(isinstance(w, QuantizedWeight) for w in weights):
-            return None
         quantized = [w for w in weights if isinstance(w, QuantizedWeight)]
+        if not supported() or len(quantized) != len(weights):
+            return None
         return cls(quantized[0::3], quantized[1::3], quantized[2::3])
 
 

@@ -45,7 +45,8 @@ void moe_route_bf16(const uint16_t* x, int tokens, int hidden, const uint16_t* r
   const int64_t work = static_cast<int64_t>(tokens) * num_experts * hidden;
 #pragma omp parallel for schedule(static) num_threads(threads) if (work >= (1 << 20))
   for (int t = 0; t < tokens; ++t) {
-    std::vector<float> probs(num_experts);
+    thread_local std::vector<float> probs;
+    probs.resize(num_experts);
     const uint16_t* row = x + static_cast<int64_t>(t) * hidden;
     float top = -INFINITY;
     for (int e = 0; e < num_experts; ++e) {

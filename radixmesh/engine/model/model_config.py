@@ -16,10 +16,12 @@ _MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "p
 _QK_NORM = ("qwen3", "qwen3_moe", "gemma3_text")
 GEMMA = ("gemma2", "gemma3_text")
 # Gemma's layers windowed by default: every second from the first (Gemma 2), five of every
-# six (Gemma 3), as transformers lays out `layer_types` when config.json has none.
-_GEMMA_WINDOW_PATTERN = {"gemma2": 2, "gemma3_text": 6}
-# Gemma 3's RoPE bases when config.json gives none: global layers, windowed ones.
-_GEMMA3_THETA = (1_000_000.0, 10_000.0)
+# six (Gemma 3), as transformers and llama.cpp lay them out when the file says nothing.
+GEMMA_WINDOW_PERIOD = {"gemma2": 2, "gemma3_text": 6}
+# Gemma 2's soft caps (scores, final logits) where the file gives none: both loaders'.
+GEMMA2_SOFTCAPS = (50.0, 30.0)
+# Gemma 3's RoPE bases when the file gives none: global layers, windowed ones.
+GEMMA3_THETA = (1_000_000.0, 10_000.0)
 # Model types whose transformers attention honours the config's `sliding_window`.
 _WINDOWED = ("mistral", "mixtral", "qwen3_moe", "phi3")
 # What MistralConfig takes for a config.json without the key (the others take None).
@@ -239,11 +241,18 @@ def _layer_windows(cfg: dict[str, Any], model_type: str) -> tuple[int, ...]:
     layers = cfg["num_hidden_layers"]
     if model_type not in GEMMA:
         return (int(window),) * layers
-    every = cfg.get("sliding_window_pattern") or _GEMMA_WINDOW_PATTERN[model_type]
-    types = cfg.get("layer_types") or [
-        "sliding_attention" if (i + 1) % every else "full_attention" for i in range(layers)
-    ]
-    return tuple(int(window) if t == "sliding_attention" else 0 for t in types)
+    types = cfg.get("layer_types")
+    windowed = (
+        [t == "sliding_attention" for t in types] if types
+        else windowed_every(cfg.get("sliding_window_pattern") or GEMMA_WINDOW_PERIOD[model_type],
+                            layers)
+    )
+    return tuple(int(window) if w else 0 for w in windowed)
+
+
+def windowed_every(period: int, layers: int) -> list[bool]:
+    """Which of `layers` are windowed when all but the last of each `period` are (0: all)."""
+    return [not period or i % period < period - 1 for i in range(layers)]
 
 
 def _gemma3_rope(rope: dict[str, Any], cfg: dict[str, Any]) -> tuple[dict[str, Any], float]:
@@ -253,10 +262,10 @@ def _gemma3_rope(rope: dict[str, Any], cfg: dict[str, Any]) -> tuple[dict[str, A
     if "full_attention" in rope or "sliding_attention" in rope:
         local = rope.get("sliding_attention") or {}
         full = dict(rope.get("full_attention") or {})
-        full.setdefault("rope_theta", _GEMMA3_THETA[0])
-        return full, float(local.get("rope_theta", _GEMMA3_THETA[1]))
-    rope.setdefault("rope_theta", cfg.get("rope_theta", _GEMMA3_THETA[0]))
-    return rope, float(cfg.get("rope_local_base_freq", _GEMMA3_THETA[1]))
+        full.setdefault("rope_theta", GEMMA3_THETA[0])
+        return full, float(local.get("rope_theta", GEMMA3_THETA[1]))
+    rope.setdefault("rope_theta", cfg.get("rope_theta", GEMMA3_THETA[0]))
+    return rope, float(cfg.get("rope_local_base_freq", GEMMA3_THETA[1]))
 
 
 def _gemma_fields(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
@@ -267,16 +276,24 @@ def _gemma_fields(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
     act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
     if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
         raise ValueError(f"unsupported Gemma hidden_activation {act!r}")
-    caps = (50.0, 30.0) if model_type == "gemma2" else (None, None)
+    caps = GEMMA2_SOFTCAPS if model_type == "gemma2" else (None, None)
     attn_cap = cfg.get("attn_logit_softcapping", caps[0])
     final_cap = cfg.get("final_logit_softcapping", caps[1])
+    return gemma_fields(cfg["hidden_size"], cfg.get("query_pre_attn_scalar", 256),
+                        attn_cap or 0.0, final_cap or 0.0)
+
+
+def gemma_fields(
+    hidden: int, query_pre_attn_scalar: float, attn_cap: float, final_cap: float
+) -> dict[str, Any]:
+    """The ModelConfig fields every Gemma sets, with its file's scalar and soft caps."""
     return {
         "hidden_act": "gelu_tanh",
-        "embed_scale": cfg["hidden_size"] ** 0.5,
+        "embed_scale": hidden**0.5,
         "sandwich_norms": True,
-        "query_pre_attn_scalar": float(cfg.get("query_pre_attn_scalar", 256)),
-        "attn_logit_softcap": float(attn_cap or 0.0),
-        "final_logit_softcap": float(final_cap or 0.0),
+        "query_pre_attn_scalar": float(query_pre_attn_scalar),
+        "attn_logit_softcap": float(attn_cap),
+        "final_logit_softcap": float(final_cap),
     }
 
 

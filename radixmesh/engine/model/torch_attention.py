@@ -125,9 +125,7 @@ class TorchAttention(AttentionBackend):
         else:
             out_dtype = q.dtype
         q = q.view(b, keys.shape[1], hq // keys.shape[1], d)  # [B, Hkv, group, D]
-        scores = torch.matmul(q * self.scale, keys.transpose(-1, -2))
-        if self.softcap:
-            scores = torch.tanh(scores / self.softcap).mul_(self.softcap)
+        scores = self._capped(torch.matmul(q * self.scale, keys.transpose(-1, -2)))
         bias = self._padding_bias(window)
         if bias is not None:
             scores = scores + bias
@@ -190,6 +188,9 @@ class TorchAttention(AttentionBackend):
             out = merged.to(q.dtype)
         return out.squeeze(0).transpose(0, 1)
 
+    def _capped(self, scores: torch.Tensor) -> torch.Tensor:
+        """Scores soft-capped to softcap * tanh(scores / softcap), where the model caps them."""
+        return torch.tanh(scores / self.softcap).mul_(self.softcap) if self.softcap else scores
 
     def _masked(
         self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, window: int
@@ -202,9 +203,9 @@ class TorchAttention(AttentionBackend):
             first = max(0, total - n - window + 1)
             keys, values, total = keys[first:], values[first:], total - first
         qf = q.float().view(n, hkv, hq // hkv, d).permute(1, 2, 0, 3)  # [Hkv, group, n, D]
-        scores = torch.matmul(qf, keys.float().permute(1, 2, 0).unsqueeze(1)) * self.scale
-        if self.softcap:
-            scores = torch.tanh(scores / self.softcap).mul_(self.softcap)
+        scores = self._capped(
+            torch.matmul(qf, keys.float().permute(1, 2, 0).unsqueeze(1)) * self.scale
+        )
         at = torch.arange(total - n, total).unsqueeze(1)  # each new token's position
         key = torch.arange(total)
         hidden = key > at

@@ -14,7 +14,16 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import numpy as np
 
 from radixmesh.core.gguf import GGUFFile, GGUFTensorInfo, gguf_eos_token_ids, read_gguf
-from radixmesh.engine.model.model_config import ModelConfig, capped_context, longrope_scaling
+from radixmesh.engine.model.model_config import (
+    GEMMA2_SOFTCAPS,
+    GEMMA3_THETA,
+    GEMMA_WINDOW_PERIOD,
+    ModelConfig,
+    capped_context,
+    gemma_fields,
+    longrope_scaling,
+    windowed_every,
+)
 from radixmesh.engine.model.moe import expert_weight_name
 from radixmesh.kernels.native_quant import QUANT_TYPES, QuantizedWeight
 
@@ -28,16 +37,14 @@ SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "phi3", "gemma
 # llama.cpp's name for an architecture where Hugging Face's differs (Mixtral is "llama" with
 # experts: see config_from_gguf).
 _HF_ARCHITECTURE = {"qwen3moe": "qwen3_moe", "gemma3": "gemma3_text"}
+_HF_GEMMA = {"gemma2": "gemma2", "gemma3": "gemma3_text"}  # llama.cpp's Gemma names
 _SOFTMAX_GATING = 1  # gguf.ExpertGatingFuncType.SOFTMAX: the only routing served
 # Architectures whose `attention.sliding_window` transformers would apply (Mistral's files are
 # "llama"; llama.cpp's converter writes the window for Phi-3, 0 for none).
 _WINDOWED = ("llama", "phi3")
-# What llama.cpp takes for Gemma where the file says nothing: the period of the windowed
-# layers (all but the last of each period windowed), Gemma 2's window and soft caps (its
-# converter writes all three), the base of Gemma 3's windowed layers.
-_GEMMA_WINDOW_PERIOD = {"gemma2": 2, "gemma3": 6}
-_GEMMA2_WINDOW, _GEMMA2_CAPS = 4096, (50.0, 30.0)
-_GEMMA3_LOCAL_THETA = 10000.0
+# Gemma 2's window where the file gives none, as llama.cpp takes it (its converter writes
+# the window and the soft caps; model_config holds the other defaults both loaders share).
+_GEMMA2_WINDOW = 4096
 # The layer counts of Gemma 2 27B and Gemma 3 27B: see _gemma_fields.
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 
@@ -125,19 +132,20 @@ def _layer_windows(md: dict[str, Any], arch: str, context: int, layers: int) -> 
     """Each layer's sliding window (0: none) as llama.cpp applies the file's: on every layer
     of the _WINDOWED architectures; for Gemma on the layers `attention.sliding_window_pattern`
     marks (a period, all but its last layer windowed, or one flag per layer), else on those
-    of _GEMMA_WINDOW_PERIOD. Empty where no window can bind."""
+    of GEMMA_WINDOW_PERIOD. Empty where no window can bind."""
     window = md.get(f"{arch}.attention.sliding_window")
     if arch == "gemma2" and window is None:
         window = _GEMMA2_WINDOW
     if not window or window >= context:
         return ()
-    if arch not in _GEMMA_WINDOW_PERIOD:
+    if arch not in _HF_GEMMA:
         return (int(window),) * layers if arch in _WINDOWED else ()
-    pattern = md.get(f"{arch}.attention.sliding_window_pattern", _GEMMA_WINDOW_PERIOD[arch])
+    pattern = md.get(f"{arch}.attention.sliding_window_pattern",
+                     GEMMA_WINDOW_PERIOD[_HF_GEMMA[arch]])
     if isinstance(pattern, list):
         windowed = [bool(flag) for flag in pattern]
     else:  # llama.cpp's set_swa_pattern: a period of 0 windows every layer
-        windowed = [not pattern or i % pattern < pattern - 1 for i in range(layers)]
+        windowed = windowed_every(pattern, layers)
     if len(windowed) != layers:
         raise ValueError(f"{arch}.attention.sliding_window_pattern has {len(windowed)} "
                          f"flags for {layers} layers")
@@ -154,29 +162,22 @@ def _gemma_fields(
     A GGUF carries no query_pre_attn_scalar: llama.cpp scales attention by head_dim^-0.5,
     except for the 27B models, where Gemma scales by (hidden / heads)^-0.5. It tells those
     apart by the layer count alone (46: Gemma 2 27B, 62: Gemma 3 27B), and so does this."""
-    if arch not in _GEMMA_WINDOW_PERIOD:
+    if arch not in _HF_GEMMA:
         return {}
 
     def key(k: str, default: Any = None) -> Any:
         return md.get(f"{arch}.{k}", default)
 
     if arch == "gemma2":
-        attn_cap = _f32(key("attn_logit_softcapping", _GEMMA2_CAPS[0]))
-        final_cap = _f32(key("final_logit_softcapping", _GEMMA2_CAPS[1]))
+        attn_cap = _f32(key("attn_logit_softcapping", GEMMA2_SOFTCAPS[0]))
+        final_cap = _f32(key("final_logit_softcapping", GEMMA2_SOFTCAPS[1]))
         local_theta = 0.0
     else:
         attn_cap, final_cap = 0.0, _f32(key("final_logit_softcapping", 0.0))
-        local_theta = _f32(key("rope.freq_base_swa", _GEMMA3_LOCAL_THETA))
+        local_theta = _f32(key("rope.freq_base_swa", GEMMA3_THETA[1]))
     scalar = hidden // heads if layers == _GEMMA_27B_LAYERS[arch] else head_dim
-    return {
-        "local_rope_theta": local_theta,
-        "hidden_act": "gelu_tanh",
-        "embed_scale": hidden**0.5,
-        "sandwich_norms": True,
-        "query_pre_attn_scalar": float(scalar),
-        "attn_logit_softcap": attn_cap,
-        "final_logit_softcap": final_cap,
-    }
+    return {"local_rope_theta": local_theta,
+            **gemma_fields(hidden, scalar, attn_cap, final_cap)}
 
 
 def _read_floats(gf: GGUFFile, name: str) -> list[float]:
@@ -261,7 +262,7 @@ def hf_name(gguf_name: str, arch: str = "llama") -> str:
     for the stacked ones."""
     if gguf_name in _TOP_LEVEL_NAMES:
         return _TOP_LEVEL_NAMES[gguf_name]
-    blocks = _GEMMA_BLOCK_NAMES if arch in _GEMMA_WINDOW_PERIOD else _BLOCK_NAMES
+    blocks = _GEMMA_BLOCK_NAMES if arch in _HF_GEMMA else _BLOCK_NAMES
     parts = gguf_name.split(".")
     if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in blocks:
         return f"model.layers.{parts[1]}.{blocks[parts[2]]}.{parts[3]}"
