@@ -5,18 +5,23 @@ see protobuf."""
 
 from __future__ import annotations
 
+from radixmesh.core.finish import FinishKind, FinishReason
 from radixmesh.core.hicache import HostPoolSpec, KVGeometry
 from radixmesh.core.sampling_params import GRAMMAR_KINDS, LogprobRequest, SamplingParams
 from radixmesh.core.step import (
     EntryResult,
     KVCopy,
+    KVExpect,
+    KVSend,
     NewRequest,
+    SendOutcome,
     StepBatch,
     StepEntry,
     StepResult,
     TopLogprobs,
 )
 from radixmesh.proto import cache_pb2 as cpb
+from radixmesh.proto import mesh_pb2 as mpb
 from radixmesh.proto import worker_pb2 as wpb
 
 # The sampling parameters the engine needs, named alike on both sides; stop strings stay
@@ -32,6 +37,28 @@ _SAMPLING_FIELDS = (
     "min_new_tokens",
     "ignore_eos",
 )
+
+
+_KINDS = frozenset(kind.value for kind in FinishKind)
+
+
+def finish_to_proto(reason: FinishReason) -> mpb.Finish:
+    """FinishReason as the Finish message (a length limit travels as token_id)."""
+    out = mpb.Finish(kind=reason.kind.value, message=reason.message or "")
+    if isinstance(reason.matched, str):
+        out.text = reason.matched
+    elif isinstance(reason.matched, int):
+        out.token_id = reason.matched
+    return out
+
+
+def finish_from_proto(finish: mpb.Finish) -> FinishReason:
+    """The FinishReason a Finish message carries."""
+    which = finish.WhichOneof("matched")
+    matched = getattr(finish, which) if which else None
+    if finish.kind not in _KINDS:
+        return FinishReason(FinishKind.ABORT, message=f"unknown finish {finish.kind!r}")
+    return FinishReason(FinishKind(finish.kind), matched, finish.message or None)
 
 
 def sampling_to_proto(p: SamplingParams, seed: int) -> wpb.SamplingParams:
@@ -133,6 +160,12 @@ def batch_to_proto(batch: StepBatch) -> wpb.StepBatch:
         ],
         host_pool=None if batch.host_pool is None else host_pool_to_proto(batch.host_pool),
         grammars=[wpb.Constraint(kind=k, text=t) for k, t in batch.grammars],
+        sends=[
+            wpb.KVSend(rid=k.rid, slots=k.slots, dest_slots=k.dest_slots,
+                       dest_workers=k.dest_workers, key=k.key, backend=k.backend)
+            for k in batch.sends
+        ],
+        expects=[wpb.KVExpect(rid=x.rid, slots=x.slots, key=x.key) for x in batch.expects],
     )
 
 
@@ -167,6 +200,12 @@ def batch_from_proto(msg: wpb.StepBatch) -> StepBatch:
         ],
         host_pool_from_proto(msg.host_pool) if msg.HasField("host_pool") else None,
         [(g.kind, g.text) for g in msg.grammars],
+        [
+            KVSend(k.rid, list(k.slots), list(k.dest_slots), list(k.dest_workers), k.key,
+                   k.backend)
+            for k in msg.sends
+        ],
+        [KVExpect(x.rid, list(x.slots), x.key) for x in msg.expects],
     )
 
 
@@ -197,6 +236,10 @@ def result_to_proto(result: StepResult) -> wpb.StepResult:
             wpb.GrammarFailure(constraint=wpb.Constraint(kind=k, text=t), error=error)
             for (k, t), error in result.grammars_failed
         ],
+        sends_done=[
+            wpb.SendOutcome(rid=o.rid, error=o.error, bytes=o.bytes, ms=o.ms)
+            for o in result.sends_done
+        ],
     )
 
 
@@ -224,4 +267,5 @@ def result_from_proto(msg: wpb.StepResult) -> StepResult:
         list(msg.copies_done),
         [(g.kind, g.text) for g in msg.grammars_ready],
         [((f.constraint.kind, f.constraint.text), f.error) for f in msg.grammars_failed],
+        [SendOutcome(o.rid, o.error, o.bytes, o.ms) for o in msg.sends_done],
     )

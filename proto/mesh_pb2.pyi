@@ -22,7 +22,7 @@ class DetokSpec(_message.Message):
     def __init__(self, stop: _Optional[_Iterable[str]] = ..., no_stop_trim: _Optional[bool] = ..., skip_special_tokens: _Optional[bool] = ..., min_new_tokens: _Optional[int] = ..., prompt_tail: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class EngineRequest(_message.Message):
-    __slots__ = ("rid", "input_ids", "sampling", "max_new_tokens", "cache_salt", "priority", "return_logprob", "top_logprobs_num", "logprob_start_len", "reply_to", "detok", "detok_context")
+    __slots__ = ("rid", "input_ids", "sampling", "max_new_tokens", "cache_salt", "priority", "return_logprob", "top_logprobs_num", "logprob_start_len", "reply_to", "detok", "detok_context", "prefill_engine", "handoff")
     RID_FIELD_NUMBER: _ClassVar[int]
     INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -35,6 +35,8 @@ class EngineRequest(_message.Message):
     REPLY_TO_FIELD_NUMBER: _ClassVar[int]
     DETOK_FIELD_NUMBER: _ClassVar[int]
     DETOK_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_ENGINE_FIELD_NUMBER: _ClassVar[int]
+    HANDOFF_FIELD_NUMBER: _ClassVar[int]
     rid: str
     input_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _worker_pb2.SamplingParams
@@ -47,7 +49,49 @@ class EngineRequest(_message.Message):
     reply_to: str
     detok: DetokSpec
     detok_context: int
-    def __init__(self, rid: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_worker_pb2.SamplingParams, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., cache_salt: _Optional[str] = ..., priority: _Optional[int] = ..., return_logprob: _Optional[bool] = ..., top_logprobs_num: _Optional[int] = ..., logprob_start_len: _Optional[int] = ..., reply_to: _Optional[str] = ..., detok: _Optional[_Union[DetokSpec, _Mapping]] = ..., detok_context: _Optional[int] = ...) -> None: ...
+    prefill_engine: str
+    handoff: KVHandoff
+    def __init__(self, rid: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_worker_pb2.SamplingParams, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., cache_salt: _Optional[str] = ..., priority: _Optional[int] = ..., return_logprob: _Optional[bool] = ..., top_logprobs_num: _Optional[int] = ..., logprob_start_len: _Optional[int] = ..., reply_to: _Optional[str] = ..., detok: _Optional[_Union[DetokSpec, _Mapping]] = ..., detok_context: _Optional[int] = ..., prefill_engine: _Optional[str] = ..., handoff: _Optional[_Union[KVHandoff, _Mapping]] = ...) -> None: ...
+
+class KVHandoff(_message.Message):
+    __slots__ = ("decode_engine", "start", "dest_slots", "dest_workers", "dest_host", "key")
+    DECODE_ENGINE_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    DEST_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    DEST_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    DEST_HOST_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    decode_engine: str
+    start: int
+    dest_slots: _containers.RepeatedScalarFieldContainer[int]
+    dest_workers: _containers.RepeatedScalarFieldContainer[str]
+    dest_host: str
+    key: str
+    def __init__(self, decode_engine: _Optional[str] = ..., start: _Optional[int] = ..., dest_slots: _Optional[_Iterable[int]] = ..., dest_workers: _Optional[_Iterable[str]] = ..., dest_host: _Optional[str] = ..., key: _Optional[str] = ...) -> None: ...
+
+class KVCommit(_message.Message):
+    __slots__ = ("rid", "prefill_engine", "error", "output_ids", "logprobs", "finish", "transfer_tokens", "transfer_bytes", "transfer_ms", "prefill_cached_tokens")
+    RID_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_ENGINE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_MS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    rid: str
+    prefill_engine: str
+    error: str
+    output_ids: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: Logprobs
+    finish: Finish
+    transfer_tokens: int
+    transfer_bytes: int
+    transfer_ms: float
+    prefill_cached_tokens: int
+    def __init__(self, rid: _Optional[str] = ..., prefill_engine: _Optional[str] = ..., error: _Optional[str] = ..., output_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Union[Logprobs, _Mapping]] = ..., finish: _Optional[_Union[Finish, _Mapping]] = ..., transfer_tokens: _Optional[int] = ..., transfer_bytes: _Optional[int] = ..., transfer_ms: _Optional[float] = ..., prefill_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class Finish(_message.Message):
     __slots__ = ("kind", "token_id", "text", "message", "engine_lost")
@@ -86,7 +130,7 @@ class Logprobs(_message.Message):
     def __init__(self, output: _Optional[_Iterable[float]] = ..., output_top: _Optional[_Iterable[_Union[_worker_pb2.TopLogprobs, _Mapping]]] = ..., input_offset: _Optional[int] = ..., input: _Optional[_Iterable[float]] = ..., input_top: _Optional[_Iterable[_Union[_worker_pb2.TopLogprobs, _Mapping]]] = ...) -> None: ...
 
 class TokenUpdate(_message.Message):
-    __slots__ = ("rid", "reply_to", "seq", "offset", "context_ids", "new_ids", "detok", "finish", "prompt_tokens", "cached_tokens", "cached_host_tokens", "cached_storage_tokens", "spec_verify_ct", "spec_accepted_tokens", "logprobs", "engine_id", "traceparent")
+    __slots__ = ("rid", "reply_to", "seq", "offset", "context_ids", "new_ids", "detok", "finish", "prompt_tokens", "cached_tokens", "cached_host_tokens", "cached_storage_tokens", "spec_verify_ct", "spec_accepted_tokens", "logprobs", "engine_id", "traceparent", "transfer")
     RID_FIELD_NUMBER: _ClassVar[int]
     REPLY_TO_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
@@ -104,6 +148,7 @@ class TokenUpdate(_message.Message):
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_FIELD_NUMBER: _ClassVar[int]
     rid: str
     reply_to: str
     seq: int
@@ -121,7 +166,22 @@ class TokenUpdate(_message.Message):
     logprobs: Logprobs
     engine_id: str
     traceparent: str
-    def __init__(self, rid: _Optional[str] = ..., reply_to: _Optional[str] = ..., seq: _Optional[int] = ..., offset: _Optional[int] = ..., context_ids: _Optional[_Iterable[int]] = ..., new_ids: _Optional[_Iterable[int]] = ..., detok: _Optional[_Union[DetokSpec, _Mapping]] = ..., finish: _Optional[_Union[Finish, _Mapping]] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., cached_host_tokens: _Optional[int] = ..., cached_storage_tokens: _Optional[int] = ..., spec_verify_ct: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ..., logprobs: _Optional[_Union[Logprobs, _Mapping]] = ..., engine_id: _Optional[str] = ..., traceparent: _Optional[str] = ...) -> None: ...
+    transfer: Transfer
+    def __init__(self, rid: _Optional[str] = ..., reply_to: _Optional[str] = ..., seq: _Optional[int] = ..., offset: _Optional[int] = ..., context_ids: _Optional[_Iterable[int]] = ..., new_ids: _Optional[_Iterable[int]] = ..., detok: _Optional[_Union[DetokSpec, _Mapping]] = ..., finish: _Optional[_Union[Finish, _Mapping]] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., cached_host_tokens: _Optional[int] = ..., cached_storage_tokens: _Optional[int] = ..., spec_verify_ct: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ..., logprobs: _Optional[_Union[Logprobs, _Mapping]] = ..., engine_id: _Optional[str] = ..., traceparent: _Optional[str] = ..., transfer: _Optional[_Union[Transfer, _Mapping]] = ...) -> None: ...
+
+class Transfer(_message.Message):
+    __slots__ = ("prefill_engine", "tokens", "bytes", "ms", "fallback")
+    PREFILL_ENGINE_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    MS_FIELD_NUMBER: _ClassVar[int]
+    FALLBACK_FIELD_NUMBER: _ClassVar[int]
+    prefill_engine: str
+    tokens: int
+    bytes: int
+    ms: float
+    fallback: str
+    def __init__(self, prefill_engine: _Optional[str] = ..., tokens: _Optional[int] = ..., bytes: _Optional[int] = ..., ms: _Optional[float] = ..., fallback: _Optional[str] = ...) -> None: ...
 
 class TokenStep(_message.Message):
     __slots__ = ("updates",)
@@ -130,7 +190,7 @@ class TokenStep(_message.Message):
     def __init__(self, updates: _Optional[_Iterable[_Union[TokenUpdate, _Mapping]]] = ...) -> None: ...
 
 class TextChunk(_message.Message):
-    __slots__ = ("rid", "seq", "text", "output_ids", "finish", "prompt_tokens", "cached_tokens", "cached_host_tokens", "cached_storage_tokens", "spec_verify_ct", "spec_accepted_tokens", "completion_tokens", "logprobs")
+    __slots__ = ("rid", "seq", "text", "output_ids", "finish", "prompt_tokens", "cached_tokens", "cached_host_tokens", "cached_storage_tokens", "spec_verify_ct", "spec_accepted_tokens", "completion_tokens", "logprobs", "engine_id", "transfer")
     RID_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -144,6 +204,8 @@ class TextChunk(_message.Message):
     SPEC_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_FIELD_NUMBER: _ClassVar[int]
     rid: str
     seq: int
     text: str
@@ -157,7 +219,9 @@ class TextChunk(_message.Message):
     spec_accepted_tokens: int
     completion_tokens: int
     logprobs: Logprobs
-    def __init__(self, rid: _Optional[str] = ..., seq: _Optional[int] = ..., text: _Optional[str] = ..., output_ids: _Optional[_Iterable[int]] = ..., finish: _Optional[_Union[Finish, _Mapping]] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., cached_host_tokens: _Optional[int] = ..., cached_storage_tokens: _Optional[int] = ..., spec_verify_ct: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., logprobs: _Optional[_Union[Logprobs, _Mapping]] = ...) -> None: ...
+    engine_id: str
+    transfer: Transfer
+    def __init__(self, rid: _Optional[str] = ..., seq: _Optional[int] = ..., text: _Optional[str] = ..., output_ids: _Optional[_Iterable[int]] = ..., finish: _Optional[_Union[Finish, _Mapping]] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., cached_host_tokens: _Optional[int] = ..., cached_storage_tokens: _Optional[int] = ..., spec_verify_ct: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., logprobs: _Optional[_Union[Logprobs, _Mapping]] = ..., engine_id: _Optional[str] = ..., transfer: _Optional[_Union[Transfer, _Mapping]] = ...) -> None: ...
 
 class TextChunks(_message.Message):
     __slots__ = ("chunks",)
@@ -166,7 +230,7 @@ class TextChunks(_message.Message):
     def __init__(self, chunks: _Optional[_Iterable[_Union[TextChunk, _Mapping]]] = ...) -> None: ...
 
 class EngineStatus(_message.Message):
-    __slots__ = ("engine_id", "running", "waiting", "num_slots", "free_slots", "cached_tokens", "context_length", "vocab_size", "model_path", "uptime_s", "down", "instance", "architecture", "num_experts", "num_experts_per_tok")
+    __slots__ = ("engine_id", "running", "waiting", "num_slots", "free_slots", "cached_tokens", "context_length", "vocab_size", "model_path", "uptime_s", "down", "instance", "architecture", "num_experts", "num_experts_per_tok", "role")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -182,6 +246,7 @@ class EngineStatus(_message.Message):
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     NUM_EXPERTS_FIELD_NUMBER: _ClassVar[int]
     NUM_EXPERTS_PER_TOK_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     running: int
     waiting: int
@@ -197,7 +262,8 @@ class EngineStatus(_message.Message):
     architecture: str
     num_experts: int
     num_experts_per_tok: int
-    def __init__(self, engine_id: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., num_slots: _Optional[int] = ..., free_slots: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., model_path: _Optional[str] = ..., uptime_s: _Optional[float] = ..., down: _Optional[bool] = ..., instance: _Optional[str] = ..., architecture: _Optional[str] = ..., num_experts: _Optional[int] = ..., num_experts_per_tok: _Optional[int] = ...) -> None: ...
+    role: str
+    def __init__(self, engine_id: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., num_slots: _Optional[int] = ..., free_slots: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., model_path: _Optional[str] = ..., uptime_s: _Optional[float] = ..., down: _Optional[bool] = ..., instance: _Optional[str] = ..., architecture: _Optional[str] = ..., num_experts: _Optional[int] = ..., num_experts_per_tok: _Optional[int] = ..., role: _Optional[str] = ...) -> None: ...
 
 class CacheEvent(_message.Message):
     __slots__ = ("engine_id", "inserted", "flushed")

@@ -11,7 +11,7 @@ class WorkerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("num_slots", "vocab_size", "max_position_embeddings", "eos_token_ids", "model_path", "dtype", "tp_rank", "tp_size", "num_layers", "num_kv_heads", "head_dim", "quantization", "architecture", "num_experts", "num_experts_per_tok")
+    __slots__ = ("num_slots", "vocab_size", "max_position_embeddings", "eos_token_ids", "model_path", "dtype", "tp_rank", "tp_size", "num_layers", "num_kv_heads", "head_dim", "quantization", "architecture", "num_experts", "num_experts_per_tok", "host_id")
     NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_POSITION_EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
@@ -27,6 +27,7 @@ class WorkerInfo(_message.Message):
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     NUM_EXPERTS_FIELD_NUMBER: _ClassVar[int]
     NUM_EXPERTS_PER_TOK_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
     num_slots: int
     vocab_size: int
     max_position_embeddings: int
@@ -42,7 +43,8 @@ class WorkerInfo(_message.Message):
     architecture: str
     num_experts: int
     num_experts_per_tok: int
-    def __init__(self, num_slots: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_position_embeddings: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., model_path: _Optional[str] = ..., dtype: _Optional[str] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., quantization: _Optional[str] = ..., architecture: _Optional[str] = ..., num_experts: _Optional[int] = ..., num_experts_per_tok: _Optional[int] = ...) -> None: ...
+    host_id: str
+    def __init__(self, num_slots: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_position_embeddings: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., model_path: _Optional[str] = ..., dtype: _Optional[str] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., quantization: _Optional[str] = ..., architecture: _Optional[str] = ..., num_experts: _Optional[int] = ..., num_experts_per_tok: _Optional[int] = ..., host_id: _Optional[str] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens", "stop_token_ids", "seed", "ignore_eos", "json_schema", "regex", "ebnf")
@@ -147,7 +149,7 @@ class HostPool(_message.Message):
     def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., num_slots: _Optional[int] = ..., layout: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., page_size: _Optional[int] = ...) -> None: ...
 
 class StepBatch(_message.Message):
-    __slots__ = ("step", "new_requests", "entries", "release", "copies", "host_pool", "grammars")
+    __slots__ = ("step", "new_requests", "entries", "release", "copies", "host_pool", "grammars", "sends", "expects")
     STEP_FIELD_NUMBER: _ClassVar[int]
     NEW_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
@@ -155,6 +157,8 @@ class StepBatch(_message.Message):
     COPIES_FIELD_NUMBER: _ClassVar[int]
     HOST_POOL_FIELD_NUMBER: _ClassVar[int]
     GRAMMARS_FIELD_NUMBER: _ClassVar[int]
+    SENDS_FIELD_NUMBER: _ClassVar[int]
+    EXPECTS_FIELD_NUMBER: _ClassVar[int]
     step: int
     new_requests: _containers.RepeatedCompositeFieldContainer[NewRequest]
     entries: _containers.RepeatedCompositeFieldContainer[StepEntry]
@@ -162,7 +166,77 @@ class StepBatch(_message.Message):
     copies: _containers.RepeatedCompositeFieldContainer[KVCopy]
     host_pool: HostPool
     grammars: _containers.RepeatedCompositeFieldContainer[Constraint]
-    def __init__(self, step: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., entries: _Optional[_Iterable[_Union[StepEntry, _Mapping]]] = ..., release: _Optional[_Iterable[str]] = ..., copies: _Optional[_Iterable[_Union[KVCopy, _Mapping]]] = ..., host_pool: _Optional[_Union[HostPool, _Mapping]] = ..., grammars: _Optional[_Iterable[_Union[Constraint, _Mapping]]] = ...) -> None: ...
+    sends: _containers.RepeatedCompositeFieldContainer[KVSend]
+    expects: _containers.RepeatedCompositeFieldContainer[KVExpect]
+    def __init__(self, step: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., entries: _Optional[_Iterable[_Union[StepEntry, _Mapping]]] = ..., release: _Optional[_Iterable[str]] = ..., copies: _Optional[_Iterable[_Union[KVCopy, _Mapping]]] = ..., host_pool: _Optional[_Union[HostPool, _Mapping]] = ..., grammars: _Optional[_Iterable[_Union[Constraint, _Mapping]]] = ..., sends: _Optional[_Iterable[_Union[KVSend, _Mapping]]] = ..., expects: _Optional[_Iterable[_Union[KVExpect, _Mapping]]] = ...) -> None: ...
+
+class KVSend(_message.Message):
+    __slots__ = ("rid", "slots", "dest_slots", "dest_workers", "key", "backend")
+    RID_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    DEST_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    DEST_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    rid: str
+    slots: _containers.RepeatedScalarFieldContainer[int]
+    dest_slots: _containers.RepeatedScalarFieldContainer[int]
+    dest_workers: _containers.RepeatedScalarFieldContainer[str]
+    key: str
+    backend: str
+    def __init__(self, rid: _Optional[str] = ..., slots: _Optional[_Iterable[int]] = ..., dest_slots: _Optional[_Iterable[int]] = ..., dest_workers: _Optional[_Iterable[str]] = ..., key: _Optional[str] = ..., backend: _Optional[str] = ...) -> None: ...
+
+class KVExpect(_message.Message):
+    __slots__ = ("rid", "slots", "key")
+    RID_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    rid: str
+    slots: _containers.RepeatedScalarFieldContainer[int]
+    key: str
+    def __init__(self, rid: _Optional[str] = ..., slots: _Optional[_Iterable[int]] = ..., key: _Optional[str] = ...) -> None: ...
+
+class SendOutcome(_message.Message):
+    __slots__ = ("rid", "error", "bytes", "ms")
+    RID_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    MS_FIELD_NUMBER: _ClassVar[int]
+    rid: str
+    error: str
+    bytes: int
+    ms: float
+    def __init__(self, rid: _Optional[str] = ..., error: _Optional[str] = ..., bytes: _Optional[int] = ..., ms: _Optional[float] = ...) -> None: ...
+
+class KVPages(_message.Message):
+    __slots__ = ("rid", "key", "slots", "head_start", "head_end", "num_layers", "dtype", "data", "shm_path", "offset")
+    RID_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_START_FIELD_NUMBER: _ClassVar[int]
+    HEAD_END_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    SHM_PATH_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    rid: str
+    key: str
+    slots: _containers.RepeatedScalarFieldContainer[int]
+    head_start: int
+    head_end: int
+    num_layers: int
+    dtype: str
+    data: bytes
+    shm_path: str
+    offset: int
+    def __init__(self, rid: _Optional[str] = ..., key: _Optional[str] = ..., slots: _Optional[_Iterable[int]] = ..., head_start: _Optional[int] = ..., head_end: _Optional[int] = ..., num_layers: _Optional[int] = ..., dtype: _Optional[str] = ..., data: _Optional[bytes] = ..., shm_path: _Optional[str] = ..., offset: _Optional[int] = ...) -> None: ...
+
+class KVPagesAck(_message.Message):
+    __slots__ = ("bytes",)
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    bytes: int
+    def __init__(self, bytes: _Optional[int] = ...) -> None: ...
 
 class Constraint(_message.Message):
     __slots__ = ("kind", "text")
@@ -221,17 +295,19 @@ class EntryResult(_message.Message):
     def __init__(self, rid: _Optional[str] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Union[TopLogprobs, _Mapping]] = ..., input_logprobs_start: _Optional[int] = ..., input_logprobs: _Optional[_Iterable[float]] = ..., input_top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ..., forced_ids: _Optional[_Iterable[int]] = ..., accepted_ids: _Optional[_Iterable[int]] = ..., accepted_logprobs: _Optional[_Iterable[float]] = ..., accepted_top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step", "results", "forward_ms", "copies_done", "grammars_ready", "grammars_failed")
+    __slots__ = ("step", "results", "forward_ms", "copies_done", "grammars_ready", "grammars_failed", "sends_done")
     STEP_FIELD_NUMBER: _ClassVar[int]
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     FORWARD_MS_FIELD_NUMBER: _ClassVar[int]
     COPIES_DONE_FIELD_NUMBER: _ClassVar[int]
     GRAMMARS_READY_FIELD_NUMBER: _ClassVar[int]
     GRAMMARS_FAILED_FIELD_NUMBER: _ClassVar[int]
+    SENDS_DONE_FIELD_NUMBER: _ClassVar[int]
     step: int
     results: _containers.RepeatedCompositeFieldContainer[EntryResult]
     forward_ms: float
     copies_done: _containers.RepeatedScalarFieldContainer[int]
     grammars_ready: _containers.RepeatedCompositeFieldContainer[Constraint]
     grammars_failed: _containers.RepeatedCompositeFieldContainer[GrammarFailure]
-    def __init__(self, step: _Optional[int] = ..., results: _Optional[_Iterable[_Union[EntryResult, _Mapping]]] = ..., forward_ms: _Optional[float] = ..., copies_done: _Optional[_Iterable[int]] = ..., grammars_ready: _Optional[_Iterable[_Union[Constraint, _Mapping]]] = ..., grammars_failed: _Optional[_Iterable[_Union[GrammarFailure, _Mapping]]] = ...) -> None: ...
+    sends_done: _containers.RepeatedCompositeFieldContainer[SendOutcome]
+    def __init__(self, step: _Optional[int] = ..., results: _Optional[_Iterable[_Union[EntryResult, _Mapping]]] = ..., forward_ms: _Optional[float] = ..., copies_done: _Optional[_Iterable[int]] = ..., grammars_ready: _Optional[_Iterable[_Union[Constraint, _Mapping]]] = ..., grammars_failed: _Optional[_Iterable[_Union[GrammarFailure, _Mapping]]] = ..., sends_done: _Optional[_Iterable[_Union[SendOutcome, _Mapping]]] = ...) -> None: ...

@@ -44,6 +44,11 @@ class WorkerStub:
                 request_serializer=radixmesh_dot_proto_dot_worker__pb2.WorkerInfoRequest.SerializeToString,
                 response_deserializer=radixmesh_dot_proto_dot_worker__pb2.WorkerInfo.FromString,
                 _registered_method=True)
+        self.PutKV = channel.stream_unary(
+                '/radixmesh.worker.Worker/PutKV',
+                request_serializer=radixmesh_dot_proto_dot_worker__pb2.KVPages.SerializeToString,
+                response_deserializer=radixmesh_dot_proto_dot_worker__pb2.KVPagesAck.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -63,6 +68,14 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PutKV(self, request_iterator, context):
+        """Prefill/decode disaggregation: a prefill engine's worker rank writes a prompt's KV
+        into slots this rank's scheduler set aside for it (a KVExpect), in pieces.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -75,6 +88,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.GetInfo,
                     request_deserializer=radixmesh_dot_proto_dot_worker__pb2.WorkerInfoRequest.FromString,
                     response_serializer=radixmesh_dot_proto_dot_worker__pb2.WorkerInfo.SerializeToString,
+            ),
+            'PutKV': grpc.stream_unary_rpc_method_handler(
+                    servicer.PutKV,
+                    request_deserializer=radixmesh_dot_proto_dot_worker__pb2.KVPages.FromString,
+                    response_serializer=radixmesh_dot_proto_dot_worker__pb2.KVPagesAck.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -131,6 +149,33 @@ class Worker:
             '/radixmesh.worker.Worker/GetInfo',
             radixmesh_dot_proto_dot_worker__pb2.WorkerInfoRequest.SerializeToString,
             radixmesh_dot_proto_dot_worker__pb2.WorkerInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PutKV(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/radixmesh.worker.Worker/PutKV',
+            radixmesh_dot_proto_dot_worker__pb2.KVPages.SerializeToString,
+            radixmesh_dot_proto_dot_worker__pb2.KVPagesAck.FromString,
             options,
             channel_credentials,
             insecure,

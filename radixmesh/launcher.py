@@ -26,6 +26,7 @@ from radixmesh.core.model_files import resolve_model_path
 from radixmesh.core.service_settings import (
     CachectlConfig,
     DetokenizerConfig,
+    DisaggregationSettings,
     FrontDoorSettings,
     MeshSettings,
     NatsSettings,
@@ -62,6 +63,7 @@ SERVICE_CONFIGS: dict[str, type[Settings]] = {
 
 @dataclass(frozen=True, kw_only=True)
 class MeshArgs(
+    DisaggregationSettings,
     FrontDoorSettings,
     ServiceSettings,
     SpeculativeSettings,
@@ -121,8 +123,9 @@ class Mesh:
                 self.nats_url = self.nats.url
             if self.args.trace_file:
                 self.spans = SpanReceiver(JsonlSink(self.args.trace_file)).start()
-            for e in range(self.args.dp_size):
-                self._start_engine(e)
+            roles = self.args.engine_roles
+            for e, role in enumerate(roles):
+                self._start_engine(e, role, len(roles))
             for d in range(self.args.detokenizers):
                 self._spawn(f"detokenizer-{d}", "detokenizer", {"replica_id": f"d{d}"})
             for t in range(self.args.tokenizers):
@@ -162,14 +165,18 @@ class Mesh:
         engine e0 never touches this one's."""
         return Path(shm_root()) / f"radixmesh-{self._front_ports[0][0]}"
 
-    def _start_engine(self, e: int) -> None:
+    def _start_engine(self, e: int, role: str, engines: int) -> None:
+        """Engine `e` of `engines`, in a disaggregation role (named p0, d0... in the prefill
+        and decode roles, e0, e1... otherwise)."""
         a = self.args
         ports = [free_port(a.host) for _ in range(a.tp_size)]
         dist = f"tcp://{a.host}:{free_port(a.host)}"
-        processes = a.dp_size * a.tp_size
+        processes = engines * a.tp_size
         threads = max(1, (os.cpu_count() or 1) // processes)
+        engine_id = f"e{e}" if role == "null" else f"{role[0]}{a.engine_roles[:e].count(role)}"
         scheduler: dict[str, Any] = {
-            "engine_id": f"e{e}", "worker_addrs": ",".join(f"{a.host}:{p}" for p in ports),
+            "engine_id": engine_id, "worker_addrs": ",".join(f"{a.host}:{p}" for p in ports),
+            "disaggregation_mode": role,
         }
         if a.enable_hierarchical_cache:
             # Before the engine's other processes: up when the scheduler asks for a segment,
@@ -183,7 +190,7 @@ class Mesh:
         for rank, port in enumerate(ports):
             self._spawn(f"worker-{e}.{rank}", "worker", {
                 "port": port, "tp_size": a.tp_size, "tp_rank": rank, "dist_init_addr": dist,
-                "num_threads": threads if processes > 1 else 0,
+                "num_threads": threads if processes > 1 else 0, "disaggregation_mode": role,
             }, group=f"workers-{e}")
         self._spawn(f"scheduler-{e}", "scheduler", scheduler)
 
@@ -320,7 +327,9 @@ def serve(args: MeshArgs) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     mesh = Mesh(args)
-    print(f"radixmesh: starting {args.dp_size} engine(s) x tp {args.tp_size}, "
+    engines = (f"{args.prefill_dp_size} prefill + {args.decode_dp_size} decode engine(s)"
+               if args.prefill_dp_size else f"{args.dp_size} engine(s)")
+    print(f"radixmesh: starting {engines} x tp {args.tp_size}, "
           f"{args.tokenizers} tokenizer(s), {args.detokenizers} detokenizer(s)", flush=True)
     try:
         mesh.start()

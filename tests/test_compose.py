@@ -22,12 +22,17 @@ COMPOSE_FILE = ROOT / "compose.yaml"
 BINARY = Path(compose.__file__).parent / "docker-compose"
 MESH = ("cachectl", "worker", "scheduler", "detokenizer", "tokenizer")
 SCALABLE = ("tokenizer", "detokenizer", "scheduler", "worker")
+# Profile pd: prefill/decode disaggregation, each role's engines their own services.
+ROLES = ("prefill", "decode")
+PD = tuple(f"{service}-{role}" for role in ROLES for service in ("worker", "scheduler"))
 CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 
 
-def render(*overrides: Path) -> dict[str, Any]:
-    """The project as the compose binary resolves it, with optional override files."""
+def render(*overrides: Path, profiles: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The project as the compose binary resolves it, with optional override files and
+    profiles."""
     files = [arg for f in (COMPOSE_FILE, *overrides) for arg in ("-f", str(f))]
+    files += [arg for profile in profiles for arg in ("--profile", profile)]
     # COMPOSE_* from the caller's shell (COMPOSE_FILE, COMPOSE_PROFILES) would change the model.
     env = {k: v for k, v in os.environ.items() if not k.startswith("COMPOSE_")}
     done = subprocess.run(
@@ -47,6 +52,12 @@ def render(*overrides: Path) -> dict[str, Any]:
 def services() -> dict[str, dict[str, Any]]:
     """The resolved services of compose.yaml alone."""
     return render()["services"]
+
+
+@pytest.fixture(scope="module")
+def pd_services() -> dict[str, dict[str, Any]]:
+    """The resolved services with the pd profile on."""
+    return render(profiles=("pd",))["services"]
 
 
 def module_of(service: dict[str, Any]) -> str:
@@ -211,3 +222,63 @@ def test_dockerfile_installs_cpu_torch_then_the_project():
 def test_dockerignore_keeps_local_state_out():
     ignored = set((ROOT / ".dockerignore").read_text().split())
     assert {".venv", ".git", "benchmarks"} <= ignored
+
+
+def test_default_profile_leaves_the_pd_services_out(services, pd_services):
+    """`docker compose up` is the mesh it was; the pd profile only adds services."""
+    assert not set(PD) & set(services)
+    assert set(pd_services) == set(services) | set(PD)
+    for name, service in services.items():
+        assert pd_services[name] == service, name
+    for name in PD:
+        assert pd_services[name]["profiles"] == ["pd"], name
+
+
+def without_role(service: dict[str, Any]) -> dict[str, Any]:
+    """A service less what sets its role apart: profile, mode, trace name, dependencies."""
+    env = {k: v for k, v in service["environment"].items()
+           if k not in ("RADIXMESH_DISAGGREGATION_MODE", "OTEL_SERVICE_NAME")}
+    rest = {k: v for k, v in service.items()
+            if k not in ("profiles", "environment", "depends_on")}
+    return {**rest, "environment": env}
+
+
+@pytest.mark.parametrize("role", ROLES)
+def test_pd_engines_are_the_plain_ones_in_a_role(pd_services, role):
+    """Same image, command, volumes, health check and settings as worker and scheduler,
+    with RADIXMESH_DISAGGREGATION_MODE set, so the scheduler claims only its role's
+    workers; both keep to cachectl as the plain ones do."""
+    worker, scheduler = pd_services[f"worker-{role}"], pd_services[f"scheduler-{role}"]
+    for name, service in (("worker", worker), ("scheduler", scheduler)):
+        env = service["environment"]
+        assert env["RADIXMESH_DISAGGREGATION_MODE"] == role, name
+        assert env["OTEL_SERVICE_NAME"] == f"radixmesh-{name}-{role}"
+        assert without_role(service) == without_role(pd_services[name]), name
+        assert module_of(service) == f"radixmesh.services.{name}"
+    assert worker["environment"]["RADIXMESH_ANNOUNCE"] == "true"
+    assert worker["ipc"] == "service:cachectl"
+    assert worker["depends_on"]["cachectl"]["condition"] == "service_started"
+    assert "RADIXMESH_WORKER_ADDRS" not in scheduler["environment"]
+    assert "RADIXMESH_ENGINE_ID" not in scheduler["environment"]
+    plain = dict(pd_services["scheduler"]["depends_on"])
+    plain[f"worker-{role}"] = plain.pop("worker")
+    assert scheduler["depends_on"] == plain  # its own role's workers, not the plain ones
+
+
+def test_pd_engines_scale(pd_services, tmp_path):
+    """The command in compose.yaml's header: each role scales on its own (no fixed name,
+    no host port), and the plain engine scales to none."""
+    for name in PD:
+        assert "container_name" not in pd_services[name], name
+        assert "ports" not in pd_services[name], name
+    counts = {"worker": 0, "scheduler": 0, "worker-prefill": 1, "scheduler-prefill": 1,
+              "worker-decode": 2, "scheduler-decode": 2}
+    override = tmp_path / "pd-scale.yaml"
+    override.write_text("services:\n" + "".join(f"  {n}:\n    scale: {c}\n"
+                                                for n, c in counts.items()))
+    scaled = render(override, profiles=("pd",))["services"]
+    assert {name: scaled[name]["scale"] for name in counts} == counts
+    header = COMPOSE_FILE.read_text().split("\nname:", 1)[0]
+    command = " ".join(line.lstrip("# ").rstrip("\\ ") for line in header.splitlines())
+    assert "docker compose --profile pd up " + " ".join(
+        f"--scale {n}={c}" for n, c in counts.items()) in " ".join(command.split())

@@ -1,7 +1,8 @@
 """Workers and schedulers find each other on NATS (a real nats-server with JetStream): a
 scheduler claims only a group whose every rank is announced, two schedulers never share a
-group, a restarted scheduler (same engine id) gets its group back at once, and a claim or
-announcement is gone once withdrawn; and, with the real model, an engine started by hand
+group, a restarted scheduler (same engine id) gets its group back at once, a claim or
+announcement is gone once withdrawn, and a scheduler claims only workers of its own
+disaggregation mode; and, with the real model, an engine started by hand
 joins a running mesh through them."""
 
 from __future__ import annotations
@@ -17,9 +18,12 @@ import pytest
 from process_helpers import running_mesh, service_process
 
 from radixmesh.mesh.discovery import (
+    CLAIMS_BUCKET,
+    WORKERS_BUCKET,
     Announcer,
     WorkerRank,
     announced,
+    bucket,
     claim_workers,
     keep_claim,
     key_part,
@@ -88,6 +92,45 @@ async def _has(nc: nats.NATS, group: str) -> bool:
 
 def test_schedulers_claim_free_complete_groups(nats_url):
     asyncio.run(run_claims(nats_url))
+
+
+async def run_role_claims(url: str) -> None:
+    nc = await nats.connect(url)
+    prefill = Announcer(url, WorkerRank("p:7000", 0, 1, "p:7000", "prefill"))
+    decode = Announcer(url, WorkerRank("d:7100", 0, 1, "d:7100", "decode"))
+    workers, claims = await bucket(nc, WORKERS_BUCKET), await bucket(nc, CLAIMS_BUCKET)
+    # As a worker from before disaggregation stored it: no mode, so it is a "null" one.
+    await workers.put("old_7200.0", b'{"group": "old:7200", "rank": 0, "tp_size": 1, '
+                                    b'"addr": "old:7200"}')
+    try:
+        prefill.start()
+        decode.start()
+        await wait_for(lambda: _has(nc, "p:7000"))
+        await wait_for(lambda: _has(nc, "d:7100"))
+        assert (await announced(nc))["old:7200"][0].disaggregation_mode == "null"
+
+        # Asked for the decode group, a prefill scheduler still gets the prefill one.
+        p = await claim_workers(nc, "p0", prefer="d:7100", disaggregation_mode="prefill")
+        assert (p.group, p.addrs) == ("p:7000", ["p:7000"])
+        with pytest.raises(TimeoutError):  # the decode group is free, but not for prefill
+            await asyncio.wait_for(claim_workers(nc, "p1", disaggregation_mode="prefill"), 1.5)
+        d = await claim_workers(nc, "d0", disaggregation_mode="decode")
+        assert (d.group, d.addrs) == ("d:7100", ["d:7100"])
+        plain = await claim_workers(nc, "e0")  # a "null" scheduler: only the mode-less one
+        assert plain.group == "old:7200"
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(claim_workers(nc, "e1"), 1.5)
+    finally:
+        for a in (prefill, decode):
+            await a.close()
+        await workers.delete("old_7200.0")
+        for group in ("p:7000", "d:7100", "old:7200"):  # no claim left for later tests
+            await claims.delete(key_part(group))
+        await nc.close()
+
+
+def test_schedulers_claim_only_workers_of_their_disaggregation_mode(nats_url):
+    asyncio.run(run_role_claims(nats_url))
 
 
 def engine_states(url: str) -> dict[str, dict]:

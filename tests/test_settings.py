@@ -241,6 +241,11 @@ BAD_VALUES: dict[str, list[Any]] = {
     "metrics_port": [-1],
     "tp_size": [0],
     "dp_size": [0],
+    "prefill_dp_size": [-1],
+    "decode_dp_size": [-1],
+    "disaggregation_mode": ["both", None],
+    "disaggregation_transfer_backend": ["rdma"],
+    "disaggregation_timeout": [0.0],
     "tokenizers": [0],
     "detokenizers": [0],
     "port": [-1],
@@ -339,6 +344,7 @@ def test_bad_value_names_the_setting(config, name, value) -> None:
          "redis://HOST:PORT/DB"),
         (EngineArgs, {"hicache_storage_backend_extra_config": '{"path": "/x"}'},
          "hicache_storage_backend_extra_config needs a storage backend"),
+        (MeshArgs, {"prefill_dp_size": 1}, "prefill_dp_size and decode_dp_size go together"),
     ],
 )
 def test_cross_field_checks(monkeypatch, config, values, message) -> None:
@@ -466,7 +472,7 @@ def test_launcher_hands_every_service_the_settings_it_shares(monkeypatch) -> Non
     )
     mesh = Mesh(args)
     mesh._pick_front_ports()
-    mesh._start_engine(0)
+    mesh._start_engine(0, "null", 1)
     mesh._spawn("detokenizer-0", "detokenizer", {"replica_id": "d0"})
     mesh._start_tokenizer(0)
     started: dict[str, list[Settings]] = {}
@@ -499,6 +505,30 @@ def test_launcher_hands_every_service_the_settings_it_shares(monkeypatch) -> Non
     scheduler = started["scheduler"][0]
     assert scheduler.worker_list == [f"127.0.0.2:{w.port}" for w in workers]
     assert scheduler.context_length is None and scheduler.disable_overlap_schedule is True
+
+
+def test_the_launcher_starts_prefill_and_decode_engines_in_their_roles(monkeypatch) -> None:
+    commands: list[list[str]] = []
+    monkeypatch.setattr("radixmesh.launcher.subprocess.Popen",
+                        lambda args, env, **_: commands.append(args))
+    args = MeshArgs(prefill_dp_size=1, decode_dp_size=2, disaggregation_timeout=5.0,
+                    port=0, grpc_port=0, nats_url="nats://bus:4222")
+    assert args.engine_roles == ["prefill", "decode", "decode"]
+    mesh = Mesh(args)
+    mesh._pick_front_ports()
+    for e, role in enumerate(args.engine_roles):
+        mesh._start_engine(e, role, 3)
+    roles = {}
+    for command in commands:
+        at = command.index("-m")
+        service = command[at + 1].rsplit(".", 1)[1]
+        config = parse_config(SERVICE_CONFIGS[service], command[at + 2:])
+        if service == "scheduler":
+            assert config.disaggregation_timeout == 5.0
+            roles[config.engine_id] = config.disaggregation_mode
+        else:
+            assert config.disaggregation_mode in ("prefill", "decode")
+    assert roles == {"p0": "prefill", "d0": "decode", "d1": "decode"}
 
 
 def test_the_native_kernels_settings_come_from_the_environment(monkeypatch):

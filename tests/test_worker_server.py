@@ -37,6 +37,7 @@ from radixmesh.mesh.nats_server import free_port
 from radixmesh.proto import worker_pb2 as wpb
 from radixmesh.proto import worker_pb2_grpc as wgrpc
 from radixmesh.proto.convert import batch_to_proto, result_from_proto
+from radixmesh.services.worker.kv_stream import host_id
 from radixmesh.services.worker.server import SERVICE_NAME, worker_info
 
 _LISTENING = re.compile(r"gRPC on (\S+):(\d+), /metrics on (\S+):(\d+)")
@@ -135,6 +136,7 @@ def test_worker_serves_forward(model_dir, reference) -> None:
             head_dim=HEAD_DIM,
             quantization="bf16",  # a safetensors model, not asked to quantize
             architecture="llama",  # dense: no experts
+            host_id=host_id(),
         )
         got = [result_from_proto(worker.stub.Forward(batch_to_proto(b))) for b in forward_script()]
         assert_same_results(got, reference)

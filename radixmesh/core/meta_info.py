@@ -70,6 +70,32 @@ class Speculated:
         }
 
 
+@dataclass(frozen=True)
+class Disaggregated:
+    """Where a request ran with prefill/decode disaggregation: the engine that prefilled
+    it, the one that decoded it, and the prompt KV that went between them."""
+
+    prefill_engine: str
+    decode_engine: str
+    transfer_tokens: int = 0
+    transfer_bytes: int = 0
+    transfer_ms: float = 0.0
+    fallback: str = ""  # why the decode engine prefilled the prompt itself
+
+    def to_dict(self) -> dict[str, Any]:
+        """meta_info's disaggregation object."""
+        out: dict[str, Any] = {
+            "prefill_engine": self.prefill_engine,
+            "decode_engine": self.decode_engine,
+            "transfer_tokens": self.transfer_tokens,
+            "transfer_bytes": self.transfer_bytes,
+            "transfer_ms": round(self.transfer_ms, 3),
+        }
+        if self.fallback:
+            out["fallback"] = self.fallback
+        return out
+
+
 def meta_info(
     rid: str,
     finish: FinishReason | None,
@@ -80,9 +106,11 @@ def meta_info(
     logprobs: LogprobLists | None = None,
     token_text: TokenText | None = None,
     spec: Speculated | None = None,
+    disaggregated: Disaggregated | None = None,
 ) -> dict[str, Any]:
     """meta_info in SGLang's key order; `token_text` fills in each logprob's token text;
-    the speculative decoding figures where the request verified drafts.
+    the speculative decoding figures where the request verified drafts; where its prompt
+    was prefilled on another engine, a "disaggregation" object.
 
     Every list is a fresh copy, so a caller may keep appending to what it passed in."""
     meta: dict[str, Any] = {
@@ -97,6 +125,8 @@ def meta_info(
         meta["e2e_latency"] = e2e_latency
     if spec is not None and spec.verify_ct:
         meta.update(spec.to_dict())
+    if disaggregated is not None:
+        meta["disaggregation"] = disaggregated.to_dict()
     if logprobs is None:
         return meta
     meta["input_token_logprobs"] = _named(logprobs.input_token, token_text)

@@ -21,6 +21,9 @@ from radixmesh.core.settings import (
     RunnerSettings,
 )
 
+DISAGGREGATION_MODES = ("null", "prefill", "decode")
+TRANSFER_BACKENDS = ("auto", "grpc", "shm")
+
 
 def _check_log_level(value: str) -> None:
     if not isinstance(value, str) or value.upper() not in logging.getLevelNamesMapping():
@@ -99,7 +102,17 @@ class MeshSettings(Settings):
         1,
         minimum=1,
         aliases=("engines",),
-        help="engine replicas (data parallel), each a scheduler and its workers",
+        help="engine replicas (data parallel), each a scheduler and its workers, each "
+        "doing prefill and decode",
+    )
+    prefill_dp_size: int = setting(
+        0,
+        minimum=0,
+        help="engines in the prefill role (prefill/decode disaggregation); with "
+        "decode_dp_size, these two counts replace dp_size",
+    )
+    decode_dp_size: int = setting(
+        0, minimum=0, help="engines in the decode role (see prefill_dp_size)"
     )
     tokenizers: int = setting(
         1, minimum=1, help="tokenizer replicas, each an HTTP and a gRPC front door"
@@ -137,6 +150,21 @@ class MeshSettings(Settings):
         help="niceness added to every service but the workers, so that on a small CPU "
         "their bursts do not preempt the model's threads and stall a step; 0: none",
     )
+
+    def cross_check(self) -> None:
+        super().cross_check()
+        if bool(self.prefill_dp_size) != bool(self.decode_dp_size):
+            raise ValueError(
+                "prefill_dp_size and decode_dp_size go together (both 0: no disaggregation), "
+                f"got {self.prefill_dp_size} and {self.decode_dp_size}"
+            )
+
+    @property
+    def engine_roles(self) -> list[str]:
+        """Each engine's disaggregation_mode, in the order they are started."""
+        if self.prefill_dp_size:
+            return ["prefill"] * self.prefill_dp_size + ["decode"] * self.decode_dp_size
+        return ["null"] * self.dp_size
 
 @dataclass(frozen=True, kw_only=True)
 class WorkerSettings(Settings):
@@ -198,6 +226,43 @@ class SchedulerSettings(Settings):
     def worker_list(self) -> list[str]:
         """The worker ranks' host:port, rank 0 first."""
         return [a.strip() for a in self.worker_addrs.split(",") if a.strip()]
+
+@dataclass(frozen=True, kw_only=True)
+class RoleSettings(Settings):
+    """Which half of serving an engine does (prefill/decode disaggregation, SGLang's name)."""
+
+    TITLE: ClassVar[str] = "disaggregation"
+
+    disaggregation_mode: str = setting(
+        "null",
+        choices=DISAGGREGATION_MODES,
+        help="prefill: compute prompts' KV and first token and hand them to a decode engine; "
+        "decode: take requests, receive their prompt's KV from a prefill engine and stream "
+        "the output; null: both in one engine. A worker announced with a mode is claimed "
+        "only by a scheduler of that mode",
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class DisaggregationSettings(Settings):
+    """How KV moves from prefill to decode engines."""
+
+    TITLE: ClassVar[str] = "disaggregation"
+
+    disaggregation_transfer_backend: str = setting(
+        "auto",
+        choices=TRANSFER_BACKENDS,
+        help="how a prefill worker sends a prompt's KV to the decode workers: grpc (a "
+        "stream between the workers, across hosts), shm (a shared-memory file, both on one "
+        "host); auto: shm where both workers are on one host, else grpc",
+    )
+    disaggregation_timeout: float = setting(
+        60.0,
+        minimum=0.1,
+        help="seconds a decode engine waits for a prompt's KV from its prefill engine "
+        "before it prefills the prompt itself",
+    )
+
 
 @dataclass(frozen=True, kw_only=True)
 class TokenizerSettings(Settings):
@@ -318,7 +383,7 @@ class DetokenizerSettings(Settings):
 
 
 @dataclass(frozen=True, kw_only=True)
-class WorkerConfig(StatusSettings, NatsSettings, ServiceSettings, WorkerSettings,
+class WorkerConfig(StatusSettings, NatsSettings, ServiceSettings, RoleSettings, WorkerSettings,
                    RunnerSettings):
     """One worker rank: loads the model, holds the KV pool, runs Forward over gRPC."""
 
@@ -327,6 +392,8 @@ class SchedulerServiceConfig(
     StatusSettings,
     NatsSettings,
     ServiceSettings,
+    DisaggregationSettings,
+    RoleSettings,
     SchedulerSettings,
     ReplicaSettings,
     PageSettings,

@@ -7,6 +7,8 @@ worker.proto's StepBatch / StepResult, converted once at each end."""
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from dataclasses import dataclass, field
 
 from radixmesh.core.hicache import HostPoolSpec
@@ -66,6 +68,49 @@ class KVCopy:
     host_slots: list[int]
 
 
+def kv_key(tokens: list[int], start: int, namespace: str | None) -> str:
+    """Names the KV of tokens[start:] after tokens[:start] (KV depends on the whole prefix)
+    in a namespace: a decode engine accepts a prefill engine's KV only under the key it
+    expects."""
+    digest = hashlib.blake2b(array("i", tokens).tobytes(), digest_size=12)
+    digest.update(f"{start}:{namespace or ''}".encode())
+    return digest.hexdigest()
+
+
+@dataclass(slots=True)
+class KVSend:
+    """Prefill/decode disaggregation, on the prefill side: send a request's prompt KV to the
+    decode engine's worker ranks. It starts after the step's forward (which may compute what
+    it sends); a later result reports it in sends_done."""
+
+    rid: str
+    slots: list[int]  # this engine's slots of the tokens sent, in order
+    dest_slots: list[int]  # the decode engine's slots for them
+    dest_workers: list[str]  # the decode engine's worker ranks (host:port), rank 0 first
+    key: str  # kv_key of the tokens
+    backend: str  # "grpc" or "shm"
+
+
+@dataclass(slots=True)
+class KVExpect:
+    """On the decode side: accept a prefill engine's KV for these slots, under this key,
+    until the request is released."""
+
+    rid: str
+    slots: list[int]
+    key: str
+
+
+@dataclass(slots=True)
+class SendOutcome:
+    """How a KVSend ended: every byte arrived (no error), or why not."""
+
+    rid: str
+    error: str = ""
+    bytes: int = 0
+    ms: float = 0.0
+
+
 @dataclass(slots=True)
 class StepBatch:
     """Everything the runner needs for one step; steps count 1, 2, 3..."""
@@ -81,6 +126,8 @@ class StepBatch:
     # Constraints to compile before the requests that carry them are admitted (each sent
     # once); a step without entries waits a little for one to finish.
     grammars: list[Constraint] = field(default_factory=list)
+    sends: list[KVSend] = field(default_factory=list)
+    expects: list[KVExpect] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -117,3 +164,4 @@ class StepResult:
     # Constraints compiled since the last result, and those that failed with their error.
     grammars_ready: list[Constraint] = field(default_factory=list)
     grammars_failed: list[tuple[Constraint, str]] = field(default_factory=list)
+    sends_done: list[SendOutcome] = field(default_factory=list)

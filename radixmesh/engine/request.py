@@ -11,6 +11,7 @@ from radixmesh.core.request import GenerationRequest
 from radixmesh.core.sampling_params import LogprobRequest, SamplingParams
 
 if TYPE_CHECKING:
+    from radixmesh.engine.disaggregation import Handoff, Transfer
     from radixmesh.engine.storage_tier import PrefetchOutcome
 
 _arrivals = itertools.count()
@@ -47,6 +48,10 @@ class Req:
     jumped: bool = False  # output has jump-forward tokens the next decode must feed
     spec_verify_ct: int = 0  # steps that verified a draft of it
     spec_accepted_tokens: int = 0  # draft tokens those steps accepted
+    # Disaggregation: where this prefill engine sends its prompt's KV, or (on a decode
+    # engine) the prefill engine its prompt's KV comes from.
+    handoff: Handoff | None = None
+    transfer: Transfer | None = None
     finish: FinishReason | None = None
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)

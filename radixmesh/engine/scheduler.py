@@ -10,6 +10,7 @@ from radixmesh.core.finish import FinishKind, FinishReason
 from radixmesh.core.hicache import HostPoolSpec, PageKeys
 from radixmesh.core.step import EntryResult, NewRequest, StepBatch, StepEntry, StepResult
 from radixmesh.engine.constraints import Constraints
+from radixmesh.engine.disaggregation import Committed, Disaggregation
 from radixmesh.engine.host_tier import HostTier
 from radixmesh.engine.kv_allocator import KVAllocator
 from radixmesh.engine.radix_cache import RadixCache
@@ -20,6 +21,9 @@ from radixmesh.engine.speculation import Draft, make_speculation, tree_depth
 from radixmesh.engine.storage_tier import StorageTier
 from radixmesh.engine.tiering import HostTiers, NoTiers, StorageTiers
 from radixmesh.engine.tree_node import TreeNode
+
+# How a prefill engine's request ends once its decode engine has it.
+HANDED_BACK = FinishReason(FinishKind.ABORT, message="handed to its decode engine")
 
 
 @dataclass
@@ -43,6 +47,7 @@ class Scheduler:
         self.num_retractions = 0
         self.constraints = Constraints()
         self.speculation = make_speculation(config.speculative)
+        self.disagg = Disaggregation(config.transfer_timeout)
         self.reset()
 
     def lose_all(self, reason: FinishReason) -> list[Req]:
@@ -73,6 +78,7 @@ class Scheduler:
         self._updated: dict[str, Req] = {}
         self.constraints.reset()
         self.speculation.reset()
+        self.disagg.reset()
         self._step = 0
 
     @property
@@ -105,8 +111,17 @@ class Scheduler:
             )
         if len(req.input_ids) + 1 > self.config.num_slots - self.page:
             raise ValueError(f"prompt of {len(req.input_ids)} tokens exceeds the KV pool")
+        handoff = req.handoff
+        if handoff is not None and len(handoff.dest_slots) != len(req.input_ids) - handoff.start:
+            raise ValueError(
+                f"the decode engine set aside {len(handoff.dest_slots)} slots for "
+                f"{len(req.input_ids) - handoff.start} prompt tokens"
+            )
         self.requests[req.rid] = req
-        self.waiting.append(req)
+        if req.transfer is not None:
+            self.disagg.arrived(req)
+        else:
+            self.waiting.append(req)
         self.tiers.ask(req)
         self.constraints.ask(req)
 
@@ -135,6 +150,7 @@ class Scheduler:
             or self.constraints.compiling
             or self.tiers.has_copies()
             or self.cache.pending_backups() > 0
+            or self.disagg.has_work()
         )
 
     def num_running(self) -> int:
@@ -150,7 +166,7 @@ class Scheduler:
             "evictable_tokens": self.cache.evictable_size(),
             "held_slots": self.held_slots(),
             "running": self.num_running(),
-            "waiting": len(self.waiting),
+            "waiting": len(self.waiting) + len(self.disagg.reserving),
             "num_retractions": self.num_retractions,
             "steps": self._step,
             "forced_tokens": self.num_forced_tokens,
@@ -193,6 +209,7 @@ class Scheduler:
         """The next step's batch: every decoding request, then prefill under the budget."""
         batch = ScheduledBatch(StepBatch(self._step + 1))
         self._schedule_decodes(batch)
+        self._reserve_transfers()
         self._schedule_prefills(batch)
         step = batch.batch
         # Taken last: a request retracted by this very step may be readmitted by it too,
@@ -201,15 +218,19 @@ class Scheduler:
         step.copies = self.tiers.take_copies()
         step.host_pool, self._host_pool = self._host_pool, None
         step.grammars = self.constraints.take()
-        # Backups hold device slots until a step reports them done, and compiles end in a
-        # step's result: an empty step still collects those reports.
+        self.disagg.take_into(step)
+        # Backups and KV sends hold device slots until a step reports them done, and
+        # compiles end in a step's result: an empty step still collects those reports.
         if (
             not batch.reqs
             and not step.release
             and not step.copies
             and step.host_pool is None
+            and not step.sends
+            and not step.expects
             and not self.cache.pending_backups()
             and not self.constraints.compiling
+            and not self.disagg.sending()
         ):
             return None
         self._step += 1  # steps count 1, 2, 3... so a worker can put them back in order
@@ -336,6 +357,9 @@ class Scheduler:
             del self._locked[req.rid]
             return 0
         self.waiting.remove(req)
+        pinned = self.disagg.pinned.pop(req.rid, None)
+        if pinned is not None:  # its prompt came from a prefill engine: now locked for it
+            self.cache.unlock(pinned)
         req.jumped = False  # its prefill feeds every token it has
         if not req.admitted:
             req.admitted = True
@@ -362,7 +386,10 @@ class Scheduler:
         if done:
             self.chunked = None
             req.pending += 1
-            self.running.append(req)
+            if req.handoff is not None:
+                self.disagg.prefilled(req)  # its first token is all this engine samples
+            else:
+                self.running.append(req)
         else:
             self.chunked = req
         return chunk
@@ -465,22 +492,123 @@ class Scheduler:
             self.chunked = None
         if req in self.waiting:
             self.waiting.remove(req)
-        if req.slots or req.rid in self._locked:
+        if req.rid in self.disagg.awaiting or req in self.disagg.reserving:
+            self._drop_reservation(req, reason.message or "the request ended")
+        pinned = self.disagg.pinned.pop(req.rid, None)
+        if pinned is not None:
+            self.cache.unlock(pinned)
+        # A worker still sending its KV reads its slots: released when the send is over.
+        if self.disagg.release_now(req) and (req.slots or req.rid in self._locked):
             self._release_kv(req)
         self._forget_on_worker(req)
         self._updated[req.rid] = req
         self._forget_if_settled(req)
 
     def _forget_if_settled(self, req: Req) -> None:
-        """Drop a finished request once no step of it is still in flight."""
-        if not req.pending:
+        """Drop a finished request once no step of it is still in flight and no worker
+        reads its slots."""
+        if not req.pending and not self.disagg.reading(req):
             self.requests.pop(req.rid, None)
+
+    # ---- disaggregation -----------------------------------------------------------------
+
+    def _reserve_transfers(self) -> None:
+        """Decode side: set slots aside for the prompts whose KV comes from prefill engines,
+        oldest first, while there is room beside what running requests will need; fall back
+        to prefilling here those whose KV is overdue."""
+        for req in self.disagg.expired():
+            self._fall_back(req, f"no KV from {req.transfer.prefill_engine} within "
+                                 f"{self.disagg.timeout_s:g} s")  # type: ignore[union-attr]
+        for req in list(self.disagg.reserving):
+            match = self.cache.match_prefix(req.input_ids, req.namespace)
+            start = len(match.slots)
+            need = -(-(len(req.input_ids) - start) // self.page) * self.page
+            reserve = self.config.decode_reserve_ratio * sum(
+                r.remaining_new_tokens() for r in [*self.running, req]
+            )
+            room = self.allocator.available() + self.cache.evictable_size()
+            if self.running and room < need + reserve:
+                return
+            self.cache.lock(match.node)
+            fresh = self._alloc(need) if need else []
+            if fresh is None:
+                self.cache.unlock(match.node)
+                return
+            slots = fresh[: len(req.input_ids) - start]
+            req.slots, req.cached_len = list(match.slots) + slots, start
+            self._locked[req.rid] = match.node
+            req.cached_tokens = start
+            self.disagg.reserved(req, start, slots)
+
+    def commit_transfer(self, rid: str, committed: Committed) -> None:
+        """Decode side: a prefill engine handed back `rid` (its KV arrived, or did not)."""
+        req = self.requests.get(rid)
+        if req is None or req.finish is not None or rid not in self.disagg.awaiting:
+            return
+        if committed.error:
+            self._fall_back(req, committed.error)
+            return
+        transfer = req.transfer
+        assert transfer is not None
+        del self.disagg.awaiting[rid]
+        transfer.bytes, transfer.ms = committed.bytes, committed.ms
+        self._release.append(rid)  # the worker takes no more KV for it
+        # The prompt joins the tree (the partial last page is computed again at admission),
+        # locked until the request is admitted.
+        self._release_kv(req)
+        match = self.cache.match_prefix(req.input_ids, req.namespace, count_hit=False)
+        self.cache.lock(match.node)
+        self.disagg.pinned[rid] = match.node
+        req.output_ids = list(committed.output_ids)
+        if req.logprobs.return_logprob:
+            req.output_logprobs = list(committed.output_logprobs)
+            req.output_top_logprobs = list(committed.output_top_logprobs)
+            req.input_logprobs = list(committed.input_logprobs)
+            req.input_top_logprobs = list(committed.input_top_logprobs)
+        req.admitted = True  # its prompt logprobs are in
+        self._updated[rid] = req
+        if committed.finish is not None:
+            self._finish(req, committed.finish)
+        else:
+            self.waiting.append(req)
+
+    def lose_prefill_engine(self, engine_id: str) -> None:
+        """Decode side: `engine_id` went away; prefill here what waited for it."""
+        for req in self.disagg.from_engine(engine_id):
+            self._fall_back(req, f"prefill engine {engine_id} went away")
+
+    def _fall_back(self, req: Req, why: str) -> None:
+        """Decode side: give up on `req`'s KV transfer and prefill it here."""
+        self._drop_reservation(req, why)
+        self.waiting.append(req)
+
+    def _drop_reservation(self, req: Req, why: str) -> None:
+        """Free the slots set aside for `req`'s KV (never cached: what they hold is not
+        known to be whole) and tell its worker and prefill engine."""
+        reserved = req.rid in self.disagg.awaiting
+        self.disagg.cancel(req, why)
+        if not reserved:
+            return
+        self._release.append(req.rid)
+        fresh = req.slots[req.cached_len :]
+        if fresh:
+            self.allocator.free(fresh)
+        locked = self._locked.pop(req.rid, None)
+        if locked is not None:
+            self.cache.unlock(locked)
+        req.slots, req.cached_len, req.cached_tokens = [], 0, 0
 
     # ---- results ---------------------------------------------------------------------
 
     def process_result(self, batch: ScheduledBatch, result: StepResult) -> None:
         """Append sampled tokens and logprobs; finish requests that hit a stop or a limit."""
         self.tiers.done(result.copies_done)
+        for req in self.disagg.sent(result.sends_done):
+            if req.finish is None:
+                self._hand_back(req)
+            else:  # ended while its KV was sent: its slots are free to go now
+                self._release_kv(req)
+                self._forget_if_settled(req)
         self._compiles_ended(result)
         self.speculation.stepped(batch.batch, result.forward_ms)
         for req, entry, out in zip(batch.reqs, batch.batch.entries, result.results, strict=True):
@@ -508,8 +636,17 @@ class Scheduler:
             self._updated[req.rid] = req
             if out.forced_ids and reason is None:
                 reason = self.constraints.jump_forward(req, out.forced_ids, self._check_finish)
-            if reason is not None:
+            if req.handoff is not None:
+                if self.disagg.sampled(req, reason):
+                    self._hand_back(req)
+            elif reason is not None:
                 self._finish(req, reason)
+
+    def _hand_back(self, req: Req) -> None:
+        """Prefill side: `req`'s KV is sent (or failed to) and its first token is in: it
+        ends here (its prompt stays cached) and the service hands it to its decode engine."""
+        assert req.handoff is not None
+        self._finish(req, req.handoff.finish or HANDED_BACK)
 
     def _emit(
         self, req: Req, token: int, logprob: float, top: list[tuple[int, float]]

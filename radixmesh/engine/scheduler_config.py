@@ -33,6 +33,8 @@ class SchedulerConfig:
     prefetch_threshold: int = 256
     model_fingerprint: str = ""  # names the weights in storage page keys
     speculative: SpeculativeSettings = SpeculativeSettings()  # drafts (off by default)
+    # Disaggregation: seconds a decode engine waits for a prompt's KV before prefilling it.
+    transfer_timeout: float = 60.0
 
     @classmethod
     def from_settings(

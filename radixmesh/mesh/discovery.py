@@ -10,6 +10,11 @@ Two JetStream key-value buckets whose entries expire unless renewed:
   so two schedulers never drive one group), and renews the claim while it lives. A claim
   held under the same engine id is taken over at once: a restarted scheduler gets its
   workers back without waiting for the old claim to expire.
+
+Prefill/decode disaggregation: a rank announces its disaggregation_mode and a scheduler
+claims only groups announced in its own mode, so a prefill engine never drives decode
+workers (nor a mode-less "null" engine either). An announcement without the field, from a
+worker that predates it, reads as "null".
 """
 
 from __future__ import annotations
@@ -19,7 +24,8 @@ import contextlib
 import json
 import logging
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
+from typing import Any
 
 from nats.aio.client import Client as NATS
 from nats.js.errors import (
@@ -40,6 +46,7 @@ CLAIMS_BUCKET = "radixmesh_claims"
 TTL_S = 10.0  # an announcement or a claim not renewed for this long is gone
 RENEW_S = 2.0
 POLL_S = 0.5  # how often a scheduler looks again while no group is free
+NO_ROLE = "null"  # disaggregation_mode of an engine doing both prefill and decode
 
 
 def key_part(text: str) -> str:
@@ -55,10 +62,21 @@ class WorkerRank:
     rank: int
     tp_size: int
     addr: str  # host:port of its gRPC Worker service
+    # Only a scheduler of the same mode claims it; the default keeps announcements from
+    # before the field readable.
+    disaggregation_mode: str = NO_ROLE
 
     @property
     def key(self) -> str:
         return f"{key_part(self.group)}.{self.rank}"
+
+    @classmethod
+    def from_json(cls, value: bytes) -> WorkerRank:
+        """An announcement as stored. Fields this version does not know are dropped, so a
+        newer worker's announcement does not stop an older scheduler from reading the rest."""
+        data: dict[str, Any] = json.loads(value)
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
 
 
 @dataclass(frozen=True)
@@ -135,7 +153,7 @@ async def announced(nc: NATS) -> dict[str, dict[int, WorkerRank]]:
         except KeyNotFoundError:
             continue
         if entry.value:
-            rank = WorkerRank(**json.loads(entry.value))
+            rank = WorkerRank.from_json(entry.value)
             groups.setdefault(rank.group, {})[rank.rank] = rank
     return groups
 
@@ -161,8 +179,10 @@ async def take(kv: KeyValue, group: str, engine_id: str) -> bool:
     return True
 
 
-async def claim_workers(nc: NATS, engine_id: str, prefer: str | None = None) -> Claim:
-    """Wait for a group whose every rank is announced and claim it (`prefer` first)."""
+async def claim_workers(nc: NATS, engine_id: str, prefer: str | None = None,
+                        disaggregation_mode: str = NO_ROLE) -> Claim:
+    """Wait for a group whose every rank is announced in `disaggregation_mode` and claim it
+    (`prefer` first, when it is of that mode)."""
     waited = False
     while True:
         try:
@@ -170,16 +190,21 @@ async def claim_workers(nc: NATS, engine_id: str, prefer: str | None = None) -> 
             groups = await announced(nc)
             for group in sorted(groups, key=lambda g: (g != prefer, g)):
                 ranks = groups[group]
+                # Every rank, not just rank 0: a group whose ranks disagree (restarted with
+                # another mode part way) is nobody's until they agree again.
+                if any(r.disaggregation_mode != disaggregation_mode for r in ranks.values()):
+                    continue
                 size = next(iter(ranks.values())).tp_size
                 if sorted(ranks) == list(range(size)) and await take(claims, group, engine_id):
                     claim = Claim(group, [ranks[r].addr for r in range(size)])
-                    log.info("engine %s claimed worker group %s at %s", engine_id, group,
-                             ",".join(claim.addrs))
+                    log.info("engine %s claimed %s worker group %s at %s", engine_id,
+                             disaggregation_mode, group, ",".join(claim.addrs))
                     return claim
         except Exception as exc:  # NATS away: look again
             log.warning("engine %s: looking for workers failed: %s", engine_id, exc)
         if not waited:
-            log.info("engine %s: waiting for a free worker group on NATS", engine_id)
+            log.info("engine %s: waiting for a free %s worker group on NATS", engine_id,
+                     disaggregation_mode)
             waited = True
         await asyncio.sleep(POLL_S)
 

@@ -17,6 +17,11 @@ def engine_abort(engine_id: str) -> str:
     return f"rm.engine.{engine_id}.abort"
 
 
+def engine_kv(engine_id: str) -> str:
+    """KVCommit from prefill engines to one decode engine (disaggregation)."""
+    return f"rm.engine.{engine_id}.kv"
+
+
 def engine_control(engine_id: str) -> str:
     """JSON request/reply: {"op": "info"} or {"op": "flush"}."""
     return f"rm.engine.{engine_id}.control"

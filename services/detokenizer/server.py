@@ -92,6 +92,9 @@ def text_chunk(update: mpb.TokenUpdate, decode: DecodeFn) -> UpdateReply:
         spec_accepted_tokens=update.spec_accepted_tokens,
         completion_tokens=completion,
         logprobs=_kept_logprobs(update.logprobs, kept) if update.HasField("logprobs") else None,
+        # Which engines served it matters to the client only when two did.
+        engine_id=update.engine_id if update.HasField("transfer") else "",
+        transfer=update.transfer if update.HasField("transfer") else None,
     )
     matched_here = window.stop_at is not None and window.stop_at > update.offset
     return UpdateReply(chunk, matched_here, stopped and not update.HasField("finish"))

@@ -9,16 +9,18 @@ from dataclasses import dataclass
 
 from radixmesh.core.finish import FinishKind, FinishReason
 from radixmesh.core.sampling_params import LogprobRequest
-from radixmesh.core.step import TopLogprobs
+from radixmesh.core.step import TopLogprobs, kv_key
+from radixmesh.engine.disaggregation import Committed, Handoff, Transfer
 from radixmesh.engine.request import Req
 from radixmesh.proto import mesh_pb2 as mpb
 from radixmesh.proto import worker_pb2 as wpb
-from radixmesh.proto.convert import sampling_from_proto
+from radixmesh.proto.convert import finish_from_proto, finish_to_proto, sampling_from_proto
 
 
 def request_from_proto(msg: mpb.EngineRequest) -> Req:
-    """The scheduler's request; ValueError when its sampling parameters are invalid."""
-    return Req(
+    """The scheduler's request; ValueError when its sampling parameters are invalid, or
+    its handoff is for other tokens."""
+    req = Req(
         rid=msg.rid,
         input_ids=list(msg.input_ids),
         params=sampling_from_proto(msg.sampling, msg.max_new_tokens),
@@ -27,6 +29,77 @@ def request_from_proto(msg: mpb.EngineRequest) -> Req:
         priority=msg.priority,
         logprobs=LogprobRequest(msg.return_logprob, msg.top_logprobs_num, msg.logprob_start_len),
     )
+    if msg.prefill_engine:
+        req.transfer = Transfer(msg.prefill_engine)
+    if msg.HasField("handoff"):
+        h = msg.handoff
+        if h.key != kv_key(req.input_ids, h.start, req.namespace):
+            raise ValueError(f"the handoff from {h.decode_engine} names other tokens")
+        req.handoff = Handoff(h.decode_engine, h.start, list(h.dest_slots),
+                              list(h.dest_workers), h.dest_host, h.key)
+    return req
+
+
+def handoff_request(msg: mpb.EngineRequest, req: Req, engine_id: str, start: int,
+                    slots: list[int], key: str, workers: list[str], host: str) -> bytes:
+    """`msg` as this decode engine sends it on to the prefill engine, with where the KV goes."""
+    out = mpb.EngineRequest()
+    out.CopyFrom(msg)
+    out.prefill_engine = ""
+    out.handoff.CopyFrom(mpb.KVHandoff(
+        decode_engine=engine_id, start=start, dest_slots=slots, dest_workers=workers,
+        dest_host=host, key=key,
+    ))
+    return out.SerializeToString()
+
+
+def commit_to_proto(req: Req, engine_id: str) -> mpb.KVCommit:
+    """A prefill engine's request handed back to its decode engine: its first token(s), or
+    why its KV did not go (the request ended otherwise, e.g. the worker was lost)."""
+    handoff = req.handoff
+    assert handoff is not None and req.finish is not None
+    sent = handoff.sent
+    error = sent.error if sent is not None else ""
+    if not handoff.done:
+        error = error or req.finish.message or "the prefill engine dropped the request"
+    out = mpb.KVCommit(
+        rid=req.rid,
+        prefill_engine=engine_id,
+        error=error,
+        output_ids=req.output_ids,
+        transfer_tokens=len(handoff.dest_slots),
+        transfer_bytes=sent.bytes if sent is not None else 0,
+        transfer_ms=sent.ms if sent is not None else 0.0,
+        prefill_cached_tokens=req.cached_tokens,
+    )
+    if handoff.finish is not None:
+        out.finish.CopyFrom(finish_to_proto(handoff.finish))
+    if req.logprobs.return_logprob:
+        out.logprobs.CopyFrom(mpb.Logprobs(
+            output=req.output_logprobs,
+            output_top=[_top(t) for t in req.output_top_logprobs],
+            input=req.input_logprobs,
+            input_top=[_top(t) for t in req.input_top_logprobs],
+        ))
+    return out
+
+
+def committed_from_proto(msg: mpb.KVCommit) -> Committed:
+    """The decode engine's side of commit_to_proto."""
+    lp = msg.logprobs
+    return Committed(
+        error=msg.error,
+        output_ids=list(msg.output_ids),
+        output_logprobs=list(lp.output),
+        output_top_logprobs=[[(t.token_id, t.logprob) for t in top.items]
+                             for top in lp.output_top],
+        input_logprobs=list(lp.input),
+        input_top_logprobs=[[(t.token_id, t.logprob) for t in top.items]
+                            for top in lp.input_top],
+        finish=finish_from_proto(msg.finish) if msg.HasField("finish") else None,
+        bytes=msg.transfer_bytes,
+        ms=msg.transfer_ms,
+    )
 
 
 def abort_reason(msg: mpb.AbortRequest) -> FinishReason | None:
@@ -34,16 +107,6 @@ def abort_reason(msg: mpb.AbortRequest) -> FinishReason | None:
     if msg.HasField("finish") and msg.finish.kind == FinishKind.STOP:
         return FinishReason(FinishKind.STOP, msg.finish.text or None)
     return None
-
-
-def finish_to_proto(reason: FinishReason) -> mpb.Finish:
-    """FinishReason as the Finish message (a length limit travels as token_id)."""
-    out = mpb.Finish(kind=reason.kind.value, message=reason.message or "")
-    if isinstance(reason.matched, str):
-        out.text = reason.matched
-    elif isinstance(reason.matched, int):
-        out.token_id = reason.matched
-    return out
 
 
 def _top(items: TopLogprobs) -> wpb.TopLogprobs:
@@ -97,6 +160,12 @@ class UpdateBuilder:
             engine_id=self.engine_id,
             traceparent=traceparent,
         )
+        if req.transfer is not None:
+            t = req.transfer
+            update.transfer.CopyFrom(mpb.Transfer(
+                prefill_engine=t.prefill_engine, tokens=t.tokens if not t.fallback else 0,
+                bytes=t.bytes, ms=t.ms, fallback=t.fallback,
+            ))
         if req.logprobs.return_logprob:
             start = route.sent_input_logprobs
             update.logprobs.CopyFrom(

@@ -48,6 +48,37 @@ FORCED_TOKENS = Counter(
     "Output tokens a grammar forced and jump-forward appended without sampling",
     _ENGINE,
 )
+# Disaggregation: a prompt's KV, by direction (sent by a prefill engine, received by a
+# decode engine).
+_TRANSFER = (*_ENGINE, "direction")
+KV_TRANSFERS = Counter(
+    "radixmesh:kv_transfers_total",
+    "Prompts whose KV went between a prefill and a decode engine",
+    _TRANSFER,
+)
+KV_TRANSFER_FAILURES = Counter(
+    "radixmesh:kv_transfer_failures_total",
+    "Prompt KV transfers that failed (the decode engine prefilled the prompt itself)",
+    _TRANSFER,
+)
+KV_TRANSFER_TOKENS = Counter(
+    "radixmesh:kv_transfer_tokens_total", "Prompt tokens whose KV was transferred", _TRANSFER
+)
+KV_TRANSFER_BYTES = Counter(
+    "radixmesh:kv_transfer_bytes_total", "Bytes of prompt KV transferred", _TRANSFER
+)
+KV_TRANSFER_SECONDS = Histogram(
+    "radixmesh:kv_transfer_seconds",
+    "Time from a transfer's start to its last byte written",
+    _TRANSFER,
+    buckets=_SECONDS_BUCKETS,
+)
+KV_TRANSFER_FALLBACKS = Counter(
+    "radixmesh:kv_transfer_fallbacks_total",
+    "Requests a decode engine prefilled itself after waiting for their KV (a failed, late "
+    "or lost transfer)",
+    _ENGINE,
+)
 SPEC_VERIFY_STEPS = Counter(
     "radixmesh:spec_verify_steps_total",
     "Speculative decoding: request steps that verified a draft",
@@ -234,6 +265,29 @@ class SchedulerMetrics:
         GENERATION_TOKENS.labels(**self._labels).inc(new_tokens)
         if finish_reason is not None:
             FINISHED.labels(**self._labels, finish_reason=finish_reason).inc()
+
+    def transfer_sent(self, tokens: int, nbytes: int, ms: float, failed: bool) -> None:
+        """A prefill engine handed a request back to its decode engine."""
+        self._transfer("sent", tokens, nbytes, ms, failed)
+
+    def transfer_received(self, tokens: int, nbytes: int, ms: float, failed: bool) -> None:
+        """A decode engine heard how a request's KV transfer went."""
+        self._transfer("received", tokens, nbytes, ms, failed)
+
+    def _transfer(self, direction: str, tokens: int, nbytes: int, ms: float,
+                  failed: bool) -> None:
+        labels = {**self._labels, "direction": direction}
+        if failed:
+            KV_TRANSFER_FAILURES.labels(**labels).inc()
+            return
+        KV_TRANSFERS.labels(**labels).inc()
+        KV_TRANSFER_TOKENS.labels(**labels).inc(tokens)
+        KV_TRANSFER_BYTES.labels(**labels).inc(nbytes)
+        KV_TRANSFER_SECONDS.labels(**labels).observe(ms / 1e3)
+
+    def transfer_fallback(self) -> None:
+        """A decode engine gave up on a request's KV and prefills it itself."""
+        KV_TRANSFER_FALLBACKS.labels(**self._labels).inc()
 
     def batch(self, tokens: int, reqs: int) -> None:
         """One step's size; steps that only release requests compute nothing and are skipped."""

@@ -17,6 +17,7 @@ from radixmesh.core.finish import FinishKind, FinishReason
 from radixmesh.core.step import StepResult
 from radixmesh.engine.request import Req
 from radixmesh.engine.scheduler import ScheduledBatch
+from radixmesh.proto import mesh_pb2 as mpb
 from radixmesh.tracing import attributes as attr
 from radixmesh.tracing.propagation import context_from_headers, grpc_metadata, traceparent
 from radixmesh.tracing.provider import tracer
@@ -246,6 +247,22 @@ class RequestTraces:
             del self._requests[rid]
             self._finished(spans, outputs, finish, cached)
         return spans.traceparent
+
+    def handed(self, rid: str, commit: mpb.KVCommit) -> None:
+        """A prefill engine's request goes back to its decode engine: a "kv transfer" span
+        (the send's own duration) ends its spans here."""
+        spans = self._requests.pop(rid, None)
+        if spans is None:
+            return
+        now = time.time_ns()
+        transfer = start_span("kv transfer", spans.root, {
+            attr.RID: rid,
+            attr.TRANSFER_TOKENS: commit.transfer_tokens,
+            attr.TRANSFER_BYTES: commit.transfer_bytes,
+        }, start_time=now - int(commit.transfer_ms * 1e6), kind=SpanKind.PRODUCER)
+        end_span(transfer, now, error=commit.error or None)
+        outputs = len(commit.output_ids)
+        self._finished(spans, outputs, FinishReason(FinishKind.STOP), commit.prefill_cached_tokens)
 
     @staticmethod
     def _progress(spans: _RequestSpans, outputs: int) -> None:

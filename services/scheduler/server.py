@@ -4,6 +4,7 @@ ranks over gRPC (the executor) and sending token ids on to the detokenizers (the
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import secrets
@@ -34,7 +35,14 @@ from radixmesh.mesh.service import StatusServer, connect_bus
 from radixmesh.proto import mesh_pb2 as mpb
 from radixmesh.proto import worker_pb2 as wpb
 from radixmesh.services.scheduler.cachectl_client import CachectlClient
-from radixmesh.services.scheduler.mesh_io import UpdateBuilder, abort_reason, request_from_proto
+from radixmesh.services.scheduler.mesh_io import (
+    UpdateBuilder,
+    abort_reason,
+    commit_to_proto,
+    committed_from_proto,
+    handoff_request,
+    request_from_proto,
+)
 from radixmesh.services.scheduler.metrics import SchedulerMetrics
 from radixmesh.services.scheduler.request_traces import RequestTraces
 from radixmesh.services.scheduler.worker_client import WorkerClient
@@ -43,6 +51,9 @@ log = logging.getLogger("radixmesh.scheduler")
 
 HEARTBEAT_S = 0.5
 WORKER_PING_S = 1.0  # how often the workers are asked whether they are there
+# A prefill engine silent this long (or restarted) sends no more KV: what waits for it is
+# prefilled on this decode engine instead.
+PEER_TIMEOUT_S = 3.0
 
 
 class SchedulerService:
@@ -61,6 +72,7 @@ class SchedulerService:
         self.host_link: HostLink | None = None
         self.info: wpb.WorkerInfo | None = None
         self._refused: list[mpb.TokenUpdate] = []  # published with the next step
+        self._refused_commits: list[tuple[str, mpb.KVCommit]] = []  # handoffs refused
         self._down = False  # lost its workers; waiting for them to come back
         self._instance = secrets.token_hex(8)
         self._started = time.monotonic()
@@ -68,6 +80,11 @@ class SchedulerService:
         self._claim: Claim | None = None  # the worker group found on NATS, if not configured
         self._keeping: asyncio.Task[None] | None = None
         self._status = StatusServer(config.host, config.metrics_port, self._health)
+        # Disaggregation, decode side: requests to send on to their prefill engines (the
+        # message and its trace headers), and when each engine was last heard (and which
+        # process it was).
+        self._handoffs: dict[str, tuple[mpb.EngineRequest, dict[str, str] | None]] = {}
+        self._peers: dict[str, tuple[float, str]] = {}
 
     # ---- lifecycle --------------------------------------------------------------------
 
@@ -80,7 +97,7 @@ class SchedulerService:
             resolve_model_path, self.config.model_path, self.config.revision
         )
         tokenizer = Tokenizer.from_path(str(model_path))
-        self.scheduler = Scheduler(
+        self.scheduler = Scheduler(dataclasses.replace(
             SchedulerConfig.from_settings(
                 self.config,
                 self.config.page_size,
@@ -88,8 +105,9 @@ class SchedulerService:
                 self.info.max_position_embeddings,
                 [*self.info.eos_token_ids, *tokenizer.eos_token_ids],
                 model_fingerprint(model_path) if self.config.enable_hierarchical_cache else "",
-            )
-        )
+            ),
+            transfer_timeout=self.config.disaggregation_timeout,
+        ))
         self.loop = EngineLoop(
             self.scheduler, self, self, not self.config.disable_overlap_schedule, self._scheduled,
             self._workers_lost,
@@ -104,11 +122,14 @@ class SchedulerService:
         )
         await nc.subscribe(subjects.engine_abort(self.engine_id), cb=self._on_abort)
         await nc.subscribe(subjects.engine_control(self.engine_id), cb=self._on_control)
+        await nc.subscribe(subjects.engine_kv(self.engine_id), cb=self._on_commit)
+        await nc.subscribe(subjects.ENGINES, cb=self._on_peer)
         log.info(
-            "scheduler %s ready: %d KV slots, context %d, workers %s, /metrics on %s:%d",
+            "scheduler %s ready: %d KV slots, context %d, workers %s, disaggregation %s "
+            "(KV by %s), /metrics on %s:%d",
             self.engine_id, self.info.num_slots, self.scheduler.config.context_length,
-            self.workers.addrs,
-            self.config.host, self._status.port,
+            self.workers.addrs, self.config.disaggregation_mode,
+            self.config.disaggregation_transfer_backend, self.config.host, self._status.port,
         )
 
     async def _connect_workers(self) -> wpb.WorkerInfo:
@@ -119,7 +140,8 @@ class SchedulerService:
         assert self._nc is not None
         while True:
             prefer = self._claim.group if self._claim is not None else None
-            claim = await claim_workers(self._nc, self.engine_id, prefer)
+            claim = await claim_workers(self._nc, self.engine_id, prefer,
+                                        self.config.disaggregation_mode)
             if self._claim is None or claim.group != self._claim.group:
                 await self._release()
                 self._claim = claim
@@ -244,24 +266,67 @@ class SchedulerService:
     async def _on_request(self, msg: Msg) -> None:
         assert self.loop is not None
         request = mpb.EngineRequest.FromString(msg.data)
-        if self._down and self._nc is not None:  # sent before the routers heard: elsewhere
-            update = self.updates.rejection(request.rid, request.reply_to, request.detok,
-                                            f"engine {self.engine_id} is down (lost its workers)")
-            update.finish.engine_lost = True
-            await self._nc.publish(subjects.DETOK,
-                                   mpb.TokenStep(updates=[update]).SerializeToString())
-            return
+        down = f"engine {self.engine_id} is down (lost its workers)" if self._down else ""
         try:
-            req = request_from_proto(request)
+            req = None if down else request_from_proto(request)
         except ValueError as exc:
+            req, down = None, str(exc)
             self.metrics.refused()
-            self._refused.append(self.updates.rejection(
-                request.rid, request.reply_to, request.detok, str(exc)))
-            self.loop.wake()
+        if req is None:  # refused at once, even while down (the loop waits then)
+            assert self._nc is not None
+            if request.HasField("handoff"):  # its decode engine prefills it instead
+                target = subjects.engine_kv(request.handoff.decode_engine)
+                payload = mpb.KVCommit(rid=request.rid, prefill_engine=self.engine_id,
+                                       error=down).SerializeToString()
+            else:
+                update = self.updates.rejection(request.rid, request.reply_to, request.detok,
+                                                down)
+                update.finish.engine_lost = self._down  # sent before the routers heard
+                target = subjects.DETOK
+                payload = mpb.TokenStep(updates=[update]).SerializeToString()
+            await self._nc.publish(target, payload)
             return
         self.traces.received(req, msg.headers)
-        self.updates.register(req, request)
+        if req.handoff is not None:
+            req.handoff.backend = self._transfer_backend(req.handoff.dest_host)
+        else:
+            self.updates.register(req, request)
+        if req.transfer is not None:
+            self._handoffs[req.rid] = (request, msg.headers)
         self.loop.add(req)
+
+    def _transfer_backend(self, dest_host: str) -> str:
+        """How this engine's workers send KV to workers on `dest_host`."""
+        backend = self.config.disaggregation_transfer_backend
+        if backend == "auto":
+            assert self.info is not None
+            return "shm" if dest_host and dest_host == self.info.host_id else "grpc"
+        return backend
+
+    async def _on_commit(self, msg: Msg) -> None:
+        """A prefill engine handed a request back (its KV is here, or is not coming)."""
+        assert self.loop is not None
+        commit = mpb.KVCommit.FromString(msg.data)
+        committed = committed_from_proto(commit)
+        self.metrics.transfer_received(commit.transfer_tokens, commit.transfer_bytes,
+                                       commit.transfer_ms, bool(commit.error))
+        self.loop.apply(lambda s: s.commit_transfer(commit.rid, committed))
+
+    async def _on_peer(self, msg: Msg) -> None:
+        """Every engine's heartbeat: a prefill engine that is down or restarted sends no
+        more KV (one that falls silent is noticed by the heartbeat loop)."""
+        assert self.loop is not None
+        status = mpb.EngineStatus.FromString(msg.data)
+        if status.engine_id == self.engine_id:
+            return
+        known = self._peers.get(status.engine_id)
+        if status.down or (known is not None and known[1] != status.instance):
+            self._peer_lost(status.engine_id)
+        self._peers[status.engine_id] = (time.monotonic(), status.instance)
+
+    def _peer_lost(self, engine_id: str) -> None:
+        assert self.loop is not None
+        self.loop.apply(lambda s: s.lose_prefill_engine(engine_id))
 
     async def _on_abort(self, msg: Msg) -> None:
         assert self.loop is not None
@@ -314,6 +379,10 @@ class SchedulerService:
         self.metrics.refused()
         message = str(error)
         trace = self.traces.sent(req.rid, 0, FinishReason(FinishKind.ABORT, message=message), 0)
+        if req.handoff is not None:  # its decode engine prefills it instead
+            self._refused_commits.append((req.handoff.decode_engine, mpb.KVCommit(
+                rid=req.rid, prefill_engine=self.engine_id, error=message)))
+            return
         update = self.updates.refusal(req, message, trace)
         if update is not None:
             self._refused.append(update)
@@ -325,7 +394,18 @@ class SchedulerService:
         step = mpb.TokenStep(updates=self._refused)
         self._refused = []
         cached = mpb.CacheEvent(engine_id=self.engine_id)
+        commits, self._refused_commits = self._refused_commits, []
         for req in updated:
+            if req.handoff is not None:  # a prefill engine's request goes back to its decode engine
+                commit = commit_to_proto(req, self.engine_id)
+                self.traces.handed(req.rid, commit)
+                self.metrics.transfer_sent(commit.transfer_tokens, commit.transfer_bytes,
+                                           commit.transfer_ms, bool(commit.error))
+                commits.append((req.handoff.decode_engine, commit))
+                cached.inserted.add(cache_salt=req.namespace or "", token_ids=req.input_ids)
+                continue
+            if req.finish is not None:
+                self._handoffs.pop(req.rid, None)
             trace = self.traces.sent(req.rid, len(req.output_ids), req.finish, req.cached_tokens)
             update = self.updates.build(req, trace)
             if update is None:
@@ -347,6 +427,7 @@ class SchedulerService:
         # Before publishing: once a client has its answer, the gauges already show it.
         self.metrics.state(sched)
         try:
+            await self._send_handoffs(sched, commits)
             if step.updates:
                 await self._nc.publish(subjects.DETOK, step.SerializeToString())
             if cached.inserted:
@@ -355,6 +436,29 @@ class SchedulerService:
                 )
         except NatsError as exc:  # NATS away too long: the tokenizers end those requests
             log.warning("engine %s: output not sent (%s)", self.engine_id, exc)
+
+    async def _send_handoffs(self, sched: Scheduler, commits: list[tuple[str, mpb.KVCommit]]
+                             ) -> None:
+        """Disaggregation's messages of this step: requests on to their prefill engines
+        (now that the step telling the workers to expect their KV is on its way), aborts
+        to prefill engines, commits back to decode engines."""
+        assert self._nc is not None and self.info is not None
+        for r in sched.disagg.take_reservations():
+            held = self._handoffs.get(r.req.rid)
+            transfer = r.req.transfer
+            if held is None or transfer is None:
+                continue
+            request, headers = held
+            payload = handoff_request(request, r.req, self.engine_id, r.start, r.dest_slots,
+                                      r.key, self.workers.addrs, self.info.host_id)
+            await self._nc.publish(subjects.engine_generate(transfer.prefill_engine), payload,
+                                   headers=headers)
+        for rid, engine_id in sched.disagg.take_cancelled():
+            self.metrics.transfer_fallback()
+            await self._nc.publish(subjects.engine_abort(engine_id),
+                                   mpb.AbortRequest(rid=rid).SerializeToString())
+        for engine_id, commit in commits:
+            await self._nc.publish(subjects.engine_kv(engine_id), commit.SerializeToString())
 
     # ---- status ------------------------------------------------------------------------
 
@@ -377,6 +481,14 @@ class SchedulerService:
     async def _heartbeat_loop(self) -> None:
         while True:
             self._publish_status()
+            now = time.monotonic()
+            for engine_id, (seen, _) in list(self._peers.items()):
+                if now - seen > PEER_TIMEOUT_S:
+                    del self._peers[engine_id]
+                    self._peer_lost(engine_id)
+            if self.scheduler is not None and self.loop is not None \
+                    and self.scheduler.disagg.awaiting:
+                self.loop.wake()  # transfers that time out need a step to notice
             await asyncio.sleep(HEARTBEAT_S)
 
     def _publish_status(self) -> None:
@@ -401,6 +513,7 @@ class SchedulerService:
             uptime_s=time.monotonic() - self._started,
             down=self._down,
             instance=self._instance,
+            role=self.config.disaggregation_mode,
             **model_shape(self.info),
         )
         asyncio.ensure_future(self._nc.publish(subjects.ENGINES, status.SerializeToString()))

@@ -10,22 +10,19 @@ import math
 from collections.abc import Iterable
 
 from radixmesh.core.finish import FinishKind, FinishReason
-from radixmesh.core.meta_info import TokenLogprob
+from radixmesh.core.meta_info import Disaggregated, TokenLogprob
 from radixmesh.core.request import GenerationRequest
 from radixmesh.proto import mesh_pb2 as mpb
 from radixmesh.proto import worker_pb2 as wpb
+from radixmesh.proto.convert import finish_from_proto
 from radixmesh.services.tokenizer.generation import GenerationChunk
 
-_KINDS = frozenset(kind.value for kind in FinishKind)
 
-
-def _finish_from_proto(finish: mpb.Finish) -> FinishReason:
-    """The FinishReason a Finish message carries."""
-    which = finish.WhichOneof("matched")
-    matched = getattr(finish, which) if which else None
-    if finish.kind not in _KINDS:
-        return FinishReason(FinishKind.ABORT, message=f"unknown finish {finish.kind!r}")
-    return FinishReason(FinishKind(finish.kind), matched, finish.message or None)
+def _disaggregated(chunk: mpb.TextChunk) -> Disaggregated | None:
+    if not chunk.HasField("transfer"):
+        return None
+    t = chunk.transfer
+    return Disaggregated(t.prefill_engine, chunk.engine_id, t.tokens, t.bytes, t.ms, t.fallback)
 
 
 def _logprob(value: float) -> float | None:
@@ -112,11 +109,12 @@ class ChunkAssembler:
             cached_storage_tokens=self.cached_storage_tokens,
             spec_verify_ct=chunk.spec_verify_ct,
             spec_accepted_tokens=chunk.spec_accepted_tokens,
+            disaggregated=_disaggregated(chunk),
         )
         self._gather_input_logprobs(chunk)
         if chunk.HasField("finish"):
             self.finished = True
-            out.finish = _finish_from_proto(chunk.finish)
+            out.finish = finish_from_proto(chunk.finish)
             out.input_token_logprobs, out.input_top_logprobs = self._input_logprob_lists()
         return out
 

@@ -248,9 +248,11 @@ class MeshClient:
                 prompt_tail=request.input_ids[-_PROMPT_TAIL:],
             ),
             detok_context=detok_context_size(params.stop),
+            prefill_engine=route.prefill_engine,
         )
-        log.debug("request %s -> engine %s (%d cached)", request.rid, route.engine_id,
-                  route.matched_tokens)
+        log.debug("request %s -> engine %s (%d cached)%s", request.rid, route.engine_id,
+                  route.matched_tokens,
+                  f", prefilled on {route.prefill_engine}" if route.prefill_engine else "")
         return message.SerializeToString()
 
     async def _abort(
@@ -319,7 +321,8 @@ class MeshClient:
             log.warning("engine %s restarted", status.engine_id)
             self.router.remove_engine(status.engine_id)
             self._engine_lost(status.engine_id, f"engine {status.engine_id} restarted")
-        self.router.update_engine(status.engine_id, status.running + status.waiting)
+        self.router.update_engine(status.engine_id, status.running + status.waiting,
+                                  status.role)
         if heard:
             log.info("engine %s joined (context %d)", status.engine_id, status.context_length)
             await self._membership_changed()

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from radixmesh.core.finish import FinishReason
-from radixmesh.core.meta_info import CachedTokens, TokenLogprob
+from radixmesh.core.meta_info import CachedTokens, Disaggregated, TokenLogprob
 from radixmesh.core.request import GenerationRequest, ModelLimits
 from radixmesh.core.tokenizer import Tokenizer
 
@@ -37,6 +37,8 @@ class GenerationChunk:
     # Speculative decoding so far: verify steps and the draft tokens they accepted.
     spec_verify_ct: int = 0
     spec_accepted_tokens: int = 0
+    # Prefill/decode disaggregation: the engines and the KV transfer (None: one engine).
+    disaggregated: Disaggregated | None = None
 
     @property
     def cached_tokens_details(self) -> CachedTokens:

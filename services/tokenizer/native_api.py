@@ -504,4 +504,5 @@ class NativeOutput:
             logprobs=logprobs,
             token_text=self._token_text,
             spec=Speculated(last.spec_verify_ct, last.spec_accepted_tokens) if last else None,
+            disaggregated=last.disaggregated if last else None,
         )

@@ -26,19 +26,23 @@ _LOW_WATER = 0.9
 
 
 class Route(NamedTuple):
-    """Where a request goes and how much of its prompt that engine probably has cached."""
+    """Where a request goes and how much of its prompt that engine probably has cached;
+    with prefill/decode disaggregation, `engine_id` is the decode engine and
+    `prefill_engine` the one that computes the prompt's KV."""
 
     engine_id: str
     matched_tokens: int
+    prefill_engine: str = ""
 
 
 class _Engine:
     """What the router knows of one engine."""
 
-    __slots__ = ("tree", "reported_load", "sent_since")
+    __slots__ = ("tree", "reported_load", "sent_since", "role")
 
     def __init__(self, max_tree_tokens: int) -> None:
         self.tree = PrefixTree(max_tree_tokens)
+        self.role = "null"  # its disaggregation mode
         self.reported_load = 0  # running + waiting in its last heartbeat
         self.sent_since = 0  # requests this router sent it after that heartbeat
 
@@ -59,13 +63,15 @@ class Router:
         """Known engines, in the order they appeared."""
         return list(self._engines)
 
-    def update_engine(self, engine_id: str, load: int) -> None:
-        """A heartbeat: the engine exists and has `load` requests running or waiting."""
+    def update_engine(self, engine_id: str, load: int, role: str = "null") -> None:
+        """A heartbeat: the engine exists, in a disaggregation role, and has `load`
+        requests running or waiting."""
         engine = self._engines.get(engine_id)
         if engine is None:
             engine = self._engines[engine_id] = _Engine(self.config.max_tree_tokens)
         engine.reported_load = load
         engine.sent_since = 0
+        engine.role = role or "null"
 
     def remove_engine(self, engine_id: str) -> None:
         """The engine went away; forget it."""
@@ -92,10 +98,21 @@ class Router:
             engine.tree.clear()
 
     def route(self, tokens: Sequence[int], namespace: str = "") -> Route:
-        """Choose an engine for a prompt and count the request against it."""
+        """Choose an engine for a prompt and count the request against it. While prefill and
+        decode engines are both up, a prefill engine and a decode engine, each the one its
+        cache and load favour (so a conversation's turns meet their history on both);
+        otherwise any engine, which then does both."""
         if not self._engines:
             raise LookupError("no engine is known")
-        engines = self._engines
+        prefill = {k: e for k, e in self._engines.items() if e.role == "prefill"}
+        decode = {k: e for k, e in self._engines.items() if e.role == "decode"}
+        if prefill and decode:
+            first = self._pick(prefill, tokens, namespace)
+            return self._pick(decode, tokens, namespace)._replace(prefill_engine=first.engine_id)
+        return self._pick(self._engines, tokens, namespace)
+
+    def _pick(self, engines: dict[str, _Engine], tokens: Sequence[int], namespace: str
+              ) -> Route:
         loads = [e.load for e in engines.values()]
         if self._balanced(max(loads), min(loads)):
             matches = {eid: e.tree.match(tokens, namespace) for eid, e in engines.items()}
@@ -106,10 +123,10 @@ class Router:
                     key=lambda eid: engines[eid].load,
                 )
             else:
-                chosen = self._least_loaded()
+                chosen = self._least_loaded(engines)
             matched = matches[chosen]
         else:
-            chosen = self._least_loaded()
+            chosen = self._least_loaded(engines)
             matched = engines[chosen].tree.match(tokens, namespace)
         engine = engines[chosen]
         engine.tree.insert(tokens, namespace)
@@ -123,10 +140,10 @@ class Router:
             or highest <= cfg.balance_rel_threshold * lowest
         )
 
-    def _least_loaded(self) -> str:
+    @staticmethod
+    def _least_loaded(engines: dict[str, _Engine]) -> str:
         # Among equally loaded engines the emptiest tree has the most room to cache.
-        return min(self._engines, key=lambda eid: (self._engines[eid].load,
-                                                   self._engines[eid].tree.size))
+        return min(engines, key=lambda eid: (engines[eid].load, engines[eid].tree.size))
 
 
 # ---- the router's guess at one engine's prefix cache -----------------------------------------
@@ -275,6 +292,7 @@ class EngineStatus:
     uptime_s: float = 0.0
     down: bool = False  # lost its workers: takes no requests until they are back
     instance: str = ""  # random per scheduler process: a new one is a restart
+    role: str = ""  # its disaggregation mode: "null", "prefill" or "decode"
     architecture: str = ""  # the model family ("llama", "qwen3_moe", ...)
     num_experts: int = 0  # experts per sparse layer (0: a dense model)
     num_experts_per_tok: int = 0

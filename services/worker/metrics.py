@@ -4,7 +4,7 @@ SGLang has no worker of its own, so every name carries `radixmesh:worker_`."""
 
 from __future__ import annotations
 
-from prometheus_client import Gauge, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
 from radixmesh.core.step import StepBatch
 
@@ -22,6 +22,11 @@ BATCH_TOKENS = Histogram(
 )
 BATCH_REQS = Histogram(
     "radixmesh:worker_batch_reqs", "Requests per model step", _RANK, buckets=_SIZE_BUCKETS
+)
+KV_RECEIVED_BYTES = Counter(
+    "radixmesh:worker_kv_received_bytes_total",
+    "Bytes of prompt KV written into this rank's pool by prefill engines (disaggregation)",
+    _RANK,
 )
 KV_POOL_TOKENS = Gauge(
     "radixmesh:worker_kv_pool_tokens", "Token slots in this rank's KV pool", _RANK
@@ -50,3 +55,7 @@ class WorkerMetrics:
         if batch.entries:
             BATCH_TOKENS.labels(**self._labels).observe(batch_tokens(batch))
             BATCH_REQS.labels(**self._labels).observe(len(batch.entries))
+
+    def received(self, nbytes: int) -> None:
+        """A prefill engine's KV written into this rank's pool."""
+        KV_RECEIVED_BYTES.labels(**self._labels).inc(nbytes)

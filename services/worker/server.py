@@ -7,6 +7,8 @@ import asyncio
 import contextlib
 import logging
 import socket
+import warnings
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -18,6 +20,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from radixmesh.core.model_files import served_name
 from radixmesh.core.model_info import model_shape
 from radixmesh.core.service_settings import WorkerConfig
+from radixmesh.core.step import KVSend, StepBatch, StepResult
+from radixmesh.engine.model.kv_transfer import KVInbox, KVPorter
 from radixmesh.engine.model.parallel import destroy_tensor_parallel
 from radixmesh.engine.model.runner import ModelRunner, load_runner
 from radixmesh.kernels import native
@@ -27,6 +31,7 @@ from radixmesh.proto import worker_pb2 as wpb
 from radixmesh.proto import worker_pb2_grpc as wgrpc
 from radixmesh.proto.convert import batch_from_proto, result_to_proto
 from radixmesh.services.worker.forward_trace import TRACED_RPCS, note_forward
+from radixmesh.services.worker.kv_stream import KVSender, host_id, piece_bytes
 from radixmesh.services.worker.metrics import WorkerMetrics
 from radixmesh.tracing.grpc_server import tracing_interceptors
 
@@ -62,6 +67,7 @@ def worker_info(runner: ModelRunner, config: WorkerConfig) -> wpb.WorkerInfo:
         num_kv_heads=model.num_kv_heads,
         head_dim=model.head_dim,
         quantization=runner.quantization,
+        host_id=host_id(),
         **model_shape(model),
     )
 
@@ -97,6 +103,10 @@ class WorkerService(wgrpc.WorkerServicer):
         # order; each must reach the torch thread after the step before it.
         self._order = asyncio.Condition()
         self._submitted_step = 0
+        # Disaggregation: KV this rank sends to decode engines, and accepts from prefill ones.
+        self.inbox = KVInbox()
+        self.porter: KVPorter | None = None
+        self.sender: KVSender | None = None
 
     # ---- lifecycle ------------------------------------------------------------------------
 
@@ -114,6 +124,9 @@ class WorkerService(wgrpc.WorkerServicer):
         loop = asyncio.get_running_loop()
         self.runner = await loop.run_in_executor(self._torch, self._load)
         self.info = worker_info(self.runner, c)
+        self.porter = KVPorter(self.runner.pool, self.runner.config.num_kv_heads, c.tp_rank,
+                               c.tp_size)
+        self.sender = KVSender(self.porter)
         self.metrics.loaded(served_name(Path(self.info.model_path)), self.info.num_slots)
         for name in ("", SERVICE_NAME):
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -134,7 +147,8 @@ class WorkerService(wgrpc.WorkerServicer):
                 host = "127.0.0.1"
         addr = f"{host}:{self.port}"
         group = c.dist_init_addr if c.tp_size > 1 and c.dist_init_addr else addr
-        return WorkerRank(group=group, rank=c.tp_rank, tp_size=c.tp_size, addr=addr)
+        return WorkerRank(group=group, rank=c.tp_rank, tp_size=c.tp_size, addr=addr,
+                          disaggregation_mode=c.disaggregation_mode)
 
     def _load(self) -> ModelRunner:
         """Load (and, with tp_size > 1, join the group and shard) on the torch thread."""
@@ -156,6 +170,8 @@ class WorkerService(wgrpc.WorkerServicer):
         (a step stuck on a dead peer, or a load) after SETTLE_TIMEOUT_S."""
         if self._announcer is not None:
             await self._announcer.close()
+        if self.sender is not None:
+            await self.sender.close()
         if self._started:
             await self._health.enter_graceful_shutdown()
             await self._server.stop(STOP_GRACE_S)
@@ -195,17 +211,86 @@ class WorkerService(wgrpc.WorkerServicer):
                     ORDER_WAIT_S,
                 )
             batch = batch_from_proto(request)
-            pending = loop.run_in_executor(self._torch, runner.forward, batch)
+            pending = loop.run_in_executor(self._torch, self._step, runner, batch)
             self._submitted_step = request.step
             self._order.notify_all()
         try:
-            result = await pending
+            result, reads = await pending
         except Exception as exc:
             log.exception("step %d failed", request.step)
             await context.abort(grpc.StatusCode.INTERNAL, f"forward failed: {exc!r}")
+        sender = self.sender
+        assert sender is not None
+        for send, data in reads:
+            sender.start(send, data)
+        if not batch.entries and sender.pending:
+            await sender.wait(0.05)  # an idle step waits a little for a send to end
+        result.sends_done = sender.finished()
         self.metrics.forward(batch, result.forward_ms)
         note_forward(batch, result, self.config.tp_rank)
         return result_to_proto(result)
+
+    def _step(self, runner: ModelRunner, batch: StepBatch
+              ) -> tuple[StepResult, list[tuple[KVSend, torch.Tensor]]]:
+        """One step on the torch thread: what KV this rank accepts, the forward, then the
+        KV to send (read after the forward, which may compute it)."""
+        if batch.step == 1:
+            self.inbox.clear()
+        for rid in batch.release:
+            self.inbox.release(rid)
+        for expect in batch.expects:
+            self.inbox.expect(expect)
+        result = runner.forward(batch)
+        assert self.porter is not None
+        return result, [(send, self.porter.read(send.slots)) for send in batch.sends]
+
+    async def PutKV(
+        self, request_iterator: AsyncIterator[wpb.KVPages], context: grpc.aio.ServicerContext
+    ) -> wpb.KVPagesAck:
+        """Write a prefill engine's KV into slots this rank's scheduler set aside for it."""
+        porter = self.porter
+        if porter is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
+        loop = asyncio.get_running_loop()
+        total = 0
+        async for piece in request_iterator:
+            nbytes = len(piece.data)
+            if piece.shm_path:
+                nbytes = (2 * piece.num_layers * len(piece.slots)
+                          * (piece.head_end - piece.head_start) * porter.pool.k[0].shape[2]
+                          * porter.pool.k[0].itemsize)
+            error = porter.check(len(piece.slots), piece.head_start, piece.head_end,
+                                 piece.num_layers, piece.dtype, nbytes)
+            if error:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error)
+            try:
+                data = await asyncio.to_thread(piece_bytes, piece, nbytes)
+            except (OSError, ValueError) as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            if len(data) != nbytes:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"{piece.shm_path} is shorter than its {nbytes} bytes")
+            error = await loop.run_in_executor(self._torch, self._put, piece, data)
+            if error:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, error)
+            total += nbytes
+        self.metrics.received(total)
+        return wpb.KVPagesAck(bytes=total)
+
+    def _put(self, piece: wpb.KVPages, data: bytes) -> str:
+        """On the torch thread, in order with the steps: write a piece if it is expected."""
+        porter = self.porter
+        assert porter is not None
+        slots = list(piece.slots)
+        error = self.inbox.admit(piece.rid, piece.key, slots, len(data))
+        if error:
+            return error
+        with warnings.catch_warnings():  # read only: the bytes are copied into the pool
+            warnings.simplefilter("ignore", UserWarning)
+            flat = torch.frombuffer(data, dtype=porter.dtype)
+        shape = (2 * piece.num_layers, len(slots), piece.head_end - piece.head_start, -1)
+        porter.write(slots, piece.head_start, flat.view(shape))
+        return ""
 
     async def GetInfo(
         self, request: wpb.WorkerInfoRequest, context: grpc.aio.ServicerContext
