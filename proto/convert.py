@@ -162,7 +162,8 @@ def batch_to_proto(batch: StepBatch) -> wpb.StepBatch:
         grammars=[wpb.Constraint(kind=k, text=t) for k, t in batch.grammars],
         sends=[
             wpb.KVSend(rid=k.rid, slots=k.slots, dest_slots=k.dest_slots,
-                       dest_workers=k.dest_workers, key=k.key, backend=k.backend)
+                       dest_workers=k.dest_workers, key=k.key, backend=k.backend,
+                       dest_rid=k.dest_rid)
             for k in batch.sends
         ],
         expects=[wpb.KVExpect(rid=x.rid, slots=x.slots, key=x.key) for x in batch.expects],
@@ -202,7 +203,7 @@ def batch_from_proto(msg: wpb.StepBatch) -> StepBatch:
         [(g.kind, g.text) for g in msg.grammars],
         [
             KVSend(k.rid, list(k.slots), list(k.dest_slots), list(k.dest_workers), k.key,
-                   k.backend)
+                   k.backend, k.dest_rid)
             for k in msg.sends
         ],
         [KVExpect(x.rid, list(x.slots), x.key) for x in msg.expects],

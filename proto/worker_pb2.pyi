@@ -171,20 +171,22 @@ class StepBatch(_message.Message):
     def __init__(self, step: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., entries: _Optional[_Iterable[_Union[StepEntry, _Mapping]]] = ..., release: _Optional[_Iterable[str]] = ..., copies: _Optional[_Iterable[_Union[KVCopy, _Mapping]]] = ..., host_pool: _Optional[_Union[HostPool, _Mapping]] = ..., grammars: _Optional[_Iterable[_Union[Constraint, _Mapping]]] = ..., sends: _Optional[_Iterable[_Union[KVSend, _Mapping]]] = ..., expects: _Optional[_Iterable[_Union[KVExpect, _Mapping]]] = ...) -> None: ...
 
 class KVSend(_message.Message):
-    __slots__ = ("rid", "slots", "dest_slots", "dest_workers", "key", "backend")
+    __slots__ = ("rid", "slots", "dest_slots", "dest_workers", "key", "backend", "dest_rid")
     RID_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     DEST_SLOTS_FIELD_NUMBER: _ClassVar[int]
     DEST_WORKERS_FIELD_NUMBER: _ClassVar[int]
     KEY_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
+    DEST_RID_FIELD_NUMBER: _ClassVar[int]
     rid: str
     slots: _containers.RepeatedScalarFieldContainer[int]
     dest_slots: _containers.RepeatedScalarFieldContainer[int]
     dest_workers: _containers.RepeatedScalarFieldContainer[str]
     key: str
     backend: str
-    def __init__(self, rid: _Optional[str] = ..., slots: _Optional[_Iterable[int]] = ..., dest_slots: _Optional[_Iterable[int]] = ..., dest_workers: _Optional[_Iterable[str]] = ..., key: _Optional[str] = ..., backend: _Optional[str] = ...) -> None: ...
+    dest_rid: str
+    def __init__(self, rid: _Optional[str] = ..., slots: _Optional[_Iterable[int]] = ..., dest_slots: _Optional[_Iterable[int]] = ..., dest_workers: _Optional[_Iterable[str]] = ..., key: _Optional[str] = ..., backend: _Optional[str] = ..., dest_rid: _Optional[str] = ...) -> None: ...
 
 class KVExpect(_message.Message):
     __slots__ = ("rid", "slots", "key")

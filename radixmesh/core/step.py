@@ -89,6 +89,7 @@ class KVSend:
     dest_workers: list[str]  # the decode engine's worker ranks (host:port), rank 0 first
     key: str  # kv_key of the tokens
     backend: str  # "grpc" or "shm"
+    dest_rid: str  # the request's id on the decode engine
 
 
 @dataclass(slots=True)

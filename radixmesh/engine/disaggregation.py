@@ -29,10 +29,17 @@ if TYPE_CHECKING:
     from radixmesh.engine.tree_node import TreeNode
 
 
+def handoff_key(rid: str, decode_engine: str) -> str:
+    """A prefill engine's id for a request it prefills for `decode_engine`: the client's
+    request may be on this engine as well, retried here after that decode engine was lost."""
+    return f"{rid}>{decode_engine}"
+
+
 @dataclass
 class Handoff:
     """Prefill side: where a request's prompt KV goes, and how far it got."""
 
+    rid: str  # the client's id (the decode engine's)
     decode_engine: str
     start: int  # prompt tokens the decode engine holds already
     dest_slots: list[int]  # its slots for prompt tokens [start, end)
@@ -139,7 +146,7 @@ class Disaggregation:
             handoff.sent = SendOutcome(req.rid)
             return
         self.sends.append(KVSend(req.rid, slots, handoff.dest_slots, handoff.dest_workers,
-                                 handoff.key, handoff.backend))
+                                 handoff.key, handoff.backend, handoff.rid))
 
     def sent(self, outcomes: list[SendOutcome]) -> list[Req]:
         """Sends the workers finished; the requests now done (handed back or, finished

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from radixmesh.core.finish import FinishKind, FinishReason
 from radixmesh.core.sampling_params import LogprobRequest
 from radixmesh.core.step import TopLogprobs, kv_key
-from radixmesh.engine.disaggregation import Committed, Handoff, Transfer
+from radixmesh.engine.disaggregation import Committed, Handoff, Transfer, handoff_key
 from radixmesh.engine.request import Req
 from radixmesh.proto import mesh_pb2 as mpb
 from radixmesh.proto import worker_pb2 as wpb
@@ -35,7 +35,8 @@ def request_from_proto(msg: mpb.EngineRequest) -> Req:
         h = msg.handoff
         if h.key != kv_key(req.input_ids, h.start, req.namespace):
             raise ValueError(f"the handoff from {h.decode_engine} names other tokens")
-        req.handoff = Handoff(h.decode_engine, h.start, list(h.dest_slots),
+        req.rid = handoff_key(msg.rid, h.decode_engine)
+        req.handoff = Handoff(msg.rid, h.decode_engine, h.start, list(h.dest_slots),
                               list(h.dest_workers), h.dest_host, h.key)
     return req
 
@@ -63,7 +64,7 @@ def commit_to_proto(req: Req, engine_id: str) -> mpb.KVCommit:
     if not handoff.done:
         error = error or req.finish.message or "the prefill engine dropped the request"
     out = mpb.KVCommit(
-        rid=req.rid,
+        rid=handoff.rid,
         prefill_engine=engine_id,
         error=error,
         output_ids=req.output_ids,

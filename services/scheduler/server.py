@@ -24,6 +24,7 @@ from radixmesh.core.model_info import model_shape
 from radixmesh.core.service_settings import SchedulerServiceConfig
 from radixmesh.core.step import StepResult
 from radixmesh.core.tokenizer import Tokenizer
+from radixmesh.engine.disaggregation import handoff_key
 from radixmesh.engine.host_link import HostLink
 from radixmesh.engine.loop import EngineLoop, ExecutorLost
 from radixmesh.engine.request import Req
@@ -397,6 +398,8 @@ class SchedulerService:
         commits, self._refused_commits = self._refused_commits, []
         for req in updated:
             if req.handoff is not None:  # a prefill engine's request goes back to its decode engine
+                if req.finish is None:
+                    continue  # its first token is in; its KV is still on its way
                 commit = commit_to_proto(req, self.engine_id)
                 self.traces.handed(req.rid, commit)
                 self.metrics.transfer_sent(commit.transfer_tokens, commit.transfer_bytes,
@@ -455,8 +458,8 @@ class SchedulerService:
                                    headers=headers)
         for rid, engine_id in sched.disagg.take_cancelled():
             self.metrics.transfer_fallback()
-            await self._nc.publish(subjects.engine_abort(engine_id),
-                                   mpb.AbortRequest(rid=rid).SerializeToString())
+            abort = mpb.AbortRequest(rid=handoff_key(rid, self.engine_id))
+            await self._nc.publish(subjects.engine_abort(engine_id), abort.SerializeToString())
         for engine_id, commit in commits:
             await self._nc.publish(subjects.engine_kv(engine_id), commit.SerializeToString())
 

@@ -115,7 +115,7 @@ class KVSender:
         """Heads [a, b) of `data` to the rank at `addr`; the bytes it took."""
         lo = self.porter.heads[0]
         part = data[:, :, a - lo : b - lo].contiguous()
-        head = wpb.KVPages(rid=send.rid, key=send.key, head_start=a, head_end=b,
+        head = wpb.KVPages(rid=send.dest_rid, key=send.key, head_start=a, head_end=b,
                            num_layers=self.porter.num_layers,
                            dtype=DTYPE_NAMES[self.porter.dtype])
         stub = self._stub(addr)
