@@ -124,8 +124,9 @@ class Mesh:
             if self.args.trace_file:
                 self.spans = SpanReceiver(JsonlSink(self.args.trace_file)).start()
             roles = self.args.engine_roles
+            ranks = sum(self.args.engine_tp_size(role) for role in roles)
             for e, role in enumerate(roles):
-                self._start_engine(e, role, len(roles))
+                self._start_engine(e, role, ranks)
             for d in range(self.args.detokenizers):
                 self._spawn(f"detokenizer-{d}", "detokenizer", {"replica_id": f"d{d}"})
             for t in range(self.args.tokenizers):
@@ -165,13 +166,14 @@ class Mesh:
         engine e0 never touches this one's."""
         return Path(shm_root()) / f"radixmesh-{self._front_ports[0][0]}"
 
-    def _start_engine(self, e: int, role: str, engines: int) -> None:
-        """Engine `e` of `engines`, in a disaggregation role (named p0, d0... in the prefill
-        and decode roles, e0, e1... otherwise)."""
+    def _start_engine(self, e: int, role: str, processes: int) -> None:
+        """Engine `e`, in a disaggregation role (named p0, d0... in the prefill and decode
+        roles, e0, e1... otherwise), its worker ranks sharing the CPUs with the mesh's other
+        `processes` ranks."""
         a = self.args
-        ports = [free_port(a.host) for _ in range(a.tp_size)]
+        tp_size = a.engine_tp_size(role)
+        ports = [free_port(a.host) for _ in range(tp_size)]
         dist = f"tcp://{a.host}:{free_port(a.host)}"
-        processes = engines * a.tp_size
         threads = max(1, (os.cpu_count() or 1) // processes)
         engine_id = f"e{e}" if role == "null" else f"{role[0]}{a.engine_roles[:e].count(role)}"
         scheduler: dict[str, Any] = {
@@ -189,7 +191,7 @@ class Mesh:
             scheduler["cachectl_addr"] = f"{a.host}:{cachectl_port}"
         for rank, port in enumerate(ports):
             self._spawn(f"worker-{e}.{rank}", "worker", {
-                "port": port, "tp_size": a.tp_size, "tp_rank": rank, "dist_init_addr": dist,
+                "port": port, "tp_size": tp_size, "tp_rank": rank, "dist_init_addr": dist,
                 "num_threads": threads if processes > 1 else 0, "disaggregation_mode": role,
             }, group=f"workers-{e}")
         self._spawn(f"scheduler-{e}", "scheduler", scheduler)

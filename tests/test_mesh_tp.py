@@ -78,3 +78,23 @@ def test_tensor_parallel_mesh_matches_in_process_engine_and_survives_a_rank(tmp_
         assert generate(mesh.url, prompts[1], params[1])["output_ids"] == expected[1]
         assert httpx.get(mesh.url + "/server_info").json()["internal_states"][0][
             "held_slots"] == 0
+
+
+def test_prefill_ranks_send_their_heads_to_a_decode_engine_of_other_size(tmp_path):
+    """Prefill/decode disaggregation across tensor-parallel sizes: a prefill engine of 3
+    ranks (one KV head each) streams each rank's head into the one decode worker, which
+    gives the in-process engine's exact tokens."""
+    from radixmesh.api import Engine
+
+    prompts = ["The three primary colors are", "Describe a customer as JSON."]
+    params = {"temperature": 0, "max_new_tokens": 12}
+    with Engine(dtype="float32", max_total_tokens=1024, show_progress=False) as engine:
+        expected = [o["output_ids"] for o in engine.generate(prompts, params)]
+    with running_mesh(tmp_path, prefill_dp_size=1, decode_dp_size=1, prefill_tp_size=3,
+                      dtype="float32", max_total_tokens=1024) as mesh:
+        got = [generate(mesh.url, t, params) for t in prompts]
+    assert [g["output_ids"] for g in got] == expected
+    for g in got:
+        moved = g["meta_info"]["disaggregation"]
+        assert "fallback" not in moved, moved
+        assert moved["transfer_tokens"] == g["meta_info"]["prompt_tokens"]

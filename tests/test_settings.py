@@ -243,6 +243,8 @@ BAD_VALUES: dict[str, list[Any]] = {
     "dp_size": [0],
     "prefill_dp_size": [-1],
     "decode_dp_size": [-1],
+    "prefill_tp_size": [-1],
+    "decode_tp_size": [-1],
     "disaggregation_mode": ["both", None],
     "disaggregation_transfer_backend": ["rdma"],
     "disaggregation_timeout": [0.0],
@@ -472,7 +474,7 @@ def test_launcher_hands_every_service_the_settings_it_shares(monkeypatch) -> Non
     )
     mesh = Mesh(args)
     mesh._pick_front_ports()
-    mesh._start_engine(0, "null", 1)
+    mesh._start_engine(0, "null", 2)
     mesh._spawn("detokenizer-0", "detokenizer", {"replica_id": "d0"})
     mesh._start_tokenizer(0)
     started: dict[str, list[Settings]] = {}
@@ -512,12 +514,12 @@ def test_the_launcher_starts_prefill_and_decode_engines_in_their_roles(monkeypat
     monkeypatch.setattr("radixmesh.launcher.subprocess.Popen",
                         lambda args, env, **_: commands.append(args))
     args = MeshArgs(prefill_dp_size=1, decode_dp_size=2, disaggregation_timeout=5.0,
-                    port=0, grpc_port=0, nats_url="nats://bus:4222")
+                    prefill_tp_size=3, port=0, grpc_port=0, nats_url="nats://bus:4222")
     assert args.engine_roles == ["prefill", "decode", "decode"]
     mesh = Mesh(args)
     mesh._pick_front_ports()
     for e, role in enumerate(args.engine_roles):
-        mesh._start_engine(e, role, 3)
+        mesh._start_engine(e, role, 5)
     roles = {}
     for command in commands:
         at = command.index("-m")
@@ -528,6 +530,7 @@ def test_the_launcher_starts_prefill_and_decode_engines_in_their_roles(monkeypat
             roles[config.engine_id] = config.disaggregation_mode
         else:
             assert config.disaggregation_mode in ("prefill", "decode")
+            assert config.tp_size == (3 if config.disaggregation_mode == "prefill" else 1)
     assert roles == {"p0": "prefill", "d0": "decode", "d1": "decode"}
 
 

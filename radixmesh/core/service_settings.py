@@ -114,6 +114,12 @@ class MeshSettings(Settings):
     decode_dp_size: int = setting(
         0, minimum=0, help="engines in the decode role (see prefill_dp_size)"
     )
+    prefill_tp_size: int = setting(
+        0, minimum=0, help="tensor-parallel ranks of each prefill engine; 0: tp_size"
+    )
+    decode_tp_size: int = setting(
+        0, minimum=0, help="tensor-parallel ranks of each decode engine; 0: tp_size"
+    )
     tokenizers: int = setting(
         1, minimum=1, help="tokenizer replicas, each an HTTP and a gRPC front door"
     )
@@ -158,6 +164,11 @@ class MeshSettings(Settings):
                 "prefill_dp_size and decode_dp_size go together (both 0: no disaggregation), "
                 f"got {self.prefill_dp_size} and {self.decode_dp_size}"
             )
+
+    def engine_tp_size(self, role: str) -> int:
+        """Tensor-parallel ranks of an engine in `role`."""
+        own = {"prefill": self.prefill_tp_size, "decode": self.decode_tp_size}.get(role, 0)
+        return own or self.tp_size
 
     @property
     def engine_roles(self) -> list[str]:

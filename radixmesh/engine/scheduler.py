@@ -197,7 +197,8 @@ class Scheduler:
 
     def flush_cache(self) -> bool:
         """Drop every cached prefix; only possible while no request holds any."""
-        if self.running or self.chunked or any(r.slots for r in self.waiting):
+        if (self.running or self.chunked or any(r.slots for r in self.waiting)
+                or self._locked or self.disagg.pinned):
             return False
         self.cache.reset()
         self.tiers.take_copies()  # unsent backups of what the flush dropped

@@ -474,6 +474,7 @@ class SchedulerService:
             "context_length": s.config.context_length,
             "page_size": s.config.page_size,
             "schedule_policy": s.config.schedule_policy,
+            "disaggregation_mode": self.config.disaggregation_mode,
             "model_path": self.info.model_path,
             "dtype": self.info.dtype,
             "quantization": self.info.quantization,

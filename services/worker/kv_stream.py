@@ -38,12 +38,14 @@ DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 
 
 def host_id() -> str:
-    """This machine and boot: workers that report the same one share /dev/shm."""
+    """This machine, boot and shared-memory mount: workers that report the same one see
+    the same files there (two containers on one machine with their own /dev/shm do not)."""
     try:
         boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
     except OSError:
         boot = ""
-    return f"{socket.gethostname()}/{boot}"
+    mount = os.stat(shm_root())
+    return f"{socket.gethostname()}/{boot}/{mount.st_dev}:{mount.st_ino}"
 
 
 def piece_bytes(piece: wpb.KVPages, nbytes: int) -> bytes:
