@@ -26,7 +26,6 @@ from radixmesh.engine.request import Req
 
 if TYPE_CHECKING:
     from radixmesh.core.finish import FinishReason
-    from radixmesh.engine.tree_node import TreeNode
 
 
 def handoff_key(rid: str, decode_engine: str) -> str:
@@ -111,7 +110,6 @@ class Disaggregation:
         # Decode side: requests waiting for slots, then for their KV.
         self.reserving: list[Req] = []
         self.awaiting: dict[str, Req] = {}
-        self.pinned: dict[str, TreeNode] = {}  # KV arrived; the prompt held until admitted
         self._reservations: list[Reservation] = []
         self._cancelled: list[tuple[str, str]] = []  # (rid, prefill engine) to abort there
         self.sends: list[KVSend] = []  # for the next step

@@ -198,7 +198,7 @@ class Scheduler:
     def flush_cache(self) -> bool:
         """Drop every cached prefix; only possible while no request holds any."""
         if (self.running or self.chunked or any(r.slots for r in self.waiting)
-                or self._locked or self.disagg.pinned):
+                or self._locked):
             return False
         self.cache.reset()
         self.tiers.take_copies()  # unsent backups of what the flush dropped
@@ -210,8 +210,8 @@ class Scheduler:
         """The next step's batch: every decoding request, then prefill under the budget."""
         batch = ScheduledBatch(StepBatch(self._step + 1))
         self._schedule_decodes(batch)
-        self._reserve_transfers()
         self._schedule_prefills(batch)
+        self._reserve_transfers()  # room for later work, after what can run now
         step = batch.batch
         # Taken last: a request retracted by this very step may be readmitted by it too,
         # and the runner forgets before it admits.
@@ -358,9 +358,6 @@ class Scheduler:
             del self._locked[req.rid]
             return 0
         self.waiting.remove(req)
-        pinned = self.disagg.pinned.pop(req.rid, None)
-        if pinned is not None:  # its prompt came from a prefill engine: now locked for it
-            self.cache.unlock(pinned)
         req.jumped = False  # its prefill feeds every token it has
         if not req.admitted:
             req.admitted = True
@@ -495,9 +492,6 @@ class Scheduler:
             self.waiting.remove(req)
         if req.rid in self.disagg.awaiting or req in self.disagg.reserving:
             self._drop_reservation(req, reason.message or "the request ended")
-        pinned = self.disagg.pinned.pop(req.rid, None)
-        if pinned is not None:
-            self.cache.unlock(pinned)
         # A worker still sending its KV reads its slots: released when the send is over.
         if self.disagg.release_now(req) and (req.slots or req.rid in self._locked):
             self._release_kv(req)
@@ -524,11 +518,14 @@ class Scheduler:
             match = self.cache.match_prefix(req.input_ids, req.namespace)
             start = len(match.slots)
             need = -(-(len(req.input_ids) - start) // self.page) * self.page
+            # What the requests running, waiting and waiting for KV will still need: set
+            # aside no more than leaves them room to decode.
+            ahead = [*self.running, *self.waiting, *self.disagg.awaiting.values()]
             reserve = self.config.decode_reserve_ratio * sum(
-                r.remaining_new_tokens() for r in [*self.running, req]
+                r.remaining_new_tokens() for r in [*ahead, req]
             )
             room = self.allocator.available() + self.cache.evictable_size()
-            if self.running and room < need + reserve:
+            if ahead and room < need + reserve:
                 return
             self.cache.lock(match.node)
             fresh = self._alloc(need) if need else []
@@ -555,11 +552,9 @@ class Scheduler:
         transfer.bytes, transfer.ms = committed.bytes, committed.ms
         self._release.append(rid)  # the worker takes no more KV for it
         # The prompt joins the tree (the partial last page is computed again at admission),
-        # locked until the request is admitted.
+        # the most recently used prefix there: admission finds it before eviction reaches
+        # it, and a pool too full to keep it meanwhile costs a recompute, never a stall.
         self._release_kv(req)
-        match = self.cache.match_prefix(req.input_ids, req.namespace, count_hit=False)
-        self.cache.lock(match.node)
-        self.disagg.pinned[rid] = match.node
         req.output_ids = list(committed.output_ids)
         if req.logprobs.return_logprob:
             req.output_logprobs = list(committed.output_logprobs)
