@@ -29,12 +29,12 @@ import radixmesh.engine.disaggregation as disaggregation
 from radixmesh.core.finish import FinishKind, FinishReason
 from radixmesh.core.sampling_params import SamplingParams
 from radixmesh.core.step import KVExpect, KVSend, SendOutcome, StepBatch, StepResult, kv_key
-from radixmesh.engine.disaggregation import Reservation, handoff_key
+from radixmesh.engine.disaggregation import HANDED_BACK, Reservation, handoff_key
 from radixmesh.engine.model.kv_transfer import KVInbox, KVPorter, head_overlaps
 from radixmesh.engine.model.model_source import load_model
 from radixmesh.engine.model.runner import ModelRunner
 from radixmesh.engine.request import Req
-from radixmesh.engine.scheduler import HANDED_BACK, ScheduledBatch, Scheduler
+from radixmesh.engine.scheduler import ScheduledBatch, Scheduler
 from radixmesh.engine.scheduler_config import SchedulerConfig
 from radixmesh.proto import mesh_pb2 as mpb
 from radixmesh.proto.convert import sampling_to_proto

@@ -41,6 +41,7 @@ PROTOBUF_MODULES = {
     "radixmesh.services.scheduler.worker_client",
     "radixmesh.services.scheduler.cachectl_client",
     "radixmesh.services.worker.server",
+    "radixmesh.services.worker.kv_stream",
     "radixmesh.services.detokenizer.server",
     "radixmesh.services.detokenizer.metrics",
     "radixmesh.services.detokenizer.step_trace",

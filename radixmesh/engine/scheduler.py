@@ -10,7 +10,7 @@ from radixmesh.core.finish import FinishKind, FinishReason
 from radixmesh.core.hicache import HostPoolSpec, PageKeys
 from radixmesh.core.step import EntryResult, NewRequest, StepBatch, StepEntry, StepResult
 from radixmesh.engine.constraints import Constraints
-from radixmesh.engine.disaggregation import Committed, Disaggregation
+from radixmesh.engine.disaggregation import Disaggregation, TransferSteps
 from radixmesh.engine.host_tier import HostTier
 from radixmesh.engine.kv_allocator import KVAllocator
 from radixmesh.engine.radix_cache import RadixCache
@@ -22,9 +22,6 @@ from radixmesh.engine.storage_tier import StorageTier
 from radixmesh.engine.tiering import HostTiers, NoTiers, StorageTiers
 from radixmesh.engine.tree_node import TreeNode
 
-# How a prefill engine's request ends once its decode engine has it.
-HANDED_BACK = FinishReason(FinishKind.ABORT, message="handed to its decode engine")
-
 
 @dataclass
 class ScheduledBatch:
@@ -35,9 +32,10 @@ class ScheduledBatch:
     jumps: set[str] = field(default_factory=set)  # decodes feeding jump-forward tokens
 
 
-class Scheduler:
+class Scheduler(TransferSteps):
     """Owns the radix cache, the slot allocator and every request's place in line; the
-    tiers behind the device pool and the constraints are collaborators it calls."""
+    tiers behind the device pool and the constraints are collaborators it calls (the
+    steps of prefill/decode disaggregation are TransferSteps')."""
 
     def __init__(self, config: SchedulerConfig) -> None:
         if config.num_slots % config.page_size:
@@ -505,95 +503,6 @@ class Scheduler:
         if not req.pending and not self.disagg.reading(req):
             self.requests.pop(req.rid, None)
 
-    # ---- disaggregation -----------------------------------------------------------------
-
-    def _reserve_transfers(self) -> None:
-        """Decode side: set slots aside for the prompts whose KV comes from prefill engines,
-        oldest first, while there is room beside what running requests will need; fall back
-        to prefilling here those whose KV is overdue."""
-        for req in self.disagg.expired():
-            self._fall_back(req, f"no KV from {req.transfer.prefill_engine} within "
-                                 f"{self.disagg.timeout_s:g} s")  # type: ignore[union-attr]
-        for req in list(self.disagg.reserving):
-            match = self.cache.match_prefix(req.input_ids, req.namespace)
-            start = len(match.slots)
-            need = -(-(len(req.input_ids) - start) // self.page) * self.page
-            # What the requests running, waiting and waiting for KV will still need: set
-            # aside no more than leaves them room to decode.
-            ahead = [*self.running, *self.waiting, *self.disagg.awaiting.values()]
-            reserve = self.config.decode_reserve_ratio * sum(
-                r.remaining_new_tokens() for r in [*ahead, req]
-            )
-            room = self.allocator.available() + self.cache.evictable_size()
-            if ahead and room < need + reserve:
-                return
-            self.cache.lock(match.node)
-            fresh = self._alloc(need) if need else []
-            if fresh is None:
-                self.cache.unlock(match.node)
-                return
-            slots = fresh[: len(req.input_ids) - start]
-            req.slots, req.cached_len = list(match.slots) + slots, start
-            self._locked[req.rid] = match.node
-            req.cached_tokens = start
-            self.disagg.reserved(req, start, slots)
-
-    def commit_transfer(self, rid: str, committed: Committed) -> None:
-        """Decode side: a prefill engine handed back `rid` (its KV arrived, or did not)."""
-        req = self.requests.get(rid)
-        if req is None or req.finish is not None or rid not in self.disagg.awaiting:
-            return
-        if committed.error:
-            self._fall_back(req, committed.error)
-            return
-        transfer = req.transfer
-        assert transfer is not None
-        del self.disagg.awaiting[rid]
-        transfer.bytes, transfer.ms = committed.bytes, committed.ms
-        self._release.append(rid)  # the worker takes no more KV for it
-        # The prompt joins the tree (the partial last page is computed again at admission),
-        # the most recently used prefix there: admission finds it before eviction reaches
-        # it, and a pool too full to keep it meanwhile costs a recompute, never a stall.
-        self._release_kv(req)
-        req.output_ids = list(committed.output_ids)
-        if req.logprobs.return_logprob:
-            req.output_logprobs = list(committed.output_logprobs)
-            req.output_top_logprobs = list(committed.output_top_logprobs)
-            req.input_logprobs = list(committed.input_logprobs)
-            req.input_top_logprobs = list(committed.input_top_logprobs)
-        req.admitted = True  # its prompt logprobs are in
-        self._updated[rid] = req
-        if committed.finish is not None:
-            self._finish(req, committed.finish)
-        else:
-            self.waiting.append(req)
-
-    def lose_prefill_engine(self, engine_id: str) -> None:
-        """Decode side: `engine_id` went away; prefill here what waited for it."""
-        for req in self.disagg.from_engine(engine_id):
-            self._fall_back(req, f"prefill engine {engine_id} went away")
-
-    def _fall_back(self, req: Req, why: str) -> None:
-        """Decode side: give up on `req`'s KV transfer and prefill it here."""
-        self._drop_reservation(req, why)
-        self.waiting.append(req)
-
-    def _drop_reservation(self, req: Req, why: str) -> None:
-        """Free the slots set aside for `req`'s KV (never cached: what they hold is not
-        known to be whole) and tell its worker and prefill engine."""
-        reserved = req.rid in self.disagg.awaiting
-        self.disagg.cancel(req, why)
-        if not reserved:
-            return
-        self._release.append(req.rid)
-        fresh = req.slots[req.cached_len :]
-        if fresh:
-            self.allocator.free(fresh)
-        locked = self._locked.pop(req.rid, None)
-        if locked is not None:
-            self.cache.unlock(locked)
-        req.slots, req.cached_len, req.cached_tokens = [], 0, 0
-
     # ---- results ---------------------------------------------------------------------
 
     def process_result(self, batch: ScheduledBatch, result: StepResult) -> None:
@@ -637,12 +546,6 @@ class Scheduler:
                     self._hand_back(req)
             elif reason is not None:
                 self._finish(req, reason)
-
-    def _hand_back(self, req: Req) -> None:
-        """Prefill side: `req`'s KV is sent (or failed to) and its first token is in: it
-        ends here (its prompt stays cached) and the service hands it to its decode engine."""
-        assert req.handoff is not None
-        self._finish(req, req.handoff.finish or HANDED_BACK)
 
     def _emit(
         self, req: Req, token: int, logprob: float, top: list[tuple[int, float]]

@@ -17,7 +17,6 @@ from radixmesh.core.finish import FinishKind, FinishReason
 from radixmesh.core.step import StepResult
 from radixmesh.engine.request import Req
 from radixmesh.engine.scheduler import ScheduledBatch
-from radixmesh.proto import mesh_pb2 as mpb
 from radixmesh.tracing import attributes as attr
 from radixmesh.tracing.propagation import context_from_headers, grpc_metadata, traceparent
 from radixmesh.tracing.provider import tracer
@@ -248,21 +247,20 @@ class RequestTraces:
             self._finished(spans, outputs, finish, cached)
         return spans.traceparent
 
-    def handed(self, rid: str, commit: mpb.KVCommit) -> None:
+    def handed(self, req: Req, tokens: int, nbytes: int, ms: float, error: str) -> None:
         """A prefill engine's request goes back to its decode engine: a "kv transfer" span
-        (the send's own duration) ends its spans here."""
-        spans = self._requests.pop(rid, None)
+        (the send's own duration, `tokens` and `nbytes` of KV, or its `error`) ends its
+        spans here."""
+        spans = self._requests.pop(req.rid, None)
         if spans is None:
             return
         now = time.time_ns()
         transfer = start_span("kv transfer", spans.root, {
-            attr.RID: rid,
-            attr.TRANSFER_TOKENS: commit.transfer_tokens,
-            attr.TRANSFER_BYTES: commit.transfer_bytes,
-        }, start_time=now - int(commit.transfer_ms * 1e6), kind=SpanKind.PRODUCER)
-        end_span(transfer, now, error=commit.error or None)
-        outputs = len(commit.output_ids)
-        self._finished(spans, outputs, FinishReason(FinishKind.STOP), commit.prefill_cached_tokens)
+            attr.RID: req.rid, attr.TRANSFER_TOKENS: tokens, attr.TRANSFER_BYTES: nbytes,
+        }, start_time=now - int(ms * 1e6), kind=SpanKind.PRODUCER)
+        end_span(transfer, now, error=error or None)
+        self._finished(spans, len(req.output_ids), FinishReason(FinishKind.STOP),
+                       req.cached_tokens)
 
     @staticmethod
     def _progress(spans: _RequestSpans, outputs: int) -> None:

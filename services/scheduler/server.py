@@ -401,7 +401,8 @@ class SchedulerService:
                 if req.finish is None:
                     continue  # its first token is in; its KV is still on its way
                 commit = commit_to_proto(req, self.engine_id)
-                self.traces.handed(req.rid, commit)
+                self.traces.handed(req, commit.transfer_tokens, commit.transfer_bytes,
+                                   commit.transfer_ms, commit.error)
                 self.metrics.transfer_sent(commit.transfer_tokens, commit.transfer_bytes,
                                            commit.transfer_ms, bool(commit.error))
                 commits.append((req.handoff.decode_engine, commit))
