@@ -120,6 +120,17 @@ def test_turn_two_finds_its_history_on_the_decode_engine(client, engine: Engine)
     assert moved == meta["prompt_tokens"] - meta["cached_tokens"]
 
 
+def test_cache_salt_keeps_tenants_apart_on_both_engines(client) -> None:
+    prompt = "Tenant notes: the launch is on Tuesday at noon, in room 4."
+    first = generate(client, prompt, GREEDY, cache_salt="tenant-a")["meta_info"]
+    again = generate(client, prompt, GREEDY, cache_salt="tenant-a")["meta_info"]
+    other = generate(client, prompt, GREEDY, cache_salt="tenant-b")["meta_info"]
+    assert first["disaggregation"]["transfer_tokens"] == first["prompt_tokens"]
+    assert again["cached_tokens"] > 0 and again["disaggregation"]["transfer_tokens"] < 4
+    assert other["cached_tokens"] == 0
+    assert other["disaggregation"]["transfer_tokens"] == other["prompt_tokens"]
+
+
 def test_an_abort_mid_stream_frees_both_engines(client) -> None:
     body = {"text": LONG + " Continue:", "stream": True,
             "sampling_params": {"temperature": 0, "max_new_tokens": 400, "ignore_eos": True}}
