@@ -353,7 +353,7 @@ def test_up_starts_a_cachectl_per_engine_before_its_scheduler(monkeypatch, hiera
     monkeypatch.setattr(mesh, "_spawn", lambda name, service, own, **_: spawned.append(
         (name, service, own)))
     for e in range(2):
-        mesh._start_engine(e)
+        mesh._start_engine(e, "null", 2)
     names = [name for name, _, _ in spawned]
     if not hierarchical:
         assert not any(service == "cachectl" for _, service, _ in spawned)

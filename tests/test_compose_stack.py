@@ -4,8 +4,10 @@ built offline (docker/offline-image.sh: a debootstrap base image and a wheelhous
 own image), two of every scalable service, and the host KV tier on (both engines' workers
 map their segments from the one cachectl's shared memory). A chat completion through each
 published tokenizer port with the openai client, requests landing on both engines and
-backed up to their host tiers, one trace per request with spans from every service, and
-`docker compose down` leaving nothing behind.
+backed up to their host tiers, one trace per request with spans from every service; then
+the same stack turned into a prefill and a decode engine (`--profile pd`), a request
+passing its KV between their worker containers; and `docker compose down` leaving nothing
+behind.
 
 Docker: a running daemon is used as it is; otherwise, as root, the test starts dockerd
 itself (overlay2, or vfs where overlay2 does not mount), installing Debian's docker.io and
@@ -99,7 +101,8 @@ def stack(docker) -> Iterator[None]:
     HOST_TIER_ON.write_text("services:\n  scheduler:\n    environment:\n"
                             '      RADIXMESH_ENABLE_HIERARCHICAL_CACHE: "true"\n')
     run("bash", "docker/offline-image.sh", timeout=1800)
-    compose_cmd("down", "--volumes", "--remove-orphans", check=False)  # an earlier run's
+    # An earlier run's, the pd profile's services included.
+    compose_cmd("--profile", "pd", "down", "--volumes", "--remove-orphans", check=False)
     scale = [arg for name in SCALED for arg in ("--scale", f"{name}=2")]
     try:
         compose_cmd("up", "--detach", "--wait", *scale, timeout=900)
@@ -107,7 +110,8 @@ def stack(docker) -> Iterator[None]:
         print(compose_cmd("logs", "--tail", "40", check=False).stdout)
         raise
     yield
-    down = compose_cmd("down", "--volumes", "--timeout", "30", timeout=300, check=False)
+    down = compose_cmd("--profile", "pd", "down", "--volumes", "--timeout", "30", timeout=300,
+                       check=False)
     left = run("docker", "ps", "--all", "--quiet", "--filter",
                f"label=com.docker.compose.project={PROJECT}").stdout.split()
     assert down.returncode == 0 and not left, down.stderr
@@ -165,3 +169,34 @@ def test_the_scaled_stack_serves_traces_and_stops(stack):
             {r: sorted(traced.get(r, [set()])[0]) for r in rids})
         time.sleep(2)
     assert all(len(traced[r]) == 1 for r in rids)
+
+
+def test_the_pd_profile_disaggregates_the_same_stack(stack):
+    """`--profile pd` with the plain engine scaled to 0: a prefill and a decode engine, each
+    scheduler claiming a worker of its own role, and a request prefilled on one and decoded
+    on the other, its KV passed between the two worker containers."""
+    roles = ("worker-prefill", "scheduler-prefill", "worker-decode", "scheduler-decode")
+    scale = ["--scale", "worker=0", "--scale", "scheduler=0",
+             *(arg for name in roles for arg in ("--scale", f"{name}=1")),
+             *(arg for name in ("tokenizer", "detokenizer") for arg in ("--scale", f"{name}=2"))]
+    try:
+        compose_cmd("--profile", "pd", "up", "--detach", "--wait", *scale, timeout=900)
+    except AssertionError:
+        print(compose_cmd("--profile", "pd", "logs", "--tail", "40", check=False).stdout)
+        raise
+    url = tokenizer_urls()[0]
+    deadline = time.monotonic() + 60
+    while True:  # the plain engines' heartbeats fade out, the new ones' come in
+        modes = sorted(s.get("disaggregation_mode", "") for s in httpx.get(
+            url + "/server_info", timeout=10).json()["internal_states"])
+        if modes == ["decode", "prefill"]:
+            break
+        assert time.monotonic() < deadline, modes
+        time.sleep(1)
+    body = {"text": "Name three rivers:",
+            "sampling_params": {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}}
+    meta = httpx.post(url + "/generate", json=body, timeout=120).json()["meta_info"]
+    assert meta["completion_tokens"] == 8
+    moved = meta["disaggregation"]
+    assert moved["prefill_engine"] != moved["decode_engine"] and "fallback" not in moved
+    assert moved["transfer_tokens"] == meta["prompt_tokens"] > 0

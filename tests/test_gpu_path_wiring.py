@@ -139,7 +139,7 @@ def test_launcher_passes_the_options_to_every_worker(monkeypatch) -> None:
         "radixmesh.launcher.subprocess.Popen", lambda args, **_: commands.append(args)
     )
     args = MeshArgs(device="cpu", attention_backend="triton", cuda_graph_max_bs=4, tp_size=2)
-    Mesh(args)._start_engine(0)
+    Mesh(args)._start_engine(0, "null", 2)
     workers = [c[3:] for c in commands if c[1:3] == ["-m", "radixmesh.services.worker"]]
     assert len(workers) == 2
     for rank, flags in enumerate(workers):
