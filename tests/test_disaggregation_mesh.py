@@ -153,8 +153,12 @@ def test_one_request_is_one_trace_across_both_engines(mesh: Mesh, client) -> Non
     def complete(spans: list[SpanRecord]) -> bool:
         traces = {s.trace_id for s in spans if not s.links and "pd-trace" in rids_of(s)}
         mine = [s for s in spans if s.trace_id in traces]
-        return {"kv transfer", "detokenize", "stream out"} <= {s.name for s in mine} and {
-            s.instance for s in mine if s.name == "forward"} == {"worker-0.0", "worker-1.0"}
+        engines = {s.attributes.get("radixmesh.engine_id") for s in mine
+                   if s.name == "engine request"}
+        return ({"kv transfer", "detokenize", "stream out"} <= {s.name for s in mine}
+                and engines == {"p0", "d0"}
+                and {s.instance for s in mine if s.name == "forward"} == {"worker-0.0",
+                                                                          "worker-1.0"})
 
     spans = mesh.spans.wait_for(complete, timeout=30)
     traces = {s.trace_id for s in spans if not s.links and "pd-trace" in rids_of(s)}
