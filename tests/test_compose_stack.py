@@ -176,11 +176,14 @@ def test_the_pd_profile_disaggregates_the_same_stack(stack):
     scheduler claiming a worker of its own role, and a request prefilled on one and decoded
     on the other, its KV passed between the two worker containers."""
     roles = ("worker-prefill", "scheduler-prefill", "worker-decode", "scheduler-decode")
-    scale = ["--scale", "worker=0", "--scale", "scheduler=0",
-             *(arg for name in roles for arg in ("--scale", f"{name}=1")),
-             *(arg for name in ("tokenizer", "detokenizer") for arg in ("--scale", f"{name}=2"))]
+    scale = [*(arg for name in roles for arg in ("--scale", f"{name}=1")),
+             *(arg for name in SCALED for arg in ("--scale", f"{name}=2"))]
     try:
+        # The roles join the running mesh first, then the plain engines leave: the
+        # tokenizers always know an engine, and so stay healthy throughout.
         compose_cmd("--profile", "pd", "up", "--detach", "--wait", *scale, timeout=900)
+        compose_cmd("--profile", "pd", "up", "--detach", "--wait", *scale,
+                    "--scale", "worker=0", "--scale", "scheduler=0", timeout=900)
     except AssertionError:
         print(compose_cmd("--profile", "pd", "logs", "--tail", "40", check=False).stdout)
         raise
