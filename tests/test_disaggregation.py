@@ -318,7 +318,7 @@ class Pair:
             assert r.req.transfer is not None
             if not self.prefill_alive or r.req.transfer.prefill_engine != PREFILL:
                 continue  # gone, or another engine this pair does not run
-            payload = handoff_request(self.messages[r.req.rid], r.req, DECODE, r.start,
+            payload = handoff_request(self.messages[r.req.rid], DECODE, r.start,
                                       r.dest_slots, r.key, WORKERS, HOST)
             req = request_from_proto(mpb.EngineRequest.FromString(payload))
             try:
@@ -588,12 +588,11 @@ def test_a_handoff_for_other_tokens_is_refused() -> None:
     """The key names the prompt tokens after the decode engine's part: a handoff whose key
     does not match its tokens never becomes a request."""
     msg = engine_request("x", [1, 2, 3, 4], prefill="")
-    req = request_from_proto(msg)
-    payload = handoff_request(msg, req, DECODE, 1, [7, 8, 9], kv_key([1, 2, 3, 5], 1, None),
+    payload = handoff_request(msg, DECODE, 1, [7, 8, 9], kv_key([1, 2, 3, 5], 1, None),
                               WORKERS, HOST)
     with pytest.raises(ValueError, match="names other tokens"):
         request_from_proto(mpb.EngineRequest.FromString(payload))
-    payload = handoff_request(msg, req, DECODE, 1, [7, 8, 9], kv_key([1, 2, 3, 4], 1, None),
+    payload = handoff_request(msg, DECODE, 1, [7, 8, 9], kv_key([1, 2, 3, 4], 1, None),
                               WORKERS, HOST)
     handed = request_from_proto(mpb.EngineRequest.FromString(payload))
     assert handed.handoff is not None and handed.transfer is None

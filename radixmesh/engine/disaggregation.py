@@ -66,7 +66,6 @@ class Transfer:
 
     prefill_engine: str
     deadline: float = 0.0  # monotonic; set when its slots are set aside
-    key: str = ""
     tokens: int = 0  # prompt tokens whose KV arrived
     bytes: int = 0
     ms: float = 0.0
@@ -201,17 +200,21 @@ class Disaggregation:
         assert transfer is not None
         self.reserving.remove(req)
         transfer.deadline = time.monotonic() + self.timeout_s
-        transfer.key = kv_key(req.input_ids, start, req.namespace)
         transfer.tokens = len(slots)
+        key = kv_key(req.input_ids, start, req.namespace)
         self.awaiting[req.rid] = req
         if slots:
-            self.expects.append(KVExpect(req.rid, slots, transfer.key))
-        self._reservations.append(Reservation(req, start, slots, transfer.key))
+            self.expects.append(KVExpect(req.rid, slots, key))
+        self._reservations.append(Reservation(req, start, slots, key))
 
     def take_reservations(self) -> list[Reservation]:
         """Requests to send on to their prefill engines, with their slots."""
         out, self._reservations = self._reservations, []
         return [r for r in out if r.req.finish is None and r.req.rid in self.awaiting]
+
+    def waits_for_kv(self, req: Req) -> bool:
+        """Whether `req` waits for slots or for its KV (decode side)."""
+        return req.rid in self.awaiting or req in self.reserving
 
     def cancel(self, req: Req, why: str) -> None:
         """Stop waiting for `req`'s KV (tell its prefill engine to drop it)."""
@@ -274,19 +277,20 @@ class TransferSteps:
         for req in self.disagg.expired():
             self._fall_back(req, f"no KV from {req.transfer.prefill_engine} within "
                                  f"{self.disagg.timeout_s:g} s")  # type: ignore[union-attr]
+        # What the requests running, waiting and waiting for KV will still need: set aside
+        # no more than leaves them room to decode.
+        ahead = [*self.running, *self.waiting, *self.disagg.awaiting.values()]
+        remaining = sum(r.remaining_new_tokens() for r in ahead)
         for req in list(self.disagg.reserving):
             match = self.cache.match_prefix(req.input_ids, req.namespace)
             start = len(match.slots)
             need = -(-(len(req.input_ids) - start) // self.page) * self.page
-            # What the requests running, waiting and waiting for KV will still need: set
-            # aside no more than leaves them room to decode.
-            ahead = [*self.running, *self.waiting, *self.disagg.awaiting.values()]
-            reserve = self.config.decode_reserve_ratio * sum(
-                r.remaining_new_tokens() for r in [*ahead, req]
-            )
+            remaining += req.remaining_new_tokens()
+            reserve = self.config.decode_reserve_ratio * remaining
             room = self.allocator.available() + self.cache.evictable_size()
             if ahead and room < need + reserve:
                 return
+            ahead.append(req)
             self.cache.lock(match.node)
             fresh = self._alloc(need) if need else []
             if fresh is None:

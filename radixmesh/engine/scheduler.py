@@ -488,7 +488,7 @@ class Scheduler(TransferSteps):
             self.chunked = None
         if req in self.waiting:
             self.waiting.remove(req)
-        if req.rid in self.disagg.awaiting or req in self.disagg.reserving:
+        if self.disagg.waits_for_kv(req):
             self._drop_reservation(req, reason.message or "the request ended")
         # A worker still sending its KV reads its slots: released when the send is over.
         if self.disagg.release_now(req) and (req.slots or req.rid in self._locked):

@@ -41,8 +41,8 @@ def request_from_proto(msg: mpb.EngineRequest) -> Req:
     return req
 
 
-def handoff_request(msg: mpb.EngineRequest, req: Req, engine_id: str, start: int,
-                    slots: list[int], key: str, workers: list[str], host: str) -> bytes:
+def handoff_request(msg: mpb.EngineRequest, engine_id: str, start: int, slots: list[int],
+                    key: str, workers: list[str], host: str) -> bytes:
     """`msg` as this decode engine sends it on to the prefill engine, with where the KV goes."""
     out = mpb.EngineRequest()
     out.CopyFrom(msg)

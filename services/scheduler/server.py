@@ -453,7 +453,7 @@ class SchedulerService:
             if held is None or transfer is None:
                 continue
             request, headers = held
-            payload = handoff_request(request, r.req, self.engine_id, r.start, r.dest_slots,
+            payload = handoff_request(request, self.engine_id, r.start, r.dest_slots,
                                       r.key, self.workers.addrs, self.info.host_id)
             await self._nc.publish(subjects.engine_generate(transfer.prefill_engine), payload,
                                    headers=headers)

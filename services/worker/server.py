@@ -255,10 +255,8 @@ class WorkerService(wgrpc.WorkerServicer):
         total = 0
         async for piece in request_iterator:
             nbytes = len(piece.data)
-            if piece.shm_path:
-                nbytes = (2 * piece.num_layers * len(piece.slots)
-                          * (piece.head_end - piece.head_start) * porter.pool.k[0].shape[2]
-                          * porter.pool.k[0].itemsize)
+            if piece.shm_path:  # what the file must hold (the shape is checked next)
+                nbytes = porter.piece_bytes(len(piece.slots), piece.head_end - piece.head_start)
             error = porter.check(len(piece.slots), piece.head_start, piece.head_end,
                                  piece.num_layers, piece.dtype, nbytes)
             if error:

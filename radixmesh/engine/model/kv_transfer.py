@@ -68,6 +68,11 @@ class KVPorter:
             k[:, a:b].index_copy_(0, index, data[2 * layer])
             v[:, a:b].index_copy_(0, index, data[2 * layer + 1])
 
+    def piece_bytes(self, slots: int, heads: int) -> int:
+        """Bytes of `heads` KV heads of `slots` tokens over every layer, in this pool's dtype."""
+        head = self.pool.k[0]
+        return 2 * self.num_layers * slots * heads * head.shape[2] * head.itemsize
+
     def check(self, slots: int, head_start: int, head_end: int, num_layers: int, dtype: str,
               nbytes: int) -> str:
         """Why a piece of this shape cannot be written here ("" when it can)."""
@@ -76,8 +81,7 @@ class KVPorter:
                     f"({self.num_layers} layers of {self.dtype})")
         if not self.heads[0] <= head_start < head_end <= self.heads[1]:
             return f"heads [{head_start}, {head_end}) are not this rank's {list(self.heads)}"
-        head_dim = self.pool.k[0].shape[2]
-        want = 2 * num_layers * slots * (head_end - head_start) * head_dim * self.pool.k[0].itemsize
+        want = self.piece_bytes(slots, head_end - head_start)
         if nbytes != want:
             return f"a piece of {slots} tokens holds {nbytes} bytes, not {want}"
         return ""
