@@ -175,3 +175,7 @@ def test_an_engine_started_by_hand_joins_a_running_mesh(tmp_path):
                     assert states[engine]["held_slots"] == 0
                     scheduler.terminate()  # a clean stop releases its claim
                     assert scheduler.wait(30) == 0
+                    # Routers drop an engine a few seconds after its last heartbeat: the
+                    # next one's check must not race that.
+                    wait_until(lambda e=engine: e not in engine_states(mesh.url), 30,
+                               f"engine {engine} dropped by the routers")
