@@ -65,7 +65,8 @@ def sampling_to_proto(p: SamplingParams, seed: int) -> wpb.SamplingParams:
     """What the engine needs of a request's sampling parameters, with its seed."""
     fields = {name: getattr(p, name) for name in _SAMPLING_FIELDS}
     grammar = {name: getattr(p, name) or "" for name in GRAMMAR_KINDS}
-    return wpb.SamplingParams(seed=seed, stop_token_ids=p.stop_token_ids, **fields, **grammar)
+    return wpb.SamplingParams(seed=seed, stop_token_ids=p.stop_token_ids,
+                              logit_bias=p.logit_bias, **fields, **grammar)
 
 
 def sampling_from_proto(p: wpb.SamplingParams, max_new_tokens: int) -> SamplingParams:
@@ -74,7 +75,7 @@ def sampling_from_proto(p: wpb.SamplingParams, max_new_tokens: int) -> SamplingP
     grammar = {name: getattr(p, name) or None for name in GRAMMAR_KINDS}
     return SamplingParams(
         max_new_tokens=max_new_tokens, stop_token_ids=list(p.stop_token_ids), seed=p.seed,
-        **fields, **grammar,
+        logit_bias=dict(p.logit_bias), **fields, **grammar,
     )
 
 

@@ -8,18 +8,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DetokSpec(_message.Message):
-    __slots__ = ("stop", "no_stop_trim", "skip_special_tokens", "min_new_tokens", "prompt_tail")
+    __slots__ = ("stop", "no_stop_trim", "skip_special_tokens", "min_new_tokens", "prompt_tail", "spaces_between_special_tokens")
     STOP_FIELD_NUMBER: _ClassVar[int]
     NO_STOP_TRIM_FIELD_NUMBER: _ClassVar[int]
     SKIP_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MIN_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TAIL_FIELD_NUMBER: _ClassVar[int]
+    SPACES_BETWEEN_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     stop: _containers.RepeatedScalarFieldContainer[str]
     no_stop_trim: bool
     skip_special_tokens: bool
     min_new_tokens: int
     prompt_tail: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, stop: _Optional[_Iterable[str]] = ..., no_stop_trim: _Optional[bool] = ..., skip_special_tokens: _Optional[bool] = ..., min_new_tokens: _Optional[int] = ..., prompt_tail: _Optional[_Iterable[int]] = ...) -> None: ...
+    spaces_between_special_tokens: bool
+    def __init__(self, stop: _Optional[_Iterable[str]] = ..., no_stop_trim: _Optional[bool] = ..., skip_special_tokens: _Optional[bool] = ..., min_new_tokens: _Optional[int] = ..., prompt_tail: _Optional[_Iterable[int]] = ..., spaces_between_special_tokens: _Optional[bool] = ...) -> None: ...
 
 class EngineRequest(_message.Message):
     __slots__ = ("rid", "input_ids", "sampling", "max_new_tokens", "cache_salt", "priority", "return_logprob", "top_logprobs_num", "logprob_start_len", "reply_to", "detok", "detok_context", "prefill_engine", "handoff")

@@ -192,7 +192,8 @@ class Engine:
         """The served model as /get_model_info describes it: its path and name, and its
         architecture and experts."""
         path = self.model_path
-        return model_info(str(path), served_name(path), model_shape(self.model_config))
+        return model_info(str(path), served_name(path), model_shape(self.model_config),
+                          self.tokenizer)
 
     def server_info(self) -> dict[str, Any]:
         """Pool and cache occupancy, read consistently between steps, how the weights are

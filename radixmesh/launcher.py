@@ -25,6 +25,7 @@ from radixmesh.core.hicache import shm_root
 from radixmesh.core.model_files import resolve_model_path
 from radixmesh.core.service_settings import (
     CachectlConfig,
+    ChatSettings,
     DetokenizerConfig,
     DisaggregationSettings,
     FrontDoorSettings,
@@ -64,6 +65,7 @@ SERVICE_CONFIGS: dict[str, type[Settings]] = {
 @dataclass(frozen=True, kw_only=True)
 class MeshArgs(
     DisaggregationSettings,
+    ChatSettings,
     FrontDoorSettings,
     ServiceSettings,
     SpeculativeSettings,

@@ -28,6 +28,7 @@ class RequestStream:
             params.no_stop_trim,
             params.skip_special_tokens,
             params.min_new_tokens,
+            params.spaces_between_special_tokens,
         )
         # The same text as the detokenizer service gives, from shorter windows: all the
         # request's ids are at hand here.

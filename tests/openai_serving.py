@@ -25,11 +25,12 @@ Scenario = Callable[[AsyncOpenAI, FakeGenerationClient], Awaitable[None]]
 
 @contextlib.asynccontextmanager
 async def serving(
-    fake: FakeGenerationClient, handler_cancellation: bool = False
+    fake: FakeGenerationClient, handler_cancellation: bool = False, **parsers: str
 ) -> AsyncIterator[str]:
-    """The routes on a free loopback port; yields the API's base URL."""
+    """The routes on a free loopback port, with the chat parsers named; yields the API's
+    base URL."""
     app = web.Application()
-    add_openai_routes(app, fake)
+    add_openai_routes(app, fake, **parsers)
     runner = web.AppRunner(app, access_log=None, handler_cancellation=handler_cancellation)
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", 0).start()
@@ -40,13 +41,14 @@ async def serving(
 
 
 def run(
-    tok: Tokenizer, scenario: Scenario, handler_cancellation: bool = False
+    tok: Tokenizer, scenario: Scenario, handler_cancellation: bool = False, **parsers: str
 ) -> FakeGenerationClient:
-    """Serve a fresh fake mesh, run `scenario` against it, return the fake for checks."""
+    """Serve a fresh fake mesh (with the chat parsers named), run `scenario` against it,
+    return the fake for checks."""
     fake = FakeGenerationClient(tok, MODEL)
 
     async def main() -> None:
-        async with serving(fake, handler_cancellation) as base_url:
+        async with serving(fake, handler_cancellation, **parsers) as base_url:
             api = AsyncOpenAI(base_url=base_url, api_key="x", max_retries=0)
             try:
                 await scenario(api, fake)

@@ -74,8 +74,11 @@ class WholeText:
         skip = rules.skip_special_tokens
         # Like SGLang, a matched stop token is counted but shown without text.
         shown = out[:-1] if stop_token and not rules.no_stop_trim else out
+        spaced = rules.spaces_between_special_tokens
         decoded = [
-            tok.decode(prompt + shown[:k], skip_special_tokens=skip) for k in range(len(shown) + 1)
+            tok.decode(prompt + shown[:k], skip_special_tokens=skip,
+                       spaces_between_special_tokens=spaced)
+            for k in range(len(shown) + 1)
         ]
         prompt_chars = len(decoded[0])
 
@@ -182,6 +185,7 @@ def in_process(
         stop=list(rules.stop),
         no_stop_trim=rules.no_stop_trim,
         skip_special_tokens=rules.skip_special_tokens,
+        spaces_between_special_tokens=rules.spaces_between_special_tokens,
     )
     req = Req("r", list(prompt), params, seed=0)
     stream = RequestStream(req, tokenizer(), streaming=False)
@@ -241,6 +245,7 @@ rules_st = st.builds(
     no_stop_trim=st.booleans(),
     skip_special_tokens=st.booleans(),
     min_new_tokens=st.sampled_from([0, 0, 1, 3, 8, 12]),
+    spaces_between_special_tokens=st.booleans(),
 )
 sizes_st = st.lists(st.integers(1, 6), min_size=1, max_size=4)
 
@@ -288,9 +293,10 @@ def test_any_ids_give_the_same_text_however_split(
     assert (text, matched) == expected.outcome[:2]
     assert completion == step_end(expected.completion, sizes, len(out))
     if not rules.stop:
-        skip = rules.skip_special_tokens
-        full = tok.decode(prompt + out, skip_special_tokens=skip)
-        assert one_by_one[0] == full[len(tok.decode(prompt, skip_special_tokens=skip)) :]
+        flags = {"skip_special_tokens": rules.skip_special_tokens,
+                 "spaces_between_special_tokens": rules.spaces_between_special_tokens}
+        full = tok.decode(prompt + out, **flags)
+        assert one_by_one[0] == full[len(tok.decode(prompt, **flags)) :]
 
 
 @settings(max_examples=200, deadline=None)
@@ -423,7 +429,10 @@ def test_no_stop_trim_keeps_the_stop_string_and_token() -> None:
     assert kept == WindowText("xab", 3, "ab")
     eos = [*as_bytes("hi"), EOS]
     shown = TextRules(skip_special_tokens=False, no_stop_trim=True)
-    assert one(shown, prompt, eos, 0, finished=True).text == "hi<|im_end|>"
+    assert one(shown, prompt, eos, 0, finished=True).text == "hi <|im_end|>"
+    unspaced = TextRules(skip_special_tokens=False, no_stop_trim=True,
+                         spaces_between_special_tokens=False)
+    assert one(unspaced, prompt, eos, 0, finished=True).text == "hi<|im_end|>"
     hidden = TextRules(skip_special_tokens=False)
     assert one(hidden, prompt, eos, 0, finished=True, trim_last=True).text == "hi"
 

@@ -245,17 +245,19 @@ def test_stop_strings_wait_for_min_new_tokens(engine: Engine, greedy16: Result) 
 
 def test_eos_ignore_eos_and_min_new_tokens(engine: Engine) -> None:
     runs = engine.generate(
-        [EOS_CHAT] * 5,
+        [EOS_CHAT] * 6,
         [
             {"max_new_tokens": 16, **GREEDY},
             {"max_new_tokens": 12, "ignore_eos": True, **GREEDY},
             {"max_new_tokens": 24, "min_new_tokens": 20, **GREEDY},
             {"max_new_tokens": 16, "skip_special_tokens": False, **GREEDY},
             {"max_new_tokens": 16, "skip_special_tokens": False, "no_stop_trim": True, **GREEDY},
+            {"max_new_tokens": 16, "skip_special_tokens": False, "no_stop_trim": True,
+             "spaces_between_special_tokens": False, **GREEDY},
         ],
     )
     assert isinstance(runs, list)
-    plain, ignored, at_least, special, special_kept = runs
+    plain, ignored, at_least, special, special_kept, unspaced = runs
     ids = plain["output_ids"]
     assert len(ids) < 16 and ids[-1] == EOS_ID and EOS_ID not in ids[:-1]
     assert plain["meta_info"]["finish_reason"] == {"type": "stop", "matched": EOS_ID}
@@ -275,7 +277,9 @@ def test_eos_ignore_eos_and_min_new_tokens(engine: Engine) -> None:
 
     # eos is a stop token: trimmed from the text unless no_stop_trim
     assert special["output_ids"] == ids and special["text"] == plain["text"]
-    assert special_kept["text"] == plain["text"] + "<|im_end|>"
+    # Shown, a special token is set apart by a space unless spaces_between_special_tokens is off.
+    assert special_kept["text"] == plain["text"] + " <|im_end|>"
+    assert unspaced["text"] == plain["text"] + "<|im_end|>"
 
 
 # ---- 7: streaming -------------------------------------------------------------------------
@@ -484,3 +488,28 @@ def test_shutdown_fails_unfinished_requests() -> None:
         running.result(timeout=60)
     with pytest.raises(RuntimeError, match="not running"):
         eng.generate(PROMPT, {"max_new_tokens": 2})
+
+
+# ---- logit_bias -----------------------------------------------------------------------------
+
+
+def test_logit_bias_forces_and_bans_tokens(engine: Engine, greedy16: Result) -> None:
+    banana = engine.tokenizer.encode(" banana")[0]
+    for seed in (1, 2, 3):
+        forced = one(engine, PROMPT, {"max_new_tokens": 6, "seed": seed,
+                                      "logit_bias": {str(banana): 100}})
+        assert forced["output_ids"] == [banana] * 6
+    first = greedy16["output_ids"][0]
+    banned = one(engine, PROMPT, {"max_new_tokens": 16, "logit_bias": {first: -100}, **GREEDY})
+    assert first not in banned["output_ids"]
+    assert banned["output_ids"] != greedy16["output_ids"]
+
+
+def test_logit_bias_stays_inside_the_grammar(engine: Engine) -> None:
+    tok = engine.tokenizer
+    no, banana = tok.encode("no")[0], tok.encode(" banana")[0]
+    out = one(engine, "Is the sky green? Answer yes or no:",
+              {"max_new_tokens": 8, "regex": "(yes|no)", "logit_bias": {no: 100, banana: 100},
+               **GREEDY})
+    assert out["text"] == "no"
+    assert banana not in out["output_ids"]

@@ -112,10 +112,34 @@ async def test_grpc_text_prompt_is_tokenized(grpc_stack, tokenizer):
     assert engine.requests[0].logprob_start_len == -1
 
 
+async def test_grpc_sampling_fields_reach_the_engine(grpc_stack):
+    stub, add_engine = grpc_stack
+    engine = await add_engine()
+    sampling = gpb.ClientSamplingParams(
+        max_new_tokens=1, logit_bias={5: -100.0, 6: 1.5}, stop_token_ids=[9], ignore_eos=True,
+        skip_special_tokens=False, spaces_between_special_tokens=False, no_stop_trim=True,
+    )
+    request = gpb.GenerateRequest(input_ids=gpb.TokenIds(ids=[1, 2]), sampling_params=sampling)
+    _ = [r async for r in stub.Generate(request)]
+    plain = gpb.GenerateRequest(input_ids=gpb.TokenIds(ids=[1, 2]),
+                                sampling_params=gpb.ClientSamplingParams(max_new_tokens=1))
+    _ = [r async for r in stub.Generate(plain)]
+    sent, default = engine.requests
+    assert dict(sent.sampling.logit_bias) == {5: -100.0, 6: 1.5}
+    assert list(sent.sampling.stop_token_ids) == [9] and sent.sampling.ignore_eos
+    assert not sent.detok.skip_special_tokens and not sent.detok.spaces_between_special_tokens
+    assert sent.detok.no_stop_trim
+    assert not default.sampling.logit_bias and default.detok.spaces_between_special_tokens
+
+
 @pytest.mark.parametrize(
     ("request_fields", "needle"),
     [
         ({}, "text or input_ids"),
+        ({"input_ids": gpb.TokenIds(ids=[1]),
+          "sampling_params": gpb.ClientSamplingParams(logit_bias={1: 150.0})}, "logit_bias"),
+        ({"input_ids": gpb.TokenIds(ids=[1]),
+          "sampling_params": gpb.ClientSamplingParams(logit_bias={-2: 1.0})}, "logit_bias"),
         ({"input_ids": gpb.TokenIds(ids=[])}, "empty"),
         ({"input_ids": gpb.TokenIds(ids=[1]),
           "sampling_params": gpb.ClientSamplingParams(temperature=-1)}, "temperature"),

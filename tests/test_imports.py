@@ -49,6 +49,7 @@ PROTOBUF_MODULES = {
     "radixmesh.services.tokenizer.client",
     "radixmesh.services.tokenizer.assembler",
     "radixmesh.services.tokenizer.grpc_api",
+    "radixmesh.lang.backends",  # the frontend language's gRPC backend is a client
 }
 
 

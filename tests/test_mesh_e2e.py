@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
+from importlib.util import find_spec
 
 import grpc
 import httpx
@@ -175,6 +178,35 @@ def test_openai_chat_and_completions(mesh, client):
     text = "".join(c.choices[0].text for c in oa.completions.create(
         model=model, prompt="1, 2, 3, 4,", max_tokens=8, temperature=0, stream=True))
     assert text == done.choices[0].text
+
+
+def test_openai_chat_logit_bias_bans_and_forces(mesh, engine):
+    oa = openai.OpenAI(base_url=mesh.url + "/v1", api_key="none")
+    model = oa.models.list().data[0].id
+    messages = [{"role": "user", "content": "Name a fruit."}]
+    plain = oa.chat.completions.create(model=model, messages=messages, max_tokens=8,
+                                       temperature=0)
+    first = engine.tokenizer.encode(plain.choices[0].message.content)[0]
+    banned = oa.chat.completions.create(model=model, messages=messages, max_tokens=8,
+                                        temperature=0, logit_bias={str(first): -100})
+    assert banned.choices[0].message.content != plain.choices[0].message.content
+    assert first not in engine.tokenizer.encode(banned.choices[0].message.content)
+    banana = engine.tokenizer.encode(" banana")[0]
+    forced = oa.chat.completions.create(model=model, messages=messages, max_tokens=4,
+                                        seed=3, logit_bias={str(banana): 100})
+    assert forced.choices[0].message.content.split() == ["banana"] * 4
+
+
+def test_native_generate_n_samples_share_the_cached_prompt(client):
+    prompt = "Write one short sentence about the sea, please, in plain words:"
+    body = {"text": prompt, "rid": "sea", "sampling_params": {"n": 2, "max_new_tokens": 8}}
+    got = client.post("/generate", json=body).json()
+    assert [g["meta_info"]["id"] for g in got] == ["sea_0", "sea_1"]
+    assert got[0]["output_ids"] != got[1]["output_ids"]
+    for g in got:
+        meta = g["meta_info"]
+        assert meta["finish_reason"] == {"type": "length", "length": 8}
+        assert meta["cached_tokens"] == meta["prompt_tokens"] - 1
 
 
 def test_grpc_generate_streams(mesh):
@@ -366,6 +398,9 @@ def test_every_front_door_refuses_a_bad_request_for_the_same_reason(mesh, client
         with pytest.raises(ValueError) as refused:
             program.run(backend=lang.HttpBackend(mesh.url))
         assert json.dumps(said)[1:-1] in str(refused.value)
+        with pytest.raises(ValueError) as refused:
+            program.run(backend=lang.GrpcBackend(mesh.grpc_addrs[0]))
+        assert str(refused.value) == said
     assert wait_idle(client)["held_slots"] == 0
 
 
@@ -377,3 +412,72 @@ def test_a_prompt_outside_the_vocabulary_is_named_as_each_door_calls_it(mesh, cl
     assert _grpc(mesh, {}, input_ids=ids) == expected.format("input_ids")
     assert _openai(client, {}, "/v1/completions", prompt=ids) == (expected.format("prompt"),
                                                                    "prompt")
+
+
+@lang.function
+def sightseeing(s, city):
+    s += lang.user(f"Name one thing to see in {city}.")
+    s += lang.assistant(lang.gen("sight", max_tokens=8, stop="\n"))
+    forks = s.fork(2)
+    for i, branch in enumerate(forks):
+        branch += lang.user(("Is it old?", "Is it free?")[i])
+        branch += lang.assistant(lang.select(f"answer{i}", ["Yes", "No"]))
+    forks.join()
+
+
+def test_lang_programs_run_alike_in_process_over_http_and_grpc(mesh, engine):
+    """Roles (the template from /get_model_info), a fork and a select: the same greedy
+    program on every backend (streamed through the mesh)."""
+    template = lang.ChatTemplate.from_server(mesh.url)
+    backends = {
+        "engine": lang.EngineBackend(engine),
+        "http": lang.HttpBackend(mesh.url),
+        "grpc": lang.GrpcBackend(mesh.grpc_addrs[0], chat_template=template),
+    }
+    expected = sightseeing.run(backends.pop("engine"), city="Rome")
+    assert set(expected.variables) == {"sight", "answer0", "answer1"}
+    for backend in backends.values():
+        streamed = sightseeing.run(backend, stream=True, city="Rome")
+        assert "".join(streamed.text_iter()) == expected.text()
+        assert streamed.variables == expected.variables
+
+
+SGLANG_PROGRAM = """
+import json, sys
+import sglang as sgl
+
+@sgl.function
+def program(s):
+    s += "The capital of France is" + sgl.gen("city", max_tokens=8, temperature=0)
+    s += ". Is it large? " + sgl.select("large", ["yes", "no"])
+    forks = s.fork(2)
+    for i, branch in enumerate(forks):
+        branch += f" Reason {i + 1}:" + sgl.gen("reason", max_tokens=6, temperature=0)
+    forks.join()
+    s += "|".join(branch["reason"] for branch in forks)
+
+state = program.run(backend=sgl.RuntimeEndpoint(sys.argv[1]))
+print(json.dumps({"city": state["city"], "large": state["large"], "text": state.text()}))
+"""
+
+
+@pytest.mark.skipif(find_spec("sglang") is None, reason="SGLang is not installed")
+def test_sglangs_own_frontend_runs_against_the_mesh(mesh):
+    """SGLang's frontend, unchanged, in a process of its own (importing it patches
+    transformers), answers as radixmesh.lang on the same mesh."""
+    done = subprocess.run([sys.executable, "-c", SGLANG_PROGRAM, mesh.url],
+                          capture_output=True, text=True, timeout=120, check=True)
+    got = json.loads(done.stdout.splitlines()[-1])
+
+    @lang.function
+    def ours(s):
+        s += "The capital of France is" + lang.gen("city", max_tokens=8)
+        s += ". Is it large? " + lang.select("large", ["yes", "no"])
+        forks = s.fork(2)
+        for i, branch in enumerate(forks):
+            branch += f" Reason {i + 1}:" + lang.gen("reason", max_tokens=6)
+        forks.join()
+        s += "|".join(branch["reason"] for branch in forks)
+
+    state = ours.run(lang.HttpBackend(mesh.url))
+    assert got == {"city": state["city"], "large": state["large"], "text": state.text()}

@@ -146,6 +146,72 @@ async def test_generate_text_is_tokenized_and_sampling_reaches_the_engine(stack,
     assert body["meta_info"]["prompt_tokens"] == len(sent.input_ids)
 
 
+async def test_sglang_sampling_fields_reach_the_engine(stack):
+    engine = await stack.add_engine()
+    status, _ = await stack.post("/generate", {"input_ids": [1, 2], "sampling_params": {
+        "max_new_tokens": 2, "logit_bias": {"7": -100, "9": 2.5}, "stop_token_ids": [4],
+        "ignore_eos": True, "skip_special_tokens": False, "spaces_between_special_tokens": False,
+        "no_stop_trim": True,
+    }})
+    assert status == 200
+    sent = engine.requests[0]
+    assert dict(sent.sampling.logit_bias) == {7: -100.0, 9: 2.5}
+    assert list(sent.sampling.stop_token_ids) == [4] and sent.sampling.ignore_eos
+    detok = sent.detok
+    assert not detok.skip_special_tokens and not detok.spaces_between_special_tokens
+    assert detok.no_stop_trim
+    await stack.post("/generate", {"input_ids": [1, 2]})
+    assert engine.requests[1].detok.spaces_between_special_tokens  # SGLang's default
+
+
+async def test_n_samples_of_one_prompt_answer_a_list(stack):
+    engine = await stack.add_engine()
+    status, body = await stack.post("/generate", {
+        "input_ids": [1, 2], "rid": "q", "sampling_params": {"n": 3, "max_new_tokens": 2},
+    })
+    assert status == 200 and isinstance(body, list) and len(body) == 3
+    assert [b["meta_info"]["id"] for b in body] == ["q_0", "q_1", "q_2"]
+    assert all(b["output_ids"] == [1, 2] for b in body)
+    assert all(b["meta_info"]["finish_reason"] == {"type": "length", "length": 2} for b in body)
+    # The prompt is prefilled once, generating nothing, before the samples start.
+    prefill, *samples = engine.requests
+    assert prefill.rid == "q_prefix" and prefill.max_new_tokens == 0
+    assert [r.rid for r in samples] == ["q_0", "q_1", "q_2"]
+    assert len({r.sampling.seed for r in samples}) == 3
+    engine.requests.clear()
+    status, body = await stack.post("/generate", {
+        "input_ids": [1], "sampling_params": {"n": 2, "seed": 40, "max_new_tokens": 1},
+    })
+    assert status == 200 and len(body) == 2
+    assert [r.sampling.seed for r in engine.requests[1:]] == [40, 41]
+
+
+async def test_n_samples_of_a_batch_are_prompt_major(stack):
+    await stack.add_engine()
+    status, body = await stack.post("/generate", {
+        "input_ids": [[1], [2, 2]], "rid": ["a", "b"],
+        "sampling_params": {"n": 2, "max_new_tokens": 1},
+    })
+    assert status == 200
+    assert [b["meta_info"]["id"] for b in body] == ["a_0", "a_1", "b_0", "b_1"]
+    assert [b["output_ids"] for b in body] == [[1], [1], [2], [2]]
+
+
+async def test_n_samples_stream_events_carry_their_index(stack):
+    await stack.add_engine(delay_s=0.001)
+    events = _events(await stack.stream({
+        "input_ids": [3, 4], "sampling_params": {"n": 2, "max_new_tokens": 2}, "stream": True,
+    }))
+    assert events[-1] == "[DONE]"
+    by_index: dict[int, list] = {0: [], 1: []}
+    for event in events[:-1]:
+        by_index[event["index"]].append(event)
+    for index, chunks in by_index.items():
+        assert [c["output_ids"] for c in chunks] == [[3], [3, 4]]
+        assert chunks[-1]["meta_info"]["id"].endswith(f"_{index}")
+        assert chunks[-1]["meta_info"]["finish_reason"] == {"type": "length", "length": 2}
+
+
 async def test_generate_batch(stack):
     await stack.add_engine()
     status, body = await stack.post("/generate", {
@@ -263,7 +329,17 @@ BAD_REQUESTS = [
     ({"text": "a", "sampling_params": {"max_new_tokens": 1.5}}, "max_new_tokens"),
     ({"text": "a", "sampling_params": {"top_p": 0}}, "top_p"),
     ({"text": "a", "sampling_params": {"stop_token_ids": [10**9]}}, "stop_token_ids"),
-    ({"text": "a", "sampling_params": {"n": 2}}, "n"),
+    ({"text": "a", "sampling_params": {"n": 0}}, "sampling_params.n must be an integer in [1,"),
+    ({"text": "a", "sampling_params": {"n": 129}}, "sampling_params.n"),
+    ({"text": "a", "sampling_params": {"n": "2"}}, "sampling_params.n"),
+    ({"text": ["a", "b"], "sampling_params": [{"n": 2}, {"n": 3}]}, "sampling_params.n"),
+    ({"text": "a", "sampling_params": {"logit_bias": {"5": 101}}}, "logit_bias values"),
+    ({"text": "a", "sampling_params": {"logit_bias": {"5": "x"}}}, "logit_bias must map"),
+    ({"text": "a", "sampling_params": {"logit_bias": {"tok": 1}}}, "logit_bias keys"),
+    ({"text": "a", "sampling_params": {"logit_bias": {"999999": 1}}}, "logit_bias keys"),
+    ({"text": "a", "sampling_params": {"logit_bias": [1]}}, "logit_bias"),
+    ({"text": "a", "sampling_params": {"spaces_between_special_tokens": 1}},
+     "spaces_between_special_tokens"),
     ({"text": "a", "sampling_params": {"regex": "([0-9]+"}}, "invalid regex"),
     ({"text": "a", "sampling_params": {"json_schema": "{oops"}}, "json_schema is not valid JSON"),
     ({"text": "a", "sampling_params": {"json_schema": '{"type": "nope"}'}}, "invalid json_schema"),
@@ -281,6 +357,7 @@ BAD_REQUESTS = [
     ({"text": ["a", "b"], "rid": "same"}, "rid"),
     ({"text": ["a", "b"], "rid": ["x", "x"]}, "rid"),
     ({"text": "a", "priority": 2**40}, "priority"),
+    ({"text": "a", "priority": "high"}, "priority"),
     ({"text": "a", "sampling_params": {"top_k": 10**6}}, "top_k"),
     ({"text": "a", "sampling_params": {"seed": -1}}, "seed"),
     ({"text": "a", "return_logprob": True, "top_logprobs_num": 10**6}, "top_logprobs_num"),

@@ -312,8 +312,11 @@ def test_stop_strings_and_sglang_fields_pass_through(tok):
                 "skip_special_tokens": False,
                 "no_stop_trim": True,
                 "stop_token_ids": [7, 9],
+                "spaces_between_special_tokens": False,
             },
         )
+        await api.chat.completions.create(model=MODEL, messages=USER,
+                                          logit_bias={"50": -100, "7": 3})
 
     fake = run(tok, scenario)
     assert fake.requests[0].params.stop == ["42"]
@@ -322,6 +325,8 @@ def test_stop_strings_and_sglang_fields_pass_through(tok):
     assert (params.top_k, params.min_p, params.repetition_penalty) == (5, 0.1, 1.1)
     assert (params.min_new_tokens, params.max_new_tokens) == (2, 12)
     assert params.ignore_eos and params.no_stop_trim and not params.skip_special_tokens
+    assert not params.spaces_between_special_tokens
+    assert fake.requests[2].params.logit_bias == {50: -100.0, 7: 3.0}
 
 
 def test_completion_logprobs(tok):

@@ -54,6 +54,15 @@ def test_completion_requests_are_prompt_major_with_seeds_per_sample(tok):
     assert not parsed.stream and parsed.top_logprobs is None and parsed.echo == []
 
 
+def test_logit_bias_reaches_every_sample(tok):
+    body = {"prompt": "a", "n": 2, "logit_bias": {"11": 100, "12": -100.0}}
+    parsed = parse_completion(body, tok, MODEL, "c")
+    assert [r.params.logit_bias for r in parsed.requests] == [{11: 100.0, 12: -100.0}] * 2
+    chat = parse_chat({"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"3": 1}},
+                      tok, MODEL, "chat")
+    assert chat.requests[0].params.logit_bias == {3: 1.0}
+
+
 def test_completion_echo_and_logprobs(tok):
     ids = tok.encode("hello world")
     parsed = parse_completion({"prompt": ids, "echo": True, "logprobs": 3}, tok, MODEL, "c")
@@ -102,6 +111,9 @@ def test_chat_logprob_flags(tok):
         ({"prompt": "x", "frequency_penalty": "high"}, "frequency_penalty"),
         ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
         ({"prompt": "x", "min_p": 2}, "min_p"),
+        ({"prompt": "x", "priority": "high"}, "priority"),
+        ({"prompt": "x", "priority": 1.5}, "priority"),
+        ({"prompt": "x", "priority": 2**40}, "priority"),
     ],
 )
 def test_completion_errors_name_the_field(tok, body, param):
@@ -264,3 +276,12 @@ def test_fanout_merges_and_raises_mesh_errors(tok):
                 await anext(fanout)
 
     asyncio.run(main())
+
+
+def test_priority_is_an_extra_integer_field(tok):
+    base = {"messages": [{"role": "user", "content": "u"}]}
+    assert parse_chat({**base, "priority": 7}, tok, MODEL, "c").requests[0].priority == 7
+    assert parse_completion({"prompt": "x"}, tok, MODEL, "c").requests[0].priority == 0
+    with pytest.raises(OpenAIError) as err:
+        parse_chat({**base, "priority": "7"}, tok, MODEL, "c")
+    assert err.value.param == "priority" and err.value.status == 400

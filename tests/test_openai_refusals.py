@@ -32,7 +32,7 @@ BAD_CHAT: list[tuple[dict[str, Any], str, str]] = [
     ({"messages": []}, "messages", "must not be empty"),
     ({"messages": "hi"}, "messages", "must be a list"),
     ({"messages": [{"role": "robot", "content": "hi"}]}, "messages[0].role", "robot"),
-    ({"messages": [{"role": "tool", "content": "hi"}]}, "messages[0].role", "tool"),
+    ({"messages": [{"role": "robot", "content": "hi"}]}, "messages[0].role", "robot"),
     ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content", "string"),
     (
         {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
@@ -64,7 +64,11 @@ BAD_CHAT: list[tuple[dict[str, Any], str, str]] = [
     ({"top_k": 2.5}, "top_k", "integer"),
     ({"max_tokens": 2, "min_tokens": 3}, "min_tokens", "max_tokens"),
     ({"stop_token_ids": [10**6]}, "stop_token_ids", "vocab size"),
-    ({"logit_bias": {"5": 1}}, "logit_bias", "not supported"),
+    ({"logit_bias": {"5": 101}}, "logit_bias", "[-100, 100]"),
+    ({"logit_bias": {"5": "x"}}, "logit_bias", "map token ids to numbers"),
+    ({"logit_bias": {"five": 1}}, "logit_bias", "token ids"),
+    ({"logit_bias": {"49152": 1}}, "logit_bias", "vocab size 49152"),
+    ({"logit_bias": [5]}, "logit_bias", "map token ids to numbers"),
     ({"tools": [{"type": "function"}]}, "tools", "each tool must be"),
     ({"tools": []}, "tools", "non-empty list"),
     ({"tools": [{"type": "function", "function": {"parameters": {}}}]}, "tools", "needs a name"),
@@ -96,6 +100,7 @@ BAD_COMPLETION: list[tuple[dict[str, Any], str, str]] = [
     ({"echo": True, "logprobs": 1, "stream": True}, "echo", "streaming"),
     ({"best_of": 3}, "best_of", "not supported"),
     ({"suffix": "x"}, "suffix", "not supported"),
+    ({"logit_bias": {"-3": 1}}, "logit_bias", ">= 0"),
     ({"model": "gpt-4"}, "model", "does not exist"),
 ]
 

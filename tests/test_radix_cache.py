@@ -14,6 +14,7 @@ from hypothesis.stateful import (
     rule,
 )
 
+from radixmesh.engine.eviction import POLICIES
 from radixmesh.engine.kv_allocator import KVAllocator
 from radixmesh.engine.radix_cache import RadixCache
 from radixmesh.engine.tree_node import TreeNode
@@ -383,7 +384,7 @@ class RadixCacheMachine(RuleBasedStateMachine):
 
     @initialize(
         page_size=st.sampled_from([1, 2, 4]),
-        policy=st.sampled_from(["lru", "lfu", "fifo", "priority"]),
+        policy=st.sampled_from(POLICIES),
     )
     def setup(self, page_size, policy):
         self.page_size = page_size

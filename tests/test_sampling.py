@@ -45,7 +45,9 @@ def test_from_dict_reads_every_field():
         "stop_token_ids": [5, 6],
         "ignore_eos": True,
         "skip_special_tokens": False,
+        "spaces_between_special_tokens": False,
         "no_stop_trim": True,
+        "logit_bias": {5: 1.5},
         "seed": 42,
     }
     p = SamplingParams.from_dict(d)
@@ -534,3 +536,76 @@ def test_without_logprobs_picks_the_same_tokens():
         fast = sample(logits, reqs, with_logprobs=False)
         assert fast.token_ids == full.token_ids
     assert sample(logits, greedy, with_logprobs=False).logprobs == []
+
+
+# ---------------------------------------------------------------- logit_bias
+
+
+def test_logit_bias_reads_json_keys_and_checks_bounds():
+    p = SamplingParams.from_dict({"logit_bias": {"7": -100, 3: 2.5}})
+    assert p.logit_bias == {7: -100.0, 3: 2.5}
+    assert SamplingParams.from_dict({"logit_bias": None}).logit_bias == {}
+    p.validate(vocab_size=8)
+    with pytest.raises(ValueError, match="logit_bias keys.*< vocab size 7, got 7"):
+        p.validate(vocab_size=7)
+    for bad, message in [
+        ({"1": 100.5}, r"logit_bias values must be in \[-100, 100\], got 100.5"),
+        ({"1": -101}, r"logit_bias values must be in \[-100, 100\]"),
+        ({"-1": 1}, "logit_bias keys must be token ids >= 0, got -1"),
+        ({"abc": 1}, "logit_bias keys must be token ids, got 'abc'"),
+        ({"1": "high"}, "logit_bias must map token ids to numbers"),
+        ({"1": float("nan")}, "logit_bias must map token ids to numbers"),
+        ({"1": True}, "logit_bias must map token ids to numbers"),
+        ([1, 2], "logit_bias must map token ids to numbers"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            SamplingParams.from_dict({"logit_bias": bad})
+
+
+def test_logit_bias_plus_100_forces_the_token_at_temperature_1():
+    logits = torch.tensor([6.0, 5.0, 4.0, -3.0])
+    for seed in range(20):
+        req = make(4, seed=seed, logit_bias={3: 100.0})
+        for _ in range(5):
+            token = draw(logits, req)
+            assert token == 3
+            req.record(token)
+
+
+def test_logit_bias_minus_100_bans_the_greedy_token():
+    logits = torch.tensor([1.0, 4.0, 3.9, 0.0])
+    greedy = make(4, temperature=0.0, logit_bias={1: -100.0})
+    assert draw(logits, greedy) == 2
+    assert sample(logits[None], [greedy], with_logprobs=False).token_ids == [2]
+    counts = seeded_counts(logits, 200, logit_bias={1: -100})
+    assert counts[1] == 0 and counts[2] > 0
+
+
+def test_logit_bias_shifts_the_distribution_and_logprobs():
+    logits = torch.tensor([1.0, 0.0, 0.5])
+    req = make(3, logit_bias={1: 2.0, 2: -0.5})
+    expected = torch.log_softmax(torch.tensor([1.0, 2.0, 0.0]), -1)
+    torch.testing.assert_close(adjusted_logprobs(logits, req), expected)
+
+
+def test_logit_bias_comes_before_penalties_and_masks():
+    logits = torch.tensor([[2.0, 1.0, 0.0, 0.5]])
+    # Biased to 3.0 first, then the repetition penalty halves it: 1.5 trails token 0's 2.0.
+    req = make(4, prompt=[1], temperature=0.0, repetition_penalty=2.0, logit_bias={1: 2.0})
+    expected = torch.log_softmax(torch.tensor([2.0, 1.5, 0.0, 0.5]), -1)
+    torch.testing.assert_close(adjusted_logprobs(logits[0], req), expected)
+    assert draw(logits[0], req) == 0
+    # A masked token stays out whatever its bias; so does an end token before min_new_tokens.
+    mask = torch.tensor([[True, False, True, True]])
+    for seed in range(20):
+        forced = make(4, seed=seed, logit_bias={1: 100.0, 2: 100.0}, eos=[2], min_new_tokens=1)
+        assert sample(logits, [forced], vocab_mask=mask).token_ids[0] in (0, 3)
+
+
+def test_logit_bias_rows_stay_apart_in_a_batch():
+    logits = torch.zeros(3, 5)
+    reqs = [make(5, temperature=0.0, logit_bias={4: 1.0}), make(5, temperature=0.0),
+            make(5, temperature=0.0, logit_bias={2: 3.0, 4: -1.0})]
+    before = logits.clone()
+    assert sample(logits, reqs).token_ids == [4, 0, 2]
+    assert torch.equal(logits, before)

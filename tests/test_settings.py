@@ -26,6 +26,8 @@ from radixmesh.core.service_settings import (
 )
 from radixmesh.core.settings import EngineArgs
 from radixmesh.engine import eviction, schedule_policy
+from radixmesh.engine.scheduler import Scheduler
+from radixmesh.engine.scheduler_config import SchedulerConfig
 from radixmesh.launcher import SERVICE_CONFIGS, Mesh, MeshArgs
 
 CONFIGS: list[type[Settings]] = [
@@ -102,8 +104,12 @@ SHARED = {
     "chunked_prefill_size": [EngineArgs, MeshArgs, SchedulerServiceConfig],
     "schedule_policy": [EngineArgs, MeshArgs, SchedulerServiceConfig],
     "radix_eviction_policy": [EngineArgs, MeshArgs, SchedulerServiceConfig],
+    "radix_slru_protected_ratio": [EngineArgs, MeshArgs, SchedulerServiceConfig],
     "disable_overlap_schedule": [EngineArgs, MeshArgs, SchedulerServiceConfig],
     "context_length": [EngineArgs, MeshArgs, SchedulerServiceConfig],
+    "enable_priority_scheduling": [EngineArgs, MeshArgs, SchedulerServiceConfig],
+    "schedule_low_priority_values_first": [EngineArgs, MeshArgs, SchedulerServiceConfig],
+    "priority_scheduling_preemption_threshold": [EngineArgs, MeshArgs, SchedulerServiceConfig],
     "host": [MeshArgs, WorkerConfig, SchedulerServiceConfig, TokenizerServiceConfig,
              DetokenizerConfig, CachectlConfig],
     "log_level": [MeshArgs, WorkerConfig, SchedulerServiceConfig, TokenizerServiceConfig,
@@ -131,6 +137,8 @@ SHARED = {
     "nats_url": [SchedulerServiceConfig, TokenizerServiceConfig, DetokenizerConfig,
                  CachectlConfig],
     "grammar_backend": [EngineArgs, MeshArgs, WorkerConfig, TokenizerServiceConfig],
+    **dict.fromkeys(("tool_call_parser", "reasoning_parser"),
+                    [MeshArgs, TokenizerServiceConfig]),
 }
 
 
@@ -236,7 +244,9 @@ BAD_VALUES: dict[str, list[Any]] = {
     "chunked_prefill_size": [-5],
     "schedule_policy": ["random"],
     "radix_eviction_policy": ["mru"],
+    "radix_slru_protected_ratio": [0.0, 1.0, True],
     "context_length": [1, -3],
+    "priority_scheduling_preemption_threshold": [-1, "10"],
     "log_level": ["LOUD"],
     "metrics_port": [-1],
     "tp_size": [0],
@@ -284,6 +294,8 @@ BAD_VALUES: dict[str, list[Any]] = {
     "speculative_ngram_branch_length": [0],
     "speculative_ngram_max_trie_depth": [1],
     "speculative_ngram_capacity": [10],
+    "tool_call_parser": ["hermes", "QWEN25"],
+    "reasoning_parser": ["deepseek"],
 }
 
 
@@ -394,6 +406,18 @@ def test_engine_keywords_are_validated_before_loading() -> None:
 def test_choices_match_what_the_scheduler_implements() -> None:
     assert settings.SCHEDULE_POLICIES == schedule_policy.POLICIES
     assert set(settings.EVICTION_POLICIES) == set(eviction.POLICIES)
+
+
+def test_slru_and_its_ratio_reach_the_radix_cache(monkeypatch) -> None:
+    monkeypatch.setenv("RADIXMESH_RADIX_SLRU_PROTECTED_RATIO", "0.6")
+    config = parse_config(SchedulerServiceConfig, ["--radix-eviction-policy=slru"])
+    assert (config.radix_eviction_policy, config.radix_slru_protected_ratio) == ("slru", 0.6)
+    config = parse_config(SchedulerServiceConfig, ["--radix-slru-protected-ratio", "0.5"])
+    assert config.radix_slru_protected_ratio == 0.5
+    scheduler = Scheduler(SchedulerConfig.from_settings(EngineArgs(
+        radix_eviction_policy="slru", radix_slru_protected_ratio=0.3), 1, 64, 128, ()))
+    policy = scheduler.cache._eviction
+    assert isinstance(policy, eviction.SegmentedLRU) and policy.protected_ratio == 0.3
 
 
 # ---- KV slots ---------------------------------------------------------------------------

@@ -328,3 +328,19 @@ def test_drafts_under_memory_pressure_with_the_host_tier(engine) -> None:
     assert got == expected
     assert info["num_retractions"] > 0 and info["spec_accepted_tokens"] > 0
     assert info["host_cached_tokens"] > 0
+
+
+def test_logit_bias_holds_when_drafts_are_verified(ngram_engine) -> None:
+    """Verify steps sample through the same biased logits as plain decode steps."""
+    tok = ngram_engine.tokenizer
+    params = {"temperature": 0, "max_new_tokens": 24}
+    plain = ngram_engine.generate(COPY, params)["output_ids"]
+    apple = tok.encode(" apple")[0]
+    assert apple in plain
+    banned = ngram_engine.generate(COPY, {**params, "logit_bias": {apple: -100}})["output_ids"]
+    assert apple not in banned and banned != plain
+    before = ngram_engine.server_info()["spec_accepted_tokens"]
+    forced = ngram_engine.generate(COPY, {**params, "seed": 7, "temperature": 1.0,
+                                          "logit_bias": {apple: 100}})["output_ids"]
+    assert forced == [apple] * 24
+    assert ngram_engine.server_info()["spec_accepted_tokens"] > before

@@ -34,7 +34,10 @@ MAX_PENDING_TOKENS = 8
 class DecodeFn(Protocol):
     """Decodes token ids to text, e.g. `tokenizers.Tokenizer.decode`."""
 
-    def __call__(self, ids: Sequence[int], skip_special_tokens: bool) -> str: ...
+    def __call__(
+        self, ids: Sequence[int], skip_special_tokens: bool,
+        spaces_between_special_tokens: bool = False,
+    ) -> str: ...
 
 
 class StopResult(NamedTuple):
@@ -124,6 +127,7 @@ class TextRules:
     no_stop_trim: bool = False
     skip_special_tokens: bool = True
     min_new_tokens: int = 0
+    spaces_between_special_tokens: bool = True  # only with skip_special_tokens false
 
 
 class Update(NamedTuple):
@@ -253,6 +257,10 @@ class _Window:
     ) -> None:
         self._decode = decode
         self._skip_special_tokens = rules.skip_special_tokens
+        # Asked of the decode function only where it changes the text, so one that cannot
+        # space special tokens serves every other request.
+        spaced = rules.spaces_between_special_tokens and not rules.skip_special_tokens
+        self._spacing = {"spaces_between_special_tokens": True} if spaced else {}
         self._stops = _stop_matcher(rules.stop, rules.no_stop_trim)
         # A context of exactly the output so far reaches the prompt, whose tail precedes it.
         if len(context) == offset:
@@ -318,7 +326,8 @@ class _Window:
         text = self._decoded.get(boundary)
         if text is None:
             ids = self._ids[:boundary]
-            text = self._decode(ids, skip_special_tokens=self._skip_special_tokens)
+            text = self._decode(ids, skip_special_tokens=self._skip_special_tokens,
+                                **self._spacing)
             self._decoded[boundary] = text
         return text
 

@@ -1,17 +1,25 @@
-"""Output constraints (a JSON schema, a regex or an EBNF grammar) read and checked without
-any model, by either grammar backend: what the front doors run to refuse a bad one with a
-400, and what the worker compiles against its vocabulary (radixmesh/engine/model/grammar_mask.py).
+"""Output constraints (a JSON schema, a regex, an EBNF grammar or a structural tag) read and
+checked without any model, by either grammar backend: what the front doors run to refuse a bad
+one with a 400, and what the worker compiles against its vocabulary
+(radixmesh/engine/model/grammar_mask.py); and the structural tags the chat route builds for
+tool calls in auto mode and for an answer that follows the model's reasoning.
 
 Both backends read the same texts. An EBNF grammar is written as SGLang's and xgrammar's
 (GBNF: `root ::= ...`); llguidance gets it translated to its Lark dialect. A JSON schema
 allows no free whitespace: the separators are json.dumps's ", " and ": " (a small model
 left free to add whitespace can fill its budget with newlines); and no properties beyond
-those it lists unless it says otherwise."""
+those it lists unless it says otherwise.
+
+A structural tag (xgrammar's format, `{"type": "structural_tag", "format": {...}}`, or SGLang's
+older `{"structures": [{"begin", "schema", "end"}], "triggers": [...]}`) leaves the output free
+except where it says: after a trigger the text must be one of the tags to its end. Only
+xgrammar runs them."""
 
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from radixmesh.core.sampling_params import GRAMMAR_KINDS
@@ -21,12 +29,18 @@ if TYPE_CHECKING:
 
 # xgrammar's messages start with the time and the C++ file and line that raised them.
 _SOURCE = re.compile(r"^\[[\d:]+\] [^:]+:\d+: (Check failed: .*? is false: )?")
+# Whitespace a JSON part of a structural tag may put between two tokens: one, so a small model
+# cannot fill its budget with newlines (the json_schema constraint allows none beyond its
+# separators; a structural tag's JSON cannot be held to those).
+_JSON_WHITESPACE = 1
 
 
 def _check_kind(kind: str, text: str) -> None:
     if kind not in GRAMMAR_KINDS:
-        raise ValueError(f"unknown constraint {kind!r}: expected json_schema, regex or ebnf")
-    if kind == "json_schema":
+        raise ValueError(f"unknown constraint {kind!r}: expected {', '.join(GRAMMAR_KINDS)}")
+    if kind == "structural_tag":
+        structural_tag(text)
+    elif kind == "json_schema":
         try:
             schema = json.loads(text)
         except json.JSONDecodeError as exc:
@@ -44,10 +58,11 @@ def parse(kind: str, text: str) -> xgrammar.Grammar:
         "json_schema": xgrammar.Grammar.from_json_schema,
         "regex": xgrammar.Grammar.from_regex,
         "ebnf": xgrammar.Grammar.from_ebnf,
+        "structural_tag": lambda t: xgrammar.Grammar.from_structural_tag(structural_tag(t)),
     }[kind]
     try:
         return build(text)
-    except RuntimeError as exc:
+    except RuntimeError as exc:  # xgrammar's errors, InvalidStructuralTagError among them
         reason = _SOURCE.sub("", str(exc).strip().splitlines()[0])
         raise ValueError(f"invalid {kind}: {reason}") from None
 
@@ -58,6 +73,8 @@ def llguidance_grammar(kind: str, text: str) -> str:
     from llguidance.gbnf_to_lark import gbnf_to_lark
 
     _check_kind(kind, text)
+    if kind == "structural_tag":
+        raise ValueError("structural_tag needs the xgrammar grammar backend")
     try:
         if kind == "json_schema":
             grammar = LLMatcher.grammar_from_json_schema(_closed(json.loads(text)), defaults={
@@ -110,3 +127,71 @@ def check(constraint: tuple[str, str] | None, backend: str = "xgrammar") -> None
         llguidance_grammar(*constraint)
     else:
         parse(*constraint)
+
+
+# ---- structural tags -------------------------------------------------------------------------
+
+
+def structural_tag(text: str) -> str:
+    """A structural tag's text in xgrammar's current format (SGLang's older shape converted);
+    ValueError when it is neither."""
+    try:
+        tag = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"structural_tag is not valid JSON: {exc}") from None
+    if not isinstance(tag, dict):
+        raise ValueError(f"structural_tag must be a JSON object, got {text!r}")
+    if "format" in tag:
+        return text
+    structures, triggers = tag.get("structures"), tag.get("triggers")
+    if not isinstance(structures, list) or not isinstance(triggers, list) or not all(
+        isinstance(s, dict) and {"begin", "schema", "end"} <= s.keys() for s in structures
+    ):
+        raise ValueError("structural_tag must have a format, or structures (each with begin, "
+                         "schema and end) and triggers")
+    tags = [_tag(s["begin"], _json(s["schema"]), s["end"]) for s in structures]
+    return _tag_text({"type": "triggered_tags", "triggers": triggers, "tags": tags})
+
+
+def tool_calls_tag(trigger: str, calls: Sequence[tuple[str, Mapping[str, Any], str]],
+                   required: bool = False, single: bool = False) -> tuple[str, str]:
+    """The constraint of an answer that may call tools: free text, except that once `trigger`
+    is written the text must be one of `calls` (begin, the arguments' JSON schema, end) to its
+    end. `required`: at least one call; `single`: nothing follows the first call."""
+    tags = [_tag(begin, _json(schema), end) for begin, schema, end in calls]
+    form = {"type": "triggered_tags", "triggers": [trigger], "tags": tags,
+            "at_least_one": required, "stop_after_first": single}
+    return "structural_tag", _tag_text(form)
+
+
+def after_reasoning(constraint: tuple[str, str] | None, start: str, end: str
+                    ) -> tuple[str, str] | None:
+    """`constraint` moved past a reasoning model's thinking: free text between `start` (""
+    when the prompt opened it) and `end`, then whitespace, then the constrained answer."""
+    if constraint is None:
+        return None
+    kind, text = constraint
+    answer: dict[str, Any]
+    if kind == "json_schema":
+        answer = _json(json.loads(text))
+    elif kind == "regex":
+        answer = {"type": "regex", "pattern": text}
+    elif kind == "ebnf":
+        answer = {"type": "grammar", "grammar": text}
+    else:
+        answer = json.loads(structural_tag(text))["format"]
+    thinking = _tag(start, {"type": "any_text"}, end)
+    space = {"type": "regex", "pattern": r"\s*"}
+    return "structural_tag", _tag_text({"type": "sequence", "elements": [thinking, space, answer]})
+
+
+def _tag(begin: str, content: dict[str, Any], end: str) -> dict[str, Any]:
+    return {"type": "tag", "begin": begin, "content": content, "end": end}
+
+
+def _json(schema: Any) -> dict[str, Any]:
+    return {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": _JSON_WHITESPACE}
+
+
+def _tag_text(form: dict[str, Any]) -> str:
+    return json.dumps({"type": "structural_tag", "format": form})

@@ -3,7 +3,10 @@ tokenizer's HTTP API and the in-process Engine."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from radixmesh.core.tokenizer import Tokenizer
 
 # The model's shape as users see it: attributes named alike on the worker's ModelConfig, its
 # WorkerInfo, the engine's EngineStatus heartbeat and the tokenizer's record of it.
@@ -16,9 +19,11 @@ def model_shape(source: object) -> dict[str, Any]:
     return {name: getattr(source, name) for name in MODEL_SHAPE}
 
 
-def model_info(model_path: str, served_model_name: str, shape: dict[str, Any]) -> dict[str, Any]:
+def model_info(model_path: str, served_model_name: str, shape: dict[str, Any],
+               tokenizer: Tokenizer) -> dict[str, Any]:
     """The /get_model_info answer: SGLang's keys (what its frontend reads to pick a chat
-    template), then the model's shape."""
+    template), the model's shape, then its chat template and the tokens the template
+    reads, so that radixmesh.lang renders role messages exactly as chat requests are."""
     return {
         "model_path": model_path,
         "tokenizer_path": model_path,
@@ -26,4 +31,7 @@ def model_info(model_path: str, served_model_name: str, shape: dict[str, Any]) -
         "is_generation": True,
         "preferred_sampling_params": None,
         **shape,
+        "chat_template": tokenizer.chat_template,
+        "bos_token": tokenizer.bos_token,
+        "eos_token": tokenizer.eos_token,
     }

@@ -79,6 +79,9 @@ def build_request(
     missing max_new_tokens shrinks to what fits), the logprobs it wants and its length
     against the context. Raises RequestError naming the field as `names` says."""
     _check_input_ids(input_ids, limits.vocab_size, names.prompt)
+    # Every door carries it as a 32-bit integer (the mesh's wire form is int32).
+    if not is_int(priority) or not -(2**31) <= priority < 2**31:
+        raise RequestError(f"priority must be a 32-bit integer, got {priority!r}", "priority")
     if sampling is not None and not isinstance(sampling, Mapping):
         raise RequestError(
             f"sampling_params must be an object, got {type(sampling).__name__}",
@@ -93,6 +96,16 @@ def build_request(
         _check_length(len(input_ids), params.max_new_tokens, limits.context_length, names)
     wanted = _logprob_request(logprobs or LogprobRequest(), len(input_ids))
     return GenerationRequest(rid, list(input_ids), params, wanted, cache_salt, priority)
+
+
+def nth_sample(request: GenerationRequest, rid: str, index: int) -> GenerationRequest:
+    """Sample `index` of a prompt that asks for n (OpenAI's n, /generate's
+    sampling_params.n), under its own id. Samples without a seed draw their own; with one,
+    each takes the next seed, since one seed for all n would make them identical."""
+    params = request.params
+    if params.seed is not None and index:
+        params = replace(params, seed=params.seed + index)
+    return replace(request, rid=rid, params=params)
 
 
 def _check_input_ids(input_ids: list[int], vocab_size: int, name: str) -> None:

@@ -16,8 +16,15 @@ _FLOAT_FIELDS = (
     "presence_penalty",
     "repetition_penalty",
 )
-_BOOL_FIELDS = ("ignore_eos", "skip_special_tokens", "no_stop_trim")
-GRAMMAR_KINDS = ("json_schema", "regex", "ebnf")  # the constraint fields, SGLang's names
+_BOOL_FIELDS = (
+    "ignore_eos",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "no_stop_trim",
+)
+# OpenAI's bounds: -100 bans a token and +100 all but forces it.
+MAX_LOGIT_BIAS = 100.0
+GRAMMAR_KINDS = ("json_schema", "regex", "ebnf", "structural_tag")  # SGLang's names
 
 
 def _is_int(value: object) -> bool:
@@ -47,13 +54,19 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    # With special tokens shown, a space sets each apart from the text around it.
+    spaces_between_special_tokens: bool = True
     no_stop_trim: bool = False
+    # Added to a token's logit before penalties and masks: token id -> bias.
+    logit_bias: dict[int, float] = field(default_factory=dict)
     seed: int | None = None
-    # At most one constraint on the output: a JSON schema (as JSON text), a regex, or an
-    # EBNF grammar (radixmesh.core.grammar checks them).
+    # At most one constraint on the output: a JSON schema (as JSON text), a regex, an EBNF
+    # grammar, or a structural tag (JSON: free text with constrained parts, xgrammar's
+    # format; radixmesh.core.grammar checks them).
     json_schema: str | None = None
     regex: str | None = None
     ebnf: str | None = None
+    structural_tag: str | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -75,6 +88,8 @@ class SamplingParams:
             # JSON clients send 1 for 1.0; store floats so equal params compare equal.
             if name in kwargs and _is_int(kwargs[name]):
                 kwargs[name] = float(kwargs[name])
+        if "logit_bias" in kwargs:
+            kwargs["logit_bias"] = _as_bias(kwargs["logit_bias"])
         return cls(**kwargs)
 
     @property
@@ -116,6 +131,14 @@ class SamplingParams:
             if token_id < 0 or (vocab_size is not None and token_id >= vocab_size):
                 bound = "" if vocab_size is None else f" and < vocab size {vocab_size}"
                 raise ValueError(f"stop_token_ids entries must be >= 0{bound}, got {token_id!r}")
+        for token_id, bias in self.logit_bias.items():
+            if token_id < 0 or (vocab_size is not None and token_id >= vocab_size):
+                bound = "" if vocab_size is None else f" and < vocab size {vocab_size}"
+                raise ValueError(f"logit_bias keys must be token ids >= 0{bound}, got {token_id}")
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise ValueError(
+                    f"logit_bias values must be in [-100, 100], got {bias!r} for token {token_id}"
+                )
 
     def _check_types(self) -> None:
         """Raise ValueError naming the first field whose value has the wrong type."""
@@ -137,6 +160,10 @@ class SamplingParams:
         ):
             ids = self.stop_token_ids
             raise ValueError(f"stop_token_ids must be a list of integers, got {ids!r}")
+        if not isinstance(self.logit_bias, dict) or not all(
+            _is_int(t) and _is_number(b) for t, b in self.logit_bias.items()
+        ):
+            raise ValueError(f"logit_bias must map token ids to numbers, got {self.logit_bias!r}")
         if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed must be an integer or null, got {self.seed!r}")
         given = [kind for kind in GRAMMAR_KINDS if getattr(self, kind) is not None]
@@ -144,7 +171,7 @@ class SamplingParams:
             if not isinstance(getattr(self, kind), str) or not getattr(self, kind):
                 raise ValueError(f"{kind} must be a non-empty string, got {getattr(self, kind)!r}")
         if len(given) > 1:
-            raise ValueError(f"at most one of json_schema, regex and ebnf, got {', '.join(given)}")
+            raise ValueError(f"at most one of {', '.join(GRAMMAR_KINDS)}, got {', '.join(given)}")
 
 
 def _as_list(value: object) -> object:
@@ -156,6 +183,24 @@ def _as_list(value: object) -> object:
     if isinstance(value, tuple):
         return list(value)
     return value
+
+
+def _as_bias(value: object) -> object:
+    """Accept null for no bias, and JSON's string keys ("50256") for token ids; store int
+    keys and float biases so equal params compare equal. The rest is left to validation."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        return value
+    out: dict[object, object] = {}
+    for key, bias in value.items():
+        if isinstance(key, str):
+            try:
+                key = int(key)
+            except ValueError:
+                raise ValueError(f"logit_bias keys must be token ids, got {key!r}") from None
+        out[key] = float(bias) if _is_int(bias) else bias
+    return out
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from radixmesh.core.flags import Settings, setting
+from radixmesh.core.reasoning import REASONING_PARSERS
 from radixmesh.core.settings import (
     GrammarSettings,
     HiCacheStorageSettings,
@@ -20,6 +21,7 @@ from radixmesh.core.settings import (
     ReplicaSettings,
     RunnerSettings,
 )
+from radixmesh.core.tool_parsers import TOOL_PARSERS
 
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
 TRANSFER_BACKENDS = ("auto", "grpc", "shm")
@@ -310,6 +312,27 @@ class TokenizerSettings(Settings):
     )
 
 @dataclass(frozen=True, kw_only=True)
+class ChatSettings(Settings):
+    """How the model writes tool calls and reasoning, for the chat route to read them."""
+
+    TITLE: ClassVar[str] = "chat answers"
+
+    tool_call_parser: str | None = setting(
+        None,
+        choices=tuple(TOOL_PARSERS),
+        help="the format the model writes tool calls in: with tools and tool_choice auto, "
+        "its calls come back as tool_calls, each constrained to its tool's schema once the "
+        "model opens it; empty: answers stay text",
+    )
+    reasoning_parser: str | None = setting(
+        None,
+        choices=REASONING_PARSERS,
+        help="how the model marks its thinking: it comes back as reasoning_content, and a "
+        "constraint applies to the answer after it; empty: the thinking stays in content",
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
 class FrontDoorSettings(Settings):
     """Who may use the front doors, and how many requests may wait."""
 
@@ -414,8 +437,8 @@ class SchedulerServiceConfig(
 
 @dataclass(frozen=True, kw_only=True)
 class TokenizerServiceConfig(
-    NatsSettings, ServiceSettings, RouterSettings, FrontDoorSettings, TokenizerSettings,
-    GrammarSettings, ModelSettings,
+    NatsSettings, ServiceSettings, RouterSettings, FrontDoorSettings, ChatSettings,
+    TokenizerSettings, GrammarSettings, ModelSettings,
 ):
     """A tokenizer replica: the HTTP and gRPC front doors, routing requests to engines."""
 

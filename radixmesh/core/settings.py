@@ -24,7 +24,7 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton")
 SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs")
 SPECULATIVE_ALGORITHMS = ("NGRAM",)
 NGRAM_MATCH_TYPES = ("BFS", "PROB")
-EVICTION_POLICIES = ("lru", "lfu", "fifo", "priority")
+EVICTION_POLICIES = ("lru", "lfu", "fifo", "priority", "slru")
 
 # ---- checks of single settings ------------------------------------------------------------
 
@@ -47,6 +47,11 @@ def check_device(device: str) -> None:
         raise ValueError(
             f"device={device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)"
         )
+
+
+def _check_protected_ratio(value: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < 1:
+        raise ValueError(f"radix_slru_protected_ratio must be in (0, 1), got {value!r}")
 
 
 def _check_context_length(value: int) -> None:
@@ -220,7 +225,14 @@ class ScheduleSettings(Settings):
         choices=EVICTION_POLICIES,
         aliases=("eviction-policy",),
         help="which cached prefix the radix cache drops first when the KV pool is full: "
-        "least recently used, least frequently used, first inserted, or lowest priority",
+        "least recently used, least frequently used, first inserted, lowest priority, or "
+        "slru (segmented LRU: prefixes hit again are protected from one-off prompts)",
+    )
+    radix_slru_protected_ratio: float = setting(
+        0.8,
+        check=_check_protected_ratio,
+        help="under the slru eviction policy, the share of the KV pool that its protected "
+        "segment (prefixes hit again since they were cached) may hold, in (0, 1)",
     )
     disable_overlap_schedule: bool = setting(
         False,
@@ -233,6 +245,23 @@ class ScheduleSettings(Settings):
         check=_check_context_length,
         help="most tokens of a request, prompt and output together, never more than the "
         "model's; empty or 0: the model's (max_position_embeddings)",
+    )
+    enable_priority_scheduling: bool = setting(
+        False,
+        help="admit waiting requests by their priority class first (schedule_policy orders "
+        "each class), and let a more important arrival preempt running requests when the "
+        "running batch is full or the KV pool has no room",
+    )
+    schedule_low_priority_values_first: bool = setting(
+        False,
+        help="with priority scheduling, a smaller priority value is more important; by "
+        "default a larger one is",
+    )
+    priority_scheduling_preemption_threshold: int = setting(
+        10,
+        minimum=0,
+        help="with priority scheduling, how much more important than a running request an "
+        "arrival must be to preempt it (equal importance never preempts)",
     )
 
 

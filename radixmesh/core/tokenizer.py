@@ -285,8 +285,33 @@ class Tokenizer:
         """Token ids of ``text``; BOS is prepended only if the model asks for it."""
         return self._raw.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return self._raw.decode(list(ids), skip_special_tokens=skip_special_tokens)
+    def decode(
+        self,
+        ids: Sequence[int],
+        skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = False,
+    ) -> str:
+        """The text of `ids`. With special tokens shown and spaces_between_special_tokens,
+        each special token is set apart by a space from the text and tokens beside it, as
+        SGLang's sampling parameter of that name asks (Hugging Face's slow tokenizers'
+        rule: the runs between special tokens decode on their own)."""
+        ids = list(ids)
+        specials = self.special_ids
+        if skip_special_tokens or not spaces_between_special_tokens or specials.isdisjoint(ids):
+            return self._raw.decode(ids, skip_special_tokens=skip_special_tokens)
+        pieces: list[str] = []
+        run: list[int] = []
+        for token_id in ids:
+            if token_id in specials:
+                if run:
+                    pieces.append(self._raw.decode(run, skip_special_tokens=False))
+                    run = []
+                pieces.append(self._raw.decode([token_id], skip_special_tokens=False))
+            else:
+                run.append(token_id)
+        if run:
+            pieces.append(self._raw.decode(run, skip_special_tokens=False))
+        return " ".join(pieces)
 
     def id_to_token(self, i: int) -> str | None:
         return self._raw.id_to_token(i)

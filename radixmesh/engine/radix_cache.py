@@ -11,7 +11,7 @@ import heapq
 import time
 from collections.abc import Callable, Iterator, Sequence
 
-from radixmesh.engine.eviction import eviction_key
+from radixmesh.engine.eviction import DEFAULT_PROTECTED_RATIO, eviction_policy
 from radixmesh.engine.kv_allocator import KVAllocator
 from radixmesh.engine.tree_node import ChildKey, MatchResult, TreeNode
 
@@ -19,7 +19,8 @@ from radixmesh.engine.tree_node import ChildKey, MatchResult, TreeNode
 class RadixCache:
     """Prefix cache of KV slots, one radix tree per namespace, with locking and eviction.
 
-    `host` is the host tier's slot allocator while the tier is attached (attach_host)."""
+    `host` is the host tier's slot allocator while the tier is attached (attach_host);
+    `protected_ratio`: the share of the pool the slru policy's protected segment may hold."""
 
     def __init__(
         self,
@@ -27,6 +28,7 @@ class RadixCache:
         page_size: int = 1,
         policy: str = "lru",
         clock: Callable[[], float] = time.monotonic,
+        protected_ratio: float = DEFAULT_PROTECTED_RATIO,
     ) -> None:
         if page_size != allocator.page_size:
             # Evicting frees whole allocator pages, so tree pages and pool pages must coincide.
@@ -37,7 +39,7 @@ class RadixCache:
         self.host: KVAllocator | None = None
         self.page_size = page_size
         self.policy = policy
-        self._eviction_key = eviction_key(policy)
+        self._eviction = eviction_policy(policy, allocator.num_slots, protected_ratio)
         self._clock = clock
         self._roots: dict[str | None, TreeNode] = {}
         # Unlocked device nodes with no device child and no backup running: what device
@@ -63,6 +65,7 @@ class RadixCache:
         slots: list[int] = []
         host_nodes: list[TreeNode] = []
         now = self._clock()
+        path: list[TreeNode] = []
         for child, _ in self._descend(device, tokens, end):
             child.last_access = now
             if count_hit:
@@ -72,6 +75,8 @@ class RadixCache:
                 device = child
             else:
                 host_nodes.append(child)
+            path.append(child)
+        self._eviction.accessed(path, count_hit)
         return MatchResult(slots, device, host_nodes)
 
     def insert(
@@ -98,6 +103,7 @@ class RadixCache:
         now = self._clock()
         start, end = 0, len(tokens)
         adopted: int | None = None
+        path: list[TreeNode] = []
         for child, at in self._descend(node, tokens, end):
             child.last_access = now
             child.priority = max(child.priority, priority)
@@ -105,6 +111,8 @@ class RadixCache:
                 adopted = at if adopted is None else adopted
                 self._set_device(child, new_slots[at : at + len(child.key)])
             node, start = child, at + len(child.key)
+            path.append(child)
+        self._eviction.accessed(path, False)
         if start < end:
             child_key = self._child_key(tokens, start)
             self._add_leaf(node, child_key, tokens[start:], new_slots[start:], now, priority)
@@ -143,7 +151,7 @@ class RadixCache:
         returns slots freed. A leaf backed up on the host stays in the tree, host-only;
         `keep(leaf)` may start a backup of one that is not (it then stays, and frees its
         slots once the backup is done); any other leaf leaves the tree."""
-        order = self._eviction_key
+        order = self._eviction.key
         heap = [(order(leaf), seq, leaf) for seq, leaf in enumerate(self._evictable_leaves)]
         heapq.heapify(heap)
         seq = len(heap)
@@ -205,10 +213,10 @@ class RadixCache:
         """Frees host slots in policy order: a host-only leaf leaves the tree, a node also on
         the device keeps only its device copy. Returns host slots freed."""
         assert self.host is not None
-        order = self._eviction_key
-        heap = [
-            (order(n), seq, n) for seq, n in enumerate(self._host_nodes) if self._host_evictable(n)
-        ]
+        order = self._eviction.key
+        # Numbered after filtering: the numbers pushed below must not repeat one of these.
+        candidates = [n for n in self._host_nodes if self._host_evictable(n)]
+        heap = [(order(n), seq, n) for seq, n in enumerate(candidates)]
         heapq.heapify(heap)
         seq = len(heap)
         freed = 0
@@ -222,7 +230,9 @@ class RadixCache:
                 continue
             self._remove(node)
             assert parent is not None
-            if parent.parent is not None and self._host_evictable(parent):
+            # A parent on the device was a candidate from the start: only a host-only one
+            # becomes one now (pushing the other again would drop its host copy twice).
+            if parent.slots is None and parent.parent is not None and self._host_evictable(parent):
                 heapq.heappush(heap, (order(parent), seq, parent))
                 seq += 1
         return freed
@@ -318,6 +328,7 @@ class RadixCache:
         host_owned: set[int] = set()
         leaves: set[TreeNode] = set()
         host_nodes: set[TreeNode] = set()
+        nodes: list[TreeNode] = []
         for namespace, root in self._roots.items():
             _require(
                 root.parent is None and not root.key and not root.slots and root.lock_ref == 0,
@@ -329,6 +340,7 @@ class RadixCache:
                 for child_key, child in node.children.items():
                     where = f"{child} in namespace {namespace!r}"
                     self._check_node(node, child_key, child, where)
+                    nodes.append(child)
                     if child.slots is not None:
                         _require(
                             owned.isdisjoint(child.slots), f"{where}: a slot is owned twice"
@@ -368,6 +380,7 @@ class RadixCache:
             pending == {n for n in host_nodes if n.backup},
             "the running backups do not match the nodes that wait for one",
         )
+        self._eviction.check(nodes)
 
     def _check_node(
         self, parent: TreeNode, child_key: ChildKey, child: TreeNode, where: str
@@ -474,6 +487,7 @@ class RadixCache:
         if node.slots is not None:
             node.slots = node.slots[at:]
         node.parent = upper
+        self._eviction.split(upper, node)
         return upper
 
     def _add_leaf(
@@ -489,6 +503,7 @@ class RadixCache:
         self._next_created += 1
         parent.children[child_key] = leaf
         self._evictable += len(key)
+        self._eviction.cached(leaf)
         self._refresh_leaf(leaf)
         self._refresh_leaf(parent)
 
@@ -499,9 +514,11 @@ class RadixCache:
             assert node.slots is not None and node.lock_ref == 0
             self.allocator.free(node.slots)
             self._evictable -= len(node.key)
+            self._eviction.dropped(node)
         else:
             assert node.slots is None
             self._evictable += len(node.key)
+            self._eviction.cached(node)
         node.slots = slots
         self._refresh_leaf(node)
         if node.parent is not None:
@@ -533,6 +550,7 @@ class RadixCache:
             if n.slots is not None:
                 assert n.lock_ref == 0, f"{n} is locked"
                 self._evictable -= len(n.key)
+                self._eviction.dropped(n)
             if n.host_slots is not None:
                 self._host_size -= len(n.host_slots)
                 del self._host_nodes[n]

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from radixmesh.core.finish import FinishReason
+from radixmesh.core.finish import FinishKind, FinishReason
 from radixmesh.core.request import GenerationRequest
 from radixmesh.core.sampling_params import LogprobRequest, SamplingParams
+from radixmesh.core.step import NewRequest
 
 if TYPE_CHECKING:
     from radixmesh.engine.disaggregation import Handoff, Transfer
@@ -84,3 +86,36 @@ class Req:
     def remaining_new_tokens(self) -> int:
         """Tokens it may still generate, counting steps already in flight."""
         return self.params.max_new_tokens - len(self.output_ids) - self.pending
+
+    def new_request(self, prefix: int) -> NewRequest:
+        """What the model runner learns of it on (re)admission, its first `prefix` tokens
+        cached."""
+        logprobs = self.logprobs
+        if self.admitted:  # readmitted: it already has its prompt logprobs
+            logprobs = dataclasses.replace(logprobs, logprob_start_len=-1)
+        return NewRequest(
+            self.rid,
+            self.tokens[:prefix],
+            self.slots[:prefix],
+            len(self.input_ids),
+            self.params,
+            self.seed,
+            logprobs,
+        )
+
+    def stop_reason(
+        self, token: int, eos_token_ids: tuple[int, ...], context_length: int
+    ) -> FinishReason | None:
+        """Why the output token just appended ends it, if it does."""
+        p = self.params
+        if p.grammar is not None and token in eos_token_ids:
+            # The grammar allowed its stop token: the constrained answer is complete.
+            return FinishReason(FinishKind.STOP, token)
+        stops = token in p.stop_token_ids or (not p.ignore_eos and token in eos_token_ids)
+        if stops and len(self.output_ids) > p.min_new_tokens:
+            return FinishReason(FinishKind.STOP, token)
+        if len(self.output_ids) >= p.max_new_tokens:
+            return FinishReason(FinishKind.LENGTH, p.max_new_tokens)
+        if self.num_tokens >= context_length:
+            return FinishReason(FinishKind.LENGTH, len(self.output_ids))
+        return None

@@ -3,16 +3,16 @@ the model runner's StepResult back into the requests."""
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 
 from radixmesh.core.finish import FinishKind, FinishReason
 from radixmesh.core.hicache import HostPoolSpec, PageKeys
-from radixmesh.core.step import EntryResult, NewRequest, StepBatch, StepEntry, StepResult
+from radixmesh.core.step import EntryResult, StepBatch, StepEntry, StepResult
 from radixmesh.engine.constraints import Constraints
 from radixmesh.engine.disaggregation import Disaggregation, TransferSteps
 from radixmesh.engine.host_tier import HostTier
 from radixmesh.engine.kv_allocator import KVAllocator
+from radixmesh.engine.priority import Capacity, KVRoom, make_priority
 from radixmesh.engine.radix_cache import RadixCache
 from radixmesh.engine.request import Req
 from radixmesh.engine.schedule_policy import SchedulePolicy, match_key
@@ -45,6 +45,7 @@ class Scheduler(TransferSteps):
         self.num_retractions = 0
         self.constraints = Constraints()
         self.speculation = make_speculation(config.speculative)
+        self.priority = make_priority(config)
         self.disagg = Disaggregation(config.transfer_timeout)
         self.reset()
 
@@ -62,7 +63,12 @@ class Scheduler(TransferSteps):
         tier (attach it again), no compiled constraint, steps counted from 1 again."""
         config = self.config
         self.allocator = KVAllocator(config.num_slots, config.page_size)
-        self.cache = RadixCache(self.allocator, config.page_size, config.eviction_policy)
+        self.cache = RadixCache(
+            self.allocator,
+            config.page_size,
+            config.eviction_policy,
+            protected_ratio=config.slru_protected_ratio,
+        )
         self.policy = SchedulePolicy(config.schedule_policy, self.cache)
         self.waiting: list[Req] = []
         self.running: list[Req] = []  # decoding, oldest first
@@ -166,6 +172,7 @@ class Scheduler(TransferSteps):
             "running": self.num_running(),
             "waiting": len(self.waiting) + len(self.disagg.reserving),
             "num_retractions": self.num_retractions,
+            **self.priority.stats(),
             "steps": self._step,
             "forced_tokens": self.num_forced_tokens,
             **self.speculation.stats.report(),
@@ -207,6 +214,7 @@ class Scheduler(TransferSteps):
     def schedule(self) -> ScheduledBatch | None:
         """The next step's batch: every decoding request, then prefill under the budget."""
         batch = ScheduledBatch(StepBatch(self._step + 1))
+        self._preempt()
         self._schedule_decodes(batch)
         self._schedule_prefills(batch)
         self._reserve_transfers()  # room for later work, after what can run now
@@ -268,6 +276,7 @@ class Scheduler(TransferSteps):
                 break
             if slots is None:
                 victim = self.running[-1]
+                self.num_retractions += 1
                 self._retract(victim)
                 if victim is req:
                     break
@@ -301,21 +310,34 @@ class Scheduler(TransferSteps):
             if not used or self.chunked is not None:
                 return
             budget -= used
-        for req in self.policy.order(self.waiting):
+        for req in self.priority.order(self.waiting, self.policy.order):
             if budget <= 0 or len(self.running) >= self.config.max_running_requests:
                 break
-            if req.pending:
-                continue  # retracted with a token still in flight; readmit once it lands
-            if not self.constraints.ready(req):
-                continue  # its constraint is still compiling
-            if not req.admitted and self.tiers.waits(req):
-                continue  # its prefix is on its way from storage
+            if not self._ready(req):
+                continue
             used = self._admit(batch, req, budget)
             if not used:
                 break
             budget -= used
             if self.chunked is not None:
                 break
+
+    def _ready(self, req: Req) -> bool:
+        """Whether a waiting request may be admitted now: no token of it in flight (retracted
+        mid-step), its constraint compiled, its prefix not on its way from storage."""
+        return not req.pending and self.constraints.ready(req) and (
+            req.admitted or not self.tiers.waits(req))
+
+    def _preempt(self) -> None:
+        """Retract the running requests that more important waiting ones displace (priority
+        scheduling); before decodes are scheduled, so that none of them is in the step."""
+        if self.chunked is not None:
+            return  # the prompt being prefilled in chunks takes this step's admission
+        c = self.config
+        free = Capacity(c.max_running_requests - len(self.running), c.chunked_prefill_size)
+        room = KVRoom(self.cache, self.allocator, self.page, c.decode_reserve_ratio, self._locked)
+        for victim in self.priority.victims(self.waiting, self.running, self._ready, free, room):
+            self._retract(victim)
 
     def _admit(self, batch: ScheduledBatch, req: Req, budget: int) -> int:
         """Take a waiting request into the batch; returns prompt tokens scheduled (0: no room)."""
@@ -348,7 +370,7 @@ class Scheduler(TransferSteps):
             return 0
         cached = len(prefix)
         req.slots, req.cached_len, self._locked[req.rid] = prefix, cached, node
-        new_request = self._new_request(req, cached)
+        new_request = req.new_request(cached)
         used = self._extend(batch, req, budget)
         if not used:
             self.cache.unlock(node)
@@ -389,20 +411,6 @@ class Scheduler(TransferSteps):
         else:
             self.chunked = req
         return chunk
-
-    def _new_request(self, req: Req, prefix: int) -> NewRequest:
-        logprobs = req.logprobs
-        if req.admitted:  # readmitted: it already has its prompt logprobs
-            logprobs = dataclasses.replace(logprobs, logprob_start_len=-1)
-        return NewRequest(
-            req.rid,
-            req.tokens[:prefix],
-            req.slots[:prefix],
-            len(req.input_ids),
-            req.params,
-            req.seed,
-            logprobs,
-        )
 
     # ---- KV slots --------------------------------------------------------------------
 
@@ -467,7 +475,6 @@ class Scheduler(TransferSteps):
 
     def _retract(self, req: Req) -> None:
         """Send a running request back to the queue; its progress stays as a cached prefix."""
-        self.num_retractions += 1
         self.running.remove(req)
         self._release_kv(req)
         self._forget_on_worker(req)
@@ -582,20 +589,7 @@ class Scheduler(TransferSteps):
                 ))
 
     def _check_finish(self, req: Req, token: int) -> FinishReason | None:
-        p = req.params
-        if p.grammar is not None and token in self.config.eos_token_ids:
-            # The grammar allowed its stop token: the constrained answer is complete.
-            return FinishReason(FinishKind.STOP, token)
-        stops = token in p.stop_token_ids or (
-            not p.ignore_eos and token in self.config.eos_token_ids
-        )
-        if stops and len(req.output_ids) > p.min_new_tokens:
-            return FinishReason(FinishKind.STOP, token)
-        if len(req.output_ids) >= p.max_new_tokens:
-            return FinishReason(FinishKind.LENGTH, p.max_new_tokens)
-        if req.num_tokens >= self.config.context_length:
-            return FinishReason(FinishKind.LENGTH, len(req.output_ids))
-        return None
+        return req.stop_reason(token, self.config.eos_token_ids, self.config.context_length)
 
     # ---- invariants --------------------------------------------------------------------
 

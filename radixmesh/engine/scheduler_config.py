@@ -19,6 +19,7 @@ class SchedulerConfig:
     chunked_prefill_size: int = 1024
     schedule_policy: str = "lpm"
     eviction_policy: str = "lru"
+    slru_protected_ratio: float = 0.8
     context_length: int = 8192
     eos_token_ids: tuple[int, ...] = ()
     # Fraction of the running requests' remaining output budget kept free when admitting
@@ -35,6 +36,10 @@ class SchedulerConfig:
     speculative: SpeculativeSettings = SpeculativeSettings()  # drafts (off by default)
     # Disaggregation: seconds a decode engine waits for a prompt's KV before prefilling it.
     transfer_timeout: float = 60.0
+    # Priority scheduling (radixmesh.engine.priority): off, the schedule policy alone.
+    enable_priority_scheduling: bool = False
+    low_priority_values_first: bool = False
+    preemption_threshold: int = 10
 
     @classmethod
     def from_settings(
@@ -54,6 +59,7 @@ class SchedulerConfig:
             chunked_prefill_size=settings.chunked_prefill_size,
             schedule_policy=settings.schedule_policy,
             eviction_policy=settings.radix_eviction_policy,
+            slru_protected_ratio=settings.radix_slru_protected_ratio,
             context_length=min(
                 settings.context_length or max_position_embeddings, max_position_embeddings
             ),
@@ -66,4 +72,7 @@ class SchedulerConfig:
             prefetch_threshold=settings.hicache_storage_prefetch_threshold,
             model_fingerprint=model_fingerprint,
             speculative=settings,
+            enable_priority_scheduling=settings.enable_priority_scheduling,
+            low_priority_values_first=settings.schedule_low_priority_values_first,
+            preemption_threshold=settings.priority_scheduling_preemption_threshold,
         )

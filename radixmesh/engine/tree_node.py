@@ -25,6 +25,8 @@ class TreeNode:
         "priority",
         "created",
         "depth",
+        "segment",
+        "stamp",
     )
 
     def __init__(
@@ -50,6 +52,10 @@ class TreeNode:
         self.created = created
         # Tokens from the root to this edge's first token.
         self.depth = 0 if parent is None else parent.depth + len(parent.key)
+        # SLRU's bookkeeping (eviction.SegmentedLRU): the node's segment (0: probationary,
+        # 1: protected) and its last use in the policy's ticks.
+        self.segment = 0
+        self.stamp = 0
 
     def __repr__(self) -> str:
         shown = f"{self.key[:8]}..." if len(self.key) > 8 else f"{self.key}"

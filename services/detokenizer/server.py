@@ -54,7 +54,8 @@ def text_chunk(update: mpb.TokenUpdate, decode: DecodeFn) -> UpdateReply:
         and not spec.no_stop_trim
     )
     rules = TextRules(
-        tuple(spec.stop), spec.no_stop_trim, spec.skip_special_tokens, spec.min_new_tokens
+        tuple(spec.stop), spec.no_stop_trim, spec.skip_special_tokens, spec.min_new_tokens,
+        spec.spaces_between_special_tokens,
     )
     window = window_text(
         decode,

@@ -15,7 +15,8 @@ from typing import Any
 from prometheus_client import Counter, Gauge, Histogram
 
 from radixmesh.engine.host_tier import HostStats
-from radixmesh.engine.scheduler import Scheduler
+from radixmesh.engine.request import Req
+from radixmesh.engine.scheduler import ScheduledBatch, Scheduler
 from radixmesh.engine.speculation import SpeculationStats
 from radixmesh.engine.storage_tier import PrefetchOutcome
 
@@ -99,6 +100,23 @@ NUM_RETRACTED = Counter(
     "radixmesh:num_retracted_requests_total",
     "Running requests sent back to the queue for lack of KV slots",
     _ENGINE,
+)
+# Priority scheduling: the request's priority value as a label, the first
+# MAX_PRIORITY_LABELS distinct values an engine sees; later ones share OTHER_PRIORITY.
+MAX_PRIORITY_LABELS = 16
+OTHER_PRIORITY = "other"
+_PRIORITY = (*_ENGINE, "priority")
+PREEMPTIONS = Counter(
+    "radixmesh:num_preempted_requests_total",
+    "Running requests preempted for a more important arrival (priority scheduling), by the "
+    "preempted request's priority",
+    _PRIORITY,
+)
+QUEUE_SECONDS = Histogram(
+    "radixmesh:queue_time_seconds",
+    "Time from a request's arrival at the engine to its first admission, by priority",
+    _PRIORITY,
+    buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 120),
 )
 CACHE_TOKENS = Gauge(
     "radixmesh:scheduler_cache_tokens", "Tokens held in the prefix cache, by tier", _TIERED
@@ -214,6 +232,21 @@ class ThroughputMeter:
         return tokens / elapsed if elapsed > 0 else 0.0
 
 
+class PriorityLabels:
+    """A priority value's label: the value itself for the first `limit` distinct values,
+    then OTHER_PRIORITY, so that clients choosing priorities freely cannot grow the series
+    without bound."""
+
+    def __init__(self, limit: int = MAX_PRIORITY_LABELS) -> None:
+        self._limit = limit
+        self._seen: set[int] = set()
+
+    def __call__(self, priority: int) -> str:
+        if priority not in self._seen and len(self._seen) < self._limit:
+            self._seen.add(priority)
+        return str(priority) if priority in self._seen else OTHER_PRIORITY
+
+
 class SchedulerMetrics:
     """One engine's metrics; the model's name joins the labels once it is known."""
 
@@ -229,6 +262,11 @@ class SchedulerMetrics:
         self._host_lost = 0
         self._storage_counted = (0, 0)  # pages stored, queries: counted so far
         self.token_bytes = 0  # of one token's KV: what a host copy moves per token
+        self._priority = PriorityLabels()
+        self._preempted: dict[int, int] = {}  # preemptions counted so far, by priority
+        # Requests not admitted yet: when each arrived, and its priority.
+        self._queued: dict[str, tuple[float, int]] = {}
+        self._clock = clock
 
     def start(self, model_name: str, num_slots: int) -> None:
         """Bind the model's name and show the pool's size."""
@@ -238,6 +276,24 @@ class SchedulerMetrics:
     def refused(self) -> None:
         """A request the scheduler could not take."""
         REFUSED.labels(**self._labels).inc()
+
+    def queued(self, req: Req) -> None:
+        """A request arrived and waits for its first admission."""
+        self._queued[req.rid] = (self._clock(), req.priority)
+
+    def admitted(self, batch: ScheduledBatch) -> None:
+        """A step was scheduled: the time in the queue of each request it admits first."""
+        for new in batch.batch.new_requests:
+            queued = self._queued.pop(new.rid, None)  # a readmission was counted before
+            if queued is not None:
+                since, priority = queued
+                QUEUE_SECONDS.labels(**self._labels, priority=self._priority(priority)).observe(
+                    self._clock() - since
+                )
+
+    def ended(self, rid: str) -> None:
+        """A request finished or was refused: if it never ran, its wait is not counted."""
+        self._queued.pop(rid, None)
 
     def update(
         self,
@@ -317,6 +373,10 @@ class SchedulerMetrics:
         SPEC_ACCEPTED_TOKENS.labels(**labels).inc(spec.accepted_tokens - self._spec.accepted_tokens)
         SPEC_ACCEPT_LENGTH.labels(**labels).set(spec.mean_accept_length)
         self._spec = dataclasses.replace(spec)
+        for priority, n in sched.priority.preemptions.items():
+            label = self._priority(priority)
+            PREEMPTIONS.labels(**labels, priority=label).inc(n - self._preempted.get(priority, 0))
+            self._preempted[priority] = n
         self._host_state(sched)
 
     def host_tier(self, up: bool, lost: int) -> None:

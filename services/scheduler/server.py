@@ -294,6 +294,7 @@ class SchedulerService:
             self.updates.register(req, request)
         if req.transfer is not None:
             self._handoffs[req.rid] = (request, msg.headers)
+        self.metrics.queued(req)
         self.loop.add(req)
 
     def _transfer_backend(self, dest_host: str) -> str:
@@ -374,10 +375,12 @@ class SchedulerService:
         self.traces.scheduled(batch, started, ended)
         entries = batch.batch.entries
         self.metrics.batch(sum(len(e.slots) for e in entries), len(entries))
+        self.metrics.admitted(batch)
 
     def refuse(self, req: Req, error: Exception) -> None:
         """A request the scheduler could not take (or that the loop never reached)."""
         self.metrics.refused()
+        self.metrics.ended(req.rid)
         message = str(error)
         trace = self.traces.sent(req.rid, 0, FinishReason(FinishKind.ABORT, message=message), 0)
         if req.handoff is not None:  # its decode engine prefills it instead
@@ -397,6 +400,8 @@ class SchedulerService:
         cached = mpb.CacheEvent(engine_id=self.engine_id)
         commits, self._refused_commits = self._refused_commits, []
         for req in updated:
+            if req.finish is not None:
+                self.metrics.ended(req.rid)
             if req.handoff is not None:  # a prefill engine's request goes back to its decode engine
                 if req.finish is None:
                     continue  # its first token is in; its KV is still on its way

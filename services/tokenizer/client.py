@@ -244,6 +244,7 @@ class MeshClient:
                 stop=params.stop,
                 no_stop_trim=params.no_stop_trim,
                 skip_special_tokens=params.skip_special_tokens,
+                spaces_between_special_tokens=params.spaces_between_special_tokens,
                 min_new_tokens=params.min_new_tokens,
                 prompt_tail=request.input_ids[-_PROMPT_TAIL:],
             ),

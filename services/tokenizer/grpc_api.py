@@ -36,7 +36,7 @@ _ENDPOINT = f"grpc:{_METHOD}"
 _OPTIONAL_SAMPLING = (
     "max_new_tokens", "temperature", "top_p", "top_k", "min_p", "frequency_penalty",
     "presence_penalty", "repetition_penalty", "min_new_tokens", "seed", "skip_special_tokens",
-    "json_schema", "regex", "ebnf",
+    "spaces_between_special_tokens", "json_schema", "regex", "ebnf", "structural_tag",
 )
 
 
@@ -48,6 +48,8 @@ def sampling_dict(p: gpb.ClientSamplingParams) -> dict[str, Any]:
         out["stop"] = list(p.stop)
     if p.stop_token_ids:
         out["stop_token_ids"] = list(p.stop_token_ids)
+    if p.logit_bias:
+        out["logit_bias"] = dict(p.logit_bias)
     out["ignore_eos"] = p.ignore_eos
     out["no_stop_trim"] = p.no_stop_trim
     return out

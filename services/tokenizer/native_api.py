@@ -15,7 +15,7 @@ import time
 import uuid
 from collections.abc import Callable
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Any
 
@@ -31,7 +31,13 @@ from radixmesh.core.meta_info import (
     meta_info,
 )
 from radixmesh.core.model_info import model_info
-from radixmesh.core.request import FieldNames, GenerationRequest, build_request, is_int
+from radixmesh.core.request import (
+    FieldNames,
+    GenerationRequest,
+    build_request,
+    is_int,
+    nth_sample,
+)
 from radixmesh.core.sampling_params import LogprobRequest, SamplingParams
 from radixmesh.mesh.service import health_handler, metrics_response
 from radixmesh.services.tokenizer.client import MeshClient
@@ -92,11 +98,22 @@ class NativeApi:
             return error_response(f"the body is not valid JSON: {exc}")
         try:
             parsed = parse_generate(body)
-            jobs = [self._prepare(item) for item in parsed.items]
+            prompts = [self._prepare(item) for item in parsed.items]
         except ValueError as exc:
             return error_response(str(exc))
         token_text = self._token_text() if parsed.return_text_in_logprobs else None
-        outputs = [NativeOutput(item, started, token_text) for item in parsed.items]
+        jobs: list[GenerationRequest] = []
+        outputs: list[NativeOutput] = []
+        for item, prompt in zip(parsed.items, prompts, strict=True):
+            for k in range(parsed.n):
+                job = prompt if parsed.n == 1 else nth_sample(prompt, f"{prompt.rid}_{k}", k)
+                jobs.append(job)
+                outputs.append(NativeOutput(replace(item, rid=job.rid), started, token_text))
+        if parsed.n > 1:
+            try:
+                await self._cache_prompts(prompts)
+            except GenerationError as exc:
+                return error_response(str(exc), exc.status, exc.headers)
         if parsed.stream:
             return await self._stream(request, parsed, jobs, outputs)
         return await self._answer(parsed, jobs, outputs)
@@ -110,6 +127,21 @@ class NativeApi:
                                   item.logprob_start_len)
         return build_request(model_limits(self.client), item.rid, ids, item.sampling, logprobs,
                              item.cache_salt, item.priority, FieldNames(prompt=field))
+
+    async def _cache_prompts(self, prompts: list[GenerationRequest]) -> None:
+        """Prefill each prompt once, generating nothing, before its samples start: they
+        are separate requests, and started together each would compute the prompt itself;
+        after this they find it in the prefix cache (the router sends them where it went)."""
+        prefills = [
+            replace(prompt, rid=f"{prompt.rid}_prefix", params=SamplingParams(max_new_tokens=0),
+                    logprobs=LogprobRequest())
+            for prompt in prompts
+        ]
+        tasks = [asyncio.create_task(self._collect(job, None)) for job in prefills]
+        try:
+            await asyncio.gather(*tasks)
+        finally:
+            await _cancel(tasks)
 
     def _token_text(self) -> TokenText:
         decode = self.client.tokenizer.decode
@@ -132,12 +164,13 @@ class NativeApi:
         finally:
             await _cancel(tasks)
         bodies = [out.body() for out in outputs]
-        return web.json_response(bodies if parsed.batch else bodies[0])
+        return web.json_response(bodies if parsed.listed else bodies[0])
 
-    async def _collect(self, job: GenerationRequest, out: NativeOutput) -> None:
+    async def _collect(self, job: GenerationRequest, out: NativeOutput | None) -> None:
         async with aclosing(self.client.generate(job)) as chunks:
             async for chunk in chunks:
-                out.add(chunk)
+                if out is not None:
+                    out.add(chunk)
 
     async def _stream(
         self,
@@ -163,7 +196,7 @@ class NativeApi:
                     await response.prepare(request)
                 outputs[index].add(event)
                 payload = outputs[index].body()
-                if parsed.batch:
+                if parsed.listed:
                     payload["index"] = index
                 await response.write(sse_event(payload))
                 if event.finish is not None:
@@ -192,7 +225,8 @@ class NativeApi:
         the engines report it."""
         client = self.client
         return web.json_response(
-            model_info(self.model_path, client.model_name, client.engines.model_shape)
+            model_info(self.model_path, client.model_name, client.engines.model_shape,
+                       client.tokenizer)
         )
 
     async def server_info(self, _: web.Request) -> web.Response:
@@ -290,16 +324,12 @@ _NEUTRAL_FIELDS: dict[str, Callable[[Any], bool]] = {
     "data_parallel_rank": _empty,
     "log_metrics": lambda v: isinstance(v, bool),
 }
-# Sampling parameters of SGLang without an effect here (byte-level BPE tokenizers put no
-# spaces between special tokens), or not implemented: only their neutral values pass.
+# Sampling parameters of SGLang not implemented here: only their neutral values pass.
 _NEUTRAL_SAMPLING: dict[str, Callable[[Any], bool]] = {
-    "n": lambda v: v is None or v == 1,
-    "spaces_between_special_tokens": lambda v: v is None or isinstance(v, bool),
-    "structural_tag": _empty,
     "stop_regex": _empty,
-    "logit_bias": _empty,
     "custom_params": _empty,
 }
+MAX_N = 128  # samples per prompt (sampling_params.n), as the OpenAI routes allow
 _PER_ITEM = ("sampling_params", "return_logprob", "logprob_start_len", "top_logprobs_num",
              "rid", "cache_salt", "priority")
 _FIELDS = {"text", "input_ids", "stream", "return_text_in_logprobs", *_PER_ITEM}
@@ -328,6 +358,13 @@ class GenerateCall:
     batch: bool
     stream: bool
     return_text_in_logprobs: bool
+    n: int = 1  # samples of each prompt
+
+    @property
+    def listed(self) -> bool:
+        """Whether the answer is a list (and stream events carry an index): a batch, or
+        n samples of one prompt, as SGLang answers."""
+        return self.batch or self.n > 1
 
 
 def parse_generate(body: Any) -> GenerateCall:
@@ -346,13 +383,16 @@ def parse_generate(body: Any) -> GenerateCall:
     n = len(prompts)
     per_item = {key: _spread(body, key, n, batch) for key in _PER_ITEM}
     items = []
+    samples = set()
     for i, (text, ids) in enumerate(prompts):
         raw = {key: values[i] for key, values in per_item.items()}
+        sampling = _sampling(raw["sampling_params"])
+        samples.add(_n(sampling.pop("n", None)))
         items.append(
             GeneratePrompt(
                 text=text,
                 input_ids=ids,
-                sampling=_sampling(raw["sampling_params"]),
+                sampling=sampling,
                 return_logprob=_bool(raw["return_logprob"], "return_logprob"),
                 logprob_start_len=_int(raw["logprob_start_len"], "logprob_start_len", -1),
                 top_logprobs_num=_int(raw["top_logprobs_num"], "top_logprobs_num", 0),
@@ -364,13 +404,24 @@ def parse_generate(body: Any) -> GenerateCall:
     rids = [item.rid for item in items]
     if len(set(rids)) != len(rids):
         raise ValueError("rid: the ids of a batch must differ")
+    if len(samples) > 1:
+        raise ValueError("sampling_params.n must be the same for every prompt of a batch")
     return GenerateCall(
         items=items,
         batch=batch,
         stream=_bool(body.get("stream"), "stream"),
         return_text_in_logprobs=_bool(body.get("return_text_in_logprobs"),
                                       "return_text_in_logprobs"),
+        n=samples.pop(),
     )
+
+
+def _n(value: Any) -> int:
+    if value is None:
+        return 1
+    if not is_int(value) or not 1 <= value <= MAX_N:
+        raise ValueError(f"sampling_params.n must be an integer in [1, {MAX_N}], got {value!r}")
+    return value
 
 
 def _prompts(text: Any, input_ids: Any) -> tuple[list[tuple[str | None, list[int] | None]], bool]:

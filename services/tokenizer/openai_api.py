@@ -52,9 +52,12 @@ _CLIENT_POLL_S = 0.2
 _Item = tuple[int, GenerationChunk | BaseException | None]
 
 
-def add_openai_routes(app: web.Application, client: GenerationClient) -> None:
-    """Serve the OpenAI API on `app`, generating through `client`."""
-    routes = OpenAIRoutes(client)
+def add_openai_routes(app: web.Application, client: GenerationClient,
+                      tool_call_parser: str | None = None,
+                      reasoning_parser: str | None = None) -> None:
+    """Serve the OpenAI API on `app`, generating through `client`; chat answers are split by
+    the parsers named (radixmesh.core.tool_parsers, radixmesh.core.reasoning)."""
+    routes = OpenAIRoutes(client, tool_call_parser, reasoning_parser)
     app.router.add_get("/v1/models", routes.models)
     app.router.add_get("/v1/models/{model:.+}", routes.model)
     app.router.add_post("/v1/completions", routes.completions)
@@ -71,9 +74,11 @@ def error_response(message: str, status: int = 400, param: str | None = None,
 class OpenAIRoutes:
     """The handlers, bound to one GenerationClient."""
 
-    def __init__(self, client: GenerationClient) -> None:
+    def __init__(self, client: GenerationClient, tool_call_parser: str | None = None,
+                 reasoning_parser: str | None = None) -> None:
         self.client = client
         self.created = int(time.time())
+        self._parsers = (tool_call_parser, reasoning_parser)
 
     async def models(self, _: web.Request) -> web.Response:
         """GET /v1/models: the one served model."""
@@ -108,7 +113,7 @@ class OpenAIRoutes:
         client = self.client
         vocab_size = client.vocab_size or client.tokenizer.vocab_size
         return ServedModel(client.model_name, client.context_length, vocab_size,
-                           client.grammar_backend)
+                           client.grammar_backend, *self._parsers)
 
     async def _serve(
         self,

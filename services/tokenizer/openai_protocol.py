@@ -22,24 +22,23 @@ from radixmesh.core.request import (
     RequestError,
     build_request,
     is_int,
+    nth_sample,
 )
 from radixmesh.core.sampling_params import LogprobRequest, SamplingParams
 from radixmesh.core.tokenizer import Tokenizer
+from radixmesh.services.tokenizer.chat_answer import AnswerShape, chat_setup
 
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_N = 128
 MAX_TOP_LOGPROBS = 20
 # OpenAI/SGLang fields this server cannot honour: refused when set, never silently dropped.
-_UNSUPPORTED = ("logit_bias",)
-_COMPLETION_UNSUPPORTED = (*_UNSUPPORTED, "suffix")
-_CHAT_UNSUPPORTED = (*_UNSUPPORTED, "functions")
-# A function declared without parameters takes none (OpenAI: "omitting parameters defines a
-# function with an empty parameter list"): its arguments are {}.
-_NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {},
-                                  "additionalProperties": False}
+_COMPLETION_UNSUPPORTED = ("suffix",)
+_CHAT_UNSUPPORTED = ("functions",)
 _PROMPT_SHAPES = "a string, a list of strings, a list of token ids or a list of token id lists"
-# OpenAI's newer "developer" role is its name for the system prompt.
-_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+# OpenAI's newer "developer" role is its name for the system prompt; a "tool" message carries
+# a tool's result back.
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
+          "tool": "tool"}
 # SGLang's sampling fields, accepted as they are (SamplingParams checks them).
 _PASSTHROUGH = (
     "top_k",
@@ -47,9 +46,12 @@ _PASSTHROUGH = (
     "repetition_penalty",
     "ignore_eos",
     "skip_special_tokens",
+    "spaces_between_special_tokens",
     "no_stop_trim",
+    "logit_bias",  # OpenAI's own field; SamplingParams reads its string keys
     "regex",  # SGLang's extra constraint fields; response_format gives json_schema
     "ebnf",
+    "structural_tag",
     "stop_token_ids",
 )
 # OpenAI's error `type` by HTTP status; any other 4xx is an invalid request, 5xx a server error.
@@ -91,12 +93,14 @@ def error_body(message: str, status: int = 400, param: str | None = None) -> dic
 
 
 class ServedModel(NamedTuple):
-    """The model behind the API, as requests are checked against it."""
+    """The model behind the API, as requests are checked against it and answers read."""
 
     name: str
     context_length: int  # 0 while no engine is known: lengths are then left to the mesh
     vocab_size: int
     grammar_backend: str = "xgrammar"  # "none": constraints are refused
+    tool_call_parser: str | None = None  # how the model writes tool calls; None: unparsed
+    reasoning_parser: str | None = None  # how the model marks its thinking; None: unparsed
 
     @property
     def limits(self) -> ModelLimits:
@@ -114,9 +118,7 @@ class OpenAIRequest:
     include_usage: bool
     top_logprobs: int | None  # alternatives per token; None when logprobs are not wanted
     echo: list[str] = dataclasses.field(default_factory=list)  # per prompt, when echoing
-    # Chat with tools: the function the answer must call, "" for any of them (required);
-    # None when the model answers in text.
-    tool_call: str | None = None
+    answer: AnswerShape = AnswerShape()  # chat: how the answer splits into message fields
 
 
 def parse_body(raw: bytes) -> dict[str, Any]:
@@ -173,10 +175,13 @@ def parse_chat(
         raise OpenAIError("top_logprobs requires logprobs to be true", "top_logprobs")
     n = _n(body)
     messages = _chat_messages(body.get("messages"))
-    tools, tool_call = _tools(body)
+    try:
+        setup = chat_setup(body, model.tool_call_parser, model.reasoning_parser)
+    except RequestError as exc:
+        raise OpenAIError(str(exc), exc.field) from None
     try:
         prompt = tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, **({"tools": tools} if tools else {})
+            messages, add_generation_prompt=True, **setup.template_kwargs
         )
     except (ValueError, TemplateError) as exc:
         raise OpenAIError(f"the chat template rejected the messages: {exc}", "messages") from None
@@ -199,7 +204,7 @@ def parse_chat(
         stream=stream,
         include_usage=include_usage,
         top_logprobs=top,
-        tool_call=tool_call,
+        answer=setup.shape,
     )
 
 
@@ -247,56 +252,6 @@ def _check_response_format(body: dict[str, Any]) -> None:
     if body.get("json_schema") is not None:
         raise OpenAIError("give response_format or json_schema, not both", "response_format")
     body["json_schema"] = json.dumps(schema)
-
-
-def _tools(body: dict[str, Any]) -> tuple[list[dict[str, Any]], str | None]:
-    """The chat's tools (OpenAI's shape) and the call its answer must be: a function's
-    name, "" for any of them (tool_choice required), None for a text answer (none, or auto:
-    the model is not asked to call). A forced call becomes a json_schema constraint on the
-    output, written back into the body: the function's parameters, or for `required` an
-    object naming one of the functions with its arguments."""
-    raw, choice = body.get("tools"), body.get("tool_choice")
-    if raw is None:
-        if choice not in (None, "none"):
-            raise OpenAIError("tool_choice needs tools", "tool_choice")
-        return [], None
-    if not isinstance(raw, list) or not raw:
-        raise OpenAIError("tools must be a non-empty list of functions", "tools")
-    functions: dict[str, dict[str, Any]] = {}
-    for tool in raw:
-        spec = tool.get("function") if isinstance(tool, dict) else None
-        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(
-            spec, dict
-        ):
-            raise OpenAIError(f"each tool must be {{'type': 'function', 'function': {{...}}}}, "
-                              f"got {tool!r}", "tools")
-        name, params = spec.get("name"), spec.get("parameters", _NO_PARAMETERS)
-        if not isinstance(name, str) or not name:
-            raise OpenAIError("every tool's function needs a name", "tools")
-        if not isinstance(params, dict):
-            raise OpenAIError(f"the parameters of tool {name!r} must be an object", "tools")
-        functions[name] = params
-    if choice is None or choice in ("auto", "none"):
-        return raw, None
-    if choice == "required":
-        schema: dict[str, Any] = {"anyOf": [
-            {"type": "object", "properties": {"name": {"const": name}, "arguments": params},
-             "required": ["name", "arguments"]}
-            for name, params in functions.items()
-        ]}
-        forced = ""
-    else:
-        named = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
-        if named not in functions:
-            raise OpenAIError("tool_choice must be none, auto, required or "
-                              f"{{'type': 'function', 'function': {{'name': ...}}}} naming one "
-                              f"of the tools, got {choice!r}", "tool_choice")
-        schema, forced = functions[named], named
-    if body.get("response_format") or body.get("json_schema") is not None:
-        raise OpenAIError("a forced tool call leaves no room for response_format",
-                          "tool_choice")
-    body["json_schema"] = json.dumps(schema)
-    return raw, forced
 
 
 def _stream_options(body: dict[str, Any]) -> tuple[bool, bool]:
@@ -389,21 +344,16 @@ def _samples(request_id: str, prompts: list[GenerationRequest], n: int
     requests = []
     for prompt in prompts:
         for sample in range(n):
-            # One seed for all n samples would make them identical; each takes the next one.
-            params = prompt.params
-            if params.seed is not None and sample:
-                params = dataclasses.replace(params, seed=params.seed + sample)
-            requests.append(dataclasses.replace(
-                prompt, rid=f"{request_id}-{len(requests)}", params=params
-            ))
+            requests.append(nth_sample(prompt, f"{request_id}-{len(requests)}", sample))
     return requests
 
 
 # ---- chat messages, reduced to what a chat template renders ----------------------------------
 
 
-def _chat_messages(raw: Any) -> list[dict[str, str]]:
-    """Check `messages` and return them as plain {"role", "content"} dicts with text content."""
+def _chat_messages(raw: Any) -> list[dict[str, Any]]:
+    """Check `messages` and return them as {"role", "content"} dicts with text content, plus
+    an assistant turn's tool_calls (arguments as objects, as chat templates read them)."""
     if not isinstance(raw, list):
         raise OpenAIError(f"messages must be a list of messages, got {raw!r}", "messages")
     if not raw:
@@ -411,7 +361,7 @@ def _chat_messages(raw: Any) -> list[dict[str, str]]:
     return [_message(i, message) for i, message in enumerate(raw)]
 
 
-def _message(i: int, message: Any) -> dict[str, str]:
+def _message(i: int, message: Any) -> dict[str, Any]:
     where = f"messages[{i}]"
     if not isinstance(message, dict):
         raise OpenAIError(f"{where} must be an object, got {message!r}", where)
@@ -420,7 +370,31 @@ def _message(i: int, message: Any) -> dict[str, str]:
         raise OpenAIError(
             f"{where}.role must be one of {', '.join(_ROLES)}; got {role!r}", f"{where}.role"
         )
-    return {"role": _ROLES[role], "content": _content(message.get("content"), role, where)}
+    out: dict[str, Any] = {"role": _ROLES[role],
+                           "content": _content(message.get("content"), role, where)}
+    if role == "assistant" and message.get("tool_calls") is not None:
+        out["tool_calls"] = _tool_calls(message["tool_calls"], f"{where}.tool_calls")
+    if role == "tool" and message.get("tool_call_id") is not None:
+        out["tool_call_id"] = message["tool_call_id"]
+    return out
+
+
+def _tool_calls(raw: Any, where: str) -> list[dict[str, Any]]:
+    """An earlier assistant turn's tool calls, their JSON arguments read into objects."""
+    calls = []
+    for call in raw if isinstance(raw, list) else [None]:
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise OpenAIError(f"{where} must be a list of {{'type': 'function', 'function': "
+                              f"{{'name', 'arguments'}}}} calls, got {raw!r}", where)
+        try:
+            arguments = json.loads(function.get("arguments") or "{}")
+        except (TypeError, ValueError):
+            raise OpenAIError(f"{where}: the arguments of {function['name']!r} must be JSON "
+                              f"text, got {function.get('arguments')!r}", where) from None
+        calls.append({"id": call.get("id"), "type": "function",
+                      "function": {"name": function["name"], "arguments": arguments}})
+    return calls
 
 
 def _content(content: Any, role: str, where: str) -> str:

@@ -4,7 +4,6 @@ choice as its chunks arrive, the usage they add up to, and logprobs in OpenAI's 
 
 from __future__ import annotations
 
-import json
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -14,6 +13,7 @@ from typing import Any, ClassVar
 from radixmesh.core.finish import FinishKind, FinishReason
 from radixmesh.core.meta_info import TokenLogprob
 from radixmesh.core.tokenizer import Tokenizer
+from radixmesh.services.tokenizer.chat_answer import AnswerParts
 from radixmesh.services.tokenizer.generation import GenerationChunk, GenerationError
 from radixmesh.services.tokenizer.openai_protocol import OpenAIRequest
 
@@ -177,59 +177,52 @@ class ChatResponse(ResponseBuilder):
             return None
         return {"content": chat_logprobs(self.tokenizer, tokens, tops), "refusal": None}
 
+    def __init__(
+        self, request: OpenAIRequest, model: str, created: int, tokenizer: Tokenizer
+    ) -> None:
+        super().__init__(request, model, created, tokenizer)
+        call_id = f"call_{request.id.split('-', 1)[-1]}"
+        self.parts = [AnswerParts(request.answer, f"{call_id}_{i}")
+                      for i in range(len(self.choices))]
+
     def _choice(self, index: int, choice: Choice) -> Json:
-        message: Json = {"role": "assistant", "content": choice.text}
-        reason = choice.finish_reason
-        call = self._tool_call(index, choice)
-        if call is not None:
-            message = {"role": "assistant", "content": None, "tool_calls": [call]}
-            reason = "tool_calls" if reason == "stop" else reason
+        parts = self.parts[index]
         return {
             "index": index,
-            "message": message,
+            "message": parts.message(choice.text),
             "logprobs": self._logprobs(choice.token_logprobs, choice.top_logprobs),
-            "finish_reason": reason,
+            "finish_reason": self._reason(parts, choice.finish_reason),
         }
 
     def delta_chunks(self, index: int, chunk: GenerationChunk) -> list[Json]:
-        """A forced tool call streams as OpenAI's: the whole call in one delta once its
-        arguments are complete (they are only JSON then), then the finish."""
-        if self.request.tool_call is None:
+        """With parsers on, the answer's text goes through them: reasoning, content and
+        tool calls come as their own deltas (a call's name first, then its arguments as they
+        are written); a forced call comes whole once its arguments are complete."""
+        parts = self.parts[index]
+        if parts.plain:
             return super().delta_chunks(index, chunk)
         choice = self.choices[index]
-        choice.add(chunk, keep=True)
-        if choice.finish_reason is None:
-            return []
-        call = self._tool_call(index, choice)
-        if call is None:  # cut before it named a function: what came is plain content
-            delta: Json = {"content": choice.text}
-            reason = choice.finish_reason
-        else:
-            delta = {"tool_calls": [{"index": 0, **call}]}
-            reason = "tool_calls" if choice.finish_reason == "stop" else choice.finish_reason
-        return [
-            self.chunk([{"index": index, "delta": delta, "logprobs": None,
-                         "finish_reason": None}]),
-            self.chunk([self._finish(index, reason)]),
-        ]
+        choice.add(chunk, keep=False)
+        deltas = parts.feed(chunk.text)
+        if choice.finish_reason is not None:
+            deltas += parts.finish()
+        logprobs = self._logprobs(chunk.output_token_logprobs, chunk.output_top_logprobs)
+        if logprobs is not None and chunk.output_ids and not deltas:
+            deltas = [{"content": ""}]  # the logprobs of text still held back
+        out = []
+        for k, delta in enumerate(deltas):
+            out.append(self.chunk([{"index": index, "delta": delta,
+                                    "logprobs": logprobs if k == 0 else None,
+                                    "finish_reason": None}]))
+        if choice.finish_reason is not None:
+            out.append(self.chunk([self._finish(index, self._reason(parts,
+                                                                    choice.finish_reason))]))
+        return out
 
-    def _tool_call(self, index: int, choice: Choice) -> Json | None:
-        """The choice's output as a tool call, when the request forced one. A call to a
-        named function is its arguments as generated (cut short under `length`); under
-        `required` the output names the function, so a cut one may have no call at all."""
-        forced = self.request.tool_call
-        if forced is None:
-            return None
-        name, arguments = forced, choice.text
-        if not forced:
-            try:
-                picked = json.loads(choice.text)
-            except json.JSONDecodeError:
-                return None
-            name, arguments = picked["name"], json.dumps(picked["arguments"])
-        call_id = f"call_{self.request.id.split('-', 1)[-1]}_{index}"
-        return {"id": call_id, "type": "function",
-                "function": {"name": name, "arguments": arguments}}
+    @staticmethod
+    def _reason(parts: AnswerParts, reason: str | None) -> str | None:
+        """OpenAI's finish reason: an answer that ended by calling tools ends with tool_calls."""
+        return "tool_calls" if parts.called and reason == "stop" else reason
 
     def _delta(self, index: int, choice: Choice, chunk: GenerationChunk) -> Json:
         return {

@@ -79,7 +79,7 @@ class TokenizerServer:
             middlewares.append(auth_middleware(cfg.api_key))
         app = web.Application(middlewares=middlewares)
         NativeApi(client, str(model_path), public_args(cfg)).add_routes(app)
-        add_openai_routes(app, client)
+        add_openai_routes(app, client, cfg.tool_call_parser, cfg.reasoning_parser)
         # Cancelling the handler of a client that hung up closes its generation, which
         # aborts the request on its engine.
         self._runner = web.AppRunner(

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from radixmesh.core.grammar import llguidance_grammar
+from radixmesh.core.grammar import llguidance_grammar, structural_tag
 from radixmesh.core.step import Constraint
 from radixmesh.core.tokenizer import Tokenizer
 
@@ -282,6 +282,8 @@ class Grammars:
             return compiler.compile_json_schema(text, any_whitespace=False)
         if kind == "regex":
             return compiler.compile_regex(text)
+        if kind == "structural_tag":
+            return compiler.compile_structural_tag(structural_tag(text))
         return compiler.compile_grammar(text)
 
     def close(self) -> None:

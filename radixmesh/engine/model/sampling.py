@@ -96,6 +96,8 @@ class RequestSampler:
             self.history = _TokenHistory(prompt_ids)
         end_ids = sorted(set(params.stop_token_ids) | set(eos_token_ids))
         self.end_ids = torch.tensor(end_ids, dtype=torch.long)
+        self.bias_ids = torch.tensor(list(params.logit_bias), dtype=torch.long)
+        self.bias_values = torch.tensor(list(params.logit_bias.values()), dtype=torch.float32)
 
     @property
     def has_penalty(self) -> bool:
@@ -168,10 +170,15 @@ def sample(
 def _adjusted_logits(
     logits: torch.Tensor, reqs: Sequence[RequestSampler], vocab_mask: torch.Tensor | None
 ) -> torch.Tensor:
-    """Float32 logits after penalties, min_new_tokens and the vocab mask; never edits the input."""
+    """Float32 logits after logit_bias, penalties, min_new_tokens and the vocab mask; never
+    edits the input. The bias comes first, so greedy picks see it and nothing it raises
+    escapes a mask."""
+    biased = [i for i, r in enumerate(reqs) if r.bias_ids.numel()]
     penalised = [i for i, r in enumerate(reqs) if r.history is not None]
     blocked = [i for i, r in enumerate(reqs) if r.blocks_end]
-    x = logits.to(torch.float32, copy=bool(penalised or blocked))
+    x = logits.to(torch.float32, copy=bool(biased or penalised or blocked))
+    if biased:
+        _add_bias(x, reqs, biased)
     if penalised:
         _penalise(x, reqs, penalised)
     if blocked:
@@ -181,6 +188,15 @@ def _adjusted_logits(
     if vocab_mask is not None:
         x = torch.where(vocab_mask, x, float("-inf"))
     return x
+
+
+def _add_bias(x: torch.Tensor, reqs: Sequence[RequestSampler], rows: list[int]) -> None:
+    """Add each of `rows`' logit_bias to its logits in place."""
+    ids = [reqs[i].bias_ids for i in rows]
+    owner = torch.cat([torch.full_like(t, i) for i, t in zip(rows, ids, strict=True)])
+    values = torch.cat([reqs[i].bias_values for i in rows])
+    x.index_put_((owner.to(x.device), torch.cat(ids).to(x.device)), values.to(x.device),
+                 accumulate=True)
 
 
 def _penalise(x: torch.Tensor, reqs: Sequence[RequestSampler], rows: list[int]) -> None:

@@ -1,0 +1,568 @@
+"""Tool-call parsers: the function calls an open model wrote into its answer, in the formats
+of SGLang's `--tool-call-parser` (qwen25/qwen, llama3, mistral, pythonic). Pure text.
+
+Each format recognises one *unit* of call text (a `<tool_call>` block, a `[TOOL_CALLS]` array,
+a `;`-separated run of Llama JSON objects, a Python list of calls) and reports its calls as far
+as they have arrived; one driver turns the reports into content and calls, for a whole answer
+(`parse`) or incrementally (`feed` ... `finish`).
+
+- A call counts only if its text parses, names a function of `tools` and its arguments (a
+  JSON object) validate against that function's schema; otherwise its text stays content.
+  When a unit's first call fails, the whole unit is content.
+- Content is the text around the calls, joined, without surrounding whitespace; what only
+  separates calls (`;`, `,`, `]`, an end tag) belongs to the unit.
+
+Streaming cannot take back what it emitted:
+- Text that might open a call (a partial "<tool_call>" at the end) is held back until decided;
+  so is trailing whitespace, shown only once more content follows it.
+- A JSON call is committed once its name and the brace opening its arguments have arrived
+  and the name is a known function. Its arguments then stream as the raw text the model
+  writes (as OpenAI streams them), never the enclosing brace or end tag; `parse` returns them
+  as compact `json.dumps` text instead, equal as JSON.
+- An unknown name is seen before anything of its call is emitted, so the unit becomes content
+  as in `parse`. A committed call stays a call: if its arguments then fail to parse or
+  validate (or the answer is cut), the stream reports them as written where `parse` reports
+  content. That is the one way the two disagree; neither depends on how the text was split.
+- Calls that can only be judged whole (pythonic, or JSON whose "name" key does not come
+  first) are emitted whole, name then compact JSON arguments, once their text closes.
+"""
+
+from __future__ import annotations
+
+import ast
+import copy
+import json
+import re
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+from functools import lru_cache
+from typing import Any, ClassVar
+
+from jsonschema import validators
+from jsonschema.exceptions import SchemaError
+from jsonschema.protocols import Validator
+
+from radixmesh.core.grammar import tool_calls_tag
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One function call found in an answer."""
+
+    name: str
+    arguments: str  # the arguments as compact JSON object text (json.dumps of the parsed object)
+
+
+@dataclass(frozen=True)
+class ToolCallDelta:
+    """The next piece of one call of a streamed answer."""
+
+    index: int  # which call of this answer (0, 1, ...)
+    name: str | None  # set on the first delta of a call only
+    arguments: str  # the next piece of the arguments' JSON text ("" allowed)
+
+
+@dataclass(frozen=True)
+class ParsedDelta:
+    """What a stream can show after one `feed`: new content and new pieces of calls."""
+
+    content: str
+    calls: list[ToolCallDelta]
+
+
+_INVALID = object()  # arguments that did not parse
+_WAIT, _REJECT, _DONE = "wait", "reject", "done"
+# A JSON call whose name comes first can be committed before its arguments arrive.
+_HEADER = re.compile(
+    r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\{)'
+)
+_IDENTIFIER = re.compile(r"[A-Za-z_]\w*")
+_MISTRAL_NAME = re.compile(r"[\w.\-]+")
+_MISTRAL_ARGS = "[ARGS]"
+_QWEN_END = "</tool_call>"
+
+
+def _skip_space(text: str, at: int) -> int:
+    while at < len(text) and text[at].isspace():
+        at += 1
+    return at
+
+
+def _loads(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return _INVALID
+
+
+def _json_value(value: Any) -> Any:
+    """A Python literal as JSON data (tuples become lists); TypeError for anything else."""
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    if isinstance(value, list | tuple):
+        return [_json_value(item) for item in value]
+    if isinstance(value, dict) and all(isinstance(key, str) for key in value):
+        return {key: _json_value(item) for key, item in value.items()}
+    raise TypeError(f"{type(value).__name__} is not JSON")
+
+
+def _python_arguments(source: str) -> Any:
+    """The keyword arguments of one Python call `f(a=1, b="x")` as a dict, read with `ast`
+    (never evaluated); _INVALID for positional arguments or values that aren't literals."""
+    try:
+        node = ast.parse(source, mode="eval").body
+    except (SyntaxError, ValueError, RecursionError):
+        return _INVALID
+    if not isinstance(node, ast.Call) or node.args:
+        return _INVALID
+    arguments: dict[str, Any] = {}
+    for keyword in node.keywords:
+        if keyword.arg is None:
+            return _INVALID
+        try:
+            arguments[keyword.arg] = _json_value(ast.literal_eval(keyword.value))
+        except (ValueError, TypeError, SyntaxError, RecursionError):
+            return _INVALID
+    return arguments
+
+
+@lru_cache(maxsize=256)
+def _validator(schema_text: str) -> Validator:
+    """The validator of one parameters schema, checked once: checking a schema costs about a
+    millisecond, and every answer of a request with tools builds a parser."""
+    schema = json.loads(schema_text)
+    validator = validators.validator_for(schema)
+    validator.check_schema(schema)
+    return validator(schema)
+
+
+class _Span:
+    """Where a bracketed value opening at `start` closes. It resumes where it stopped, since a
+    stream's text only grows: rescanning long arguments on every token would be quadratic."""
+
+    def __init__(self, start: int, quotes: str) -> None:
+        self.at = start
+        self.depth = 0
+        self.quote = ""
+        self.quotes = quotes
+        self.end: int | None = None
+
+    def scan(self, text: str) -> int | None:
+        while self.end is None and self.at < len(text):
+            char = text[self.at]
+            self.at += 1
+            if self.quote:
+                if char == "\\":
+                    self.at += 1
+                elif char == self.quote:
+                    self.quote = ""
+            elif char in self.quotes:
+                self.quote = char
+            elif char in "([{":
+                self.depth += 1
+            elif char in ")]}":
+                self.depth -= 1
+                if self.depth == 0:
+                    self.end = self.at
+        return self.end
+
+
+@dataclass
+class _Call:
+    """One call's text inside a unit, as far as it has arrived (offsets into the unit)."""
+
+    start: int
+    name: str | None = None
+    args_start: int | None = None  # set when the raw arguments can stream before the call ends
+    args_end: int | None = None
+    end: int | None = None  # set once the call's text is complete
+    arguments: Any = _INVALID  # the parsed arguments, once complete
+
+
+@dataclass
+class _Unit:
+    """The calls of a unit so far; `end` is None while more text could still extend it."""
+
+    calls: list[_Call]
+    end: int | None
+
+
+class ToolParser(ABC):
+    """One answer's parser: `parse` for a whole answer, or `feed`...`finish` for a stream."""
+
+    name: ClassVar[str]
+    trigger: ClassVar[str | None]  # the text that opens a call, None where a call has none
+    _opener: ClassVar[str]  # the text a unit starts with, searched for in the content
+
+    def __init__(self, tools: Mapping[str, Mapping[str, Any]]) -> None:
+        self._validators: dict[str, Validator] = {}
+        for function, schema in tools.items():
+            try:
+                self._validators[function] = _validator(json.dumps(schema, sort_keys=True))
+            except SchemaError as error:
+                raise ValueError(
+                    f"tool {function!r}: invalid parameters schema: {error.message}"
+                ) from error
+        self._reset(eager=True)
+
+    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
+        """The content (text around the calls, stripped) and the calls of a whole answer."""
+        whole = copy.copy(self)
+        whole._reset(eager=False)
+        whole._buffer = text
+        delta = whole._advance(final=True)
+        # Judging only complete calls, the driver emits each call as one delta.
+        return delta.content, [
+            ToolCall(call.name, call.arguments) for call in delta.calls if call.name is not None
+        ]
+
+    def feed(self, text: str) -> ParsedDelta:
+        """The content and call pieces that the next piece of the answer makes safe to show."""
+        self._buffer += text
+        return self._advance(final=False)
+
+    def finish(self) -> ParsedDelta:
+        """Flush what was held back: the answer is complete."""
+        return self._advance(final=True)
+
+    @classmethod
+    def structure(cls, name: str) -> tuple[str, str] | None:
+        """(begin, end) text wrapping one call's arguments JSON, for constraining a call to the
+        tool's schema; None when the format cannot be constrained that way."""
+        return None
+
+    @abstractmethod
+    def _scan(self, text: str, final: bool) -> _Unit | None:
+        """The unit that `text` starts with, or None when no call starts there. With `final`
+        no more text comes, so the unit's end is known."""
+
+    def _find(self, text: str, fresh: bool) -> int | None:
+        """Where the first unit may start; `fresh` while no content has been shown."""
+        at = text.find(self._opener)
+        return None if at < 0 else at
+
+    def _hold(self, text: str) -> int:
+        """How much of the end of `text` may be the start of a unit."""
+        for size in range(min(len(text), len(self._opener) - 1), 0, -1):
+            if text.endswith(self._opener[:size]):
+                return size
+        return 0
+
+    def _reset(self, eager: bool) -> None:
+        self._eager = eager  # commit JSON calls on their name (streaming) or only whole (parse)
+        self._buffer = ""  # text not yet decided, starting at the active unit if any
+        self._active = False
+        self._spoken = False  # non-whitespace content was shown
+        self._space = ""  # whitespace after the last content shown, held until more follows
+        self._count = 0  # calls emitted
+        self._done = 0  # calls of the active unit handled
+        self._open = False  # the last named call's raw arguments are still streaming
+        self._sent = 0  # characters of those arguments emitted
+        self._spans: dict[int, _Span] = {}
+        self._content: list[str] = []
+        self._deltas: list[ToolCallDelta] = []
+
+    def _advance(self, final: bool) -> ParsedDelta:
+        self._content, self._deltas = [], []
+        while self._buffer:
+            if not self._active:
+                at = self._find(self._buffer, not self._spoken)
+                if at is None:
+                    cut = len(self._buffer) - (0 if final else self._hold(self._buffer))
+                    self._say(self._buffer[:cut])
+                    self._consume(cut)
+                    break
+                self._say(self._buffer[:at])
+                self._consume(at)
+                self._active = True
+            unit = self._scan(self._buffer, final)
+            outcome = _REJECT if unit is None else self._run(unit, final)
+            if outcome == _WAIT:
+                break
+            if outcome == _REJECT:
+                # Not a call here: its first character is content; look again after it.
+                self._say(self._buffer[0])
+                self._consume(1)
+        return ParsedDelta("".join(self._content), self._deltas)
+
+    def _run(self, unit: _Unit, final: bool) -> str:
+        """Emit what the active unit's calls have decided; consume the unit once it ends."""
+        text = self._buffer
+        while self._done < len(unit.calls):
+            call = unit.calls[self._done]
+            if not self._open:
+                verdict = self._verdict(call)
+                if verdict is None and not final:
+                    return _WAIT
+                if not verdict:
+                    if self._done == 0:
+                        return _REJECT
+                    if call.end is None and not final:
+                        return _WAIT
+                    self._say(text[call.start : call.end or len(text)])
+                    self._done += 1
+                    continue
+                self._name(call)
+            if self._open:
+                assert call.args_start is not None  # only raw-streaming calls stay open
+                stop = len(text) if call.args_end is None else call.args_end
+                self._send(text[call.args_start + self._sent : stop])
+                if call.args_end is None and not final:
+                    return _WAIT
+                self._open = False
+            self._done += 1
+        if unit.end is None and not final:
+            return _WAIT
+        self._consume(len(text) if unit.end is None else unit.end)
+        return _DONE
+
+    def _verdict(self, call: _Call) -> bool | None:
+        """Whether `call` is a call; None while that is not known yet."""
+        if self._eager and call.args_start is not None:
+            return call.name in self._validators
+        if call.end is None:
+            return None
+        validator = self._validators.get(call.name or "")
+        return (
+            validator is not None
+            and isinstance(call.arguments, dict)
+            and validator.is_valid(call.arguments)
+        )
+
+    def _name(self, call: _Call) -> None:
+        assert call.name is not None  # a call judged valid has a name
+        if self._eager and call.args_start is not None:
+            self._deltas.append(ToolCallDelta(self._count, call.name, ""))
+            self._open, self._sent = True, 0
+        else:
+            self._deltas.append(ToolCallDelta(self._count, call.name, json.dumps(call.arguments)))
+        self._count += 1
+
+    def _send(self, piece: str) -> None:
+        if not piece:
+            return
+        self._sent += len(piece)
+        last = self._deltas[-1] if self._deltas else None
+        if last is not None and last.index == self._count - 1:
+            self._deltas[-1] = replace(last, arguments=last.arguments + piece)
+        else:
+            self._deltas.append(ToolCallDelta(self._count - 1, None, piece))
+
+    def _say(self, text: str) -> None:
+        head = text.rstrip()
+        if head:
+            self._content.append(self._space + head if self._spoken else head.lstrip())
+            self._spoken = True
+            self._space = text[len(head) :]
+        elif self._spoken:
+            self._space += text
+
+    def _consume(self, size: int) -> None:
+        self._buffer = self._buffer[size:]
+        self._active, self._done, self._open, self._sent = False, 0, False, 0
+        self._spans.clear()
+
+    def _span(self, text: str, start: int, quotes: str = '"') -> int | None:
+        span = self._spans.get(start)
+        if span is None:
+            span = self._spans[start] = _Span(start, quotes)
+        return span.scan(text)
+
+    def _sequence(
+        self,
+        text: str,
+        at: int,
+        final: bool,
+        element: Callable[[str, int], _Call | None],
+        separator: str,
+        close: str,
+    ) -> _Unit | None:
+        """Calls read by `element`, split by `separator`, up to `close` (both may be empty).
+        Text that does not continue the sequence ends the unit after its last call."""
+        calls: list[_Call] = []
+        while True:
+            at = _skip_space(text, at)
+            if at == len(text) and not final:
+                return _Unit(calls, None)
+            call = element(text, at)
+            if call is None:
+                break
+            calls.append(call)
+            if call.end is None:
+                return _Unit(calls, len(text) if final else None)
+            at = _skip_space(text, call.end)
+            if close and text.startswith(close, at):
+                return _Unit(calls, at + len(close))
+            if separator and text.startswith(separator, at):
+                at += len(separator)
+                continue
+            marks = [mark for mark in (close, separator) if mark]
+            if not final and any(mark.startswith(text[at : at + len(mark)]) for mark in marks):
+                return _Unit(calls, None)
+            return _Unit(calls, call.end)
+        return _Unit(calls, calls[-1].end) if calls else None
+
+    def _json_call(self, text: str, at: int) -> _Call | None:
+        """A `{"name": ..., "arguments"|"parameters": {...}}` object starting at `at`."""
+        if not text.startswith("{", at):
+            return None
+        first = _skip_space(text, at + 1)
+        if first < len(text) and text[first] not in '"}':
+            return None
+        call = _Call(at)
+        header = _HEADER.match(text, at)
+        name = _loads(header.group(1)) if header else None
+        if header and isinstance(name, str):
+            call.name, call.args_start = name, header.end()
+            call.args_end = self._span(text, header.end())
+        call.end = self._span(text, at)
+        if call.end is not None:
+            whole = _loads(text[at : call.end])
+            if isinstance(whole, dict) and isinstance(whole.get("name"), str):
+                call.name = whole["name"]
+                # A function without parameters may be called without an arguments key.
+                call.arguments = whole.get("arguments", whole.get("parameters", {}))
+        return call
+
+
+class Qwen25ToolParser(ToolParser):
+    """Qwen2.5 / Qwen3 / Hermes: `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`
+    blocks anywhere in the answer."""
+
+    name = "qwen25"
+    trigger = _opener = "<tool_call>"
+
+    @classmethod
+    def structure(cls, name: str) -> tuple[str, str] | None:
+        return f'<tool_call>\n{{"name": {json.dumps(name)}, "arguments": ', "}\n</tool_call>"
+
+    def _scan(self, text: str, final: bool) -> _Unit | None:
+        # A missing end tag at the end of the answer is forgiven: a stop string may have cut it.
+        return self._sequence(text, len(self._opener), final, self._json_call, "", _QWEN_END)
+
+
+class Llama3ToolParser(ToolParser):
+    """Llama 3.x JSON calls: optional `<|python_tag|>`, then `{"name": ..., "parameters": {...}}`
+    objects separated by `;`. Without the tag the answer must start with the object."""
+
+    name = "llama3"
+    trigger = _opener = "<|python_tag|>"
+
+    @classmethod
+    def structure(cls, name: str) -> tuple[str, str] | None:
+        return f'<|python_tag|>{{"name": {json.dumps(name)}, "parameters": ', "}"
+
+    def _find(self, text: str, fresh: bool) -> int | None:
+        first = _skip_space(text, 0)
+        if fresh and text.startswith("{", first):
+            return first
+        return super()._find(text, fresh)
+
+    def _scan(self, text: str, final: bool) -> _Unit | None:
+        start = len(self._opener) if text.startswith(self._opener) else 0
+        return self._sequence(text, start, final, self._json_call, ";", "")
+
+
+class MistralToolParser(ToolParser):
+    """Mistral: `[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]`, or the newer
+    `[TOOL_CALLS]name[ARGS]{...}` with one marker per call; text before it is content."""
+
+    name = "mistral"
+    trigger = _opener = "[TOOL_CALLS]"
+
+    @classmethod
+    def structure(cls, name: str) -> tuple[str, str] | None:
+        return f'[TOOL_CALLS] [{{"name": {json.dumps(name)}, "arguments": ', "}]"
+
+    def _scan(self, text: str, final: bool) -> _Unit | None:
+        at = _skip_space(text, len(self._opener))
+        if at == len(text):
+            return None if final else _Unit([], None)
+        if text[at] == "[":
+            return self._sequence(text, at + 1, final, self._json_call, ",", "]")
+        return self._sequence(text, at, final, self._named_call, "", "")
+
+    def _named_call(self, text: str, at: int) -> _Call | None:
+        name = _MISTRAL_NAME.match(text, at)
+        if name is None:
+            return None
+        tail = text[name.end() : name.end() + len(_MISTRAL_ARGS)]
+        if tail != _MISTRAL_ARGS:
+            return _Call(at) if _MISTRAL_ARGS.startswith(tail) else None
+        args_start = _skip_space(text, name.end() + len(_MISTRAL_ARGS))
+        if args_start == len(text):
+            return _Call(at)
+        if text[args_start] != "{":
+            return None
+        end = self._span(text, args_start)
+        call = _Call(at, name.group(), args_start=args_start, args_end=end, end=end)
+        if end is not None:
+            call.arguments = _loads(text[args_start:end])
+        return call
+
+
+class PythonicToolParser(ToolParser):
+    """Python call syntax with literal keyword arguments, `[f(a=1, b="x"), g()]`, anywhere in
+    the answer (Llama 3.2+ templates, ToolACE)."""
+
+    name = "pythonic"
+    trigger = None
+    _opener = "["
+
+    def _scan(self, text: str, final: bool) -> _Unit | None:
+        return self._sequence(text, 1, final, self._python_call, ",", "]")
+
+    def _python_call(self, text: str, at: int) -> _Call | None:
+        identifier = _IDENTIFIER.match(text, at)
+        if identifier is None:
+            return None
+        if identifier.end() == len(text):
+            return _Call(at)
+        if text[identifier.end()] != "(":
+            return None
+        call = _Call(at, identifier.group(), end=self._span(text, identifier.end(), "'\""))
+        if call.end is not None:
+            call.arguments = _python_arguments(text[at : call.end])
+        return call
+
+
+TOOL_PARSERS: dict[str, type[ToolParser]] = {
+    "qwen25": Qwen25ToolParser,
+    "qwen": Qwen25ToolParser,
+    "llama3": Llama3ToolParser,
+    "mistral": MistralToolParser,
+    "pythonic": PythonicToolParser,
+}
+
+
+def tool_parser(kind: str, tools: Mapping[str, Mapping[str, Any]]) -> ToolParser:
+    """A parser for one answer in the format `kind` (a `--tool-call-parser` name)."""
+    return _parser_class(kind)(tools)
+
+
+def _parser_class(kind: str) -> type[ToolParser]:
+    parser = TOOL_PARSERS.get(kind)
+    if parser is None:
+        raise ValueError(
+            f"unknown tool-call parser {kind!r}: expected one of {', '.join(sorted(TOOL_PARSERS))}"
+        )
+    return parser
+
+
+def tool_constraint(kind: str, tools: Mapping[str, Mapping[str, Any]], choice: str | None,
+                    single: bool = False) -> tuple[str, str] | None:
+    """The output constraint (a structural tag) that holds every call the model opens in the
+    format `kind` to one of `tools` (name -> parameters schema) and its schema. `choice`:
+    None lets the model call as it likes (tool_choice auto), "" requires a call to any of
+    them, a name a call to that one; `single`: nothing follows the first call. None where
+    the format cannot be constrained that way (pythonic)."""
+    parser = _parser_class(kind)
+    names = list(tools) if not choice else [choice]
+    calls = []
+    for name in names:
+        wrap = parser.structure(name)
+        if wrap is None or parser.trigger is None:
+            return None
+        calls.append((wrap[0], tools[name], wrap[1]))
+    return tool_calls_tag(parser.trigger, calls, required=choice is not None, single=single)

@@ -1,0 +1,203 @@
+"""What agent frameworks do, through `radixmesh up` on the real SmolLM2 with the `openai`
+client: tool calls in auto mode in each parser's format, streamed and whole, a started call
+held to its tool's schema, reasoning split from the answer, and a tool's result sent back.
+
+SmolLM2 does not call tools by itself; shown one earlier turn that called a tool in a
+format, it calls again in that format for the next question (greedy, so the same every
+run). One mesh serves all formats: its tokenizer parses the qwen25 format, and a tokenizer
+started beside it for each other format joins the same engine (a front door scales on its
+own)."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from process_helpers import running_mesh, service_process
+
+from radixmesh.launcher import Mesh
+from radixmesh.mesh.nats_server import free_port
+
+CITY = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+# The earlier turn never names a country: only the constraint makes the model write one.
+CITY_COUNTRY = {"type": "object", "additionalProperties": False, "required": ["city", "country"],
+                "properties": {"city": {"type": "string"}, "country": {"type": "string"}}}
+CALLS = {
+    "qwen25": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+    "llama3": '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}',
+    "mistral": '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}]',
+    "pythonic": '[get_weather(city="Paris")]',
+}
+GREEDY = {"temperature": 0, "max_tokens": 60}
+
+
+def tools(schema: dict) -> list[dict]:
+    return [{"type": "function", "function": {
+        "name": "get_weather", "description": "The weather in a city.", "parameters": schema}}]
+
+
+def conversation(fmt: str) -> list[dict]:
+    """A chat whose earlier turn called get_weather in `fmt`, asking about another city."""
+    return [
+        {"role": "system", "content": "You are a helpful assistant. You can call "
+                                      "get_weather(city) to learn the weather in a city."},
+        {"role": "user", "content": "What is the weather in Paris?"},
+        {"role": "assistant", "content": CALLS[fmt]},
+        {"role": "tool", "content": "18 degrees, sunny"},
+        {"role": "assistant", "content": "It is 18 degrees and sunny in Paris."},
+        {"role": "user", "content": "What is the weather in Rome?"},
+    ]
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory) -> Iterator[Mesh]:
+    log_dir = tmp_path_factory.mktemp("agents-mesh")
+    with running_mesh(log_dir, dtype="float32", max_total_tokens=8192,
+                      tool_call_parser="qwen25") as m:
+        yield m
+
+
+@pytest.fixture(scope="module")
+def fronts(mesh: Mesh) -> Iterator[dict[str, openai.OpenAI]]:
+    """An OpenAI client per tool-call format, each on a tokenizer parsing that format, and
+    one ("qwen3") on a tokenizer parsing reasoning."""
+    urls = {"qwen25": mesh.url}
+    tool_call, reasoning = "--tool-call-parser", "--reasoning-parser"
+    with (service_process("radixmesh.services.tokenizer",
+                          *_flags(mesh, urls, tool_call, "llama3")),
+          service_process("radixmesh.services.tokenizer",
+                          *_flags(mesh, urls, tool_call, "mistral")),
+          service_process("radixmesh.services.tokenizer",
+                          *_flags(mesh, urls, tool_call, "pythonic")),
+          service_process("radixmesh.services.tokenizer",
+                          *_flags(mesh, urls, reasoning, "qwen3"))):
+        for url in urls.values():
+            _wait_healthy(url)
+        yield {fmt: openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+               for fmt, url in urls.items()}
+
+
+@pytest.fixture(scope="module")
+def served(fronts: dict[str, openai.OpenAI]) -> str:
+    """The served model's name, which every request names."""
+    return fronts["qwen25"].models.list().data[0].id
+
+
+def _flags(mesh: Mesh, urls: dict[str, str], flag: str, parser: str) -> list[str]:
+    port = free_port()
+    urls[parser] = f"http://127.0.0.1:{port}"
+    return ["--nats-url", mesh.nats_url, "--host", "127.0.0.1", "--port", str(port),
+            "--grpc-port", "-1", "--replica-id", f"t-{parser}", flag, parser]
+
+
+def _wait_healthy(url: str, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    raise AssertionError(f"{url} never became healthy")
+
+
+@pytest.mark.parametrize("fmt", CALLS)
+def test_each_format_comes_back_as_tool_calls(fronts, served, fmt):
+    api = fronts[fmt]
+    reply = api.chat.completions.create(model=served, messages=conversation(fmt),
+                                        tools=tools(CITY), **GREEDY)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls", choice.message
+    assert choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Rome"}
+
+    # Streamed: the name first, then the arguments in pieces adding up to the same call.
+    names, pieces, content = [], [], ""
+    for chunk in api.chat.completions.create(model=served, messages=conversation(fmt),
+                                             tools=tools(CITY), stream=True, **GREEDY):
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        for part in delta.tool_calls or []:
+            assert part.index == 0
+            if part.function.name is not None:
+                assert not pieces
+                names.append(part.function.name)
+            pieces.append(part.function.arguments or "")
+        last = chunk.choices[0].finish_reason
+    assert names == ["get_weather"] and last == "tool_calls" and not content.strip()
+    assert json.loads("".join(pieces)) == {"city": "Rome"}
+    if fmt != "pythonic":  # a pythonic call's arguments come whole, once the call closes
+        assert len([p for p in pieces if p]) > 1
+
+
+def test_a_started_call_is_held_to_its_schema(fronts, served):
+    reply = fronts["qwen25"].chat.completions.create(
+        model=served, messages=conversation("qwen25"), tools=tools(CITY_COUNTRY), **GREEDY)
+    (call,) = reply.choices[0].message.tool_calls
+    arguments = json.loads(call.function.arguments)
+    jsonschema.validate(arguments, CITY_COUNTRY)
+    assert arguments["city"] == "Rome"
+
+
+def test_a_tool_result_sent_back_gets_an_answer(fronts, served):
+    api = fronts["qwen25"]
+    messages = conversation("qwen25")
+    first = api.chat.completions.create(model=served, messages=messages,
+                                        tools=tools(CITY), **GREEDY).choices[0].message
+    messages += [first.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": first.tool_calls[0].id,
+                  "content": "22 degrees, cloudy"}]
+    reply = api.chat.completions.create(model=served, messages=messages, tools=tools(CITY),
+                                        **GREEDY)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "stop" and choice.message.tool_calls is None
+    assert "22" in choice.message.content
+
+
+THINKING = [
+    {"role": "system", "content": "Think step by step inside <think></think>, then answer."},
+    {"role": "user", "content": "What is 2 + 2?"},
+    {"role": "assistant",
+     "content": "<think>\nTwo plus two makes four.\n</think>\n\nThe answer is 4."},
+    {"role": "user", "content": "What is 3 + 5?"},
+]
+
+
+def test_reasoning_comes_back_apart(fronts, served):
+    api = fronts["qwen3"]
+    message = api.chat.completions.create(model=served, messages=THINKING,
+                                          **GREEDY).choices[0].message
+    assert message.reasoning_content and "<think>" not in message.reasoning_content
+    assert message.content and "</think>" not in message.content
+    reasoning, content = "", ""
+    for chunk in api.chat.completions.create(model=served, messages=THINKING, stream=True,
+                                             **GREEDY):
+        delta = chunk.choices[0].delta
+        reasoning += getattr(delta, "reasoning_content", None) or ""
+        content += delta.content or ""
+    assert (reasoning, content) == (message.reasoning_content, message.content)
+
+    # With thinking off the whole text is the answer.
+    off = api.chat.completions.create(
+        model=served, messages=THINKING, **GREEDY,
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}}).choices[0].message
+    assert off.content.startswith("<think>") and getattr(off, "reasoning_content", None) is None
+
+
+def test_a_json_answer_follows_the_reasoning(fronts, served):
+    schema = {"type": "object", "properties": {"answer": {"type": "integer"}},
+              "required": ["answer"], "additionalProperties": False}
+    message = fronts["qwen3"].chat.completions.create(
+        model=served, messages=THINKING, **GREEDY,
+        response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}},
+    ).choices[0].message
+    assert message.reasoning_content
+    jsonschema.validate(json.loads(message.content), schema)
