@@ -1,6 +1,8 @@
-"""What agent frameworks do, through `radixmesh up` on the real SmolLM2 with the `openai`
-client: tool calls in auto mode in each parser's format, streamed and whole, a started call
-held to its tool's schema, reasoning split from the answer, and a tool's result sent back.
+"""What agent frameworks and gateways do, through `radixmesh up` on the real SmolLM2 with
+the `openai` client: tool calls in auto mode in each parser's format, streamed and whole, a
+started call held to its tool's schema, reasoning split from the answer, a tool's result
+sent back; and interactive traffic ahead of batch jobs (priority scheduling with room for
+two running requests).
 
 SmolLM2 does not call tools by itself; shown one earlier turn that called a tool in a
 format, it calls again in that format for the next question (greedy, so the same every
@@ -10,6 +12,7 @@ own)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import Iterator
@@ -58,7 +61,8 @@ def conversation(fmt: str) -> list[dict]:
 def mesh(tmp_path_factory) -> Iterator[Mesh]:
     log_dir = tmp_path_factory.mktemp("agents-mesh")
     with running_mesh(log_dir, dtype="float32", max_total_tokens=8192,
-                      tool_call_parser="qwen25") as m:
+                      tool_call_parser="qwen25", enable_priority_scheduling=True,
+                      max_running_requests=2) as m:
         yield m
 
 
@@ -201,3 +205,61 @@ def test_a_json_answer_follows_the_reasoning(fronts, served):
     ).choices[0].message
     assert message.reasoning_content
     jsonschema.validate(json.loads(message.content), schema)
+
+
+def test_an_urgent_request_preempts_a_batch_job(mesh):
+    """Two long low-priority requests hold both seats and two more wait; an urgent one
+    arriving through native /generate starts before the waiting ones by preempting a running
+    one, which later resumes and ends with the tokens it gets alone."""
+    long = {"temperature": 0, "max_new_tokens": 64, "ignore_eos": True}
+    prompts = {name: f"Write a long story about {name}." for name in
+               ("a fox", "a ship", "a tree", "a lake", "an owl")}
+    started: list[str] = []
+
+    async def run(client: httpx.AsyncClient, name: str, priority: int, seen: asyncio.Event
+                  ) -> list[int]:
+        body = {"text": prompts[name], "sampling_params": long, "priority": priority,
+                "stream": True}
+        ids: list[int] = []
+        async with client.stream("POST", "/generate", json=body) as resp:
+            assert resp.status_code == 200
+            async for line in resp.aiter_lines():
+                if line.startswith("data: {"):
+                    if not seen.is_set():
+                        started.append(name)
+                        seen.set()
+                    ids = json.loads(line[6:])["output_ids"]
+        return ids
+
+    async def waiting(client: httpx.AsyncClient, n: int) -> None:
+        while (await client.get("/server_info")).json()["internal_states"][0]["waiting"] < n:
+            await asyncio.sleep(0.05)
+
+    async def idle(client: httpx.AsyncClient) -> dict:
+        """The engine's state once no request runs or holds KV slots."""
+        while True:
+            info = (await client.get("/server_info")).json()["internal_states"][0]
+            if info["running"] == info["held_slots"] == 0:
+                return info
+            await asyncio.sleep(0.05)
+
+    async def main() -> tuple[dict[str, list[int]], dict[str, list[int]], dict]:
+        async with httpx.AsyncClient(base_url=mesh.url, timeout=120) as client:
+            events = {name: asyncio.Event() for name in prompts}
+            tasks = {}
+            for name in ("a fox", "a ship"):
+                tasks[name] = asyncio.create_task(run(client, name, 0, events[name]))
+                await events[name].wait()
+            for name in ("a tree", "a lake"):
+                tasks[name] = asyncio.create_task(run(client, name, 0, events[name]))
+            await waiting(client, 2)
+            tasks["an owl"] = asyncio.create_task(run(client, "an owl", 20, events["an owl"]))
+            together = {name: await task for name, task in tasks.items()}
+            info = await idle(client)
+            alone = {name: await run(client, name, 0, asyncio.Event()) for name in prompts}
+            return together, alone, info
+
+    together, alone, info = asyncio.run(main())
+    assert started[:2] == ["a fox", "a ship"] and started[2] == "an owl", started
+    assert info["num_preemptions"] == 1
+    assert together == alone

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from importlib.util import find_spec
 
 import grpc
 import httpx
@@ -461,12 +461,24 @@ print(json.dumps({"city": state["city"], "large": state["large"], "text": state.
 """
 
 
-@pytest.mark.skipif(find_spec("sglang") is None, reason="SGLang is not installed")
-def test_sglangs_own_frontend_runs_against_the_mesh(mesh):
+@pytest.fixture(scope="module")
+def sglang_path(tmp_path_factory) -> str:
+    """A PYTHONPATH with SGLang's frontend: the sglang package without its runtime's
+    dependencies (torch kernels and the like), and what its frontend imports."""
+    folder = tmp_path_factory.mktemp("sglang")
+    pip = [sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+    subprocess.run([*pip, "--no-deps", "--target", str(folder), "sglang==0.5.23"], check=True)
+    subprocess.run([*pip, "--target", str(folder / "deps"), "orjson", "pybase64", "starlette",
+                    "msgspec", "pyzmq", "ipython"], check=True)
+    return f"{folder}{os.pathsep}{folder / 'deps'}"
+
+
+def test_sglangs_own_frontend_runs_against_the_mesh(mesh, sglang_path):
     """SGLang's frontend, unchanged, in a process of its own (importing it patches
     transformers), answers as radixmesh.lang on the same mesh."""
     done = subprocess.run([sys.executable, "-c", SGLANG_PROGRAM, mesh.url],
-                          capture_output=True, text=True, timeout=120, check=True)
+                          capture_output=True, text=True, timeout=120, check=True,
+                          env={**os.environ, "PYTHONPATH": sglang_path})
     got = json.loads(done.stdout.splitlines()[-1])
 
     @lang.function

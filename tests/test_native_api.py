@@ -622,3 +622,32 @@ async def test_concurrent_streams_share_the_replica(stack):
         events = _events(lines)
         assert events[-1] == "[DONE]"
         assert events[-2]["output_ids"] == [i + 1] * 4
+
+
+# ---- SGLang's parse routes -----------------------------------------------------------------
+
+
+async def test_parse_function_call_and_separate_reasoning(stack):
+    tools = [{"type": "function", "function": {"name": "get_time"}},
+             {"type": "function", "function": {"name": "get_weather", "parameters": {
+                 "type": "object", "properties": {"city": {"type": "string"}}}}}]
+    text = ('Sure.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n'
+            '</tool_call>')
+    status, body = await stack.post("/parse_function_call", {
+        "text": text, "tool_call_parser": "qwen25", "tools": tools})
+    assert status == 200
+    assert body == {"normal_text": "Sure.", "calls": [
+        {"tool_index": 1, "name": "get_weather", "parameters": '{"city": "Oslo"}'}]}
+    status, body = await stack.post("/separate_reasoning", {
+        "text": "<think>\nSunny, I guess.\n</think>\n\nSunny.", "reasoning_parser": "qwen3"})
+    assert (status, body) == (200, {"text": "Sunny.", "reasoning_text": "Sunny, I guess."})
+    for path, bad, fragment in (
+        ("/parse_function_call", {"text": text, "tool_call_parser": "hermes", "tools": tools},
+         "unknown tool-call parser 'hermes'"),
+        ("/parse_function_call", {"text": text, "tool_call_parser": "qwen25", "tools": 3},
+         "tools must be"),
+        ("/separate_reasoning", {"text": 1, "reasoning_parser": "qwen3"}, "string text"),
+        ("/separate_reasoning", {"text": "", "reasoning_parser": None}, "reasoning_parser"),
+    ):
+        status, body = await stack.post(path, bad)
+        assert status == 400 and fragment in body["error"]["message"], body

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from radixmesh.core.finish import FinishKind, FinishReason
-from radixmesh.core.hicache import HostPoolSpec, PageKeys
+from radixmesh.core.hicache import HostPoolSpec
 from radixmesh.core.step import EntryResult, StepBatch, StepEntry, StepResult
 from radixmesh.engine.constraints import Constraints
 from radixmesh.engine.disaggregation import Disaggregation, TransferSteps
@@ -19,7 +19,7 @@ from radixmesh.engine.schedule_policy import SchedulePolicy, match_key
 from radixmesh.engine.scheduler_config import SchedulerConfig
 from radixmesh.engine.speculation import Draft, make_speculation, tree_depth
 from radixmesh.engine.storage_tier import StorageTier
-from radixmesh.engine.tiering import HostTiers, NoTiers, StorageTiers
+from radixmesh.engine.tiering import NoTiers, attached_tiers
 from radixmesh.engine.tree_node import TreeNode
 
 
@@ -63,12 +63,8 @@ class Scheduler(TransferSteps):
         tier (attach it again), no compiled constraint, steps counted from 1 again."""
         config = self.config
         self.allocator = KVAllocator(config.num_slots, config.page_size)
-        self.cache = RadixCache(
-            self.allocator,
-            config.page_size,
-            config.eviction_policy,
-            protected_ratio=config.slru_protected_ratio,
-        )
+        self.cache = RadixCache(self.allocator, config.page_size, config.eviction_policy,
+                                protected_ratio=config.slru_protected_ratio)
         self.policy = SchedulePolicy(config.schedule_policy, self.cache)
         self.waiting: list[Req] = []
         self.running: list[Req] = []  # decoding, oldest first
@@ -184,14 +180,7 @@ class Scheduler(TransferSteps):
     def attach_host(self, spec: HostPoolSpec) -> None:
         """A host pool to back the device pool, from the next step on (a new one replaces
         the last, whose contents are forgotten)."""
-        c = self.config
-        host = HostTier(self.cache, spec.num_slots, c.host_write_policy, c.host_write_threshold)
-        self.tiers = HostTiers(host)
-        if spec.storage:
-            keys = PageKeys(c.model_fingerprint, spec.geometry, c.storage_page_tokens)
-            storage = StorageTier(self.cache, host, keys, c.prefetch_policy,
-                                  c.prefetch_timeout, c.prefetch_threshold)
-            self.tiers = StorageTiers(host, storage)
+        self.tiers = attached_tiers(self.cache, spec, self.config)
         self._host_pool = spec
 
     def detach_host(self) -> None:

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from radixmesh.core.hicache import HostPoolSpec, PageKeys
 from radixmesh.core.step import KVCopy
 from radixmesh.engine.host_tier import HostTier
 from radixmesh.engine.radix_cache import RadixCache
 from radixmesh.engine.request import Req
+from radixmesh.engine.scheduler_config import SchedulerConfig
 from radixmesh.engine.storage_tier import StorageTier
 from radixmesh.engine.tree_node import TreeNode
 
@@ -153,3 +155,16 @@ class StorageTiers(HostTiers):
 
     def check_invariants(self, cache: RadixCache) -> None:
         self._check_host_slots(cache, prefetching=self.storage.held_slots())
+
+
+def attached_tiers(cache: RadixCache, spec: HostPoolSpec, config: SchedulerConfig) -> HostTiers:
+    """The tiers behind `cache` once the host pool `spec` is attached: the host tier, and
+    the storage tier behind it when the pool names one."""
+    host = HostTier(cache, spec.num_slots, config.host_write_policy,
+                    config.host_write_threshold)
+    if not spec.storage:
+        return HostTiers(host)
+    keys = PageKeys(config.model_fingerprint, spec.geometry, config.storage_page_tokens)
+    storage = StorageTier(cache, host, keys, config.prefetch_policy, config.prefetch_timeout,
+                          config.prefetch_threshold)
+    return StorageTiers(host, storage)

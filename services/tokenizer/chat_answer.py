@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from radixmesh.core import grammar
-from radixmesh.core.reasoning import ReasoningParser, thinking_enabled
+from radixmesh.core.reasoning import ReasoningParser, check_kind, thinking_enabled
 from radixmesh.core.request import RequestError
 from radixmesh.core.sampling_params import GRAMMAR_KINDS
 from radixmesh.core.tool_parsers import ToolCall, ToolParser, tool_constraint, tool_parser
@@ -287,3 +287,41 @@ def _reasoning_delta(text: str) -> list[Json]:
 
 def _content_delta(text: str) -> list[Json]:
     return [{"content": text}] if text else []
+
+
+# ---- SGLang's native parse routes ------------------------------------------------------------
+
+
+def parse_function_call(body: Json) -> Json:
+    """POST /parse_function_call: the tool calls in `text`, written in the format
+    `tool_call_parser`, against `tools` (OpenAI's shape); each call names its tool's index."""
+    text, kind = _text(body), body.get("tool_call_parser")
+    _, functions = _tools(body.get("tools"))
+    try:
+        parser = tool_parser(kind, functions) if isinstance(kind, str) else None
+    except ValueError as exc:
+        raise RequestError(str(exc), "tool_call_parser") from None
+    if parser is None:
+        raise RequestError(f"tool_call_parser must be a string, got {kind!r}", "tool_call_parser")
+    content, calls = parser.parse(text)
+    index = {name: k for k, name in enumerate(functions)}
+    return {"normal_text": content, "calls": [
+        {"tool_index": index[c.name], "name": c.name, "parameters": c.arguments} for c in calls]}
+
+
+def separate_reasoning(body: Json) -> Json:
+    """POST /separate_reasoning: `text` split by the `reasoning_parser` named."""
+    text, kind = _text(body), body.get("reasoning_parser")
+    try:
+        check_kind(kind)
+    except (ValueError, TypeError):
+        raise RequestError(f"reasoning_parser must name a reasoning parser, got {kind!r}",
+                           "reasoning_parser") from None
+    reasoning, content = ReasoningParser(kind).parse(text)
+    return {"text": content, "reasoning_text": reasoning or ""}
+
+
+def _text(body: Json) -> str:
+    if not isinstance(body, dict) or not isinstance(body.get("text"), str):
+        raise RequestError("the body must be a JSON object with a string text", "text")
+    return body["text"]

@@ -13,7 +13,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, replace
 from functools import lru_cache
@@ -34,12 +34,14 @@ from radixmesh.core.model_info import model_info
 from radixmesh.core.request import (
     FieldNames,
     GenerationRequest,
+    RequestError,
     build_request,
     is_int,
     nth_sample,
 )
 from radixmesh.core.sampling_params import LogprobRequest, SamplingParams
 from radixmesh.mesh.service import health_handler, metrics_response
+from radixmesh.services.tokenizer.chat_answer import parse_function_call, separate_reasoning
 from radixmesh.services.tokenizer.client import MeshClient
 from radixmesh.services.tokenizer.generation import (
     GenerationChunk,
@@ -86,6 +88,8 @@ class NativeApi:
         router.add_route("GET", "/flush_cache", self.flush_cache)
         router.add_route("POST", "/flush_cache", self.flush_cache)
         router.add_get("/metrics", metrics_response)
+        router.add_post("/parse_function_call", _parse_route(parse_function_call))
+        router.add_post("/separate_reasoning", _parse_route(separate_reasoning))
 
     # ---- /generate -----------------------------------------------------------------------
 
@@ -297,6 +301,19 @@ def error_response(message: str, status: int = 400, headers: dict[str, str] | No
                    ) -> web.Response:
     """An error answer with `error_body`."""
     return web.json_response(error_body(message, status), status=status, headers=headers)
+
+
+def _parse_route(parse: Callable[[Any], dict[str, Any]]
+                 ) -> Callable[[web.Request], Awaitable[web.Response]]:
+    """A route answering `parse(body)` (SGLang's /parse_function_call, /separate_reasoning)."""
+    async def route(request: web.Request) -> web.Response:
+        try:
+            return web.json_response(parse(json.loads(await request.read())))
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            return error_response(f"the body is not valid JSON: {exc}")
+        except RequestError as exc:
+            return error_response(str(exc))
+    return route
 
 
 # ---- the /generate body ----------------------------------------------------------------------
