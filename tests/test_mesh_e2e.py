@@ -199,7 +199,9 @@ def test_openai_chat_logit_bias_bans_and_forces(mesh, engine):
 
 def test_native_generate_n_samples_share_the_cached_prompt(client):
     prompt = "Write one short sentence about the sea, please, in plain words:"
-    body = {"text": prompt, "rid": "sea", "sampling_params": {"n": 2, "max_new_tokens": 8}}
+    # Sampled, seeded (each sample takes the next seed), to their full length.
+    body = {"text": prompt, "rid": "sea", "sampling_params": {
+        "n": 2, "max_new_tokens": 8, "seed": 7, "ignore_eos": True}}
     got = client.post("/generate", json=body).json()
     assert [g["meta_info"]["id"] for g in got] == ["sea_0", "sea_1"]
     assert got[0]["output_ids"] != got[1]["output_ids"]
