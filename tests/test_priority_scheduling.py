@@ -11,10 +11,10 @@ from collections.abc import Iterator
 import pytest
 from fake_worker import FakeWorker, reference_output
 from prometheus_client import REGISTRY
+from test_schedule_policy import cache_with
 
 from radixmesh.core.request import RequestError
 from radixmesh.core.sampling_params import SamplingParams
-from radixmesh.engine.kv_allocator import KVAllocator
 from radixmesh.engine.priority import NoPriority, PriorityScheduling
 from radixmesh.engine.radix_cache import RadixCache
 from radixmesh.engine.request import Req
@@ -87,15 +87,6 @@ def assert_outputs_as_alone(*reqs: Req) -> None:
 
 
 # ---- the order of the waiting queue -------------------------------------------------------
-
-
-def cache_with(*prefixes: list[int]) -> RadixCache:
-    cache = RadixCache(KVAllocator(1024))
-    for p in prefixes:
-        slots = cache.allocator.alloc(len(p))
-        assert slots is not None
-        cache.allocator.free(slots[: cache.insert(p, slots)])
-    return cache
 
 
 def queue_in_classes() -> tuple[RadixCache, list[Req]]:

@@ -128,12 +128,10 @@ class SamplingParams:
             if not ok:
                 raise ValueError(f"{name} must be {rule}, got {getattr(self, name)!r}")
         for token_id in self.stop_token_ids:
-            if token_id < 0 or (vocab_size is not None and token_id >= vocab_size):
-                bound = "" if vocab_size is None else f" and < vocab size {vocab_size}"
+            if (bound := _vocab_bound(token_id, vocab_size)) is not None:
                 raise ValueError(f"stop_token_ids entries must be >= 0{bound}, got {token_id!r}")
         for token_id, bias in self.logit_bias.items():
-            if token_id < 0 or (vocab_size is not None and token_id >= vocab_size):
-                bound = "" if vocab_size is None else f" and < vocab size {vocab_size}"
+            if (bound := _vocab_bound(token_id, vocab_size)) is not None:
                 raise ValueError(f"logit_bias keys must be token ids >= 0{bound}, got {token_id}")
             if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
                 raise ValueError(
@@ -172,6 +170,14 @@ class SamplingParams:
                 raise ValueError(f"{kind} must be a non-empty string, got {getattr(self, kind)!r}")
         if len(given) > 1:
             raise ValueError(f"at most one of {', '.join(GRAMMAR_KINDS)}, got {', '.join(given)}")
+
+
+def _vocab_bound(token_id: int, vocab_size: int | None) -> str | None:
+    """None for a token id inside the vocabulary; else the upper bound it may break, as
+    error messages word it ("" while the vocabulary size is unknown)."""
+    if token_id >= 0 and (vocab_size is None or token_id < vocab_size):
+        return None
+    return "" if vocab_size is None else f" and < vocab size {vocab_size}"
 
 
 def _as_list(value: object) -> object:

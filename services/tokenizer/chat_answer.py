@@ -22,7 +22,13 @@ from radixmesh.core import grammar
 from radixmesh.core.reasoning import ReasoningParser, check_kind, thinking_enabled
 from radixmesh.core.request import RequestError
 from radixmesh.core.sampling_params import GRAMMAR_KINDS
-from radixmesh.core.tool_parsers import ToolCall, ToolParser, tool_constraint, tool_parser
+from radixmesh.core.tool_parsers import (
+    ParsedDelta,
+    ToolCall,
+    ToolParser,
+    tool_constraint,
+    tool_parser,
+)
 
 Json = dict[str, Any]
 # A function declared without parameters takes none (OpenAI: "omitting parameters defines a
@@ -181,9 +187,9 @@ class AnswerParts:
     shape: AnswerShape
     call_id: str  # the first call's id; later calls add their index
     called: bool = False
-    _reasoning: ReasoningParser | None = None
-    _tools: ToolParser | None = None
-    _held: str = ""  # a forced call's text, read once the answer is complete
+    _reasoning: ReasoningParser | None = field(default=None, init=False)
+    _tools: ToolParser | None = field(default=None, init=False)
+    _held: str = field(default="", init=False)  # a forced call's text, read at the end
 
     def __post_init__(self) -> None:
         shape = self.shape
@@ -254,7 +260,7 @@ class AnswerParts:
             return _content_delta(text)
         return self._tool_deltas(self._tools.feed(text))
 
-    def _tool_deltas(self, parsed: Any) -> list[Json]:
+    def _tool_deltas(self, parsed: ParsedDelta) -> list[Json]:
         deltas = _content_delta(parsed.content)
         for call in parsed.calls:
             entry: Json = {"index": call.index, "function": {"arguments": call.arguments}}
