@@ -44,7 +44,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import random
 import sys
 import tempfile
@@ -55,6 +54,7 @@ from pathlib import Path
 from typing import Any
 
 from radixmesh.bench.backends import Completion, RadixmeshBackend
+from radixmesh.bench.report import cpu_name
 from radixmesh.bench.runner import warm_up
 from radixmesh.bench.stats import distribution, percentile
 from radixmesh.bench.streams import TokenClock
@@ -80,17 +80,6 @@ ROWS: tuple[tuple[str, str, float | None, bool], ...] = (
 
 def log(message: str) -> None:
     print(f"[bench-pd] {message}", file=sys.stderr, flush=True)
-
-
-def cpu_name() -> str:
-    """The CPU's model name from /proc/cpuinfo, else what platform says."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def arrivals(clock: TokenClock) -> list[float]:

@@ -33,6 +33,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+from radixmesh.bench.report import cpu_name
 from radixmesh.engine.eviction import POLICIES
 from radixmesh.engine.kv_allocator import KVAllocator
 from radixmesh.engine.radix_cache import RadixCache
@@ -157,17 +158,6 @@ def run(policy: str, pool: int, requests: list[Request], args: argparse.Namespac
 
 def ratio(value: float, baseline: float) -> str:
     return f"{value / baseline:.2f}x" if baseline else "-"
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown CPU"
 
 
 def main() -> None:

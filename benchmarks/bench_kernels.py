@@ -343,7 +343,7 @@ def decode_steps(
     for i, rid in enumerate(rids):
         prefix_slots = list(range(i * context, i * context + prefix))
         first.new_requests.append(
-            NewRequest(rid, [1] * prefix, prefix_slots, prefix + 1, greedy, 0)
+            NewRequest(rid, i, [1] * prefix, prefix_slots, prefix + 1, greedy, 0)
         )
         first.entries.append(StepEntry(rid, [7 * i % 1000], [i * context + prefix], True))
     produced: list[list[int]] = []

@@ -5,6 +5,8 @@ see protobuf."""
 
 from __future__ import annotations
 
+from array import array
+
 from radixmesh.core.finish import FinishKind, FinishReason
 from radixmesh.core.hicache import HostPoolSpec, KVGeometry
 from radixmesh.core.sampling_params import GRAMMAR_KINDS, LogprobRequest, SamplingParams
@@ -19,6 +21,7 @@ from radixmesh.core.step import (
     StepEntry,
     StepResult,
     TopLogprobs,
+    int_array,
 )
 from radixmesh.proto import cache_pb2 as cpb
 from radixmesh.proto import mesh_pb2 as mpb
@@ -134,6 +137,7 @@ def batch_to_proto(batch: StepBatch) -> wpb.StepBatch:
         new_requests=[
             wpb.NewRequest(
                 rid=n.rid,
+                row=n.row,
                 prefix_ids=n.prefix_ids,
                 prefix_slots=n.prefix_slots,
                 prompt_len=n.prompt_len,
@@ -168,6 +172,8 @@ def batch_to_proto(batch: StepBatch) -> wpb.StepBatch:
             for k in batch.sends
         ],
         expects=[wpb.KVExpect(rid=x.rid, slots=x.slots, key=x.key) for x in batch.expects],
+        decode_rows=batch.decode_rows.tobytes(),
+        decode_slots=batch.decode_slots.tobytes(),
     )
 
 
@@ -179,6 +185,7 @@ def batch_from_proto(msg: wpb.StepBatch) -> StepBatch:
         [
             NewRequest(
                 n.rid,
+                n.row,
                 list(n.prefix_ids),
                 list(n.prefix_slots),
                 n.prompt_len,
@@ -208,6 +215,8 @@ def batch_from_proto(msg: wpb.StepBatch) -> StepBatch:
             for k in msg.sends
         ],
         [KVExpect(x.rid, list(x.slots), x.key) for x in msg.expects],
+        _ints(msg.decode_rows),
+        _ints(msg.decode_slots),
     )
 
 
@@ -242,6 +251,7 @@ def result_to_proto(result: StepResult) -> wpb.StepResult:
             wpb.SendOutcome(rid=o.rid, error=o.error, bytes=o.bytes, ms=o.ms)
             for o in result.sends_done
         ],
+        decode_tokens=result.decode_tokens.tobytes(),
     )
 
 
@@ -270,4 +280,12 @@ def result_from_proto(msg: wpb.StepResult) -> StepResult:
         [(g.kind, g.text) for g in msg.grammars_ready],
         [((f.constraint.kind, f.constraint.text), f.error) for f in msg.grammars_failed],
         [SendOutcome(o.rid, o.error, o.bytes, o.ms) for o in msg.sends_done],
+        _ints(msg.decode_tokens),
     )
+
+
+def _ints(packed: bytes) -> array[int]:
+    """A packed int32 field back as an array."""
+    values = int_array()
+    values.frombytes(packed)
+    return values

@@ -90,8 +90,9 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., min_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., json_schema: _Optional[str] = ..., regex: _Optional[str] = ..., ebnf: _Optional[str] = ..., structural_tag: _Optional[str] = ..., logit_bias: _Optional[_Mapping[int, float]] = ...) -> None: ...
 
 class NewRequest(_message.Message):
-    __slots__ = ("rid", "prefix_ids", "prefix_slots", "prompt_len", "sampling", "top_logprobs_num", "return_logprob", "logprob_start_len")
+    __slots__ = ("rid", "row", "prefix_ids", "prefix_slots", "prompt_len", "sampling", "top_logprobs_num", "return_logprob", "logprob_start_len")
     RID_FIELD_NUMBER: _ClassVar[int]
+    ROW_FIELD_NUMBER: _ClassVar[int]
     PREFIX_IDS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_SLOTS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -100,6 +101,7 @@ class NewRequest(_message.Message):
     RETURN_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_START_LEN_FIELD_NUMBER: _ClassVar[int]
     rid: str
+    row: int
     prefix_ids: _containers.RepeatedScalarFieldContainer[int]
     prefix_slots: _containers.RepeatedScalarFieldContainer[int]
     prompt_len: int
@@ -107,7 +109,7 @@ class NewRequest(_message.Message):
     top_logprobs_num: int
     return_logprob: bool
     logprob_start_len: int
-    def __init__(self, rid: _Optional[str] = ..., prefix_ids: _Optional[_Iterable[int]] = ..., prefix_slots: _Optional[_Iterable[int]] = ..., prompt_len: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., top_logprobs_num: _Optional[int] = ..., return_logprob: _Optional[bool] = ..., logprob_start_len: _Optional[int] = ...) -> None: ...
+    def __init__(self, rid: _Optional[str] = ..., row: _Optional[int] = ..., prefix_ids: _Optional[_Iterable[int]] = ..., prefix_slots: _Optional[_Iterable[int]] = ..., prompt_len: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., top_logprobs_num: _Optional[int] = ..., return_logprob: _Optional[bool] = ..., logprob_start_len: _Optional[int] = ...) -> None: ...
 
 class StepEntry(_message.Message):
     __slots__ = ("rid", "input_ids", "slots", "sample", "draft", "draft_parents")
@@ -160,7 +162,7 @@ class HostPool(_message.Message):
     def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., num_slots: _Optional[int] = ..., layout: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., page_size: _Optional[int] = ...) -> None: ...
 
 class StepBatch(_message.Message):
-    __slots__ = ("step", "new_requests", "entries", "release", "copies", "host_pool", "grammars", "sends", "expects")
+    __slots__ = ("step", "new_requests", "entries", "release", "copies", "host_pool", "grammars", "sends", "expects", "decode_rows", "decode_slots")
     STEP_FIELD_NUMBER: _ClassVar[int]
     NEW_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
@@ -170,6 +172,8 @@ class StepBatch(_message.Message):
     GRAMMARS_FIELD_NUMBER: _ClassVar[int]
     SENDS_FIELD_NUMBER: _ClassVar[int]
     EXPECTS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_ROWS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_SLOTS_FIELD_NUMBER: _ClassVar[int]
     step: int
     new_requests: _containers.RepeatedCompositeFieldContainer[NewRequest]
     entries: _containers.RepeatedCompositeFieldContainer[StepEntry]
@@ -179,7 +183,9 @@ class StepBatch(_message.Message):
     grammars: _containers.RepeatedCompositeFieldContainer[Constraint]
     sends: _containers.RepeatedCompositeFieldContainer[KVSend]
     expects: _containers.RepeatedCompositeFieldContainer[KVExpect]
-    def __init__(self, step: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., entries: _Optional[_Iterable[_Union[StepEntry, _Mapping]]] = ..., release: _Optional[_Iterable[str]] = ..., copies: _Optional[_Iterable[_Union[KVCopy, _Mapping]]] = ..., host_pool: _Optional[_Union[HostPool, _Mapping]] = ..., grammars: _Optional[_Iterable[_Union[Constraint, _Mapping]]] = ..., sends: _Optional[_Iterable[_Union[KVSend, _Mapping]]] = ..., expects: _Optional[_Iterable[_Union[KVExpect, _Mapping]]] = ...) -> None: ...
+    decode_rows: bytes
+    decode_slots: bytes
+    def __init__(self, step: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., entries: _Optional[_Iterable[_Union[StepEntry, _Mapping]]] = ..., release: _Optional[_Iterable[str]] = ..., copies: _Optional[_Iterable[_Union[KVCopy, _Mapping]]] = ..., host_pool: _Optional[_Union[HostPool, _Mapping]] = ..., grammars: _Optional[_Iterable[_Union[Constraint, _Mapping]]] = ..., sends: _Optional[_Iterable[_Union[KVSend, _Mapping]]] = ..., expects: _Optional[_Iterable[_Union[KVExpect, _Mapping]]] = ..., decode_rows: _Optional[bytes] = ..., decode_slots: _Optional[bytes] = ...) -> None: ...
 
 class KVSend(_message.Message):
     __slots__ = ("rid", "slots", "dest_slots", "dest_workers", "key", "backend", "dest_rid")
@@ -308,7 +314,7 @@ class EntryResult(_message.Message):
     def __init__(self, rid: _Optional[str] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Union[TopLogprobs, _Mapping]] = ..., input_logprobs_start: _Optional[int] = ..., input_logprobs: _Optional[_Iterable[float]] = ..., input_top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ..., forced_ids: _Optional[_Iterable[int]] = ..., accepted_ids: _Optional[_Iterable[int]] = ..., accepted_logprobs: _Optional[_Iterable[float]] = ..., accepted_top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step", "results", "forward_ms", "copies_done", "grammars_ready", "grammars_failed", "sends_done")
+    __slots__ = ("step", "results", "forward_ms", "copies_done", "grammars_ready", "grammars_failed", "sends_done", "decode_tokens")
     STEP_FIELD_NUMBER: _ClassVar[int]
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     FORWARD_MS_FIELD_NUMBER: _ClassVar[int]
@@ -316,6 +322,7 @@ class StepResult(_message.Message):
     GRAMMARS_READY_FIELD_NUMBER: _ClassVar[int]
     GRAMMARS_FAILED_FIELD_NUMBER: _ClassVar[int]
     SENDS_DONE_FIELD_NUMBER: _ClassVar[int]
+    DECODE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     step: int
     results: _containers.RepeatedCompositeFieldContainer[EntryResult]
     forward_ms: float
@@ -323,4 +330,5 @@ class StepResult(_message.Message):
     grammars_ready: _containers.RepeatedCompositeFieldContainer[Constraint]
     grammars_failed: _containers.RepeatedCompositeFieldContainer[GrammarFailure]
     sends_done: _containers.RepeatedCompositeFieldContainer[SendOutcome]
-    def __init__(self, step: _Optional[int] = ..., results: _Optional[_Iterable[_Union[EntryResult, _Mapping]]] = ..., forward_ms: _Optional[float] = ..., copies_done: _Optional[_Iterable[int]] = ..., grammars_ready: _Optional[_Iterable[_Union[Constraint, _Mapping]]] = ..., grammars_failed: _Optional[_Iterable[_Union[GrammarFailure, _Mapping]]] = ..., sends_done: _Optional[_Iterable[_Union[SendOutcome, _Mapping]]] = ...) -> None: ...
+    decode_tokens: bytes
+    def __init__(self, step: _Optional[int] = ..., results: _Optional[_Iterable[_Union[EntryResult, _Mapping]]] = ..., forward_ms: _Optional[float] = ..., copies_done: _Optional[_Iterable[int]] = ..., grammars_ready: _Optional[_Iterable[_Union[Constraint, _Mapping]]] = ..., grammars_failed: _Optional[_Iterable[_Union[GrammarFailure, _Mapping]]] = ..., sends_done: _Optional[_Iterable[_Union[SendOutcome, _Mapping]]] = ..., decode_tokens: _Optional[bytes] = ...) -> None: ...

@@ -11,12 +11,16 @@ later (then reports it done), the latest a real worker may: a device slot the sc
 freed or reused before the acknowledgement would put the wrong KV in the host tier, and
 the load of it would fail the step's check.
 
-With `jump`, it forces tokens after some sampled ones as the runner's jump-forward does:
+With `jump`, it forces tokens after some sampled ones of constrained requests (JUMPING's) as
+the runner's jump-forward does:
 they come back with the sampled token, and the entry the scheduler had already scheduled
 for the request (no input_ids) feeds the sampled token without sampling.
 
 Constraints the scheduler asks for "compile" in `compile_steps` steps; those in `broken`
 fail.
+
+Packed decodes (StepBatch.decode_rows) run as entries of their rows' requests would; every
+row must belong to one live request.
 
 An entry with a draft tree gets it verified as the runner does: every draft token's K/V is
 written at the position its depth gives, the path the model (`model`, next_token by
@@ -26,9 +30,19 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from radixmesh.core.step import Constraint, EntryResult, KVCopy, StepBatch, StepEntry, StepResult
+from radixmesh.core.step import (
+    Constraint,
+    EntryResult,
+    KVCopy,
+    StepBatch,
+    StepEntry,
+    StepResult,
+    int_array,
+)
 
 VOCAB = 50
+# A constraint the fake worker compiles and lets `jump` force tokens under.
+JUMPING = ("regex", "[0-9]+")
 
 # Jump-forward as a grammar would do it: the tokens forced after a sequence that ends with a
 # sampled token.
@@ -63,6 +77,8 @@ class FakeWorker:
         self.pool: list[tuple[int, int] | None] = [None] * num_slots
         self.host: list[tuple[int, int] | None] = [None] * host_slots
         self.reqs: dict[str, tuple[list[int], list[int], list[int]]] = {}  # ids, slots, last
+        self.rows: dict[int, str] = {}  # request-table row -> its request
+        self.constrained: set[str] = set()  # requests jump-forward may force tokens for
         self.steps = 0
         self.ack_delay = ack_delay
         self.backups: list[tuple[int, KVCopy]] = []  # (step it completes at, copy)
@@ -73,8 +89,14 @@ class FakeWorker:
         for rid in batch.release:
             del self.reqs[rid]
             self.jumped.discard(rid)
+            self.constrained.discard(rid)
+            self.rows = {row: r for row, r in self.rows.items() if r != rid}
         for new in batch.new_requests:
             assert new.rid not in self.reqs, f"{new.rid} admitted twice"
+            assert new.row >= 0 and new.row not in self.rows, f"{new.rid}: row {new.row} taken"
+            self.rows[new.row] = new.rid
+            if new.params.grammar is not None:
+                self.constrained.add(new.rid)
             # Prefix slots may be written by this very step (a prefix shared within the
             # batch), so they are checked with the rest after the step's writes.
             self.reqs[new.rid] = (list(new.prefix_ids), list(new.prefix_slots), [-1])
@@ -95,7 +117,11 @@ class FakeWorker:
                     result.grammars_ready.append(grammar)
         written: set[int] = set()
         void: set[str] = set()
-        for entry in batch.entries:
+        packed = [StepEntry(self.rows[row], [], [slot], True)
+                  for row, slot in zip(batch.decode_rows, batch.decode_slots, strict=True)]
+        assert not any(e.rid in self.jumped for e in packed), "a packed decode after a jump"
+        entries = [*packed, *batch.entries]
+        for entry in entries:
             ids, slots, last = self.reqs[entry.rid]
             if entry.rid in self.jumped and not entry.input_ids:
                 void.add(entry.rid)
@@ -117,7 +143,7 @@ class FakeWorker:
                 assert slot not in written, f"slot {slot} written twice in one step"
                 written.add(slot)
                 self.pool[slot] = (entry.draft[k], len(ids) - 1 + depth[k])
-        for entry in batch.entries:
+        for entry in entries:
             ids, slots, last = self.reqs[entry.rid]
             for pos, slot in enumerate(slots):
                 assert self.pool[slot] == (ids[pos], pos), (
@@ -131,12 +157,14 @@ class FakeWorker:
             elif entry.sample and entry.rid not in void:
                 last[0] = out.token_id = self.model(ids)
                 self.sampled[entry.rid] = self.sampled.get(entry.rid, 0) + 1
-                if self.jump is not None:
+                if self.jump is not None and entry.rid in self.constrained:
                     out.forced_ids = self.jump([*ids, out.token_id])
                     if out.forced_ids:
                         self.jumped.add(entry.rid)
         # Timed as a small CPU would run it: a row costs a fifth of a one-row step.
-        result.forward_ms = 4.0 + sum(len(e.slots) for e in batch.entries)
+        result.forward_ms = 4.0 + sum(len(e.slots) for e in entries)
+        result.decode_tokens = int_array(r.token_id for r in result.results[: len(packed)])
+        del result.results[: len(packed)]
         self.backups.extend((self.steps + self.ack_delay, c) for c in batch.copies if c.to_host)
         for due, copy in list(self.backups):
             if due <= self.steps:

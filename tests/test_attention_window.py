@@ -167,7 +167,7 @@ def spans(requests: list[tuple[int, int]], page_size: int) -> AttentionMetadata:
         seqs.append(SeqSpan(start, n, slots))
         out_slots.append(slots[prefix:])
         start += n
-    return AttentionMetadata(torch.cat(out_slots), tuple(seqs))
+    return AttentionMetadata.from_spans(torch.cat(out_slots), tuple(seqs))
 
 
 def backend_matches_dense(
@@ -179,7 +179,7 @@ def backend_matches_dense(
         q = torch.randn(rows, 4, DIM)
         k, v = torch.randn(rows, 2, DIM), torch.randn(rows, 2, DIM)
         out = backend.forward(layer, q, k, v, pool)
-        for s in meta.seqs:
+        for s in meta.spans():
             new = slice(s.q_start, s.q_start + s.q_len)
             total = s.kv_slots.numel()
             keys, values = pool.k[layer][s.kv_slots], pool.v[layer][s.kv_slots]

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 import torch
-from fake_worker import FakeWorker, Jump, reference_output
+from fake_worker import JUMPING, FakeWorker, Jump, reference_output
 from tiny_model import KV_HEADS, save_tiny_model
 
 import radixmesh.engine.disaggregation as disaggregation
@@ -461,9 +461,9 @@ def test_forced_tokens_after_the_first_go_back_with_it(overlap: bool, page_size:
     jump = forced_after_multiples_of_seven
     pair = Pair.fake(overlap, jump=jump, page_size=page_size, chunk=7)
     ps = prompts(30, seed=12, shared=3)
-    msgs = [engine_request(f"r{i}", p, max_new=12) for i, p in enumerate(ps)]
+    msgs = [engine_request(f"r{i}", p, max_new=12, regex=JUMPING[1]) for i, p in enumerate(ps)]
     reqs = [pair.submit(m) for m in msgs]
-    local = [Req(f"l{i}", p, SamplingParams(max_new_tokens=9), seed=0)
+    local = [Req(f"l{i}", p, SamplingParams(max_new_tokens=9, regex=JUMPING[1]), seed=0)
              for i, p in enumerate(prompts(5, seed=13, shared=3))]
     for req in local:
         pair.p.sched.add_request(req)

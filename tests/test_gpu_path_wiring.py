@@ -220,6 +220,7 @@ class Workload:
         self._slots[rid] = prefix_slots + list(range(region, region + prompt_len - prefix_len))
         self._batch.new_requests.append(NewRequest(
             rid,
+            len(self._prompt) - 1,
             prompt[:prefix_len],
             prefix_slots,
             prompt_len,

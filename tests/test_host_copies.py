@@ -121,7 +121,7 @@ class Steps:
 
 def prefill(rid: str, ids: list[int], slots: list[int]) -> dict[str, object]:
     return {
-        "new_requests": [NewRequest(rid, [], [], len(ids), GREEDY, 0)],
+        "new_requests": [NewRequest(rid, 0, [], [], len(ids), GREEDY, 0)],
         "entries": [StepEntry(rid, ids, slots, True)],
     }
 
@@ -176,7 +176,7 @@ def test_a_load_restores_the_slots_and_decoding_goes_on_alike(
     # "copy" holds the prompt in the loaded slots; both decode from the same token on.
     token = first.results[0].token_id
     got = steps(
-        new_requests=[NewRequest("copy", PROMPT, loaded, len(PROMPT), GREEDY, 0)],
+        new_requests=[NewRequest("copy", 1, PROMPT, loaded, len(PROMPT), GREEDY, 0)],
         entries=[StepEntry("orig", [], [12], True), StepEntry("copy", [token], [60], True)],
     )
     decoded = [[r.token_id for r in got.results]]
@@ -201,12 +201,12 @@ def test_a_load_in_the_step_of_the_prefill_that_reads_it(
         steps = Steps(runner)
         host = page_slots([3, 10], 4)
         warm = {"entries": [StepEntry("warm", PROMPT[:8], list(range(8)), False)],
-                "new_requests": [NewRequest("warm", [], [], 8, GREEDY, 0)]}
+                "new_requests": [NewRequest("warm", 0, [], [], 8, GREEDY, 0)]}
         steps(host_pool=spec, copies=[KVCopy(1, True, list(range(8)), host)], **warm)
         steps.wait_backups(1)
         prefix_slots = list(range(100, 108)) if from_host else list(range(8))
         copies = [KVCopy(2, False, prefix_slots, host)] if from_host else []
-        request = NewRequest("r", PROMPT[:8], prefix_slots, 12, GREEDY, 0, logprobs)
+        request = NewRequest("r", 1, PROMPT[:8], prefix_slots, 12, GREEDY, 0, logprobs)
         results = [steps(copies=copies, new_requests=[request],
                          entries=[StepEntry("r", PROMPT[8:], [200, 201, 202, 203], True)])]
         results += [steps(entries=[StepEntry("r", [], [204 + i], True)]) for i in range(4)]
@@ -292,7 +292,7 @@ def test_the_wire_format_round_trips(tmp_path) -> None:
     )
     batch = StepBatch(
         7,
-        new_requests=[NewRequest("r", [1, 2], [5, 6], 3, GREEDY, 42)],
+        new_requests=[NewRequest("r", 0, [1, 2], [5, 6], 3, GREEDY, 42)],
         entries=[StepEntry("r", [3], [7], True)],
         release=["gone"],
         copies=[KVCopy(11, False, [5, 6], [1 << 33, 0]), KVCopy(12, True, [7], [3])],

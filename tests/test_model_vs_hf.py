@@ -37,7 +37,7 @@ def greedy(runner: ModelRunner, prompt_ids: list[int], steps: int) -> list[int]:
     n = len(prompt_ids)
     batch = StepBatch(
         1,
-        new_requests=[NewRequest("r", [], [], n, SamplingParams(temperature=0), 0)],
+        new_requests=[NewRequest("r", 0, [], [], n, SamplingParams(temperature=0), 0)],
         entries=[StepEntry("r", prompt_ids, list(range(n)), True)],
     )
     out = [runner.forward(batch).results[0].token_id]
@@ -52,7 +52,7 @@ def runner_logits(runner: ModelRunner, ids: list[int]) -> torch.Tensor:
     from radixmesh.engine.model.attention import AttentionMetadata, SeqSpan
 
     slots = torch.arange(len(ids))
-    runner.attention.prepare(AttentionMetadata(slots, (SeqSpan(0, len(ids), slots),)))
+    runner.attention.prepare(AttentionMetadata.from_spans(slots, (SeqSpan(0, len(ids), slots),)))
     with torch.inference_mode():
         hidden = runner.model.forward(torch.tensor(ids), slots, runner.attention, runner.pool)
         return runner.model.logits(hidden)

@@ -92,7 +92,7 @@ def test_backend_decode_same_with_and_without_native(dtype):
     q, k_pool, v_pool, slots = random_case(dtype, 9, 3, 64, lens, seed=7)
     # The step's new K/V land in each request's last slot.
     last = torch.stack([s[-1] for s in slots])
-    meta = AttentionMetadata(last, tuple(SeqSpan(b, 1, s) for b, s in enumerate(slots)))
+    meta = AttentionMetadata.from_spans(last, tuple(SeqSpan(b, 1, s) for b, s in enumerate(slots)))
     outs = []
     for use_native in (True, False):
         pool = KVPool(1, k_pool.shape[0], 3, 64, dtype)
@@ -118,7 +118,7 @@ def test_extend_matches_reference_and_flash(new, prefix):
         for i in range(new)
     ])
     torch.testing.assert_close(out.double(), want, atol=TOLERANCE[torch.bfloat16], rtol=0)
-    meta = AttentionMetadata(slots[prefix:], (SeqSpan(0, new, slots),))
+    meta = AttentionMetadata.from_spans(slots[prefix:], (SeqSpan(0, new, slots),))
     outs = []
     for use_native in (True, False):
         pool = KVPool(1, k_pool.shape[0], 3, 64, torch.bfloat16)

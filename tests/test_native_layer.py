@@ -29,7 +29,7 @@ def step_meta(parts: list[tuple[int, int]], seed: int):
         out.append(slots[cached:])
         positions += range(cached, cached + new)
         row += new
-    meta = AttentionMetadata(torch.cat(out), tuple(spans))
+    meta = AttentionMetadata.from_spans(torch.cat(out), tuple(spans))
     return meta, torch.tensor(positions), num_slots
 
 

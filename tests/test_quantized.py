@@ -197,7 +197,7 @@ def prompt_logits(model: CausalLM, ids: torch.Tensor) -> torch.Tensor:
     cfg, n = model.cfg, ids.numel()
     slots = torch.arange(n)
     attn = TorchAttention(cfg.head_dim**-0.5)
-    attn.prepare(AttentionMetadata(slots, (SeqSpan(0, n, slots),)))
+    attn.prepare(AttentionMetadata.from_spans(slots, (SeqSpan(0, n, slots),)))
     pool = KVPool(cfg.num_layers, n, cfg.num_kv_heads, cfg.head_dim, model.dtype)
     with torch.inference_mode():
         return model.logits(model.forward(ids, slots, attn, pool))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from fake_worker import FakeWorker, reference_output
+from fake_worker import JUMPING, FakeWorker, reference_output
 
 from radixmesh.core.finish import FinishKind
 from radixmesh.core.sampling_params import SamplingParams
@@ -14,10 +14,11 @@ from radixmesh.engine.scheduler import Scheduler
 from radixmesh.engine.scheduler_config import SchedulerConfig
 
 
-def make_req(rid: str, prompt: list[int], max_new: int = 8, **kw: object) -> Req:
-    return Req(
-        rid=rid, input_ids=prompt, params=SamplingParams(max_new_tokens=max_new), seed=0, **kw
-    )
+def make_req(rid: str, prompt: list[int], max_new: int = 8, constrained: bool = False,
+             **kw: object) -> Req:
+    """A greedy request; `constrained`: under JUMPING, so the fake worker may jump forward."""
+    params = SamplingParams(max_new_tokens=max_new, regex=JUMPING[1] if constrained else None)
+    return Req(rid=rid, input_ids=prompt, params=params, seed=0, **kw)
 
 
 def run(
@@ -236,7 +237,7 @@ def test_jump_forward_tokens_are_fed_once_in_order(overlap: bool, page_size: int
     cfg = SchedulerConfig(num_slots=4096, page_size=page_size, chunked_prefill_size=16)
     sched, worker = Scheduler(cfg), FakeWorker(4096, jump=jump)
     ps = prompts(16, seed=11, shared=8)
-    reqs = [make_req(f"r{i}", p, max_new=20 + i) for i, p in enumerate(ps)]
+    reqs = [make_req(f"r{i}", p, max_new=20 + i, constrained=True) for i, p in enumerate(ps)]
     for r in reqs:
         sched.add_request(r)
     steps = run(sched, worker, overlap)
@@ -250,7 +251,7 @@ def test_jump_forward_tokens_are_fed_once_in_order(overlap: bool, page_size: int
     # overlap, whose step run ahead feeds only the sampled token).
     plain = Scheduler(cfg)
     for i, p in enumerate(ps):
-        plain.add_request(make_req(f"r{i}", p, max_new=20 + i))
+        plain.add_request(make_req(f"r{i}", p, max_new=20 + i, constrained=True))
     assert steps < run(plain, FakeWorker(4096), overlap)
 
 
@@ -262,7 +263,7 @@ def test_jump_forward_under_memory_pressure_and_aborts(overlap: bool) -> None:
                           decode_reserve_ratio=0.0)
     sched, worker = Scheduler(cfg), FakeWorker(192, jump=jump)
     ps = prompts(14, seed=4)
-    reqs = [make_req(f"r{i}", p, max_new=30) for i, p in enumerate(ps)]
+    reqs = [make_req(f"r{i}", p, max_new=30, constrained=True) for i, p in enumerate(ps)]
     for r in reqs:
         sched.add_request(r)
     doomed = {r.rid for r in rng.sample(reqs, 3)}
@@ -288,7 +289,7 @@ def test_forced_tokens_stop_at_max_new_tokens_and_stop_tokens() -> None:
     first_jump = next(i for i, t in enumerate(ref) if t % 7 == 0)
     # max_new_tokens ends inside the first forced run: the output is cut there.
     sched, worker = Scheduler(SchedulerConfig(num_slots=512)), FakeWorker(512, jump=jump)
-    cut = make_req("cut", prompt, max_new=first_jump + 2)
+    cut = make_req("cut", prompt, max_new=first_jump + 2, constrained=True)
     sched.add_request(cut)
     run(sched, worker, overlap=True)
     assert cut.output_ids == ref[: first_jump + 2]
@@ -296,7 +297,8 @@ def test_forced_tokens_stop_at_max_new_tokens_and_stop_tokens() -> None:
     # A forced token that is a stop token ends the request there.
     stop = ref[first_jump + 2]
     sched, worker = Scheduler(SchedulerConfig(num_slots=512)), FakeWorker(512, jump=jump)
-    r = Req("stop", prompt, SamplingParams(max_new_tokens=200, stop_token_ids=[stop]), seed=0)
+    r = Req("stop", prompt, SamplingParams(max_new_tokens=200, stop_token_ids=[stop],
+                                           regex=JUMPING[1]), seed=0)
     sched.add_request(r)
     run(sched, worker, overlap=True)
     assert r.output_ids == ref[: ref.index(stop) + 1]

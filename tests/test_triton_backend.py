@@ -43,7 +43,7 @@ def mixed_step(page_size: int) -> tuple[AttentionMetadata, int]:
         spans.append(SeqSpan(start, n, slots))
         out_slots.append(slots[prefix:])
         start += n
-    return AttentionMetadata(torch.cat(out_slots), tuple(spans)), page * page_size
+    return AttentionMetadata.from_spans(torch.cat(out_slots), tuple(spans)), page * page_size
 
 
 @pytest.mark.parametrize(
@@ -102,7 +102,7 @@ def test_model_logits_close_in_bfloat16(tiny):
     cfg = loaded.config
     ids = torch.arange(meta.out_slots.numel()) * 7 % cfg.vocab_size
     positions = torch.cat(
-        [torch.arange(s.kv_slots.numel() - s.q_len, s.kv_slots.numel()) for s in meta.seqs]
+        [torch.arange(s.kv_slots.numel() - s.q_len, s.kv_slots.numel()) for s in meta.spans()]
     )
     logits = []
     for backend in (TorchAttention(cfg.head_dim**-0.5), TritonAttention(cfg.head_dim**-0.5)):
@@ -121,7 +121,7 @@ def decode_step(lengths: list[int], first_slot: int) -> AttentionMetadata:
     for i, n in enumerate(lengths):
         spans.append(SeqSpan(i, 1, torch.arange(slot, slot + n)))
         slot += n
-    return AttentionMetadata(torch.stack([s.kv_slots[-1] for s in spans]), tuple(spans))
+    return AttentionMetadata.from_spans(torch.stack([s.kv_slots[-1] for s in spans]), tuple(spans))
 
 
 def test_padded_decode_steps_match_plain_ones(tiny):

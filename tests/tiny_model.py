@@ -96,8 +96,8 @@ def forward_script(decode_steps: int = 6) -> list[StepBatch]:
     first = StepBatch(
         1,
         new_requests=[
-            NewRequest("a", [], [], len(a_ids), greedy, 0, LogprobRequest(True, 3, 0)),
-            NewRequest("b", [], [], len(b_ids), sampled, 1234),
+            NewRequest("a", 0, [], [], len(a_ids), greedy, 0, LogprobRequest(True, 3, 0)),
+            NewRequest("b", 1, [], [], len(b_ids), sampled, 1234),
         ],
         entries=[
             StepEntry("a", a_ids, list(range(12)), True),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import platform
+from pathlib import Path
 from typing import Any
 
 _LATENCIES = (("TTFT", "ttft_ms"), ("ITL", "itl_ms"), ("TPOT", "tpot_ms"),
@@ -54,3 +56,15 @@ def format_sweep(runs: list[dict[str, Any]]) -> str:
             f"{itl.get('p50', float('nan')):>8.1f} {'-' if hit is None else f'{hit:.1%}':>9}"
         )
     return "\n".join(rows)
+
+
+def cpu_name() -> str:
+    """The CPU's model name from /proc/cpuinfo, else what platform says: benchmarks name
+    the machine their figures come from."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"

@@ -2,13 +2,16 @@
 
 The scheduler sends only what changed since the last step: requests the runner has not
 seen, the new tokens of each request in the step with their KV slots, and the requests to
-forget. In-process these objects pass by direct call; in the mesh they travel as
-worker.proto's StepBatch / StepResult, converted once at each end."""
+forget. Plain decodes (the bulk of a busy step) travel as packed arrays of table rows and
+slots, and their tokens come back as one array: no object per request. In-process these
+objects pass by direct call; in the mesh they travel as worker.proto's StepBatch /
+StepResult, converted once at each end."""
 
 from __future__ import annotations
 
 import hashlib
 from array import array
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from radixmesh.core.hicache import HostPoolSpec
@@ -25,6 +28,9 @@ class NewRequest:
     """A request the runner has not seen yet, or sees again after it was retracted."""
 
     rid: str
+    # Its row of the runner's request table (ReqTable) until it is released; the
+    # scheduler hands rows out and takes them back.
+    row: int
     # Tokens whose KV is already in the pool (a cached prefix) and their slots.
     prefix_ids: list[int]
     prefix_slots: list[int]
@@ -112,9 +118,18 @@ class SendOutcome:
     ms: float = 0.0
 
 
+def int_array(values: Iterable[int] = ()) -> array[int]:
+    """A packed array of 32-bit ints (token ids, slots, table rows)."""
+    return array("i", values)
+
+
 @dataclass(slots=True)
 class StepBatch:
-    """Everything the runner needs for one step; steps count 1, 2, 3..."""
+    """Everything the runner needs for one step; steps count 1, 2, 3...
+
+    The step's sequences are its plain decodes, then its entries. A plain decode feeds the
+    token its request sampled last, into one new KV slot, and samples greedily or from the
+    request's own parameters (no grammar, logprobs or draft: those come as entries)."""
 
     step: int
     new_requests: list[NewRequest] = field(default_factory=list)
@@ -129,6 +144,18 @@ class StepBatch:
     grammars: list[Constraint] = field(default_factory=list)
     sends: list[KVSend] = field(default_factory=list)
     expects: list[KVExpect] = field(default_factory=list)
+    decode_rows: array[int] = field(default_factory=int_array)  # request-table rows
+    decode_slots: array[int] = field(default_factory=int_array)  # one new KV slot each
+
+    @property
+    def num_requests(self) -> int:
+        """Requests that compute in this step."""
+        return len(self.decode_rows) + len(self.entries)
+
+    @property
+    def num_tokens(self) -> int:
+        """KV slots this step writes (a decode's one, every draft node's too)."""
+        return len(self.decode_slots) + sum(len(e.slots) for e in self.entries)
 
 
 @dataclass(slots=True)
@@ -156,7 +183,8 @@ class EntryResult:
 
 @dataclass(slots=True)
 class StepResult:
-    """One EntryResult per entry of the step, in the same order."""
+    """One EntryResult per entry of the step, in the same order, and each plain decode's
+    token in decode_tokens."""
 
     step: int
     results: list[EntryResult] = field(default_factory=list)
@@ -166,3 +194,4 @@ class StepResult:
     grammars_ready: list[Constraint] = field(default_factory=list)
     grammars_failed: list[tuple[Constraint, str]] = field(default_factory=list)
     sends_done: list[SendOutcome] = field(default_factory=list)
+    decode_tokens: array[int] = field(default_factory=int_array)

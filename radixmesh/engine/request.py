@@ -46,6 +46,7 @@ class Req:
     prefetch: PrefetchOutcome | None = None  # how its wait for storage ended, if it waited
     admitted: bool = False
     on_worker: bool = False  # the worker holds state for it
+    row: int = -1  # its row of the worker's request table while on the worker
     pending: int = 0  # sampling steps scheduled whose result has not come back
     jumped: bool = False  # output has jump-forward tokens the next decode must feed
     spec_verify_ct: int = 0  # steps that verified a draft of it
@@ -95,6 +96,7 @@ class Req:
             logprobs = dataclasses.replace(logprobs, logprob_start_len=-1)
         return NewRequest(
             self.rid,
+            self.row,
             self.tokens[:prefix],
             self.slots[:prefix],
             len(self.input_ids),
@@ -102,6 +104,12 @@ class Req:
             self.seed,
             logprobs,
         )
+
+    @property
+    def packs(self) -> bool:
+        """Whether its decodes travel packed (StepBatch.decode_rows): the runner samples
+        them without a grammar's mask or logprobs to report."""
+        return self.params.grammar is None and not self.logprobs.return_logprob
 
     def stop_reason(
         self, token: int, eos_token_ids: tuple[int, ...], context_length: int

@@ -28,8 +28,14 @@ class ScheduledBatch:
     """A batch on its way to the model runner, with the requests behind its entries."""
 
     batch: StepBatch
-    reqs: list[Req] = field(default_factory=list)
+    reqs: list[Req] = field(default_factory=list)  # behind the batch's entries
+    decodes: list[Req] = field(default_factory=list)  # behind its packed decodes
     jumps: set[str] = field(default_factory=set)  # decodes feeding jump-forward tokens
+
+    @property
+    def all_reqs(self) -> list[Req]:
+        """Every request the step computes for: the packed decodes', then the entries'."""
+        return [*self.decodes, *self.reqs]
 
 
 class Scheduler(TransferSteps):
@@ -75,6 +81,8 @@ class Scheduler(TransferSteps):
         self.tiers: NoTiers = NoTiers()  # the host and storage tiers, while attached
         self._host_pool: HostPoolSpec | None = None  # to send with the next step
         self._release: list[str] = []
+        self._free_rows: list[int] = []  # rows of the worker's request table, given back
+        self._rows = 0  # rows handed out so far
         self._updated: dict[str, Req] = {}
         self.constraints.reset()
         self.speculation.reset()
@@ -219,6 +227,7 @@ class Scheduler(TransferSteps):
         # compiles end in a step's result: an empty step still collects those reports.
         if (
             not batch.reqs
+            and not batch.decodes
             and not step.release
             and not step.copies
             and step.host_pool is None
@@ -269,6 +278,13 @@ class Scheduler(TransferSteps):
                 self._retract(victim)
                 if victim is req:
                     break
+                continue
+            if draft is None and not unfed and req.packs:
+                batch.batch.decode_rows.append(req.row)
+                batch.batch.decode_slots.append(slots[0])
+                batch.decodes.append(req)
+                req.pending += 1
+                i += 1
                 continue
             entry = StepEntry(req.rid, unfed, slots, True)
             if draft is not None:
@@ -359,12 +375,15 @@ class Scheduler(TransferSteps):
             return 0
         cached = len(prefix)
         req.slots, req.cached_len, self._locked[req.rid] = prefix, cached, node
+        req.row = self._free_rows.pop() if self._free_rows else self._next_row()
         new_request = req.new_request(cached)
         used = self._extend(batch, req, budget)
         if not used:
             self.cache.unlock(node)
             req.slots, req.cached_len = [], 0
             del self._locked[req.rid]
+            self._free_rows.append(req.row)
+            req.row = -1
             return 0
         self.waiting.remove(req)
         req.jumped = False  # its prefill feeds every token it has
@@ -473,6 +492,12 @@ class Scheduler(TransferSteps):
         if req.on_worker:
             self._release.append(req.rid)
             req.on_worker = False
+            self._free_rows.append(req.row)  # reused no earlier than the step releasing it
+            req.row = -1
+
+    def _next_row(self) -> int:
+        self._rows += 1
+        return self._rows - 1
 
     def _finish(self, req: Req, reason: FinishReason) -> None:
         req.finish = reason
@@ -512,6 +537,7 @@ class Scheduler(TransferSteps):
                 self._forget_if_settled(req)
         self._compiles_ended(result)
         self.speculation.stepped(batch.batch, result.forward_ms)
+        self._decoded(batch.decodes, result)
         for req, entry, out in zip(batch.reqs, batch.batch.entries, result.results, strict=True):
             if out.input_logprobs:
                 req.input_logprobs.extend(out.input_logprobs)
@@ -541,6 +567,21 @@ class Scheduler(TransferSteps):
                 if self.disagg.sampled(req, reason):
                     self._hand_back(req)
             elif reason is not None:
+                self._finish(req, reason)
+
+    def _decoded(self, decodes: list[Req], result: StepResult) -> None:
+        """Fold in the packed decodes' tokens: no logprobs, drafts or forced tokens there."""
+        eos, context = self.config.eos_token_ids, self.config.context_length
+        updated = self._updated
+        for req, token in zip(decodes, result.decode_tokens, strict=True):
+            req.pending -= 1
+            if req.finish is not None:
+                self._forget_if_settled(req)
+                continue  # a step run ahead past the finish; its token is dropped
+            req.output_ids.append(token)
+            updated[req.rid] = req
+            reason = req.stop_reason(token, eos, context)
+            if reason is not None:
                 self._finish(req, reason)
 
     def _emit(

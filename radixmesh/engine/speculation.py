@@ -360,9 +360,8 @@ class NgramSpeculation(NoSpeculation):
             w.next_pause = _PAUSE_FIRST
 
     def stepped(self, batch: StepBatch, forward_ms: float) -> None:
-        entries = batch.entries
-        if entries and not any(e.input_ids for e in entries):  # decode rows only
-            self.cost.add(sum(len(e.slots) for e in entries), forward_ms)
+        if batch.num_requests and not any(e.input_ids for e in batch.entries):  # decodes only
+            self.cost.add(batch.num_tokens, forward_ms)
 
     def _pause(self, w: _Writer) -> None:
         w.pause = w.next_pause

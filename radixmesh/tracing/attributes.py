@@ -4,8 +4,12 @@ requests they serve."""
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from opentelemetry.trace import Span
+
+if TYPE_CHECKING:
+    from radixmesh.core.step import StepBatch
 
 RID = "radixmesh.rid"  # the request; on a span that serves several, the first of them
 RIDS = "radixmesh.rids"  # every request a span serves, when it serves more than one
@@ -62,6 +66,15 @@ def rid_attributes(rids: Iterable[str]) -> dict[str, str | list[str]]:
     if len(ordered) > 1:
         out[RIDS] = ordered
     return out
+
+
+def batch_attributes(step: StepBatch) -> dict[str, int]:
+    """A step's size: requests, prompt tokens, decodes (packed ones and entries')."""
+    return {
+        BATCH_REQUESTS: step.num_requests,
+        BATCH_PREFILL_TOKENS: sum(len(e.input_ids) for e in step.entries),
+        BATCH_DECODES: len(step.decode_rows) + sum(not e.input_ids for e in step.entries),
+    }
 
 
 def tag_rid(span: Span, rid: str) -> None:

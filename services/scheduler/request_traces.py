@@ -170,7 +170,8 @@ class RequestTraces:
         chunks = self._chunks.pop(batch.batch.step, [])
         loads = self._loads.pop(batch.batch.step, [])
         verifies = self._verifies.get(batch.batch.step, [])  # verified() reads them too
-        members = [(r.rid, self._requests[r.rid]) for r in batch.reqs if r.rid in self._requests]
+        members = [(r.rid, self._requests[r.rid]) for r in batch.all_reqs
+                   if r.rid in self._requests]
         if not members:
             for _, verify in self._verifies.pop(batch.batch.step, []):
                 end_span(verify)
@@ -184,9 +185,7 @@ class RequestTraces:
             **attr.rid_attributes([anchor_rid, *(rid for rid, _ in members)]),
             attr.ENGINE_ID: self.engine_id,
             attr.STEP: step.step,
-            attr.BATCH_REQUESTS: len(step.entries),
-            attr.BATCH_PREFILL_TOKENS: sum(len(e.input_ids) for e in step.entries),
-            attr.BATCH_DECODES: sum(not e.input_ids for e in step.entries),
+            **attr.batch_attributes(step),
             attr.BATCH_NEW_REQUESTS: len(step.new_requests),
         }, kind=SpanKind.CLIENT, links=[Link(s.root.get_span_context()) for _, s in members])
         error = None

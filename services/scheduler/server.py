@@ -373,8 +373,7 @@ class SchedulerService:
 
     def _scheduled(self, batch: ScheduledBatch, started: int, ended: int) -> None:
         self.traces.scheduled(batch, started, ended)
-        entries = batch.batch.entries
-        self.metrics.batch(sum(len(e.slots) for e in entries), len(entries))
+        self.metrics.batch(batch.batch.num_tokens, batch.batch.num_requests)
         self.metrics.admitted(batch)
 
     def refuse(self, req: Req, error: Exception) -> None:

@@ -11,18 +11,16 @@ FORWARD_RPC = "/radixmesh.worker.Worker/Forward"
 TRACED_RPCS = {FORWARD_RPC: "forward"}
 
 
-def note_forward(batch: StepBatch, result: StepResult, tp_rank: int) -> None:
-    """Describe the step on the current span, when it is recording."""
+def note_forward(batch: StepBatch, result: StepResult, tp_rank: int, rids: list[str]) -> None:
+    """Describe the step on the current span (`rids`: its requests), when it is recording."""
     span = get_current_span()
     if not span.is_recording():
         return
     span.set_attributes({
-        **attr.rid_attributes(e.rid for e in batch.entries),
+        **attr.rid_attributes(rids),
         attr.STEP: batch.step,
         attr.TP_RANK: tp_rank,
-        attr.BATCH_REQUESTS: len(batch.entries),
-        attr.BATCH_PREFILL_TOKENS: sum(len(e.input_ids) for e in batch.entries),
-        attr.BATCH_DECODES: sum(not e.input_ids for e in batch.entries),
+        **attr.batch_attributes(batch),
         attr.BATCH_NEW_REQUESTS: len(batch.new_requests),
         attr.FORWARD_MS: round(result.forward_ms, 3),
     })

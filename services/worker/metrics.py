@@ -34,8 +34,8 @@ KV_POOL_TOKENS = Gauge(
 
 
 def batch_tokens(batch: StepBatch) -> int:
-    """Tokens a step computes: a decode entry carries no ids but computes one."""
-    return sum(len(e.input_ids) or 1 for e in batch.entries)
+    """Tokens a step computes: a decode carries no ids but computes one."""
+    return len(batch.decode_rows) + sum(len(e.input_ids) or 1 for e in batch.entries)
 
 
 class WorkerMetrics:
@@ -52,9 +52,9 @@ class WorkerMetrics:
     def forward(self, batch: StepBatch, forward_ms: float) -> None:
         """One step run; steps that only release requests compute nothing and add no size."""
         FORWARD_SECONDS.labels(**self._labels).observe(forward_ms / 1e3)
-        if batch.entries:
+        if batch.num_requests:
             BATCH_TOKENS.labels(**self._labels).observe(batch_tokens(batch))
-            BATCH_REQS.labels(**self._labels).observe(len(batch.entries))
+            BATCH_REQS.labels(**self._labels).observe(batch.num_requests)
 
     def received(self, nbytes: int) -> None:
         """A prefill engine's KV written into this rank's pool."""

@@ -215,7 +215,7 @@ class WorkerService(wgrpc.WorkerServicer):
             self._submitted_step = request.step
             self._order.notify_all()
         try:
-            result, reads = await pending
+            result, reads, rids = await pending
         except Exception as exc:
             log.exception("step %d failed", request.step)
             await context.abort(grpc.StatusCode.INTERNAL, f"forward failed: {exc!r}")
@@ -223,17 +223,18 @@ class WorkerService(wgrpc.WorkerServicer):
         assert sender is not None
         for send, data in reads:
             sender.start(send, data)
-        if not batch.entries and sender.pending:
+        if not batch.num_requests and sender.pending:
             await sender.wait(0.05)  # an idle step waits a little for a send to end
         result.sends_done = sender.finished()
         self.metrics.forward(batch, result.forward_ms)
-        note_forward(batch, result, self.config.tp_rank)
+        note_forward(batch, result, self.config.tp_rank, rids)
         return result_to_proto(result)
 
     def _step(self, runner: ModelRunner, batch: StepBatch
-              ) -> tuple[StepResult, list[tuple[KVSend, torch.Tensor]]]:
+              ) -> tuple[StepResult, list[tuple[KVSend, torch.Tensor]], list[str]]:
         """One step on the torch thread: what KV this rank accepts, the forward, then the
-        KV to send (read after the forward, which may compute it)."""
+        KV to send (read after the forward, which may compute it) and the step's requests
+        (for its span)."""
         if batch.step == 1:
             self.inbox.clear()
         for rid in batch.release:
@@ -242,7 +243,8 @@ class WorkerService(wgrpc.WorkerServicer):
             self.inbox.expect(expect)
         result = runner.forward(batch)
         assert self.porter is not None
-        return result, [(send, self.porter.read(send.slots)) for send in batch.sends]
+        reads = [(send, self.porter.read(send.slots)) for send in batch.sends]
+        return result, reads, runner.rids(batch)
 
     async def PutKV(
         self, request_iterator: AsyncIterator[wpb.KVPages], context: grpc.aio.ServicerContext

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -13,7 +14,7 @@ from radixmesh.engine.model.kv_pool import KVPool
 
 @dataclass(frozen=True)
 class SeqSpan:
-    """One request's share of a step: its new query tokens and the KV they attend to."""
+    """One sequence of a step spelled out: its new query tokens and the KV they attend to."""
 
     q_start: int  # first row of this request's tokens in the step's token dimension
     q_len: int  # new tokens (1 for a decode step)
@@ -22,10 +23,59 @@ class SeqSpan:
 
 @dataclass(frozen=True)
 class AttentionMetadata:
-    """Where this step's new K/V go and what each request attends to."""
+    """Where this step's new K/V go and what each of its sequences attends to.
 
-    out_slots: torch.Tensor  # [T] slot of each new token
-    seqs: tuple[SeqSpan, ...]
+    Sequence b (a request's new tokens, or one draft node) is q_lens[b] consecutive tokens
+    of the step from row q_starts[b] on; it attends to the first kv_lens[b] slots of row b of
+    kv_index: its cached keys, then its own new ones, causally. The runner gathers kv_index
+    from its request table; the per-sequence tensors stay on the host."""
+
+    out_slots: torch.Tensor  # [T] slot of each new token, on the device
+    q_starts: torch.Tensor  # [B] int64
+    q_lens: torch.Tensor  # [B] int64
+    kv_lens: torch.Tensor  # [B] int64
+    kv_index: torch.Tensor  # [B, W] int32 slots, W >= every kv_len, on the device
+
+    @classmethod
+    def from_spans(cls, out_slots: torch.Tensor, spans: Sequence[SeqSpan]) -> AttentionMetadata:
+        """The metadata of sequences given one by one."""
+        lens = torch.tensor([s.kv_slots.numel() for s in spans], dtype=torch.long)
+        return cls(
+            out_slots,
+            torch.tensor([s.q_start for s in spans], dtype=torch.long),
+            torch.tensor([s.q_len for s in spans], dtype=torch.long),
+            lens,
+            padded_rows([s.kv_slots for s in spans], out_slots.device),
+        )
+
+    @property
+    def num_seqs(self) -> int:
+        return self.q_lens.numel()
+
+    def kv_slots(self, seq: int) -> torch.Tensor:
+        """Every slot sequence `seq` attends to, as int64."""
+        return self.kv_index[seq, : int(self.kv_lens[seq])].long()
+
+    def spans(self) -> list[SeqSpan]:
+        """The sequences spelled out one by one (from_spans' input)."""
+        return [SeqSpan(int(self.q_starts[b]), int(self.q_lens[b]), self.kv_slots(b))
+                for b in range(self.num_seqs)]
+
+
+def padded_rows(rows: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Slot lists as one int32 [len(rows), longest] tensor on `device`, zero padded."""
+    width = max((r.numel() for r in rows), default=0)
+    table = torch.zeros(len(rows), max(width, 1), dtype=torch.int32)
+    for i, r in enumerate(rows):
+        table[i, : r.numel()] = r
+    return table.to(device)
+
+
+def in_order(rows: torch.Tensor, first: int = 0) -> bool:
+    """Whether token rows are first, first + 1, ... in turn."""
+    n = rows.numel()
+    return n == 0 or (int(rows[0]) == first and int(rows[-1]) == first + n - 1
+                      and bool((rows.diff() == 1).all()))
 
 
 class AttentionRun(NamedTuple):

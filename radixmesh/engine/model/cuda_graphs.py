@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from radixmesh.engine.model.attention import AttentionMetadata
+from radixmesh.engine.model.attention import AttentionMetadata, in_order
 from radixmesh.engine.model.kv_pool import KVPool
 from radixmesh.engine.model.model import CausalLM
 from radixmesh.engine.model.triton_attention import DecodeTables, TritonAttention
@@ -49,16 +49,20 @@ class DecodeGraphs:
             self._capture_all()
 
     def fits(self, meta: AttentionMetadata) -> bool:
-        """Whether this step can run here: decode only, within the batch and context caps."""
-        return 0 < len(meta.seqs) <= self.buckets[-1] and all(
-            s.q_len == 1 and s.kv_slots.numel() <= self.max_context for s in meta.seqs
+        """Whether this step can run here: decode only (sequence b at row b), within the
+        batch and context caps."""
+        return (
+            0 < meta.num_seqs <= self.buckets[-1]
+            and bool((meta.q_lens == 1).all())
+            and int(meta.kv_lens.max()) <= self.max_context
+            and in_order(meta.q_starts)
         )
 
     def run(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         """Final hidden states [B, hidden] of a step that fits; valid until the next run."""
-        n = len(meta.seqs)
+        n = meta.num_seqs
         bucket = next(b for b in self.buckets if b >= n)
         for buf, values in ((self.input_ids, input_ids), (self.positions, positions)):
             buf[:n].copy_(values)

@@ -51,17 +51,19 @@ def draft_rows(
     positions: list[int],
     slots: list[int],
     attend: list[SeqSpan],
+    first_row: int = 0,
 ) -> dict[int, int]:
     """Append a row for each draft node of `keep`: its token at the position its depth gives
     after `prefix` (the slots of the request's tokens, the fed ones included), in its draft
-    slot, attending to the prefix and its own path up the tree. Returns each node's row."""
+    slot, attending to the prefix and its own path up the tree. Returns each node's row of
+    the step (`first_row` that of ids[0])."""
     node_slots = entry.slots[len(entry.slots) - len(entry.draft) :]
     rows: dict[int, int] = {}
     for k in keep:
         path = _path(entry, k)
         own = torch.tensor([node_slots[j] for j in path], dtype=torch.long)
-        rows[k] = len(ids)
-        attend.append(SeqSpan(len(ids), 1, torch.cat([prefix, own])))
+        rows[k] = first_row + len(ids)
+        attend.append(SeqSpan(rows[k], 1, torch.cat([prefix, own])))
         ids.append(entry.draft[k])
         positions.append(prefix.numel() + len(path) - 1)
         slots.append(node_slots[k])

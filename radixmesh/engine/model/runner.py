@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,9 +15,21 @@ import torch
 from radixmesh.core.model_files import resolve_model_path
 from radixmesh.core.sampling_params import LogprobRequest
 from radixmesh.core.settings import RunnerSettings
-from radixmesh.core.step import EntryResult, NewRequest, StepBatch, StepEntry, StepResult
+from radixmesh.core.step import (
+    EntryResult,
+    NewRequest,
+    StepBatch,
+    StepEntry,
+    StepResult,
+    int_array,
+)
 from radixmesh.core.tokenizer import Tokenizer
-from radixmesh.engine.model.attention import AttentionBackend, AttentionMetadata, SeqSpan
+from radixmesh.engine.model.attention import (
+    AttentionBackend,
+    AttentionMetadata,
+    SeqSpan,
+    padded_rows,
+)
 from radixmesh.engine.model.attention_choice import check_runs_on, make_attention
 from radixmesh.engine.model.device import current, resolve_device
 from radixmesh.engine.model.draft_tree import (
@@ -40,7 +53,8 @@ from radixmesh.engine.model.parallel import (
     local_config,
     shard_weights,
 )
-from radixmesh.engine.model.sampling import RequestSampler, sample
+from radixmesh.engine.model.req_table import ReqTable
+from radixmesh.engine.model.sampling import RequestSampler, RowSampling, is_plain, sample
 from radixmesh.engine.model.torch_attention import TorchAttention
 
 if TYPE_CHECKING:
@@ -55,32 +69,44 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 @dataclass
 class _RequestState:
-    """What the worker remembers of a request between steps."""
+    """What the worker remembers of a request between steps, beside its table row."""
 
     spec: NewRequest
-    ids: list[int]  # every token whose KV is in the pool, in order
-    slots: torch.Tensor  # grown by doubling; the first len(ids) entries are live
-    sampler: RequestSampler | None = None  # made at the first sample, once the prompt is known
+    plain: bool  # samples through RowSampling: no penalty, bias, grammar or logprobs
+    sampled: bool = False  # has sampled since it was (re)admitted
+    sampler: RequestSampler | None = None  # a request that is not plain, from its first sample
     matcher: Matcher | None = None  # with a constraint, from the first sample
-    last_token: int = -1
-    # Jump-forward: tokens were forced after last_token. The step the scheduler already
-    # ran ahead for it (no input_ids) feeds last_token but must not sample: the forced
+    # Jump-forward: tokens were forced after its last token. The step the scheduler already
+    # ran ahead for it (no input_ids) feeds that token but must not sample: the forced
     # tokens come first, in the request's next entry.
     jumped: bool = False
     # log-softmax of the last computed position, kept for the first token of the next chunk
     carry_logprobs: torch.Tensor | None = None
 
-    def append(self, ids: list[int], slots: list[int]) -> None:
-        need = len(self.ids) + len(ids)
-        if need > self.slots.numel():
-            grown = torch.empty(max(need, 2 * self.slots.numel()), dtype=torch.long)
-            grown[: len(self.ids)] = self.slots[: len(self.ids)]
-            self.slots = grown
-        if len(slots) == 1:  # a decode step: no tensor to build
-            self.slots[len(self.ids)] = slots[0]
-        else:
-            self.slots[len(self.ids) : need] = torch.tensor(slots, dtype=torch.long)
-        self.ids.extend(ids)
+    @property
+    def row(self) -> int:
+        return self.spec.row
+
+
+@dataclass
+class _Step:
+    """One step's sequences as the runner lays them out: the plain decodes (packed), then
+    each entry's fed tokens, then the draft nodes' rows."""
+
+    decode_rows: torch.Tensor  # [D] table rows (host)
+    reqs: list[_RequestState]  # per entry
+    q_starts: list[int]  # per entry: its first token's row in the step
+    q_lens: list[int]  # per entry: tokens it feeds
+    trees: dict[int, dict[int, int]]  # entries with a draft -> its nodes' rows
+    void: set[int]  # entries whose sample a jump-forward made void
+
+    @property
+    def num_decodes(self) -> int:
+        return self.decode_rows.numel()
+
+    def last_row(self, i: int) -> int:
+        """The step row of entry i's last fed token."""
+        return self.q_starts[i] + self.q_lens[i] - 1
 
 
 class ModelRunner:
@@ -133,6 +159,11 @@ class ModelRunner:
             self.host_copies = HostCopier(self.pool, config.num_kv_heads, rank)
         self.graph_steps = 0  # steps that ran through self.graphs
         self.requests: dict[str, _RequestState] = {}
+        self._by_row: dict[int, _RequestState] = {}
+        # Each request's slots and tokens by position, and its last token, on the device;
+        # the plain requests' sampling parameters beside them on the host.
+        self.table = ReqTable(self.device)
+        self.row_sampling = RowSampling(config.vocab_size)
         # Constrained decoding; load_runner gives the model's vocabulary to compile against.
         self.grammars: Grammars | None = None
         # How load_runner loaded the weights (see DeviceSettings.quantization), and from
@@ -166,12 +197,17 @@ class ModelRunner:
         began = time.perf_counter()
         if batch.step == 1:  # a scheduler (re)started: what the one before sent is gone
             self.requests.clear()
+            self._by_row.clear()
         for rid in batch.release:
-            self.requests.pop(rid, None)
+            gone = self.requests.pop(rid, None)
+            if gone is not None and self._by_row.get(gone.row) is gone:
+                del self._by_row[gone.row]
         for spec in batch.new_requests:
-            req = _RequestState(spec, [], torch.empty(0, dtype=torch.long))
-            req.append(spec.prefix_ids, spec.prefix_slots)
-            self.requests[spec.rid] = req
+            req = _RequestState(spec, is_plain(spec.params) and not spec.logprobs.return_logprob)
+            with current(self.device):
+                self.table.admit(spec.row, spec.prefix_ids, spec.prefix_slots)
+            self.row_sampling.set(spec.row, spec.params, spec.seed, req.plain)
+            self.requests[spec.rid] = self._by_row[spec.row] = req
         result = StepResult(batch.step)
         if self._is_sampler():
             self._compile_asked(batch, result)
@@ -179,7 +215,7 @@ class ModelRunner:
             if batch.host_pool is not None:
                 self.host_copies.map(batch.host_pool)
             self.host_copies.load([c for c in batch.copies if not c.to_host])
-            if batch.entries:
+            if batch.entries or batch.decode_rows:
                 self._run(batch, result)
             self.host_copies.start_backups([c for c in batch.copies if c.to_host])
         result.copies_done = self.host_copies.finished()
@@ -187,25 +223,29 @@ class ModelRunner:
         return result
 
     def _run(self, batch: StepBatch, result: StepResult) -> None:
-        ids: list[int] = []
+        table = self.table
+        decode_rows = _ints(batch.decode_rows).long()
+        step = _Step(decode_rows, [], [], [], {}, set())
+        ids: list[int] = []  # the entries' fed tokens; -1: the row's last sampled token
         positions: list[int] = []
         slots: list[int] = []
-        spans: list[SeqSpan] = []  # each entry's fed tokens
-        attend: list[SeqSpan] = []  # what each row attends to: the spans and draft nodes
-        trees: dict[int, dict[int, int]] = {}  # entries with a draft -> its nodes' rows
-        reqs: list[_RequestState] = []
-        void: set[int] = set()  # entries whose sample a jump-forward made void
+        nodes: list[SeqSpan] = []  # draft nodes: each a sequence of its own
+        feeds_last: list[tuple[int, int]] = []  # (index in ids, table row) of each -1
+        first = step.num_decodes
         for i, entry in enumerate(batch.entries):
             req = self.requests[entry.rid]
             if req.jumped and not entry.input_ids and entry.sample:
-                void.add(i)
+                step.void.add(i)
             req.jumped = False
-            new_ids = entry.input_ids or [req.last_token]
+            new_ids = entry.input_ids or [-1]
             fed = entry.slots[: len(new_ids)] if entry.draft else entry.slots
-            start = len(req.ids)
-            req.append(new_ids, fed)
-            spans.append(SeqSpan(len(ids), len(new_ids), req.slots[: len(req.ids)]))
-            attend.append(spans[-1])
+            if not entry.input_ids:
+                feeds_last.append((len(ids), req.row))
+            fed_ids = new_ids if entry.input_ids else table.last[req.row : req.row + 1]
+            start = table.append(req.row, fed_ids, fed)
+            step.reqs.append(req)
+            step.q_starts.append(first + len(ids))
+            step.q_lens.append(len(new_ids))
             ids.extend(new_ids)
             positions.extend(range(start, start + len(new_ids)))
             slots.extend(fed)
@@ -213,13 +253,10 @@ class ModelRunner:
                 # Rank 0 alone holds the grammar: under TP every rank computes every node.
                 matcher = self._matcher(req) if self.tp is None else None
                 keep = grammar_allows(entry, matcher)
-                trees[i] = draft_rows(entry, keep, spans[-1].kv_slots, ids, positions, slots,
-                                      attend)
-            reqs.append(req)
-        device = self.device
-        meta = AttentionMetadata(torch.tensor(slots, device=device), tuple(attend))
-        input_ids = torch.tensor(ids, device=device)
-        input_positions = torch.tensor(positions, device=device)
+                step.trees[i] = draft_rows(entry, keep, table.row_slots(req.row).long(), ids,
+                                           positions, slots, nodes, first)
+        input_ids, input_positions, meta = self._inputs(step, ids, feeds_last, positions, slots,
+                                                        nodes, _ints(batch.decode_slots))
         if self.graphs is not None and self.graphs.fits(meta):
             hidden = self.graphs.run(input_ids, input_positions, meta)
             self.graph_steps += 1
@@ -227,70 +264,159 @@ class ModelRunner:
             self.attention.prepare(meta)
             hidden = self.model.forward(input_ids, input_positions, self.attention, self.pool)
         outs = result.results = [EntryResult(e.rid) for e in batch.entries]
-        # Every rank broadcasts a token per sampling entry, void ones included (as -1), and
-        # after a draft's token the accepted path (see _follow).
+        # Every rank broadcasts a token per plain decode and per sampling entry, void ones
+        # included (as -1), and after a draft's token the accepted path (see _follow).
         sampling = [i for i, e in enumerate(batch.entries) if e.sample]
         if self.tp is not None and not self.tp.is_leader:
-            self._follow(self.tp, sampling, batch.entries, reqs, outs)
+            self._follow(self.tp, step, sampling, batch.entries, outs, result)
             return
-        for req, span, out in zip(reqs, spans, outs, strict=True):
+        for i, out in enumerate(outs):
+            req = step.reqs[i]
             if req.spec.logprobs.return_logprob and req.spec.logprobs.logprob_start_len >= 0:
-                self._input_logprobs(req, span, hidden, out)
-        self._sample(sampling, void, batch.entries, reqs, spans, trees, hidden, outs)
+                self._input_logprobs(req, step.q_starts[i], step.q_lens[i], hidden, out)
+        self._sample(step, sampling, batch.entries, hidden, outs, result)
+
+    def _inputs(
+        self, step: _Step, ids: list[int], feeds_last: list[tuple[int, int]],
+        positions: list[int], slots: list[int], nodes: list[SeqSpan], decode_slots: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """The step's token ids, positions and attention metadata: the plain decodes' by
+        tensor ops over the table, the entries' and draft nodes' from their lists."""
+        table, device = self.table, self.device
+        rows = step.decode_rows
+        decode_positions = (table.append_decodes(rows, decode_slots) if rows.numel()
+                            else rows.new_empty(0))
+        entry_rows = torch.tensor([r.row for r in step.reqs], dtype=torch.long)
+        seq_rows = torch.cat([rows, entry_rows])
+        entry_ids = torch.tensor(ids, dtype=torch.long, device=device)
+        if feeds_last:  # entries that feed their last sampled token
+            at, owners = zip(*feeds_last, strict=True)
+            entry_ids[torch.tensor(at, device=device)] = table.last[torch.tensor(owners,
+                                                                                 device=device)]
+        input_ids = torch.cat([table.last.index_select(0, rows.to(device)), entry_ids])
+        input_positions = torch.cat([decode_positions, torch.tensor(positions, dtype=torch.long)])
+        out_slots = torch.cat([decode_slots.long(), torch.tensor(slots, dtype=torch.long)])
+        kv_lens = torch.cat([decode_positions + 1, table.lens.index_select(0, entry_rows),
+                             torch.tensor([n.kv_slots.numel() for n in nodes], dtype=torch.long)])
+        width = int(kv_lens.max())
+        kv_index = table.index(seq_rows.to(device), width)
+        q_starts = torch.cat([torch.arange(rows.numel()),
+                              torch.tensor(step.q_starts, dtype=torch.long),
+                              torch.tensor([n.q_start for n in nodes], dtype=torch.long)])
+        q_lens = torch.cat([torch.ones(rows.numel(), dtype=torch.long),
+                            torch.tensor(step.q_lens, dtype=torch.long),
+                            torch.ones(len(nodes), dtype=torch.long)])
+        if nodes:
+            extra = padded_rows([n.kv_slots for n in nodes], device)
+            kv_index = torch.cat([kv_index, extra.new_zeros(len(nodes), width)])
+            kv_index[seq_rows.numel() :, : extra.shape[1]] = extra
+            # Sequences in row order, as a decode-only step (a CUDA graph's) reads them.
+            order = q_starts.argsort()
+            q_starts, q_lens, kv_lens = q_starts[order], q_lens[order], kv_lens[order]
+            kv_index = kv_index[order.to(device)]
+        meta = AttentionMetadata(out_slots.to(device), q_starts, q_lens, kv_lens, kv_index)
+        return input_ids, input_positions.to(device), meta
 
     def _sample(
         self,
+        step: _Step,
         sampling: list[int],
-        void: set[int],
         entries: list[StepEntry],
-        reqs: list[_RequestState],
-        spans: list[SeqSpan],
-        trees: dict[int, dict[int, int]],
         hidden: torch.Tensor,
         outs: list[EntryResult],
+        result: StepResult,
     ) -> None:
-        picked = [i for i in sampling if i not in void]
-        plain = [i for i in picked if i not in trees]
-        tokens = dict(zip(plain, self._sample_rows(plain, reqs, spans, hidden, outs), strict=True))
-        drafted = [i for i in picked if i in trees]
-        paths = self._verify(drafted, entries, reqs, spans, trees, hidden, outs)
+        """Sample the plain decodes and plain entries in one batched pass, the rest one
+        request at a time; then verify the drafts."""
+        picked = [i for i in sampling if i not in step.void]
+        plain = [i for i in picked if i not in step.trees and step.reqs[i].plain]
+        special = [i for i in picked if i not in step.trees and not step.reqs[i].plain]
+        for i in plain:
+            self._start_sampling(step.reqs[i])
+        rows = step.decode_rows
+        n = rows.numel()
+        decode_plain = self.row_sampling.plain.index_select(0, rows)
+        # None: every decode is plain (the usual step: no per-request work at all).
+        plain_decodes = None if bool(decode_plain.all()) else decode_plain.nonzero().flatten()
+        hidden_rows = torch.cat([
+            torch.arange(n) if plain_decodes is None else plain_decodes,
+            torch.tensor([step.last_row(i) for i in plain], dtype=torch.long),
+        ])
+        table_rows = torch.cat([
+            rows if plain_decodes is None else rows[plain_decodes],
+            torch.tensor([step.reqs[i].row for i in plain], dtype=torch.long),
+        ])
+        tokens = torch.empty(0, dtype=torch.long)
+        if table_rows.numel():
+            logits = self.model.logits(hidden.index_select(0, hidden_rows.to(hidden.device)))
+            tokens = self.row_sampling.sample(logits, table_rows)
+            self.table.last.index_copy_(0, table_rows.to(self.device), tokens.to(self.device))
+        picked_tokens = tokens.tolist()  # the step's one device-to-host copy of plain tokens
+        decoded = picked_tokens[: len(picked_tokens) - len(plain)]
+        for i, token in zip(plain, picked_tokens[len(decoded) :], strict=True):
+            outs[i].token_id = token
+        if plain_decodes is not None:  # decodes of requests that are not plain
+            others = (~decode_plain).nonzero().flatten().tolist()
+            merged = [-1] * n
+            for j, token in zip(plain_decodes.tolist(), decoded, strict=True):
+                merged[j] = token
+            extra = [EntryResult("") for _ in others]
+            reqs = [self._by_row[int(rows[j])] for j in others]
+            for j, token in zip(others, self._sample_rows(reqs, others, hidden, extra),
+                                strict=True):
+                merged[j] = token
+            decoded = merged
+        result.decode_tokens = int_array(decoded)
+        self._sample_rows([step.reqs[i] for i in special], [step.last_row(i) for i in special],
+                          hidden, [outs[i] for i in special])
+        drafted = [i for i in picked if i in step.trees]
+        paths = self._verify(drafted, entries, step, hidden, outs)
         for i in drafted:
-            tokens[i] = reqs[i].last_token = outs[i].token_id
-            reqs[i].append(*keep_path(self.pool, entries[i], paths[i]))
+            req = step.reqs[i]
+            self.table.last[req.row] = outs[i].token_id
+            accepted, kept = keep_path(self.pool, entries[i], paths[i])
+            self.table.append(req.row, accepted, kept)
         if self.tp is not None:
-            flat: list[int] = []
+            flat = list(decoded)
             for i in sampling:
-                flat.append(tokens.get(i, -1))
+                flat.append(outs[i].token_id if i not in step.void else -1)
                 if entries[i].draft:
                     path = paths.get(i, [])
                     flat.extend(path + [-1] * (len(entries[i].draft) - len(path)))
             self.tp.broadcast_tokens(flat)
 
+    def _start_sampling(self, req: _RequestState) -> None:
+        """A plain request's first sample since its admission: its draws so far are its
+        output so far (a retracted request's, readmitted)."""
+        if not req.sampled:
+            req.sampled = True
+            drawn = max(0, int(self.table.lens[req.row]) - req.spec.prompt_len)
+            self.row_sampling.drawn[req.row] = drawn
+
     def _sample_rows(
         self,
-        picked: list[int],
         reqs: list[_RequestState],
-        spans: list[SeqSpan],
+        hidden_rows: list[int],
         hidden: torch.Tensor,
         outs: list[EntryResult],
     ) -> list[int]:
-        if not picked:
+        """Sample requests that are not plain one by one (penalties, bias, a grammar,
+        logprobs): each from its own sampler, under its grammar's mask."""
+        if not reqs:
             return []
-        rows = [spans[i].q_start + spans[i].q_len - 1 for i in picked]
-        logits = self.model.logits(hidden[torch.tensor(rows, device=hidden.device)])
-        samplers = [self._sampler(reqs[i]) for i in picked]
-        wants = [reqs[i].spec.logprobs for i in picked]
+        logits = self.model.logits(hidden[torch.tensor(hidden_rows, device=hidden.device)])
+        samplers = [self._sampler(req) for req in reqs]
+        wants = [req.spec.logprobs for req in reqs]
         top_n = [w.top_logprobs_num if w.return_logprob else 0 for w in wants]
         with_logprobs = any(w.return_logprob for w in wants)
         logits = _for_sampling(logits, samplers, with_logprobs)
-        matchers = [self._matcher(reqs[i]) for i in picked]
+        matchers = [self._matcher(req) for req in reqs]
         apply_masks(logits, matchers)
         sampled = sample(logits, samplers, top_n, with_logprobs=with_logprobs)
         tokens = sampled.token_ids
-        for j, i in enumerate(picked):
-            token = tokens[j]
-            req, out = reqs[i], outs[i]
-            req.last_token = out.token_id = token
+        for j, req in enumerate(reqs):
+            token, out = tokens[j], outs[j]
+            self.table.last[req.row] = out.token_id = token
             samplers[j].record(token)
             if wants[j].return_logprob:
                 out.logprob = sampled.logprobs[j]
@@ -302,9 +428,7 @@ class ModelRunner:
         self,
         drafted: list[int],
         entries: list[StepEntry],
-        reqs: list[_RequestState],
-        spans: list[SeqSpan],
-        trees: dict[int, dict[int, int]],
+        step: _Step,
         hidden: torch.Tensor,
         outs: list[EntryResult],
     ) -> dict[int, list[int]]:
@@ -316,11 +440,12 @@ class ModelRunner:
         drafts. Returns each entry's accepted draft nodes."""
         if not drafted:
             return {}
+        reqs, trees = step.reqs, step.trees
         row_of: dict[tuple[int, int], int] = {}  # (entry, node; -1 the fed token) -> logits row
         rows: list[int] = []
         for i in drafted:
             row_of[i, -1] = len(rows)
-            rows.append(spans[i].q_start + spans[i].q_len - 1)
+            rows.append(step.last_row(i))
             for node, row in trees[i].items():
                 row_of[i, node] = len(rows)
                 rows.append(row)
@@ -364,6 +489,9 @@ class ModelRunner:
                 at[i] = nodes[-1]
                 still.append(i)
             walking = still
+        for i in drafted:
+            if reqs[i].plain:  # its draws are counted in the table's rows
+                self.row_sampling.drawn[reqs[i].row] = samplers[i].num_output
         return paths
 
     def _advance_grammar(
@@ -388,22 +516,28 @@ class ModelRunner:
     def _follow(
         self,
         tp: TensorParallel,
+        step: _Step,
         sampling: list[int],
         entries: list[StepEntry],
-        reqs: list[_RequestState],
         outs: list[EntryResult],
+        result: StepResult,
     ) -> None:
         """A rank other than 0 takes rank 0's tokens (and accepted draft paths) instead of
         computing logits, so every rank feeds the same tokens next step (sampling state
         lives on rank 0 only). Forced tokens reach these ranks as the input_ids of the
         request's next entry."""
-        if not sampling:
+        n = step.num_decodes
+        size = n + sum(1 + len(entries[i].draft) for i in sampling)
+        if not size:
             return
-        size = sum(1 + len(entries[i].draft) for i in sampling)
         flat = tp.broadcast_tokens([0] * size)
-        at = 0
+        if n:
+            tokens = torch.tensor(flat[:n], dtype=torch.long, device=self.device)
+            self.table.last.index_copy_(0, step.decode_rows.to(self.device), tokens)
+            result.decode_tokens = int_array(flat[:n])
+        at = n
         for i in sampling:
-            token, entry = flat[at], entries[i]
+            token, entry, req = flat[at], entries[i], step.reqs[i]
             path = [k for k in flat[at + 1 : at + 1 + len(entry.draft)] if k >= 0]
             at += 1 + len(entry.draft)
             if token < 0:
@@ -411,8 +545,14 @@ class ModelRunner:
             outs[i].token_id = token
             if entry.draft:
                 outs[i].accepted_ids, kept = keep_path(self.pool, entry, path)
-                reqs[i].append(outs[i].accepted_ids, kept)
-            reqs[i].last_token = token
+                self.table.append(req.row, outs[i].accepted_ids, kept)
+            self.table.last[req.row] = token
+
+    def rids(self, batch: StepBatch) -> list[str]:
+        """The requests a step (just run) computed for: its packed decodes', its entries'."""
+        by_row = self._by_row
+        return [*(by_row[row].spec.rid for row in batch.decode_rows if row in by_row),
+                *(e.rid for e in batch.entries)]
 
     def _is_sampler(self) -> bool:
         return self.tp is None or self.tp.is_leader
@@ -446,41 +586,51 @@ class ModelRunner:
             return None
         if req.matcher is None:
             req.matcher = self._grammars().matcher(constraint)
-            for token in req.ids[req.spec.prompt_len :]:
+            for token in self.table.row_tokens(req.row, req.spec.prompt_len):
                 req.matcher.accept(token)
         # Ended (its stop token accepted): a step the scheduler ran ahead past the finish
         # samples freely; that token is dropped.
         return None if req.matcher.ended else req.matcher
 
     def _sampler(self, req: _RequestState) -> RequestSampler:
-        if req.sampler is None:
+        """The request's sampler: kept for a request that is not plain; for a plain one,
+        made at its count of draws (verifying drafts, which walks request by request)."""
+        if req.sampler is None or req.plain:
             spec = req.spec
-            req.sampler = RequestSampler(
+            sampler = RequestSampler(
                 spec.params,
-                req.ids[: spec.prompt_len],
+                self.table.row_tokens(req.row, 0, spec.prompt_len),
                 self.config.vocab_size,
                 seed=spec.seed,
                 eos_token_ids=self.config.eos_token_ids,
             )
-            for token in req.ids[spec.prompt_len :]:
-                req.sampler.record(token)
+            if req.plain:
+                self._start_sampling(req)
+                sampler.num_output = int(self.row_sampling.drawn[req.row])
+                return sampler
+            req.sampler = sampler
+            for token in self.table.row_tokens(req.row, spec.prompt_len):
+                sampler.record(token)
         return req.sampler
 
     def _input_logprobs(
-        self, req: _RequestState, span: SeqSpan, hidden: torch.Tensor, out: EntryResult
+        self, req: _RequestState, q_start: int, q_len: int, hidden: torch.Tensor,
+        out: EntryResult,
     ) -> None:
-        """Logprobs of the prompt tokens this chunk holds, from logprob_start_len on."""
+        """Logprobs of the prompt tokens this chunk (q_len tokens from step row q_start)
+        holds, from logprob_start_len on."""
         spec = req.spec
         start_len = spec.logprobs.logprob_start_len
-        first = len(req.ids) - span.q_len  # prompt position of the chunk's first token
-        end = len(req.ids)
+        end = int(self.table.lens[req.row])
+        first = end - q_len  # prompt position of the chunk's first token
         carry, req.carry_logprobs = req.carry_logprobs, None
-        last_row = hidden[span.q_start + span.q_len - 1 : span.q_start + span.q_len]
+        last_row = hidden[q_start + q_len - 1 : q_start + q_len]
         if start_len <= end < spec.prompt_len:
             req.carry_logprobs = torch.log_softmax(self.model.logits(last_row), dim=-1)[0]
         lo, hi = max(start_len, first), min(spec.prompt_len, end)
         if lo >= hi:
             return
+        ids = self.table.row_tokens(req.row, 0, hi)
         out.input_logprobs_start = lo
         top_n = spec.logprobs.top_logprobs_num
         if lo == first:
@@ -489,13 +639,13 @@ class ModelRunner:
                 out.input_logprobs.append(float("nan"))
                 out.input_top_logprobs.append([])
             else:
-                _add_logprobs(out, carry.unsqueeze(0), [req.ids[lo]], top_n)
+                _add_logprobs(out, carry.unsqueeze(0), [ids[lo]], top_n)
             lo += 1
         for b in range(lo, hi, _LOGPROB_BLOCK):
             e = min(b + _LOGPROB_BLOCK, hi)
-            rows = torch.arange(b - 1, e - 1, device=hidden.device) - first + span.q_start
+            rows = torch.arange(b - 1, e - 1, device=hidden.device) - first + q_start
             logprobs = torch.log_softmax(self.model.logits(hidden[rows]), dim=-1)
-            _add_logprobs(out, logprobs, req.ids[b:e], top_n)
+            _add_logprobs(out, logprobs, ids[b:e], top_n)
 
 
 def _for_sampling(
@@ -509,6 +659,13 @@ def _for_sampling(
     ):
         return logits.cpu()
     return logits
+
+
+def _ints(packed: array[int]) -> torch.Tensor:
+    """A packed int32 array as a host tensor (sharing its memory)."""
+    if not packed:
+        return torch.empty(0, dtype=torch.int32)
+    return torch.frombuffer(packed, dtype=torch.int32)
 
 
 def _add_logprobs(

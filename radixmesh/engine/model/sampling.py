@@ -33,6 +33,31 @@ def uniform(seed: int, step: int) -> float:
     return (h >> 40) / (1 << 24)
 
 
+def _signed(value: int) -> int:
+    """A 64-bit pattern as torch's int64 holds it."""
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def _shr(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 bit patterns (torch's >> keeps the sign)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def _splitmix64_rows(x: torch.Tensor) -> torch.Tensor:
+    """_splitmix64 of each element of an int64 tensor (arithmetic wraps as in uint64)."""
+    x = x + _signed(0x9E3779B97F4A7C15)
+    x = (x ^ _shr(x, 30)) * _signed(0xBF58476D1CE4E5B9)
+    x = (x ^ _shr(x, 27)) * _signed(0x94D049BB133111EB)
+    return x ^ _shr(x, 31)
+
+
+def uniforms(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """uniform(seed, step) of each row, from int64 seeds (as _signed holds them) and steps:
+    the same float32 values, with no Python per row."""
+    h = _splitmix64_rows(_splitmix64_rows(seeds) ^ steps)
+    return _shr(h, 40).to(torch.float32) / (1 << 24)
+
+
 class _TokenHistory:
     """The distinct tokens of one request's prompt and output, with output counts.
 
@@ -132,6 +157,102 @@ class RequestSampler:
         self.num_output += 1
 
 
+class RowParams(NamedTuple):
+    """Each row's draw parameters as tensors on the logits' device (see _draw)."""
+
+    temperature: torch.Tensor  # float32
+    top_k: torch.Tensor  # int64; the vocabulary size where top_k is off
+    top_p: torch.Tensor  # float32
+    min_p: torch.Tensor  # float32
+    uniform: torch.Tensor  # float32: this step's draw
+
+    @classmethod
+    def of(cls, reqs: Sequence[RequestSampler], vocab: int, device: torch.device) -> RowParams:
+        """The parameters of per-request samplers, this step's draws included."""
+        p = [r.params for r in reqs]
+
+        def floats(values: list[float]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.float32, device=device)
+
+        return cls(
+            floats([q.temperature for q in p]),
+            torch.tensor([_top_k(q, vocab) for q in p], device=device),
+            floats([q.top_p for q in p]),
+            floats([q.min_p for q in p]),
+            floats([r.uniform() for r in reqs]),
+        )
+
+    def select(self, rows: torch.Tensor) -> RowParams:
+        return RowParams(*(t.index_select(0, rows) for t in self))
+
+
+def is_plain(params: SamplingParams) -> bool:
+    """Whether a request samples from its parameters alone (no penalty, logit_bias,
+    min_new_tokens or grammar): RowSampling's batched path."""
+    return not (
+        params.frequency_penalty or params.presence_penalty or params.repetition_penalty != 1
+        or params.logit_bias or params.min_new_tokens > 0 or params.grammar is not None
+    )
+
+
+class RowSampling:
+    """The draw parameters of every request-table row as host tensors, set once when a
+    request joins, so that a step's plain rows sample in one batched pass; `drawn` counts
+    each row's draws (the step of its next uniform), `plain` tells the rows that may."""
+
+    def __init__(self, vocab: int, rows: int = 16) -> None:
+        self.vocab = vocab
+        self.temperature = torch.ones(rows)
+        self.top_k = torch.full((rows,), vocab)
+        self.top_p = torch.ones(rows)
+        self.min_p = torch.zeros(rows)
+        self.seed = torch.zeros(rows, dtype=torch.long)
+        self.drawn = torch.zeros(rows, dtype=torch.long)
+        self.greedy = torch.ones(rows, dtype=torch.bool)
+        self.plain = torch.zeros(rows, dtype=torch.bool)
+
+    def set(self, row: int, params: SamplingParams, seed: int, plain: bool) -> None:
+        """A request takes `row` (plain: it samples here), with no draw yet."""
+        if row >= self.seed.numel():
+            self._grow(row + 1)
+        self.plain[row] = plain
+        self.temperature[row] = params.temperature
+        self.top_k[row] = _top_k(params, self.vocab)
+        self.top_p[row] = params.top_p
+        self.min_p[row] = params.min_p
+        self.seed[row] = _signed(seed & _MASK64)
+        self.drawn[row] = 0
+        self.greedy[row] = params.is_greedy
+
+    def sample(self, logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """One token per row of logits [B, V] for table rows [B] (host), on the logits'
+        device where every row is greedy; counts each row's draw."""
+        greedy = self.greedy.index_select(0, rows)
+        if bool(greedy.all()):
+            tokens = _argmax(logits)
+        else:
+            # Seeded draws in CPU arithmetic do not depend on the rest of the batch.
+            params = RowParams(
+                self.temperature[rows], self.top_k[rows], self.top_p[rows], self.min_p[rows],
+                uniforms(self.seed[rows], self.drawn[rows]),
+            )
+            tokens = choose(logits.cpu(), greedy, params)
+        self.drawn.index_add_(0, rows, torch.ones_like(rows))
+        return tokens
+
+    def _grow(self, rows: int) -> None:
+        n = self.seed.numel()
+        while n < rows:
+            n *= 2
+        for name, fill in (("temperature", 1.0), ("top_k", self.vocab), ("top_p", 1.0),
+                           ("min_p", 0.0), ("seed", 0), ("drawn", 0), ("greedy", True),
+                           ("plain", False)):
+            old = getattr(self, name)
+            grown = torch.full((n,), fill, dtype=old.dtype)
+            grown[: old.numel()] = old
+            setattr(self, name, grown)
+
+
 class SampleOutput(NamedTuple):
     """One sampled token per row with its log-probability and the row's top alternatives."""
 
@@ -228,56 +349,60 @@ def _argmax(x: torch.Tensor) -> torch.Tensor:
 
 def _choose(x: torch.Tensor, reqs: Sequence[RequestSampler]) -> torch.Tensor:
     """Argmax for greedy rows, a seeded draw for the rest."""
-    greedy = [r.params.is_greedy for r in reqs]
-    if all(greedy):
+    greedy = torch.tensor([r.params.is_greedy for r in reqs])
+    if bool(greedy.all()):
         return _argmax(x)
-    if not any(greedy):
-        return _draw(x, reqs)
-    g_rows = [i for i, g in enumerate(greedy) if g]
-    s_rows = [i for i, g in enumerate(greedy) if not g]
-    g_idx = torch.tensor(g_rows, device=x.device)
-    s_idx = torch.tensor(s_rows, device=x.device)
-    tokens = torch.empty(len(reqs), dtype=torch.long, device=x.device)
+    return choose(x, greedy, RowParams.of(reqs, x.shape[1], x.device))
+
+
+def choose(x: torch.Tensor, greedy: torch.Tensor, params: RowParams) -> torch.Tensor:
+    """Argmax for the greedy rows (a host bool per row), a draw from `params` for the
+    rest; one pass over each group whatever the batch."""
+    if bool(greedy.all()):
+        return _argmax(x)
+    if not bool(greedy.any()):
+        return _draw(x, params)
+    g_idx = greedy.nonzero().flatten().to(x.device)
+    s_idx = (~greedy).nonzero().flatten().to(x.device)
+    tokens = torch.empty(x.shape[0], dtype=torch.long, device=x.device)
     tokens[g_idx] = _argmax(x.index_select(0, g_idx))
-    tokens[s_idx] = _draw(x.index_select(0, s_idx), [reqs[i] for i in s_rows])
+    tokens[s_idx] = _draw(x.index_select(0, s_idx), params.select(s_idx))
     return tokens
 
 
-def _draw(x: torch.Tensor, reqs: Sequence[RequestSampler]) -> torch.Tensor:
+def _draw(x: torch.Tensor, params: RowParams) -> torch.Tensor:
     """Sample each row from softmax(x / T) filtered by top_k, top_p and min_p."""
-    temps = _floats([r.params.temperature for r in reqs], x)[:, None]
     # Unnormalised weights with each row's top token at exactly 1: the filters and the
     # draw only need ratios, in-place ops keep this to one float [rows, vocab] buffer,
     # and subtracting the max first means no temperature, however small, can overflow.
-    w = (x - x.amax(dim=-1, keepdim=True)).div_(temps).exp_()
-    floor = _keep_floor(w, reqs)
+    w = (x - x.amax(dim=-1, keepdim=True)).div_(params.temperature[:, None]).exp_()
+    floor = _keep_floor(w, params)
     if floor is not None:
         w.masked_fill_(w < floor[:, None], 0.0)
     # Inverse CDF in vocabulary order: the result is independent of how ties sort.
     cdf = w.cumsum_(dim=-1)
     total = cdf[:, -1:]
-    u = _floats([r.uniform() for r in reqs], x)[:, None]
+    u = params.uniform[:, None]
     # Strictly below the total, so the first cdf entry above it has positive mass.
     target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
     return torch.searchsorted(cdf, target, right=True).squeeze(1)
 
 
-def _keep_floor(w: torch.Tensor, reqs: Sequence[RequestSampler]) -> torch.Tensor | None:
+def _keep_floor(w: torch.Tensor, params: RowParams) -> torch.Tensor | None:
     """Per-row weight below which a token is dropped, or None if no row filters."""
-    if not any(r.needs_filter for r in reqs):
+    vocab = w.shape[1]
+    top_k_top_p = (params.top_k < vocab) | (params.top_p < 1)
+    if not bool((top_k_top_p | (params.min_p > 0)).any()):
         return None
     # The top weight is exactly 1, so min_p is the floor itself (and never drops the top).
-    floor = _floats([r.params.min_p for r in reqs], w)
-    vocab = w.shape[1]
-    kp = [i for i, r in enumerate(reqs) if 1 < r.params.top_k < vocab or r.params.top_p < 1]
-    if not kp:
+    floor = params.min_p.clone()
+    if not bool(top_k_top_p.any()):
         return floor
-    k = torch.tensor([_top_k(reqs[i].params, vocab) for i in kp], device=w.device)
-    top_p = _floats([reqs[i].params.top_p for i in kp], w)
-    if len(kp) == len(reqs):
-        return _top_k_top_p_floor(w, k, top_p, floor)
-    idx = torch.tensor(kp, device=w.device)
-    floor[idx] = _top_k_top_p_floor(w.index_select(0, idx), k, top_p, floor[idx])
+    if bool(top_k_top_p.all()):
+        return _top_k_top_p_floor(w, params.top_k, params.top_p, floor)
+    idx = top_k_top_p.nonzero().flatten()
+    floor[idx] = _top_k_top_p_floor(w.index_select(0, idx), params.top_k[idx],
+                                    params.top_p[idx], floor[idx])
     return floor
 
 

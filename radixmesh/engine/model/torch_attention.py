@@ -5,13 +5,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from torch.nn.utils.rnn import pad_sequence
 
 from radixmesh.engine.model.attention import (
     AttentionBackend,
     AttentionMetadata,
     AttentionRun,
     NativePlan,
+    in_order,
 )
 from radixmesh.engine.model.kv_pool import KVPool
 from radixmesh.kernels import native
@@ -50,23 +50,34 @@ class TorchAttention(AttentionBackend):
         self._decode_keys: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._decode_bias: dict[int, torch.Tensor | None] = {}
         self._binding: set[int] = set()  # the windows some request of the step outgrows
+        self._in_order = False  # every token of the step decodes, sequence b at row b
         self._extends: list[tuple[int, int, torch.Tensor]] = []
 
     def prepare(self, meta: AttentionMetadata) -> None:
         self._meta = meta
-        decodes = [s for s in meta.seqs if s.q_len == 1]
-        self._extends = [(s.q_start, s.q_len, s.kv_slots) for s in meta.seqs if s.q_len > 1]
-        longest = max((s.kv_slots.numel() for s in meta.seqs), default=0)
+        is_decode = meta.q_lens == 1
+        extends = (~is_decode).nonzero().flatten().tolist()
+        self._extends = [
+            (int(meta.q_starts[b]), int(meta.q_lens[b]), meta.kv_slots(b)) for b in extends
+        ]
+        longest = int(meta.kv_lens.max()) if meta.num_seqs else 0
         self._binding = {w for w in self.windows if 0 < w < longest}
         self._decode_keys, self._decode_bias = {}, {}  # biases made by the torch path
-        if not decodes:
-            self._decode_rows = torch.empty(0, dtype=torch.long)
+        index, lens, rows = meta.kv_index, meta.kv_lens, meta.q_starts
+        if extends:
+            decodes = is_decode.nonzero().flatten()
+            index, lens, rows = index[decodes], lens[decodes], rows[decodes]
+        self._decode_rows = rows
+        self._in_order = not extends and in_order(rows)
+        if not rows.numel():
             return
-        self._decode_rows = torch.tensor([s.q_start for s in decodes], dtype=torch.long)
-        for window in (0, *self._binding):
-            keys = [s.kv_slots[-window:] if window else s.kv_slots for s in decodes]
+        index = index[:, : int(lens.max())].long()
+        self._decode_keys[0] = (index, lens)
+        for window in self._binding:  # each decode's last `window` keys, from column 0 on
+            start = (lens - window).clamp(min=0)
+            cols = start[:, None] + torch.arange(min(window, index.shape[1]))
             self._decode_keys[window] = (
-                pad_sequence(keys, batch_first=True), torch.tensor([k.numel() for k in keys])
+                index.gather(1, cols.clamp(max=index.shape[1] - 1)), lens.clamp(max=window)
             )
 
     def native_plan(self) -> NativePlan | None:
@@ -76,7 +87,7 @@ class TorchAttention(AttentionBackend):
         runs: list[AttentionRun] = []
         if rows.numel():
             first = int(rows[0])
-            if int(rows[-1]) - first + 1 != rows.numel():
+            if not in_order(rows, first):
                 return None  # decodes interleaved with prompts: not one run
             kv, lens = self._decode_keys[0]
             runs.append(AttentionRun(first, rows.numel(), kv, kv.shape[1], lens))
@@ -94,7 +105,7 @@ class TorchAttention(AttentionBackend):
         k_pool, v_pool = pool.k[layer], pool.v[layer]
         window = self.windows[layer] if self.windows else 0
         window = window if window in self._binding else 0  # one no request outgrows: none
-        if not self._extends and self._decode_rows.numel():
+        if self._in_order and self._decode_rows.numel():
             # Decode only: every row is a decode, in order; no scatter into a second buffer.
             return self._decode(q, k_pool, v_pool, window)
         out = torch.empty_like(q)

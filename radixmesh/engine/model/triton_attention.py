@@ -7,12 +7,11 @@ from dataclasses import dataclass
 
 import torch
 
-from radixmesh.engine.model.attention import AttentionBackend, AttentionMetadata, SeqSpan
+from radixmesh.engine.model.attention import AttentionBackend, AttentionMetadata, in_order
 from radixmesh.engine.model.kv_pool import KVPool
 from radixmesh.kernels.decode_attention import decode_attention
 from radixmesh.kernels.extend_attention import extend_attention
 from radixmesh.kernels.kv_store import store_kv
-from radixmesh.kernels.paging import page_table
 
 
 @dataclass(frozen=True)
@@ -80,25 +79,25 @@ class TritonAttention(AttentionBackend):
 
     def prepare(self, meta: AttentionMetadata) -> None:
         self._out_slots = self._ints(meta.out_slots)
-        decodes = [s for s in meta.seqs if s.q_len == 1]
-        extends = [s for s in meta.seqs if s.q_len > 1]
+        is_decode = meta.q_lens == 1
+        extends = (~is_decode).nonzero().flatten()
         self._decode = self._decode_rows = self._extend = None
-        if decodes:
-            rows = [s.q_start for s in decodes]
-            if extends or rows != list(range(len(rows))):
-                self._decode_rows = torch.tensor(rows, device=self.device)
+        if extends.numel() < meta.num_seqs:
+            decodes = is_decode.nonzero().flatten() if extends.numel() else None
+            rows = meta.q_starts if decodes is None else meta.q_starts[decodes]
+            if decodes is not None or not in_order(rows):
+                self._decode_rows = rows.to(self.device)
             self._decode = _DecodePart(
-                self._table(decodes),
-                self._ints(torch.tensor([s.kv_slots.numel() for s in decodes])),
+                self._pages(meta.kv_index, decodes), self._ints(meta.kv_lens, decodes)
             )
-        if extends:
-            q_lens = [s.q_len for s in extends]
+        if extends.numel():
+            q_lens = meta.q_lens[extends]
             self._extend = _ExtendPart(
-                self._table(extends),
-                self._ints(torch.tensor([s.q_start for s in extends])),
-                self._ints(torch.tensor(q_lens)),
-                self._ints(torch.tensor([s.kv_slots.numel() - s.q_len for s in extends])),
-                max(q_lens),
+                self._pages(meta.kv_index, extends),
+                self._ints(meta.q_starts, extends),
+                self._ints(q_lens),
+                self._ints(meta.kv_lens[extends] - q_lens),
+                int(q_lens.max()),
             )
 
     def bind_decode(self, tables: DecodeTables) -> None:
@@ -108,15 +107,15 @@ class TritonAttention(AttentionBackend):
         self._decode_rows = self._extend = None
 
     def write_decode(self, meta: AttentionMetadata, tables: DecodeTables) -> None:
-        """Fill `tables` from a decode-only step; rows past its requests become padding."""
-        assert all(s.q_len == 1 for s in meta.seqs), "only decode steps fit decode tables"
-        n = len(meta.seqs)
-        table = page_table([s.kv_slots for s in meta.seqs], self.page_size)
+        """Fill `tables` from a decode-only step in row order; rows past its requests become
+        padding."""
+        n = meta.num_seqs
+        pages = self._pages(meta.kv_index, None)
         tables.out_slots[:n].copy_(meta.out_slots)
         tables.out_slots[n:].fill_(-1)
-        tables.seq_lens[:n].copy_(torch.tensor([s.kv_slots.numel() for s in meta.seqs]))
+        tables.seq_lens[:n].copy_(meta.kv_lens)
         tables.seq_lens[n:].zero_()
-        tables.page_table[:n, : table.shape[1]].copy_(table)
+        tables.page_table[:n, : pages.shape[1]].copy_(pages)
 
     def forward(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: KVPool
@@ -160,8 +159,17 @@ class TritonAttention(AttentionBackend):
         return decode_attention(q, k_pool, v_pool, d.page_table, d.seq_lens, self.scale,
                                 self.page_size, window=window, softcap=self.softcap)
 
-    def _table(self, seqs: list[SeqSpan]) -> torch.Tensor:
-        return page_table([s.kv_slots for s in seqs], self.page_size).to(self.device)
+    def _pages(self, index: torch.Tensor, seqs: torch.Tensor | None) -> torch.Tensor:
+        """The page-table rows of `seqs` (None: all) from their slot rows: the slots
+        themselves with page_size 1, else each page's first slot over page_size (the
+        scheduler allocates whole pages, in order)."""
+        if seqs is not None:
+            index = index.index_select(0, seqs.to(index.device))
+        if self.page_size > 1:
+            index = index[:, :: self.page_size] // self.page_size
+        return self._ints(index)
 
-    def _ints(self, values: torch.Tensor) -> torch.Tensor:
-        return values.to(device=self.device, dtype=torch.int32)
+    def _ints(self, values: torch.Tensor, seqs: torch.Tensor | None = None) -> torch.Tensor:
+        if seqs is not None:
+            values = values[seqs]
+        return values.to(device=self.device, dtype=torch.int32).contiguous()

@@ -1,0 +1,142 @@
+"""The engine's host cost per decode step, with a model whose forward is nearly free.
+
+A 1-layer, 64-wide Llama with random weights (vocabulary 1,024) makes the model's own work
+a few microseconds a step, so what a decode step costs is the host's: scheduling, the
+runner's bookkeeping, sampling, folding the result back, publishing. The in-process Engine
+runs `batch` requests (32-token prompts, ignore_eos) twice, to `short` and to `long` new
+tokens; the difference cancels the prefill and start-up, leaving `long - short` decode
+steps of the whole batch.
+
+Printed per batch size: the step time, the host time per request per decode step (the
+step time over the batch) and the output tokens per second. The targets of the host-path
+work: at most 10 us per request per step at batch 256, a batch-1 step at most 0.4 ms.
+
+Usage:
+    python benchmarks/bench_host.py                  # batches 1, 64, 256
+    python benchmarks/bench_host.py --batches 1,256 --repeats 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from radixmesh.bench.report import cpu_name
+
+VOCAB, HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, HEAD_DIM = 1024, 64, 128, 4, 2, 16
+PROMPT = 32
+
+
+def write_model(path: Path) -> Path:
+    """A 1-layer Llama of width 64 with random weights and a word-level tokenizer."""
+    import tokenizers
+    from tokenizers import models, pre_tokenizers
+
+    config = {
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": VOCAB,
+        "hidden_size": HIDDEN, "intermediate_size": INTERMEDIATE, "num_hidden_layers": 1,
+        "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS, "head_dim": HEAD_DIM,
+        "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+        "tie_word_embeddings": False, "eos_token_id": VOCAB - 1,
+    }
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config))
+    g = torch.Generator().manual_seed(0)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * shape[-1] ** -0.5
+
+    p = "model.layers.0"
+    weights = {
+        "model.embed_tokens.weight": rand(VOCAB, HIDDEN),
+        "lm_head.weight": rand(VOCAB, HIDDEN),
+        "model.norm.weight": torch.ones(HIDDEN),
+        f"{p}.input_layernorm.weight": torch.ones(HIDDEN),
+        f"{p}.post_attention_layernorm.weight": torch.ones(HIDDEN),
+        f"{p}.self_attn.q_proj.weight": rand(HEADS * HEAD_DIM, HIDDEN),
+        f"{p}.self_attn.k_proj.weight": rand(KV_HEADS * HEAD_DIM, HIDDEN),
+        f"{p}.self_attn.v_proj.weight": rand(KV_HEADS * HEAD_DIM, HIDDEN),
+        f"{p}.self_attn.o_proj.weight": rand(HIDDEN, HEADS * HEAD_DIM),
+        f"{p}.mlp.gate_proj.weight": rand(INTERMEDIATE, HIDDEN),
+        f"{p}.mlp.up_proj.weight": rand(INTERMEDIATE, HIDDEN),
+        f"{p}.mlp.down_proj.weight": rand(HIDDEN, INTERMEDIATE),
+    }
+    save_file(weights, str(path / "model.safetensors"))
+    tokenizer = tokenizers.Tokenizer(
+        models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0")
+    )
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(str(path / "tokenizer.json"))
+    return path
+
+
+def timed_batch(engine, batch: int, new_tokens: int, params: dict) -> float:
+    """Seconds to run `batch` fresh prompts to exactly `new_tokens` tokens each."""
+    engine.flush_cache()
+    prompts = [[(7 * r + 13 * i + 1) % (VOCAB - 1) for i in range(PROMPT)] for r in range(batch)]
+    sampling = {**params, "max_new_tokens": new_tokens, "ignore_eos": True}
+    began = time.perf_counter()
+    out = engine.generate(input_ids=prompts, sampling_params=sampling)
+    elapsed = time.perf_counter() - began
+    assert all(o["meta_info"]["completion_tokens"] == new_tokens for o in out)
+    return elapsed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batches", default="1,64,256")
+    parser.add_argument("--short", type=int, default=16)
+    parser.add_argument("--long", type=int, default=144)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--sampled", action="store_true",
+                        help="temperature 0.8, top_p 0.9 instead of greedy")
+    parser.add_argument("--disable-overlap-schedule", action="store_true")
+    parser.add_argument("--json", type=Path, help="also write the figures here")
+    args = parser.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+
+    from radixmesh.api import Engine
+
+    params = {"temperature": 0.8, "top_p": 0.9} if args.sampled else {"temperature": 0}
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        model = write_model(Path(tmp) / "host-model")
+        engine = Engine(
+            str(model), dtype="float32", max_running_requests=max(batches),
+            max_total_tokens=max(batches) * (PROMPT + args.long + 16), show_progress=False,
+            disable_overlap_schedule=args.disable_overlap_schedule,
+        )
+        try:
+            timed_batch(engine, max(batches), 4, params)  # warm-up
+            for batch in batches:
+                steps = []
+                for _ in range(args.repeats):
+                    short = timed_batch(engine, batch, args.short, params)
+                    long = timed_batch(engine, batch, args.long, params)
+                    steps.append((long - short) / (args.long - args.short))
+                step = statistics.median(steps)
+                rows.append({"batch": batch, "step_ms": step * 1e3,
+                             "us_per_request_step": step / batch * 1e6,
+                             "out_tok_s": batch / step})
+        finally:
+            engine.shutdown()
+    print(f"host path, {'sampled' if args.sampled else 'greedy'}, "
+          f"overlap {'off' if args.disable_overlap_schedule else 'on'}, "
+          f"{torch.get_num_threads()} threads, {cpu_name()}; medians of {args.repeats}")
+    print(f"{'batch':>6} {'step ms':>9} {'us/req/step':>12} {'out tok/s':>10}")
+    for r in rows:
+        print(f"{r['batch']:>6} {r['step_ms']:>9.3f} {r['us_per_request_step']:>12.1f} "
+              f"{r['out_tok_s']:>10.0f}")
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()
