@@ -10,11 +10,11 @@ from prometheus_client import REGISTRY
 
 from radixmesh.core.finish import FinishKind, FinishReason
 from radixmesh.core.sampling_params import SamplingParams
+from radixmesh.core.step import StepBatch, StepEntry, int_array
 from radixmesh.engine.request import Req
 from radixmesh.engine.scheduler import Scheduler
 from radixmesh.engine.scheduler_config import SchedulerConfig
 from radixmesh.proto import mesh_pb2 as mpb
-from radixmesh.proto import worker_pb2 as wpb
 from radixmesh.services.detokenizer import metrics as detok_metrics
 from radixmesh.services.scheduler.metrics import SchedulerMetrics, ThroughputMeter
 from radixmesh.services.tokenizer.generation import GenerationChunk
@@ -149,8 +149,7 @@ class Engine:
     def step(self) -> None:
         batch = self.sched.schedule()
         assert batch is not None
-        entries = batch.batch.entries
-        self.metrics.batch(sum(len(e.slots) for e in entries), len(entries))
+        self.metrics.batch(batch.batch.num_tokens, batch.batch.num_requests)
         self.sched.process_result(batch, self.worker.forward(batch.batch))
         for req in self.sched.drain_updates():
             first = req.rid not in self.sent
@@ -238,17 +237,18 @@ def test_worker_counts_every_step_and_sizes_the_ones_that_compute() -> None:
     labels = {"model_name": "m", "tp_rank": str(rank)}
     metrics = WorkerMetrics(rank)
     metrics.loaded("m", 496)
-    batch = wpb.StepBatch(step=1)
-    batch.entries.add(rid="a", input_ids=[1, 2, 3, 4, 5], slots=[0, 1, 2, 3, 4], sample=True)
-    batch.entries.add(rid="b", slots=[9], sample=True)  # a decode: one token, no ids
-    assert batch_tokens(batch) == 6
+    batch = StepBatch(1, entries=[
+        StepEntry("a", [1, 2, 3, 4, 5], [0, 1, 2, 3, 4], True),
+        StepEntry("b", [], [9], True),  # a decode: one token, no ids
+    ], decode_rows=int_array([3]), decode_slots=int_array([12]))  # a packed decode
+    assert batch_tokens(batch) == 7
     metrics.forward(batch, forward_ms=20)
-    metrics.forward(wpb.StepBatch(step=2, release=["a"]), forward_ms=1)
+    metrics.forward(StepBatch(2, release=["a"]), forward_ms=1)
     assert value("radixmesh:worker_kv_pool_tokens", **labels) == 496
     assert value("radixmesh:worker_forward_seconds_count", **labels) == 2
     assert value("radixmesh:worker_forward_seconds_sum", **labels) == pytest.approx(0.021)
-    assert value("radixmesh:worker_batch_tokens_sum", **labels) == 6
-    assert value("radixmesh:worker_batch_reqs_sum", **labels) == 2
+    assert value("radixmesh:worker_batch_tokens_sum", **labels) == 7
+    assert value("radixmesh:worker_batch_reqs_sum", **labels) == 3
     assert value("radixmesh:worker_batch_reqs_count", **labels) == 1
 
 

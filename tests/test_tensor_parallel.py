@@ -46,7 +46,9 @@ def run_script(runner: ModelRunner) -> tuple[list[StepResult], torch.Tensor]:
     """The fixed batches, then every-position logits of one more prompt (in fresh slots)."""
     results = [runner.forward(batch) for batch in forward_script()]
     slots = torch.tensor(LOGIT_SLOTS)
-    runner.attention.prepare(AttentionMetadata.from_spans(slots, (SeqSpan(0, len(LOGIT_IDS), slots),)))
+    runner.attention.prepare(
+        AttentionMetadata.from_spans(slots, (SeqSpan(0, len(LOGIT_IDS), slots),))
+    )
     with torch.inference_mode():
         positions = torch.arange(len(LOGIT_IDS))
         hidden = runner.model.forward(

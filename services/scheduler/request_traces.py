@@ -81,6 +81,10 @@ class RequestTraces:
         matched = {n.rid: len(n.prefix_ids) for n in batch.batch.new_requests}
         chunks = []
         verifies: list[tuple[str, Span]] = []
+        for req in batch.decodes:
+            spans = self._requests.get(req.rid)
+            if spans is not None:
+                self._decoding(spans, req, ended)
         for entry, req in zip(batch.batch.entries, batch.reqs, strict=True):
             spans = self._requests.get(req.rid)
             if spans is None:
@@ -111,10 +115,7 @@ class RequestTraces:
                 if chunk is not None:
                     chunks.append((req.rid, chunk))
             else:
-                if spans.decode is None:
-                    spans.decode = start_span("decode", spans.root, {attr.RID: req.rid},
-                                              start_time=ended)
-                spans.steps += 1
+                self._decoding(spans, req, ended)
                 if entry.draft:
                     verify = start_span("verify", spans.decode, {
                         attr.RID: req.rid,
@@ -126,6 +127,14 @@ class RequestTraces:
         self._chunks[batch.batch.step] = chunks
         if verifies:
             self._verifies[batch.batch.step] = verifies
+
+    @staticmethod
+    def _decoding(spans: _RequestSpans, req: Req, ended: int) -> None:
+        """A decode step of the request: its "decode" span starts with the first."""
+        if spans.decode is None:
+            spans.decode = start_span("decode", spans.root, {attr.RID: req.rid},
+                                      start_time=ended)
+        spans.steps += 1
 
     def _admitted(
         self, spans: _RequestSpans, req: Req, matched: int, started: int, ended: int

@@ -1,0 +1,226 @@
+"""The runner's host path: the request table against a per-request reference, batched
+sampling against per-request sampling, and packed decode steps against entries."""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+from typing import Any
+
+os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module is imported: @triton.jit reads it
+
+import pytest
+import torch
+from tiny_model import forward_script, save_tiny_model, tokens
+
+from radixmesh.core.sampling_params import SamplingParams
+from radixmesh.core.step import StepBatch, StepEntry, StepResult, int_array
+from radixmesh.engine.model.model_source import load_model
+from radixmesh.engine.model.req_table import ReqTable
+from radixmesh.engine.model.runner import ModelRunner
+from radixmesh.engine.model.sampling import (
+    RequestSampler,
+    RowSampling,
+    is_plain,
+    sample,
+    uniform,
+    uniforms,
+)
+
+# ---------------------------------------------------------------- the request table
+
+
+def test_table_matches_per_request_lists() -> None:
+    """Admits, chunks, packed decodes and truncations in random order: every row reads back
+    as the lists a per-request runner kept, through growth in both directions."""
+    rng = random.Random(5)
+    table = ReqTable(rows=2, width=4)
+    ref: dict[int, tuple[list[int], list[int]]] = {}  # row -> (token ids, slots)
+    last: dict[int, int] = {}
+    next_slot = 0
+
+    def fresh(n: int) -> list[int]:
+        nonlocal next_slot
+        next_slot += n
+        return list(range(next_slot - n, next_slot))
+
+    for _ in range(400):
+        op = rng.random()
+        if op < 0.15 or not ref:
+            row = rng.randrange(40)
+            ids = [rng.randrange(1000) for _ in range(rng.randrange(0, 30))]
+            slots = fresh(len(ids))
+            table.admit(row, ids, slots)
+            ref[row] = (list(ids), list(slots))
+        elif op < 0.4:
+            row = rng.choice(list(ref))
+            ids = [rng.randrange(1000) for _ in range(rng.randrange(1, 20))]
+            slots = fresh(len(ids))
+            assert table.append(row, ids, slots) == len(ref[row][0])
+            ref[row][0].extend(ids)
+            ref[row][1].extend(slots)
+        elif op < 0.9:
+            rows = rng.sample(list(ref), rng.randrange(1, len(ref) + 1))
+            for row in rows:
+                last[row] = rng.randrange(1000)
+                table.last[row] = last[row]
+            slots = fresh(len(rows))
+            positions = table.append_decodes(torch.tensor(rows), torch.tensor(slots))
+            assert positions.tolist() == [len(ref[r][0]) for r in rows]
+            for row, slot in zip(rows, slots, strict=True):
+                ref[row][0].append(last[row])
+                ref[row][1].append(slot)
+        else:
+            row = rng.choice(list(ref))
+            keep = rng.randrange(len(ref[row][0]) + 1)
+            table.truncate(row, keep)
+            del ref[row][0][keep:], ref[row][1][keep:]
+        rows = list(ref)
+        width = max(len(ref[r][1]) for r in rows) or 1
+        index = table.index(torch.tensor(rows), width)
+        for i, row in enumerate(rows):
+            ids, slots = ref[row]
+            assert table.row_tokens(row) == ids
+            assert table.row_slots(row).tolist() == slots
+            assert index[i, : len(slots)].tolist() == slots
+    assert table.slots.shape[0] >= 40 and table.width > 4
+
+
+# ---------------------------------------------------------------- batched sampling
+
+
+def test_vectorized_uniforms_equal_per_request_draws() -> None:
+    rng = random.Random(1)
+    seeds = [rng.getrandbits(64) for _ in range(300)] + [0, 1, (1 << 63) - 1, 1 << 63]
+    steps = [rng.randrange(1 << 20) for _ in seeds]
+    signed = torch.tensor([s - (1 << 64) if s >= 1 << 63 else s for s in seeds])
+    got = uniforms(signed, torch.tensor(steps)).tolist()
+    assert got == [uniform(s, k) for s, k in zip(seeds, steps, strict=True)]
+
+
+PARAMS = [
+    SamplingParams(temperature=0),
+    SamplingParams(temperature=0.7),
+    SamplingParams(temperature=1.0, top_k=5),
+    SamplingParams(temperature=0.9, top_p=0.8),
+    SamplingParams(temperature=1.3, min_p=0.1),
+    SamplingParams(temperature=0.5, top_k=40, top_p=0.95, min_p=0.02),
+    SamplingParams(top_k=1),
+]
+
+
+@pytest.mark.parametrize("greedy_only", [False, True])
+def test_row_sampling_equals_per_request_sampling(greedy_only: bool) -> None:
+    """Rows in any order and any mixture draw the tokens each request's own sampler draws,
+    step after step (each row counts its draws)."""
+    vocab, rng = 300, random.Random(2)
+    params = [p for p in PARAMS if p.is_greedy] if greedy_only else PARAMS
+    rows = list(range(24))
+    chosen = {row: rng.choice(params) for row in rows}
+    seeds = {row: rng.getrandbits(63) for row in rows}
+    table = RowSampling(vocab, rows=4)
+    samplers = {}
+    for row in rows:
+        assert is_plain(chosen[row])
+        table.set(row, chosen[row], seeds[row], plain=True)
+        samplers[row] = RequestSampler(chosen[row], [], vocab, seeds[row])
+    for step in range(6):
+        picked = rng.sample(rows, rng.randrange(1, len(rows)))
+        logits = torch.randn(len(picked), vocab) * 3
+        got = table.sample(logits, torch.tensor(picked)).tolist()
+        want = sample(logits, [samplers[r] for r in picked], with_logprobs=False).token_ids
+        assert got == want, f"step {step}"
+        for row, token in zip(picked, want, strict=True):
+            samplers[row].record(token)
+
+
+def test_only_plain_parameters_take_the_batched_path() -> None:
+    assert is_plain(SamplingParams(temperature=0.5, top_k=3, seed=4))
+    for params in (SamplingParams(frequency_penalty=0.5), SamplingParams(logit_bias={1: 2.0}),
+                   SamplingParams(min_new_tokens=2), SamplingParams(regex="[0-9]+"),
+                   SamplingParams(repetition_penalty=1.1)):
+        assert not is_plain(params)
+
+
+# ---------------------------------------------------------------- packed decode steps
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    path: Path = tmp_path_factory.mktemp("tiny") / "llama"
+    return load_model(str(save_tiny_model(path)), progress=False)
+
+
+def packed(batch: StepBatch) -> StepBatch:
+    """The same step with its plain decodes packed as the scheduler sends them."""
+    rows = {n.rid: n.row for n in batch.new_requests} | {"a": 0, "b": 1}
+    decodes = [e for e in batch.entries if not e.input_ids and not e.draft]
+    return StepBatch(
+        batch.step, batch.new_requests, [e for e in batch.entries if e not in decodes],
+        decode_rows=int_array(rows[e.rid] for e in decodes),
+        decode_slots=int_array(e.slots[0] for e in decodes),
+    )
+
+
+def decode_tokens(results: list[StepResult]) -> list[list[int]]:
+    return [[*r.decode_tokens, *(e.token_id for e in r.results)] for r in results]
+
+
+@pytest.mark.parametrize("attention", ["torch", "triton"])
+def test_packed_decodes_equal_entries(tiny: Any, attention: str) -> None:
+    """A greedy request and a seeded, top-k one: the tokens of packed steps equal those of
+    the same steps sent as entries, on both backends (triton under the interpreter)."""
+    def runner() -> ModelRunner:
+        return ModelRunner(tiny.config, tiny.weights, torch.float32, 256, attention=attention)
+
+    script = forward_script(decode_steps=8)
+    plain, compact = runner(), runner()
+    expected = tokens([plain.forward(b) for b in script])
+    assert decode_tokens([compact.forward(packed(b)) for b in script]) == expected
+
+
+def test_packed_decode_of_a_request_with_penalties(tiny: Any) -> None:
+    """A request that is not plain may still travel packed: its row samples through its own
+    sampler, beside plain rows, and draws what it would as an entry."""
+    def run(pack: bool) -> list[list[int]]:
+        runner = ModelRunner(tiny.config, tiny.weights, torch.float32, 256)
+        script = forward_script(decode_steps=6)
+        script[0].new_requests[1].params = SamplingParams(temperature=0.8, top_k=20,
+                                                          frequency_penalty=1.5)
+        return decode_tokens([runner.forward(packed(b) if pack else b) for b in script])
+
+    assert run(True) == run(False)
+
+
+def test_rows_are_reused_after_release(tiny: Any) -> None:
+    """A released row taken by a new request starts over: no slot or token of the old one."""
+    runner = ModelRunner(tiny.config, tiny.weights, torch.float32, 256)
+    results = [runner.forward(b) for b in forward_script(decode_steps=2)]
+    a_tokens = [r.results[0].token_id for r in results]
+    again = forward_script(decode_steps=2)
+    again[0].step = 5
+    again[0].release = ["a", "b"]
+    for batch in again[1:]:
+        batch.step += 4
+    more = [runner.forward(b) for b in again]
+    assert [r.results[0].token_id for r in more] == a_tokens
+    assert runner.table.row_slots(0).tolist() == list(range(15))  # prompt + 3 decodes
+
+
+def test_entries_that_feed_their_last_token_beside_packed_ones(tiny: Any) -> None:
+    """An entry with no input ids (a decode sent as an entry) reads its row's last token on
+    the device, as a packed decode does."""
+    runner = ModelRunner(tiny.config, tiny.weights, torch.float32, 256)
+    reference = ModelRunner(tiny.config, tiny.weights, torch.float32, 256)
+    script = forward_script(decode_steps=3)
+    expected = tokens([reference.forward(b) for b in script])
+    got = []
+    for batch in script:
+        if batch.step >= 3:  # "a" packed, "b" as an entry
+            batch = StepBatch(batch.step, entries=[StepEntry("b", [], batch.entries[1].slots,
+                                                             True)],
+                              decode_rows=int_array([0]),
+                              decode_slots=int_array(batch.entries[0].slots))
+        got.append(runner.forward(batch))
+    assert decode_tokens(got) == expected
