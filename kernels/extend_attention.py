@@ -267,7 +267,7 @@ def extend_attention_reference(
         scores = torch.einsum("qhd,khd->hqk", q[start : start + n].float(), keys) * scale
         if softcap > 0:
             scores = softcap * torch.tanh(scores / softcap)
-        hidden = torch.ones(n, prefix + n, dtype=torch.bool).triu(prefix + 1)
+        hidden = torch.ones(n, prefix + n, dtype=torch.bool, device=q.device).triu(prefix + 1)
         if window > 0:
             hidden |= torch.ones_like(hidden).tril(prefix - window)
         scores = scores.masked_fill(hidden, float("-inf"))

@@ -147,3 +147,20 @@ def test_extend_writes_only_its_rows():
     assert (out[0] == 7).all() and (out[5] == 7).all()
     expected = extend_attention_reference(q, k, v, k_pool, v_pool, table, *ints, 4, 0.125)
     close(out[1:5], expected[1:5], torch.float32)
+
+
+@pytest.mark.parametrize("window", [0, 2])
+def test_references_build_everything_on_the_inputs_device(window: int) -> None:
+    """The references run where their inputs are (a GPU's, in bench_kernels): on the meta
+    device, a tensor made on the host fails as it would on a GPU."""
+    meta = torch.device("meta")
+    q, k, v = (torch.zeros(6, h, 16, device=meta) for h in (4, 2, 2))
+    k_pool, v_pool = torch.zeros(64, 2, 16, device=meta), torch.zeros(64, 2, 16, device=meta)
+    table = torch.zeros(2, 8, dtype=torch.int32, device=meta)
+    out = extend_attention_reference(q, k, v, k_pool, v_pool, table, torch.tensor([0, 3]),
+                                     torch.tensor([3, 3]), torch.tensor([2, 4]), 3, 0.25,
+                                     window=window)
+    assert out.device == meta
+    out = decode_attention_reference(q[:2], k_pool, v_pool, table, torch.tensor([3, 5]), 0.25,
+                                     window=window)
+    assert out.device == meta

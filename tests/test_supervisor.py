@@ -4,11 +4,16 @@ and the mesh fails only when every replica of a needed service is given up."""
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
+from tiny_model import save_tiny_model, save_word_tokenizer
 
 from radixmesh.supervisor import Process, Supervisor
 
@@ -108,3 +113,32 @@ def test_restarts_spread_over_time_are_never_given_up(spawned):
         sup.check()
     assert not crashing.given_up and sup.restarts()["scheduler-0"] == 8
     assert sup.failed is None
+
+
+def test_ctrl_c_stops_the_whole_mesh_without_a_traceback(tmp_path: Path) -> None:
+    """Ctrl-C in a terminal signals `radixmesh up`'s whole process group: the launcher stops
+    the services in order and the embedded NATS server last, so no service's drain meets a
+    NATS server that is already gone."""
+    model = save_tiny_model(tmp_path / "model")
+    save_word_tokenizer(model)
+    out, err = tmp_path / "out.txt", tmp_path / "err.txt"
+    with out.open("w") as stdout, err.open("w") as stderr:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "radixmesh.cli", "up", "--model-path", str(model),
+             "--port", "0", "--grpc-port", "0", "--device", "cpu"],
+            stdout=stdout, stderr=stderr, start_new_session=True,
+        )
+        try:
+            deadline = time.monotonic() + 240
+            while "serving at" not in out.read_text():
+                assert proc.poll() is None and time.monotonic() < deadline, err.read_text()
+                time.sleep(0.5)
+            os.killpg(proc.pid, signal.SIGINT)  # a terminal's Ctrl-C
+            assert proc.wait(timeout=60) == 0
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    log = err.read_text()
+    assert "Traceback" not in log and "Error" not in log, log[-3000:]
+    assert "radixmesh: stopping" in out.read_text()

@@ -116,7 +116,11 @@ class EmbeddedNats:
             self._store = tempfile.TemporaryDirectory(prefix="radixmesh-nats-")
             args += ["-js", "-sd", self._store.name]
         args += self.args
-        self._proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        # A session of its own, as every service has: a terminal's Ctrl-C reaches only the
+        # launcher, which stops the services first and this server after them (their drains
+        # need it).
+        self._proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                      start_new_session=True)
         try:
             wait_for_port(self.host, self.port, timeout)
         except TimeoutError:
