@@ -95,7 +95,8 @@ class Engine:
         # Every torch call runs on this one thread: a second thread running parallel torch
         # ops starts a second OpenMP team, and the two slow each other down by ~1.5x.
         self._torch = ThreadPoolExecutor(1, thread_name_prefix="radixmesh-worker")
-        self.runner = self._torch.submit(load_runner, a, progress=a.show_progress).result()
+        self.runner = self._torch.submit(load_runner, a, progress=a.show_progress,
+                                         max_running_requests=a.max_running_requests).result()
         # The tokenizer from the snapshot the weights came from (a hub repo resolved once).
         path = self.model_path = self.runner.model_path
         assert path is not None

@@ -195,6 +195,7 @@ class Mesh:
             self._spawn(f"worker-{e}.{rank}", "worker", {
                 "port": port, "tp_size": tp_size, "tp_rank": rank, "dist_init_addr": dist,
                 "num_threads": threads if processes > 1 else 0, "disaggregation_mode": role,
+                "cuda_graph_max_bs": a.graph_batch_limit(a.max_running_requests),
             }, group=f"workers-{e}")
         self._spawn(f"scheduler-{e}", "scheduler", scheduler)
 

@@ -49,15 +49,19 @@ def fake_gpus(monkeypatch: pytest.MonkeyPatch, count: int) -> None:
 
 def test_defaults() -> None:
     args = EngineArgs()
-    assert (args.device, args.attention_backend, args.cuda_graph_max_bs) == ("auto", "auto", 32)
+    assert (args.device, args.attention_backend, args.cuda_graph_max_bs) == ("auto", "auto", None)
+    # CUDA graphs for every batch the engine runs: up to its running-request limit.
+    assert args.graph_batch_limit(args.max_running_requests) == 64
+    assert EngineArgs(cuda_graph_max_bs=8).graph_batch_limit(64) == 8
     config = WorkerConfig()
     assert (config.device, config.attention_backend, config.cuda_graph_max_bs) == (
         "auto",
         "auto",
-        32,
+        None,
     )
+    assert config.graph_batch_limit() == 256  # alone, it does not know its engine's limit
     mesh = MeshArgs()
-    assert (mesh.device, mesh.attention_backend, mesh.cuda_graph_max_bs) == ("auto", "auto", 32)
+    assert (mesh.device, mesh.attention_backend, mesh.cuda_graph_max_bs) == ("auto", "auto", None)
 
 
 @pytest.mark.parametrize("make", [EngineArgs, WorkerConfig, MeshArgs])
@@ -151,6 +155,11 @@ def test_launcher_passes_the_options_to_every_worker(monkeypatch) -> None:
             4,
         )
         assert (config.tp_rank, config.tp_size) == (rank, 2)
+    # By default the workers capture graphs for every batch the scheduler may run.
+    commands.clear()
+    Mesh(MeshArgs(device="cpu", max_running_requests=48))._start_engine(0, "null", 1)
+    (worker,) = [c[3:] for c in commands if c[1:3] == ["-m", "radixmesh.services.worker"]]
+    assert parse_config(WorkerConfig, worker).cuda_graph_max_bs == 48
 
 
 def test_cli_up_flags(monkeypatch, capsys) -> None:

@@ -164,6 +164,7 @@ def test_batch_buckets():
     assert batch_buckets(1) == [1]
     assert batch_buckets(10) == [1, 2, 4, 8, 10]
     assert batch_buckets(32) == [1, 2, 4, 8, 16, 24, 32]
+    assert batch_buckets(300) == [1, 2, 4, *range(8, 257, 8), 272, 288, 300]
 
 
 def test_backend_choice():

@@ -25,6 +25,8 @@ SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs")
 SPECULATIVE_ALGORITHMS = ("NGRAM",)
 NGRAM_MATCH_TYPES = ("BFS", "PROB")
 EVICTION_POLICIES = ("lru", "lfu", "fifo", "priority", "slru")
+# The largest CUDA-graph decode batch of a worker that does not know its engine's limit.
+GRAPH_BATCH_DEFAULT = 256
 
 # ---- checks of single settings ------------------------------------------------------------
 
@@ -139,12 +141,21 @@ class DeviceSettings(Settings):
         help="attention kernels: auto (triton on CUDA, torch on the CPU), torch (CPU only) "
         "or triton",
     )
-    cuda_graph_max_bs: int = setting(
-        32,
+    cuda_graph_max_bs: int | None = setting(
+        None,
         minimum=0,
-        help="decode batches of up to this many requests replay captured CUDA graphs "
-        "(CUDA only); 0: no CUDA graphs",
+        help="decode batches of up to this many requests replay captured CUDA graphs (CUDA "
+        "only; one per batch size 1, 2, 4, 8, then every 8, every 16 past 256); empty: the "
+        f"engine's max_running_requests ({GRAPH_BATCH_DEFAULT} for a worker started alone); "
+        "0: no CUDA graphs",
     )
+
+    def graph_batch_limit(self, max_running_requests: int = 0) -> int:
+        """The largest decode batch with a CUDA graph: the setting, else the engine's
+        running-request limit where it is known."""
+        if self.cuda_graph_max_bs is not None:
+            return self.cuda_graph_max_bs
+        return max_running_requests or GRAPH_BATCH_DEFAULT
 
     def cross_check(self) -> None:
         super().cross_check()

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+import time
+
 import torch
 
 from radixmesh.engine.model.attention import AttentionMetadata, in_order
@@ -9,11 +12,15 @@ from radixmesh.engine.model.kv_pool import KVPool
 from radixmesh.engine.model.model import CausalLM
 from radixmesh.engine.model.triton_attention import DecodeTables, TritonAttention
 
+log = logging.getLogger("radixmesh.worker")
+
 
 def batch_buckets(max_batch: int) -> list[int]:
-    """Batch sizes that get a graph: 1, 2, 4, 8, then every 8, and max_batch itself."""
-    sizes = [b for b in (1, 2, 4) if b < max_batch] + list(range(8, max_batch, 8))
-    return [*sizes, max_batch]
+    """Batch sizes that get a graph: 1, 2, 4, 8, then every 8 up to 256 and every 16 past
+    it, and max_batch itself."""
+    sizes = [b for b in (1, 2, 4) if b < max_batch] + list(range(8, min(max_batch, 257), 8))
+    sizes += list(range(272, max_batch, 16))
+    return [*(b for b in sizes if b < max_batch), max_batch]
 
 
 class DecodeGraphs:
@@ -82,6 +89,8 @@ class DecodeGraphs:
 
     def _capture_all(self) -> None:
         memory = None
+        began = time.perf_counter()
+        free_before = torch.cuda.mem_get_info()[0]
         # Largest first, sharing one memory pool: smaller graphs reuse what it reserved.
         for bucket in reversed(self.buckets):
             # Warm up on a side stream, as capture needs: kernels compile and libraries
@@ -96,3 +105,6 @@ class DecodeGraphs:
                 self._outputs[bucket] = self._step(bucket)
             memory = graph.pool()
             self._graphs[bucket] = graph
+        used = (free_before - torch.cuda.mem_get_info()[0]) / 2**20
+        log.info("captured CUDA graphs for decode batches %s in %.1f s (%.0f MiB)",
+                 ", ".join(map(str, self.buckets)), time.perf_counter() - began, used)

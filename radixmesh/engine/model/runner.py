@@ -691,10 +691,12 @@ def load_runner(
     tp_size: int = 1,
     dist_init_addr: str | None = None,
     progress: bool = False,
+    max_running_requests: int = 0,
 ) -> ModelRunner:
     """Load the model onto its device, joining the tensor-parallel group and keeping this
-    rank's shards when tp_size > 1. Call it on the thread that will run every step: CUDA's
-    current device and OpenMP's team are per thread."""
+    rank's shards when tp_size > 1 (CUDA graphs up to the engine's `max_running_requests`
+    unless the settings say; 0: not known here). Call it on the thread that will run every
+    step: CUDA's current device and OpenMP's team are per thread."""
     where = resolve_device(settings.device, tp_rank)
     if where.type == "cuda":
         torch.cuda.set_device(where)
@@ -719,7 +721,7 @@ def load_runner(
         tp=tp,
         device=where,
         page_size=settings.page_size,
-        cuda_graph_max_bs=settings.cuda_graph_max_bs,
+        cuda_graph_max_bs=settings.graph_batch_limit(max_running_requests),
     )
     runner.quantization = loaded.quantization
     runner.model_path = model_path
