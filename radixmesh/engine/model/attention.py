@@ -35,6 +35,21 @@ class AttentionMetadata:
     q_lens: torch.Tensor  # [B] int64
     kv_lens: torch.Tensor  # [B] int64
     kv_index: torch.Tensor  # [B, W] int32 slots, W >= every kv_len, on the device
+    # Every sequence is one decoding token, sequence b at row b, and W is the longest
+    # kv_len: what a plain decode step (or a CUDA graph) runs, read without checks.
+    decode_only: bool = False
+
+    @classmethod
+    def decodes(
+        cls, out_slots: torch.Tensor, kv_lens: torch.Tensor, kv_index: torch.Tensor
+    ) -> AttentionMetadata:
+        """A step of one-token decodes, in row order (kv_index exactly as wide as the
+        longest of kv_lens)."""
+        n = kv_lens.numel()
+        rows = _DECODE_ROWS.get(n)
+        if rows is None:
+            rows = _DECODE_ROWS[n] = (torch.arange(n), torch.ones(n, dtype=torch.long))
+        return cls(out_slots, *rows, kv_lens, kv_index, decode_only=True)
 
     @classmethod
     def from_spans(cls, out_slots: torch.Tensor, spans: Sequence[SeqSpan]) -> AttentionMetadata:
@@ -60,6 +75,10 @@ class AttentionMetadata:
         """The sequences spelled out one by one (from_spans' input)."""
         return [SeqSpan(int(self.q_starts[b]), int(self.q_lens[b]), self.kv_slots(b))
                 for b in range(self.num_seqs)]
+
+
+# A decode step's q_starts and q_lens by batch size (never written).
+_DECODE_ROWS: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 def padded_rows(rows: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:

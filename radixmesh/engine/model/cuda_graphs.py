@@ -58,9 +58,12 @@ class DecodeGraphs:
     def fits(self, meta: AttentionMetadata) -> bool:
         """Whether this step can run here: decode only (sequence b at row b), within the
         batch and context caps."""
+        if not 0 < meta.num_seqs <= self.buckets[-1]:
+            return False
+        if meta.decode_only:
+            return meta.kv_index.shape[1] <= self.max_context
         return (
-            0 < meta.num_seqs <= self.buckets[-1]
-            and bool((meta.q_lens == 1).all())
+            bool((meta.q_lens == 1).all())
             and int(meta.kv_lens.max()) <= self.max_context
             and in_order(meta.q_starts)
         )

@@ -286,6 +286,12 @@ class ModelRunner:
         rows = step.decode_rows
         decode_positions = (table.append_decodes(rows, decode_slots) if rows.numel()
                             else rows.new_empty(0))
+        if not step.reqs:  # plain decodes only: a handful of tensor ops whatever the batch
+            at = rows.to(device)
+            kv_lens = decode_positions + 1
+            meta = AttentionMetadata.decodes(decode_slots.to(device, torch.long), kv_lens,
+                                             table.index(at, int(kv_lens.max())))
+            return table.last.index_select(0, at), decode_positions.to(device), meta
         entry_rows = torch.tensor([r.row for r in step.reqs], dtype=torch.long)
         seq_rows = torch.cat([rows, entry_rows])
         entry_ids = torch.tensor(ids, dtype=torch.long, device=device)
@@ -338,18 +344,22 @@ class ModelRunner:
         decode_plain = self.row_sampling.plain.index_select(0, rows)
         # None: every decode is plain (the usual step: no per-request work at all).
         plain_decodes = None if bool(decode_plain.all()) else decode_plain.nonzero().flatten()
-        hidden_rows = torch.cat([
-            torch.arange(n) if plain_decodes is None else plain_decodes,
-            torch.tensor([step.last_row(i) for i in plain], dtype=torch.long),
-        ])
-        table_rows = torch.cat([
-            rows if plain_decodes is None else rows[plain_decodes],
-            torch.tensor([step.reqs[i].row for i in plain], dtype=torch.long),
-        ])
+        if not step.reqs and plain_decodes is None:  # the usual step: every row samples
+            hidden_rows, table_rows = None, rows
+        else:
+            hidden_rows = torch.cat([
+                torch.arange(n) if plain_decodes is None else plain_decodes,
+                torch.tensor([step.last_row(i) for i in plain], dtype=torch.long),
+            ])
+            table_rows = torch.cat([
+                rows if plain_decodes is None else rows[plain_decodes],
+                torch.tensor([step.reqs[i].row for i in plain], dtype=torch.long),
+            ])
         tokens = torch.empty(0, dtype=torch.long)
         if table_rows.numel():
-            logits = self.model.logits(hidden.index_select(0, hidden_rows.to(hidden.device)))
-            tokens = self.row_sampling.sample(logits, table_rows)
+            last = hidden if hidden_rows is None else hidden.index_select(
+                0, hidden_rows.to(hidden.device))
+            tokens = self.row_sampling.sample(self.model.logits(last), table_rows)
             self.table.last.index_copy_(0, table_rows.to(self.device), tokens.to(self.device))
         picked_tokens = tokens.tolist()  # the step's one device-to-host copy of plain tokens
         decoded = picked_tokens[: len(picked_tokens) - len(plain)]

@@ -229,14 +229,13 @@ class RowSampling:
         device where every row is greedy; counts each row's draw."""
         greedy = self.greedy.index_select(0, rows)
         if bool(greedy.all()):
-            tokens = _argmax(logits)
-        else:
-            # Seeded draws in CPU arithmetic do not depend on the rest of the batch.
-            params = RowParams(
-                self.temperature[rows], self.top_k[rows], self.top_p[rows], self.min_p[rows],
-                uniforms(self.seed[rows], self.drawn[rows]),
-            )
-            tokens = choose(logits.cpu(), greedy, params)
+            return _argmax(logits)  # a greedy row's draws are never read
+        # Seeded draws in CPU arithmetic do not depend on the rest of the batch.
+        params = RowParams(
+            self.temperature[rows], self.top_k[rows], self.top_p[rows], self.min_p[rows],
+            uniforms(self.seed[rows], self.drawn[rows]),
+        )
+        tokens = choose(logits.cpu(), greedy, params)
         self.drawn.index_add_(0, rows, torch.ones_like(rows))
         return tokens
 

@@ -55,6 +55,11 @@ class TorchAttention(AttentionBackend):
 
     def prepare(self, meta: AttentionMetadata) -> None:
         self._meta = meta
+        if meta.decode_only and not self.windows:
+            self._extends, self._binding, self._decode_bias = [], set(), {}
+            self._decode_rows, self._in_order = meta.q_starts, True
+            self._decode_keys = {0: (meta.kv_index.long(), meta.kv_lens)}
+            return
         is_decode = meta.q_lens == 1
         extends = (~is_decode).nonzero().flatten().tolist()
         self._extends = [
@@ -86,8 +91,8 @@ class TorchAttention(AttentionBackend):
             return None
         runs: list[AttentionRun] = []
         if rows.numel():
-            first = int(rows[0])
-            if not in_order(rows, first):
+            first = 0 if self._in_order else int(rows[0])
+            if not self._in_order and not in_order(rows, first):
                 return None  # decodes interleaved with prompts: not one run
             kv, lens = self._decode_keys[0]
             runs.append(AttentionRun(first, rows.numel(), kv, kv.shape[1], lens))

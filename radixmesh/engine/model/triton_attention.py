@@ -79,6 +79,10 @@ class TritonAttention(AttentionBackend):
 
     def prepare(self, meta: AttentionMetadata) -> None:
         self._out_slots = self._ints(meta.out_slots)
+        if meta.decode_only:
+            self._decode_rows = self._extend = None
+            self._decode = _DecodePart(self._pages(meta.kv_index, None), self._ints(meta.kv_lens))
+            return
         is_decode = meta.q_lens == 1
         extends = (~is_decode).nonzero().flatten()
         self._decode = self._decode_rows = self._extend = None

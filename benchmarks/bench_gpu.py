@@ -1,0 +1,249 @@
+"""The in-process engine on a GPU, in one table: a Llama-3.2-1B-shaped model with random
+weights (bf16: hidden 2048, 16 layers, 32 query / 8 KV heads, vocabulary 128,256).
+
+Figures (greedy, ignore_eos, exact lengths; each a median of --repeats runs):
+  stream      one request, 256-token prompt: decode tok/s (step time from the difference
+              of a short and a long run, so the prefill cancels)
+  batch B     B requests of 256-token prompts x 256 new tokens: output tok/s of the whole
+              run, and the decode step time as above, for B in 1, 32, 64, 128, 256
+  prefill     16 fresh 2,048-token prompts, one new token each: prompt tok/s
+  shared      64 requests sharing a 1,024-token prefix (cached by a first request) plus
+              64 tokens of their own, 64 new tokens each: output tok/s
+  GPU busy    the share of a batch-256 decode run's wall time the GPU spends inside the
+              runner's steps (CUDA events around each step)
+Each decode figure's share of the card's limit: the bytes a step must read (weights + the
+batch's KV) at --bandwidth; the prefill's at --flops. It finishes within 6 minutes on an
+H200 with the default sizes; --quick runs a smoke version anywhere (--device cpu too).
+
+Usage:
+    python benchmarks/bench_gpu.py                       # on cuda:0
+    python benchmarks/bench_gpu.py --cuda-graph-max-bs 32  # compare a graph setting
+    python benchmarks/bench_gpu.py --quick --device cpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+SHAPES = {
+    # hidden, intermediate, layers, heads, kv heads, head dim, vocabulary
+    "llama-1b": (2048, 8192, 16, 32, 8, 64, 128_256),
+    "tiny": (64, 128, 2, 4, 2, 16, 1024),
+}
+
+
+def write_model(path: Path, shape: str, device: str) -> tuple[Path, int]:
+    """A random-weight Llama of `shape` with a word-level tokenizer; returns its path and
+    its weights' bytes."""
+    import tokenizers
+    from tokenizers import models, pre_tokenizers
+
+    hidden, inter, layers, heads, kv_heads, head_dim, vocab = SHAPES[shape]
+    config = {
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": vocab,
+        "hidden_size": hidden, "intermediate_size": inter, "num_hidden_layers": layers,
+        "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim,
+        "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+        "tie_word_embeddings": True, "eos_token_id": vocab - 1, "torch_dtype": "bfloat16",
+    }
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config))
+    g = torch.Generator(device=device).manual_seed(0)
+
+    def rand(*dims: int) -> torch.Tensor:
+        w = torch.randn(*dims, generator=g, device=device, dtype=torch.bfloat16)
+        return (w * dims[-1] ** -0.5).cpu()
+
+    weights = {"model.embed_tokens.weight": rand(vocab, hidden),
+               "model.norm.weight": torch.ones(hidden, dtype=torch.bfloat16)}
+    for i in range(layers):
+        p = f"model.layers.{i}"
+        weights |= {
+            f"{p}.input_layernorm.weight": torch.ones(hidden, dtype=torch.bfloat16),
+            f"{p}.post_attention_layernorm.weight": torch.ones(hidden, dtype=torch.bfloat16),
+            f"{p}.self_attn.q_proj.weight": rand(heads * head_dim, hidden),
+            f"{p}.self_attn.k_proj.weight": rand(kv_heads * head_dim, hidden),
+            f"{p}.self_attn.v_proj.weight": rand(kv_heads * head_dim, hidden),
+            f"{p}.self_attn.o_proj.weight": rand(hidden, heads * head_dim),
+            f"{p}.mlp.gate_proj.weight": rand(inter, hidden),
+            f"{p}.mlp.up_proj.weight": rand(inter, hidden),
+            f"{p}.mlp.down_proj.weight": rand(hidden, inter),
+        }
+    save_file(weights, str(path / "model.safetensors"))
+    tokenizer = tokenizers.Tokenizer(
+        models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(str(path / "tokenizer.json"))
+    return path, sum(w.numel() * w.element_size() for w in weights.values())
+
+
+class Bench:
+    """One engine and the runs the table is made of."""
+
+    def __init__(self, engine: Any, vocab: int, sync: Callable[[], None]) -> None:
+        self.engine, self.vocab, self.sync = engine, vocab, sync
+        self.prompt_seed = 0
+
+    def prompts(self, n: int, length: int, prefix: list[int] | None = None) -> list[list[int]]:
+        """Fresh prompts (never cached before), after `prefix` when given."""
+        self.prompt_seed += 1
+        out = []
+        for r in range(n):
+            seed = self.prompt_seed * 100_003 + r * 7919
+            own = [(seed + 31 * i * i + 17 * i) % (self.vocab - 2) for i in range(length)]
+            out.append([*(prefix or []), *own])
+        return out
+
+    def run(self, prompts: list[list[int]], new_tokens: int) -> tuple[float, dict]:
+        """Seconds to run the prompts together to exactly `new_tokens` each."""
+        params = {"max_new_tokens": new_tokens, "ignore_eos": True, "temperature": 0}
+        self.sync()
+        began = time.perf_counter()
+        out = self.engine.generate(input_ids=prompts, sampling_params=params)
+        self.sync()
+        elapsed = time.perf_counter() - began
+        assert all(o["meta_info"]["completion_tokens"] == new_tokens for o in out)
+        return elapsed, out[0]["meta_info"]
+
+    def decode_step(self, batch: int, prompt: int, short: int, long: int) -> tuple[float, float]:
+        """(decode step seconds, whole-run output tok/s) of `batch` requests."""
+        t_short, _ = self.run(self.prompts(batch, prompt), short)
+        t_long, _ = self.run(self.prompts(batch, prompt), long)
+        return (t_long - t_short) / (long - short), batch * long / t_long
+
+
+def kv_bytes_per_token(shape: str) -> int:
+    _, _, layers, _, kv_heads, head_dim, _ = SHAPES[shape]
+    return 2 * layers * kv_heads * head_dim * 2  # K and V, bf16
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--quick", action="store_true", help="tiny shape and sizes: a smoke run")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--cuda-graph-max-bs", type=int, default=None,
+                        help="as the engine's flag; default: the engine's default")
+    parser.add_argument("--bandwidth", type=float, default=4.2e12, help="bytes/s (H200)")
+    parser.add_argument("--flops", type=float, default=7.9e14, help="bf16 dense FLOP/s (H200)")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    shape = "tiny" if args.quick else "llama-1b"
+    prompt, short, long = (16, 4, 12) if args.quick else (256, 32, 256)
+    batches = [1, 4, 8] if args.quick else [1, 32, 64, 128, 256]
+    prefill_n, prefill_len = (2, 64) if args.quick else (16, 2048)
+    shared_n, shared_len, own_len = (4, 32, 8) if args.quick else (64, 1024, 64)
+    cuda = args.device.startswith("cuda")
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+
+    from radixmesh.api import Engine
+
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(dir="/dev/shm" if Path("/dev/shm").is_dir() else None) as tmp:
+        began = time.perf_counter()
+        model, weight_bytes = write_model(Path(tmp) / "model", shape, args.device)
+        kwargs: dict[str, Any] = {"dtype": "bfloat16", "device": args.device,
+                                  "max_running_requests": max(batches),
+                                  "max_total_tokens": max(batches) * (prompt + long) + 8192 * 4,
+                                  "show_progress": False}
+        if args.cuda_graph_max_bs is not None:
+            kwargs["cuda_graph_max_bs"] = args.cuda_graph_max_bs
+        engine = Engine(str(model), **kwargs)
+        print(f"model written and loaded in {time.perf_counter() - began:.0f} s "
+              f"({weight_bytes / 1e9:.2f} GB of weights)", flush=True)
+        bench = Bench(engine, SHAPES[shape][-1], sync)
+        kv_token = kv_bytes_per_token(shape)
+        try:
+            bench.run(bench.prompts(max(batches), prompt), 4)  # warm-up (graphs, kernels)
+            for batch in batches:
+                steps, rates = zip(*(bench.decode_step(batch, prompt, short, long)
+                                     for _ in range(args.repeats)), strict=True)
+                step = statistics.median(steps)
+                # What one decode step must read: every weight once, each request's KV.
+                need = (weight_bytes + batch * (prompt + (short + long) / 2) * kv_token)
+                name = "stream" if batch == 1 else f"batch {batch}"
+                rows.append({"figure": name, "value": statistics.median(rates) if batch > 1
+                             else 1 / step, "unit": "out tok/s" if batch > 1 else "decode tok/s",
+                             "step_ms": step * 1e3,
+                             "limit_share": need / args.bandwidth / step})
+            times = [bench.run(bench.prompts(prefill_n, prefill_len), 1)[0]
+                     for _ in range(args.repeats)]
+            prefill = statistics.median(times)
+            flops = 2 * weight_bytes / 2 * prefill_n * prefill_len
+            rows.append({"figure": f"prefill {prefill_n} x {prefill_len}",
+                         "value": prefill_n * prefill_len / prefill, "unit": "prompt tok/s",
+                         "step_ms": None, "limit_share": flops / args.flops / prefill})
+            (prefix,) = bench.prompts(1, shared_len)
+            rates, hits = [], []
+            for _ in range(args.repeats):
+                engine.flush_cache()
+                bench.run([prefix], 1)
+                elapsed, meta = bench.run(bench.prompts(shared_n, own_len, prefix), own_len)
+                rates.append(shared_n * own_len / elapsed)
+                hits.append(meta["cached_tokens"])
+            rows.append({"figure": f"shared prefix {shared_n} x ({shared_len} + {own_len})",
+                         "value": statistics.median(rates), "unit": "out tok/s",
+                         "step_ms": None, "limit_share": None,
+                         "cached_tokens": statistics.median(hits)})
+            if cuda:
+                rows.append(gpu_busy(engine, bench, max(batches), prompt, long))
+        finally:
+            engine.shutdown()
+    print(f"\n{shape} bf16 on {device_name(args.device)}, cuda_graph_max_bs "
+          f"{args.cuda_graph_max_bs if args.cuda_graph_max_bs is not None else 'default'}; "
+          f"medians of {args.repeats}")
+    print(f"{'figure':<34} {'value':>12} {'unit':<13} {'step ms':>8} {'of limit':>9}")
+    for r in rows:
+        step = f"{r['step_ms']:.2f}" if r.get("step_ms") else ""
+        share = f"{100 * r['limit_share']:.0f}%" if r.get("limit_share") else ""
+        print(f"{r['figure']:<34} {r['value']:>12,.0f} {r['unit']:<13} {step:>8} {share:>9}")
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2))
+
+
+def gpu_busy(engine: Any, bench: Bench, batch: int, prompt: int, long: int) -> dict[str, Any]:
+    """The share of a decode run's wall time spent between CUDA events recorded at the start
+    and the end of each runner step (the host's gaps between steps are what is left)."""
+    runner = engine.runner
+    forward = runner.forward
+    spans: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+
+    def timed(step: Any) -> Any:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        result = forward(step)
+        end.record()
+        spans.append((start, end))
+        return result
+
+    runner.forward = timed
+    try:
+        elapsed, _ = bench.run(bench.prompts(batch, prompt), long)
+    finally:
+        runner.forward = forward
+    torch.cuda.synchronize()
+    busy = sum(s.elapsed_time(e) for s, e in spans) / 1e3
+    return {"figure": f"GPU busy, batch {batch} run", "value": 100 * busy / elapsed,
+            "unit": "% of wall", "step_ms": None, "limit_share": None}
+
+
+def device_name(device: str) -> str:
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name(torch.device(device))
+    from radixmesh.bench.report import cpu_name
+
+    return cpu_name()
+
+
+if __name__ == "__main__":
+    main()
