@@ -277,6 +277,8 @@ class TransferSteps:
         for req in self.disagg.expired():
             self._fall_back(req, f"no KV from {req.transfer.prefill_engine} within "
                                  f"{self.disagg.timeout_s:g} s")  # type: ignore[union-attr]
+        if not self.disagg.reserving:
+            return
         # What the requests running, waiting and waiting for KV will still need: set aside
         # no more than leaves them room to decode.
         ahead = [*self.running, *self.waiting, *self.disagg.awaiting.values()]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING
 
 from radixmesh.core.finish import FinishKind, FinishReason
@@ -105,18 +106,23 @@ class Req:
             logprobs,
         )
 
-    @property
+    @cached_property
+    def constrained(self) -> bool:
+        """Whether a grammar holds its output."""
+        return self.params.grammar is not None
+
+    @cached_property
     def packs(self) -> bool:
         """Whether its decodes travel packed (StepBatch.decode_rows): the runner samples
         them without a grammar's mask or logprobs to report."""
-        return self.params.grammar is None and not self.logprobs.return_logprob
+        return not self.constrained and not self.logprobs.return_logprob
 
     def stop_reason(
         self, token: int, eos_token_ids: tuple[int, ...], context_length: int
     ) -> FinishReason | None:
         """Why the output token just appended ends it, if it does."""
         p = self.params
-        if p.grammar is not None and token in eos_token_ids:
+        if self.constrained and token in eos_token_ids:
             # The grammar allowed its stop token: the constrained answer is complete.
             return FinishReason(FinishKind.STOP, token)
         stops = token in p.stop_token_ids or (not p.ignore_eos and token in eos_token_ids)

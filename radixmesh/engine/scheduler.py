@@ -3,6 +3,7 @@ the model runner's StepResult back into the requests."""
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 from radixmesh.core.finish import FinishKind, FinishReason
@@ -242,6 +243,14 @@ class Scheduler(TransferSteps):
         return batch
 
     def _schedule_decodes(self, batch: ScheduledBatch) -> None:
+        spare = self._decode_pages()
+        try:
+            self._decode_each(batch, spare)
+        finally:
+            if spare:  # taken for requests that did not decode (retracted, finishing)
+                self.allocator.free(spare)
+
+    def _decode_each(self, batch: ScheduledBatch, spare: deque[int]) -> None:
         i = 0
         while i < len(self.running):
             req = self.running[i]
@@ -259,6 +268,15 @@ class Scheduler(TransferSteps):
             # the step in flight feeds it) and the forced ones. Otherwise only the token in
             # flight or the last one sampled, which the runner feeds itself.
             unfed = req.tokens[len(req.slots) :] if req.jumped else []
+            if draft is None and not unfed and req.packs:
+                slot = self._next_slot(req, spare)
+                if slot is not None:  # the usual decode: packed, its slot at hand
+                    batch.batch.decode_rows.append(req.row)
+                    batch.batch.decode_slots.append(slot)
+                    batch.decodes.append(req)
+                    req.pending += 1
+                    i += 1
+                    continue
             if slots is None:
                 slots = self._grow(req, max(len(unfed), 1))
             if slots is None and self.cache.pending_backups():
@@ -421,6 +439,33 @@ class Scheduler(TransferSteps):
         return chunk
 
     # ---- KV slots --------------------------------------------------------------------
+
+    def _decode_pages(self) -> deque[int]:
+        """Fresh pages for the step's decodes that start a page (first slots), taken from the
+        free ones in one go; more come one at a time, with eviction, if these run out."""
+        page = self.page
+        if page == 1:
+            need = len(self.running)
+        else:
+            need = sum(1 for r in self.running if len(r.slots) % page == 0
+                       or len(r.slots) <= r.cached_len)
+        take = min(need, self.allocator.available() // page)
+        fresh = self.allocator.alloc(take * page) if take else None
+        return deque(fresh[::page] if fresh else ())
+
+    def _next_slot(self, req: Req, spare: deque[int]) -> int | None:
+        """Give a request one more slot: in its partial last page, else the first of a spare
+        fresh page; None when neither is at hand."""
+        slots = req.slots
+        have = len(slots)
+        if have % self.page and have > req.cached_len:
+            slot = slots[-1] + 1
+        elif spare:
+            slot = spare.popleft()
+        else:
+            return None
+        slots.append(slot)
+        return slot
 
     def _grow(self, req: Req, n: int) -> list[int] | None:
         """Give a request n more slots, filling its partial last page first; None if full."""
