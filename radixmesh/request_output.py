@@ -33,6 +33,9 @@ class RequestStream:
         # The same text as the detokenizer service gives, from shorter windows: all the
         # request's ids are at hand here.
         self._detok = RequestText(tokenizer.decode, rules, req.input_ids, tokenizer.special_ids)
+        # Text nobody reads before the finish (no stream, no stop string to look for) is
+        # decoded once, at the finish: the same text as update by update.
+        self._at_finish = not streaming and not params.stop
         # A stop string ends the text: the update of the engine's abort adds none.
         self._stopped = False
         self._seen = 0
@@ -44,6 +47,8 @@ class RequestStream:
     def update(self) -> str | None:
         """Take the request's new tokens; returns a stop string if one just matched."""
         req = self.req
+        if self._at_finish and req.finish is None:
+            return None
         new_ids = req.output_ids[self._seen :]
         self._seen = len(req.output_ids)
         delta, matched = "", None

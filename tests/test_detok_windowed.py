@@ -176,9 +176,11 @@ def in_process(
     stop_token: bool,
     sizes: Sequence[int] = (1,),
     expected: WholeText | None = None,
+    streaming: bool = True,
 ) -> Outcome:
     """The in-process engine's stream, fed the given numbers of tokens (cycled) per step and
-    stopped as the engine stops it; each step's text checked against `expected` if given."""
+    stopped as the engine stops it; each step's text checked against `expected` if given
+    (not streaming, a stream without stop strings decodes only at the finish)."""
     params = SamplingParams(
         max_new_tokens=max(len(out), rules.min_new_tokens),
         min_new_tokens=rules.min_new_tokens,
@@ -188,7 +190,7 @@ def in_process(
         spaces_between_special_tokens=rules.spaces_between_special_tokens,
     )
     req = Req("r", list(prompt), params, seed=0)
-    stream = RequestStream(req, tokenizer(), streaming=False)
+    stream = RequestStream(req, tokenizer(), streaming=streaming)
     matched, step = None, 0
     while len(req.output_ids) < len(out):
         start = len(req.output_ids)
@@ -268,6 +270,8 @@ def test_replicas_and_the_engine_give_the_whole_text(
     assert in_process(ids, out, rules, stop_token, expected=expected) == expected.outcome
     text, matched, completion = in_process(ids, out, rules, stop_token, sizes, expected=expected)
     assert (text, matched) == expected.outcome[:2]
+    whole = in_process(ids, out, rules, stop_token, sizes, streaming=False)
+    assert whole[:2] == expected.outcome[:2]
     assert completion == step_end(expected.completion, sizes, len(out))
 
 
