@@ -156,6 +156,18 @@ def check_rows(what: str, values: torch.Tensor, rows: int) -> None:
         raise IndexError(f"{what} out of range [0, {rows})")
 
 
+# Below this much work (multiply-adds, or elements for elementwise kernels) a call runs on
+# one thread: waking a second costs more than it saves, and on a host whose cores the
+# engine's other threads share, a team that waits at a barrier for a descheduled thread
+# stalls the whole step (a 64-wide model's decode step took ~4x longer on two threads).
+_PARALLEL_WORK = 1 << 18
+
+
+def threads_for(work: int) -> int:
+    """Threads for a kernel call of `work` units: one for small calls, else torch's."""
+    return 1 if work < _PARALLEL_WORK else torch.get_num_threads()
+
+
 def decode_supported(q: torch.Tensor, k_pool: torch.Tensor) -> bool:
     """Whether `decode_attention` takes these tensors here."""
     return _takes(q, k_pool)
@@ -213,7 +225,7 @@ def _attend(
     fn = lib.decode_attention_bf16 if q.dtype == torch.bfloat16 else lib.decode_attention_f32
     fn(
         q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), index.data_ptr(), lens.data_ptr(),
-        out.data_ptr(), b, width, hq, hkv, d, scale, torch.get_num_threads(),
+        out.data_ptr(), b, width, hq, hkv, d, scale, threads_for(index.numel() * hq * d),
     )
     return out
 
@@ -233,7 +245,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     dim = x.shape[-1]
     fn = lib.rms_norm_bf16 if x.dtype == torch.bfloat16 else lib.rms_norm_f32
     fn(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // dim, dim, eps,
-       torch.get_num_threads())
+       threads_for(x.numel()))
     return out
 
 
@@ -261,7 +273,7 @@ def rotary_(
     check_rows("position", positions, cos.shape[0])
     fn = lib.rotary_bf16 if x.dtype == torch.bfloat16 else lib.rotary_f32
     fn(x.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), x.shape[0],
-       x.shape[1], x.stride(0), x.shape[2], torch.get_num_threads())
+       x.shape[1], x.stride(0), x.shape[2], threads_for(x.numel()))
     return x
 
 
@@ -278,7 +290,7 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
     width = x.shape[1] // 2
     out = torch.empty(x.shape[0], width, dtype=x.dtype)
     lib.silu_mul_bf16_rows(x.data_ptr(), out.data_ptr(), x.shape[0], width,
-                           torch.get_num_threads())
+                           threads_for(x.numel()))
     return out
 
 
@@ -295,7 +307,7 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     x = x.contiguous()
     out = torch.empty(x.shape[0], dtype=torch.int64)
     lib.argmax_rows_f32(x.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1],
-                        torch.get_num_threads())
+                        threads_for(x.numel()))
     return out
 
 
@@ -343,7 +355,7 @@ def gemm(
     lib.gemm_bf16(
         x.data_ptr(), packed.data_ptr(), None if bias is None else bias.data_ptr(),
         None if residual is None else residual.data_ptr(), out.data_ptr(), x.shape[0], n,
-        x.shape[1], torch.get_num_threads(),
+        x.shape[1], threads_for(x.shape[0] * n * x.shape[1]),
     )
     return out
 

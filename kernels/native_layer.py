@@ -10,7 +10,7 @@ from typing import NamedTuple
 
 import torch
 
-from radixmesh.kernels.native import check_rows, library
+from radixmesh.kernels.native import check_rows, library, threads_for
 from radixmesh.kernels.native_quant import ExpertWeights, QuantizedWeight, _QuantWeight
 
 _PTR, _INT, _FLOAT = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
@@ -108,6 +108,9 @@ class LayerStack:
                     fields[name] = None if value is None else value.data_ptr()
             self._weights.append(_LayerWeights(**fields))
         self._shape = (hidden, heads, kv_heads, head_dim, intermediate, eps)
+        # Multiply-adds of one token through one layer's projections.
+        self._layer_work = (hidden * (heads + kv_heads) * head_dim * 2
+                            + 3 * hidden * intermediate)
 
     def _sparse(self, value: object) -> int | None:
         if value is None:
@@ -153,7 +156,9 @@ class LayerStack:
         check_rows("slot", out_slots, k_pools[0].shape[0])
         keep = []  # the runs' tensors, alive until the last layer
         table = (_AttentionRun * len(runs))()
+        keys = 0  # query-key pairs of the step's attention (padding included)
         for i, (first, count, index, width, lens) in enumerate(runs):
+            keys += index.numel() * (1 if width else count)
             index, lens = index.contiguous(), lens.contiguous()
             check_rows("index slot", index, k_pools[0].shape[0])
             keep += [index, lens]
@@ -163,7 +168,8 @@ class LayerStack:
                               dtype=torch.bfloat16)
         step = _Step(
             tokens, positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), out_slots.data_ptr(),
-            ctypes.addressof(table), len(runs), scratch.data_ptr(), torch.get_num_threads(),
+            ctypes.addressof(table), len(runs), scratch.data_ptr(),
+            threads_for(tokens * self._layer_work + keys * self._shape[1] * self._shape[3]),
         )
         for weights, k, v in zip(self._weights, k_pools, v_pools, strict=True):
             lib.decoder_layer_bf16(hidden.data_ptr(), k.data_ptr(), v.data_ptr(),
