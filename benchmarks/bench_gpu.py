@@ -33,58 +33,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
+
+from radixmesh.bench.random_model import LlamaShape, write_random_llama
 
 SHAPES = {
-    # hidden, intermediate, layers, heads, kv heads, head dim, vocabulary
-    "llama-1b": (2048, 8192, 16, 32, 8, 64, 128_256),
-    "tiny": (64, 128, 2, 4, 2, 16, 1024),
+    "llama-1b": LlamaShape(hidden=2048, intermediate=8192, layers=16, heads=32, kv_heads=8,
+                           head_dim=64, vocab=128_256),
+    "tiny": LlamaShape(hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2, head_dim=16,
+                       vocab=1024),
 }
-
-
-def write_model(path: Path, shape: str, device: str) -> tuple[Path, int]:
-    """A random-weight Llama of `shape` with a word-level tokenizer; returns its path and
-    its weights' bytes."""
-    import tokenizers
-    from tokenizers import models, pre_tokenizers
-
-    hidden, inter, layers, heads, kv_heads, head_dim, vocab = SHAPES[shape]
-    config = {
-        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": vocab,
-        "hidden_size": hidden, "intermediate_size": inter, "num_hidden_layers": layers,
-        "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim,
-        "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
-        "tie_word_embeddings": True, "eos_token_id": vocab - 1, "torch_dtype": "bfloat16",
-    }
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(config))
-    g = torch.Generator(device=device).manual_seed(0)
-
-    def rand(*dims: int) -> torch.Tensor:
-        w = torch.randn(*dims, generator=g, device=device, dtype=torch.bfloat16)
-        return (w * dims[-1] ** -0.5).cpu()
-
-    weights = {"model.embed_tokens.weight": rand(vocab, hidden),
-               "model.norm.weight": torch.ones(hidden, dtype=torch.bfloat16)}
-    for i in range(layers):
-        p = f"model.layers.{i}"
-        weights |= {
-            f"{p}.input_layernorm.weight": torch.ones(hidden, dtype=torch.bfloat16),
-            f"{p}.post_attention_layernorm.weight": torch.ones(hidden, dtype=torch.bfloat16),
-            f"{p}.self_attn.q_proj.weight": rand(heads * head_dim, hidden),
-            f"{p}.self_attn.k_proj.weight": rand(kv_heads * head_dim, hidden),
-            f"{p}.self_attn.v_proj.weight": rand(kv_heads * head_dim, hidden),
-            f"{p}.self_attn.o_proj.weight": rand(hidden, heads * head_dim),
-            f"{p}.mlp.gate_proj.weight": rand(inter, hidden),
-            f"{p}.mlp.up_proj.weight": rand(inter, hidden),
-            f"{p}.mlp.down_proj.weight": rand(hidden, inter),
-        }
-    save_file(weights, str(path / "model.safetensors"))
-    tokenizer = tokenizers.Tokenizer(
-        models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer.save(str(path / "tokenizer.json"))
-    return path, sum(w.numel() * w.element_size() for w in weights.values())
 
 
 class Bench:
@@ -122,11 +79,6 @@ class Bench:
         return (t_long - t_short) / (long - short), batch * long / t_long
 
 
-def kv_bytes_per_token(shape: str) -> int:
-    _, _, layers, _, kv_heads, head_dim, _ = SHAPES[shape]
-    return 2 * layers * kv_heads * head_dim * 2  # K and V, bf16
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda")
@@ -151,7 +103,8 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(dir="/dev/shm" if Path("/dev/shm").is_dir() else None) as tmp:
         began = time.perf_counter()
-        model, weight_bytes = write_model(Path(tmp) / "model", shape, args.device)
+        model = Path(tmp) / "model"
+        weight_bytes = write_random_llama(model, SHAPES[shape], torch.bfloat16, args.device)
         kwargs: dict[str, Any] = {"dtype": "bfloat16", "device": args.device,
                                   "max_running_requests": max(batches),
                                   "max_total_tokens": max(batches) * (prompt + long) + 8192 * 4,
@@ -161,8 +114,8 @@ def main() -> None:
         engine = Engine(str(model), **kwargs)
         print(f"model written and loaded in {time.perf_counter() - began:.0f} s "
               f"({weight_bytes / 1e9:.2f} GB of weights)", flush=True)
-        bench = Bench(engine, SHAPES[shape][-1], sync)
-        kv_token = kv_bytes_per_token(shape)
+        bench = Bench(engine, SHAPES[shape].vocab, sync)
+        kv_token = SHAPES[shape].kv_bytes_per_token()
         try:
             # Warm-up: kernels, graphs, and the grammar compiler loading in the background.
             engine.generate(input_ids=[1, 2, 3], sampling_params={"regex": "t[0-9]+",

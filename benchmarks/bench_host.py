@@ -30,55 +30,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
+from radixmesh.bench.random_model import LlamaShape, write_random_llama
 from radixmesh.bench.report import cpu_name
 
-VOCAB, HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, HEAD_DIM = 1024, 64, 128, 4, 2, 16
+SHAPE = LlamaShape(hidden=64, intermediate=128, layers=1, heads=4, kv_heads=2, head_dim=16,
+                   vocab=1024)
+VOCAB = SHAPE.vocab
 PROMPT = 16
-
-
-def write_model(path: Path) -> Path:
-    """A 1-layer Llama of width 64 with random weights and a word-level tokenizer."""
-    import tokenizers
-    from tokenizers import models, pre_tokenizers
-
-    config = {
-        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": VOCAB,
-        "hidden_size": HIDDEN, "intermediate_size": INTERMEDIATE, "num_hidden_layers": 1,
-        "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS, "head_dim": HEAD_DIM,
-        "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
-        "tie_word_embeddings": False, "eos_token_id": VOCAB - 1,
-    }
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(config))
-    g = torch.Generator().manual_seed(0)
-
-    def rand(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=g) * shape[-1] ** -0.5
-
-    p = "model.layers.0"
-    weights = {
-        "model.embed_tokens.weight": rand(VOCAB, HIDDEN),
-        "lm_head.weight": rand(VOCAB, HIDDEN),
-        "model.norm.weight": torch.ones(HIDDEN),
-        f"{p}.input_layernorm.weight": torch.ones(HIDDEN),
-        f"{p}.post_attention_layernorm.weight": torch.ones(HIDDEN),
-        f"{p}.self_attn.q_proj.weight": rand(HEADS * HEAD_DIM, HIDDEN),
-        f"{p}.self_attn.k_proj.weight": rand(KV_HEADS * HEAD_DIM, HIDDEN),
-        f"{p}.self_attn.v_proj.weight": rand(KV_HEADS * HEAD_DIM, HIDDEN),
-        f"{p}.self_attn.o_proj.weight": rand(HIDDEN, HEADS * HEAD_DIM),
-        f"{p}.mlp.gate_proj.weight": rand(INTERMEDIATE, HIDDEN),
-        f"{p}.mlp.up_proj.weight": rand(INTERMEDIATE, HIDDEN),
-        f"{p}.mlp.down_proj.weight": rand(HIDDEN, INTERMEDIATE),
-    }
-    save_file(weights, str(path / "model.safetensors"))
-    tokenizer = tokenizers.Tokenizer(
-        models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0")
-    )
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer.save(str(path / "tokenizer.json"))
-    return path
 
 
 class ModelClock:
@@ -132,7 +91,8 @@ def main() -> None:
     params = {"temperature": 0.8, "top_p": 0.9} if args.sampled else {"temperature": 0}
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        model = write_model(Path(tmp) / "host-model")
+        model = Path(tmp) / "host-model"
+        write_random_llama(model, SHAPE)
         engine = Engine(
             str(model), max_running_requests=max(batches),
             max_total_tokens=max(batches) * (PROMPT + args.long + 16), show_progress=False,

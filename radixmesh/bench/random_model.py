@@ -1,0 +1,74 @@
+"""A Llama-shaped model with random weights and a word-level tokenizer ("t0 t1 ..."), written
+as a Hugging Face directory the engine loads: what the host-path and GPU benchmarks serve."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+
+class LlamaShape(NamedTuple):
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+
+    def kv_bytes_per_token(self, element_size: int = 2) -> int:
+        """K and V of one token over every layer."""
+        return 2 * self.layers * self.kv_heads * self.head_dim * element_size
+
+
+def write_random_llama(path: Path, shape: LlamaShape, dtype: torch.dtype = torch.float32,
+                       device: str = "cpu") -> int:
+    """Write config.json, model.safetensors (weights N(0, 1/fan_in), drawn on `device`, norms
+    1, embeddings tied) and tokenizer.json at `path`; returns the weights' bytes."""
+    import tokenizers
+    from safetensors.torch import save_file
+    from tokenizers import models, pre_tokenizers
+
+    s = shape
+    config = {
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": s.vocab,
+        "hidden_size": s.hidden, "intermediate_size": s.intermediate,
+        "num_hidden_layers": s.layers, "num_attention_heads": s.heads,
+        "num_key_value_heads": s.kv_heads, "head_dim": s.head_dim,
+        "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+        "tie_word_embeddings": True, "eos_token_id": s.vocab - 1,
+    }
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config))
+    g = torch.Generator(device=device).manual_seed(0)
+
+    def rand(*dims: int) -> torch.Tensor:
+        w = torch.randn(*dims, generator=g, device=device, dtype=dtype)
+        return (w * dims[-1] ** -0.5).cpu()
+
+    def ones() -> torch.Tensor:
+        return torch.ones(s.hidden, dtype=dtype)
+
+    weights = {"model.embed_tokens.weight": rand(s.vocab, s.hidden), "model.norm.weight": ones()}
+    for i in range(s.layers):
+        p = f"model.layers.{i}"
+        weights |= {
+            f"{p}.input_layernorm.weight": ones(),
+            f"{p}.post_attention_layernorm.weight": ones(),
+            f"{p}.self_attn.q_proj.weight": rand(s.heads * s.head_dim, s.hidden),
+            f"{p}.self_attn.k_proj.weight": rand(s.kv_heads * s.head_dim, s.hidden),
+            f"{p}.self_attn.v_proj.weight": rand(s.kv_heads * s.head_dim, s.hidden),
+            f"{p}.self_attn.o_proj.weight": rand(s.hidden, s.heads * s.head_dim),
+            f"{p}.mlp.gate_proj.weight": rand(s.intermediate, s.hidden),
+            f"{p}.mlp.up_proj.weight": rand(s.intermediate, s.hidden),
+            f"{p}.mlp.down_proj.weight": rand(s.hidden, s.intermediate),
+        }
+    save_file(weights, str(path / "model.safetensors"))
+    tokenizer = tokenizers.Tokenizer(
+        models.WordLevel({f"t{i}": i for i in range(s.vocab)}, unk_token="t0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(str(path / "tokenizer.json"))
+    return sum(w.numel() * w.element_size() for w in weights.values())
