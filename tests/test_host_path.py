@@ -107,13 +107,18 @@ PARAMS = [
     SamplingParams(temperature=1.3, min_p=0.1),
     SamplingParams(temperature=0.5, top_k=40, top_p=0.95, min_p=0.02),
     SamplingParams(top_k=1),
+    SamplingParams(temperature=0, logit_bias={3: 50.0, 7: -100.0}),
+    SamplingParams(temperature=0.8, logit_bias={5: 4.0}, frequency_penalty=0.7),
+    SamplingParams(temperature=0, repetition_penalty=1.3, presence_penalty=-0.4),
+    SamplingParams(temperature=1.1, top_k=20, frequency_penalty=1.5, presence_penalty=0.5),
 ]
 
 
 @pytest.mark.parametrize("greedy_only", [False, True])
 def test_row_sampling_equals_per_request_sampling(greedy_only: bool) -> None:
     """Rows in any order and any mixture draw the tokens each request's own sampler draws,
-    step after step (each row counts its draws)."""
+    step after step (each row counts its draws and, for its penalties, its tokens); a row
+    that joins with output of its own (readmitted) counts that too."""
     vocab, rng = 300, random.Random(2)
     params = [p for p in PARAMS if p.is_greedy] if greedy_only else PARAMS
     rows = list(range(24))
@@ -123,23 +128,29 @@ def test_row_sampling_equals_per_request_sampling(greedy_only: bool) -> None:
     samplers = {}
     for row in rows:
         assert is_plain(chosen[row])
+        prompt = [rng.randrange(vocab) for _ in range(rng.randrange(1, 12))]
+        output = [rng.randrange(vocab) for _ in range(rng.randrange(0, 4))]
         table.set(row, chosen[row], seeds[row], plain=True)
-        samplers[row] = RequestSampler(chosen[row], [], vocab, seeds[row])
-    for step in range(6):
+        table.start(row, prompt, output, torch.device("cpu"))
+        samplers[row] = RequestSampler(chosen[row], prompt, vocab, seeds[row])
+        for token in output:
+            samplers[row].record(token)
+    for step in range(8):
         picked = rng.sample(rows, rng.randrange(1, len(rows)))
         logits = torch.randn(len(picked), vocab) * 3
-        got = table.sample(logits, torch.tensor(picked)).tolist()
         want = sample(logits, [samplers[r] for r in picked], with_logprobs=False).token_ids
+        got = table.sample(logits, torch.tensor(picked)).tolist()
         assert got == want, f"step {step}"
         for row, token in zip(picked, want, strict=True):
             samplers[row].record(token)
 
 
 def test_only_plain_parameters_take_the_batched_path() -> None:
-    assert is_plain(SamplingParams(temperature=0.5, top_k=3, seed=4))
-    for params in (SamplingParams(frequency_penalty=0.5), SamplingParams(logit_bias={1: 2.0}),
-                   SamplingParams(min_new_tokens=2), SamplingParams(regex="[0-9]+"),
+    for params in (SamplingParams(temperature=0.5, top_k=3, seed=4),
+                   SamplingParams(frequency_penalty=0.5), SamplingParams(logit_bias={1: 2.0}),
                    SamplingParams(repetition_penalty=1.1)):
+        assert is_plain(params)
+    for params in (SamplingParams(min_new_tokens=2), SamplingParams(regex="[0-9]+")):
         assert not is_plain(params)
 
 
@@ -180,14 +191,19 @@ def test_packed_decodes_equal_entries(tiny: Any, attention: str) -> None:
     assert decode_tokens([compact.forward(packed(b)) for b in script]) == expected
 
 
-def test_packed_decode_of_a_request_with_penalties(tiny: Any) -> None:
-    """A request that is not plain may still travel packed: its row samples through its own
-    sampler, beside plain rows, and draws what it would as an entry."""
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.8, top_k=20, frequency_penalty=1.5, logit_bias={7: 3.0}),
+    SamplingParams(temperature=0.8, top_k=20, min_new_tokens=4),  # not plain: its own sampler
+], ids=["penalties-and-bias", "min-new-tokens"])
+def test_packed_decodes_with_penalties_bias_or_min_new_tokens(
+    tiny: Any, params: SamplingParams
+) -> None:
+    """Packed or as entries, a request with penalties and logit_bias (batched), or with
+    min_new_tokens (its own sampler, beside plain rows), draws the same tokens."""
     def run(pack: bool) -> list[list[int]]:
         runner = ModelRunner(tiny.config, tiny.weights, torch.float32, 256)
         script = forward_script(decode_steps=6)
-        script[0].new_requests[1].params = SamplingParams(temperature=0.8, top_k=20,
-                                                          frequency_penalty=1.5)
+        script[0].new_requests[1].params = params
         return decode_tokens([runner.forward(packed(b) if pack else b) for b in script])
 
     assert run(True) == run(False)

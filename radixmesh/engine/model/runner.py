@@ -72,7 +72,7 @@ class _RequestState:
     """What the worker remembers of a request between steps, beside its table row."""
 
     spec: NewRequest
-    plain: bool  # samples through RowSampling: no penalty, bias, grammar or logprobs
+    plain: bool  # samples through RowSampling: no min_new_tokens, grammar or logprobs
     sampled: bool = False  # has sampled since it was (re)admitted
     sampler: RequestSampler | None = None  # a request that is not plain, from its first sample
     matcher: Matcher | None = None  # with a constraint, from the first sample
@@ -397,11 +397,12 @@ class ModelRunner:
 
     def _start_sampling(self, req: _RequestState) -> None:
         """A plain request's first sample since its admission: its draws so far are its
-        output so far (a retracted request's, readmitted)."""
+        output so far (a retracted request's, readmitted), which its penalties count."""
         if not req.sampled:
             req.sampled = True
-            drawn = max(0, int(self.table.lens[req.row]) - req.spec.prompt_len)
-            self.row_sampling.drawn[req.row] = drawn
+            n = req.spec.prompt_len
+            self.row_sampling.start(req.row, self.table.row_tokens(req.row, 0, n),
+                                    self.table.row_tokens(req.row, n), self.device)
 
     def _sample_rows(
         self,
@@ -500,8 +501,10 @@ class ModelRunner:
                 still.append(i)
             walking = still
         for i in drafted:
-            if reqs[i].plain:  # its draws are counted in the table's rows
+            if reqs[i].plain:  # its draws and penalties are counted by its row
                 self.row_sampling.drawn[reqs[i].row] = samplers[i].num_output
+                self.row_sampling.record(reqs[i].row, [*outs[i].accepted_ids,
+                                                       outs[i].token_id])
         return paths
 
     def _advance_grammar(
@@ -614,13 +617,14 @@ class ModelRunner:
                 seed=spec.seed,
                 eos_token_ids=self.config.eos_token_ids,
             )
+            if sampler.history is not None or not req.plain:
+                for token in self.table.row_tokens(req.row, spec.prompt_len):
+                    sampler.record(token)
             if req.plain:
                 self._start_sampling(req)
                 sampler.num_output = int(self.row_sampling.drawn[req.row])
                 return sampler
             req.sampler = sampler
-            for token in self.table.row_tokens(req.row, spec.prompt_len):
-                sampler.record(token)
         return req.sampler
 
     def _input_logprobs(
