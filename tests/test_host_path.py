@@ -131,7 +131,7 @@ def test_row_sampling_equals_per_request_sampling(greedy_only: bool) -> None:
         prompt = [rng.randrange(vocab) for _ in range(rng.randrange(1, 12))]
         output = [rng.randrange(vocab) for _ in range(rng.randrange(0, 4))]
         table.set(row, chosen[row], seeds[row], plain=True)
-        table.start(row, prompt, output, torch.device("cpu"))
+        table.start(row, len(output), prompt, output, torch.device("cpu"))
         samplers[row] = RequestSampler(chosen[row], prompt, vocab, seeds[row])
         for token in output:
             samplers[row].record(token)

@@ -400,9 +400,13 @@ class ModelRunner:
         output so far (a retracted request's, readmitted), which its penalties count."""
         if not req.sampled:
             req.sampled = True
-            n = req.spec.prompt_len
-            self.row_sampling.start(req.row, self.table.row_tokens(req.row, 0, n),
-                                    self.table.row_tokens(req.row, n), self.device)
+            row, n = req.row, req.spec.prompt_len
+            drawn = int(self.table.lens[row]) - n
+            if bool(self.row_sampling.penalised[row]):  # its tokens, from the device
+                self.row_sampling.start(row, drawn, self.table.row_tokens(row, 0, n),
+                                        self.table.row_tokens(row, n), self.device)
+            else:
+                self.row_sampling.start(row, drawn)
 
     def _sample_rows(
         self,

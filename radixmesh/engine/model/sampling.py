@@ -242,13 +242,15 @@ class RowSampling:
             self.bias[row] = (torch.tensor(list(params.logit_bias), dtype=torch.long),
                               torch.tensor(list(params.logit_bias.values())))
 
-    def start(self, row: int, prompt: Sequence[int], output: Sequence[int],
-              device: torch.device) -> None:
-        """A row's first sample since its request joined: its output so far (a retracted
-        request's) counts as drawn, and as seen by its penalties."""
-        self.drawn[row] = len(output)
+    def start(self, row: int, drawn: int, prompt: Sequence[int] = (),
+              output: Sequence[int] = (), device: torch.device | None = None) -> None:
+        """A row's first sample since its request joined, `drawn` tokens output before (a
+        retracted request's); a penalised row's prompt and output so far go to its
+        penalties."""
+        self.drawn[row] = drawn
         if not bool(self.penalised[row]):
             return
+        device = device or torch.device("cpu")
         if self.counts is None or self.counts.device != device:
             rows = self.seed.numel()
             self.counts = torch.zeros(rows, self.vocab, device=device)
