@@ -6,22 +6,17 @@ import logging
 import time
 from array import array
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
 from radixmesh.core.model_files import resolve_model_path
-from radixmesh.core.sampling_params import LogprobRequest
 from radixmesh.core.settings import RunnerSettings
 from radixmesh.core.step import (
     EntryResult,
-    NewRequest,
     StepBatch,
-    StepEntry,
     StepResult,
-    int_array,
 )
 from radixmesh.core.tokenizer import Tokenizer
 from radixmesh.engine.model.attention import (
@@ -33,13 +28,10 @@ from radixmesh.engine.model.attention import (
 from radixmesh.engine.model.attention_choice import check_runs_on, make_attention
 from radixmesh.engine.model.device import current, resolve_device
 from radixmesh.engine.model.draft_tree import (
-    children,
     draft_rows,
-    forced_path,
     grammar_allows,
-    keep_path,
 )
-from radixmesh.engine.model.grammar_mask import Grammars, Matcher, Vocabulary, apply_masks
+from radixmesh.engine.model.grammar_mask import Grammars, Vocabulary
 from radixmesh.engine.model.host_copies import HostCopier
 from radixmesh.engine.model.kv_pool import KVPool
 from radixmesh.engine.model.memory import keep_freed_memory, release_free_memory
@@ -54,7 +46,8 @@ from radixmesh.engine.model.parallel import (
     shard_weights,
 )
 from radixmesh.engine.model.req_table import ReqTable
-from radixmesh.engine.model.sampling import RequestSampler, RowSampling, is_plain, sample
+from radixmesh.engine.model.sampling import is_plain
+from radixmesh.engine.model.step_sampler import RequestState, StepLayout, StepSampler
 from radixmesh.engine.model.torch_attention import TorchAttention
 
 if TYPE_CHECKING:
@@ -62,51 +55,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("radixmesh.worker")
 
-# Rows of prompt logits turned into logprobs at a time: bounds the float32 [rows, vocab] buffer.
-_LOGPROB_BLOCK = 256
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-@dataclass
-class _RequestState:
-    """What the worker remembers of a request between steps, beside its table row."""
-
-    spec: NewRequest
-    plain: bool  # samples through RowSampling: no min_new_tokens, grammar or logprobs
-    sampled: bool = False  # has sampled since it was (re)admitted
-    sampler: RequestSampler | None = None  # a request that is not plain, from its first sample
-    matcher: Matcher | None = None  # with a constraint, from the first sample
-    # Jump-forward: tokens were forced after its last token. The step the scheduler already
-    # ran ahead for it (no input_ids) feeds that token but must not sample: the forced
-    # tokens come first, in the request's next entry.
-    jumped: bool = False
-    # log-softmax of the last computed position, kept for the first token of the next chunk
-    carry_logprobs: torch.Tensor | None = None
-
-    @property
-    def row(self) -> int:
-        return self.spec.row
-
-
-@dataclass
-class _Step:
-    """One step's sequences as the runner lays them out: the plain decodes (packed), then
-    each entry's fed tokens, then the draft nodes' rows."""
-
-    decode_rows: torch.Tensor  # [D] table rows (host)
-    reqs: list[_RequestState]  # per entry
-    q_starts: list[int]  # per entry: its first token's row in the step
-    q_lens: list[int]  # per entry: tokens it feeds
-    trees: dict[int, dict[int, int]]  # entries with a draft -> its nodes' rows
-    void: set[int]  # entries whose sample a jump-forward made void
-
-    @property
-    def num_decodes(self) -> int:
-        return self.decode_rows.numel()
-
-    def last_row(self, i: int) -> int:
-        """The step row of entry i's last fed token."""
-        return self.q_starts[i] + self.q_lens[i] - 1
 
 
 class ModelRunner:
@@ -158,18 +107,25 @@ class ModelRunner:
             rank = 0 if tp is None else tp.rank
             self.host_copies = HostCopier(self.pool, config.num_kv_heads, rank)
         self.graph_steps = 0  # steps that ran through self.graphs
-        self.requests: dict[str, _RequestState] = {}
-        self._by_row: dict[int, _RequestState] = {}
-        # Each request's slots and tokens by position, and its last token, on the device;
-        # the plain requests' sampling parameters beside them on the host.
+        self.requests: dict[str, RequestState] = {}
+        self._by_row: dict[int, RequestState] = {}
+        # Each request's slots and tokens by position, and its last token, on the device.
         self.table = ReqTable(self.device)
-        self.row_sampling = RowSampling(config.vocab_size)
-        # Constrained decoding; load_runner gives the model's vocabulary to compile against.
-        self.grammars: Grammars | None = None
+        self.sampler = StepSampler(self.model, self.pool, self.table, config, tp, self.device,
+                                   self._by_row)
         # How load_runner loaded the weights (see DeviceSettings.quantization), and from
         # where (a hub repo resolved to its snapshot).
         self.quantization = "bf16"
         self.model_path: Path | None = None
+
+    @property
+    def grammars(self) -> Grammars | None:
+        """Constrained decoding; load_runner gives the model's vocabulary to compile against."""
+        return self.sampler.grammars
+
+    @grammars.setter
+    def grammars(self, grammars: Grammars | None) -> None:
+        self.sampler.grammars = grammars
 
     def _decode_graphs(self, max_batch: int, eager: bool, num_slots: int) -> DecodeGraphs | None:
         # A sparse MLP reads how many tokens each expert got back on the host: no graph can
@@ -203,10 +159,10 @@ class ModelRunner:
             if gone is not None and self._by_row.get(gone.row) is gone:
                 del self._by_row[gone.row]
         for spec in batch.new_requests:
-            req = _RequestState(spec, is_plain(spec.params) and not spec.logprobs.return_logprob)
+            req = RequestState(spec, is_plain(spec.params) and not spec.logprobs.return_logprob)
             with current(self.device):
                 self.table.admit(spec.row, spec.prefix_ids, spec.prefix_slots)
-            self.row_sampling.set(spec.row, spec.params, spec.seed, req.plain)
+            self.sampler.row_sampling.set(spec.row, spec.params, spec.seed, req.plain)
             self.requests[spec.rid] = self._by_row[spec.row] = req
         result = StepResult(batch.step)
         if self._is_sampler():
@@ -225,7 +181,7 @@ class ModelRunner:
     def _run(self, batch: StepBatch, result: StepResult) -> None:
         table = self.table
         decode_rows = _ints(batch.decode_rows).long()
-        step = _Step(decode_rows, [], [], [], {}, set())
+        step = StepLayout(decode_rows, [], [], [], {}, set())
         ids: list[int] = []  # the entries' fed tokens; -1: the row's last sampled token
         positions: list[int] = []
         slots: list[int] = []
@@ -251,7 +207,7 @@ class ModelRunner:
             slots.extend(fed)
             if entry.draft:
                 # Rank 0 alone holds the grammar: under TP every rank computes every node.
-                matcher = self._matcher(req) if self.tp is None else None
+                matcher = self.sampler.matcher(req) if self.tp is None else None
                 keep = grammar_allows(entry, matcher)
                 step.trees[i] = draft_rows(entry, keep, table.row_slots(req.row).long(), ids,
                                            positions, slots, nodes, first)
@@ -268,16 +224,16 @@ class ModelRunner:
         # included (as -1), and after a draft's token the accepted path (see _follow).
         sampling = [i for i, e in enumerate(batch.entries) if e.sample]
         if self.tp is not None and not self.tp.is_leader:
-            self._follow(self.tp, step, sampling, batch.entries, outs, result)
+            self.sampler.follow(self.tp, step, sampling, batch.entries, outs, result)
             return
         for i, out in enumerate(outs):
             req = step.reqs[i]
             if req.spec.logprobs.return_logprob and req.spec.logprobs.logprob_start_len >= 0:
-                self._input_logprobs(req, step.q_starts[i], step.q_lens[i], hidden, out)
-        self._sample(step, sampling, batch.entries, hidden, outs, result)
+                self.sampler.input_logprobs(req, step.q_starts[i], step.q_lens[i], hidden, out)
+        self.sampler.sample(step, sampling, batch.entries, hidden, outs, result)
 
     def _inputs(
-        self, step: _Step, ids: list[int], feeds_last: list[tuple[int, int]],
+        self, step: StepLayout, ids: list[int], feeds_last: list[tuple[int, int]],
         positions: list[int], slots: list[int], nodes: list[SeqSpan], decode_slots: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """The step's token ids, positions and attention metadata: the plain decodes' by
@@ -323,248 +279,6 @@ class ModelRunner:
         meta = AttentionMetadata(out_slots.to(device), q_starts, q_lens, kv_lens, kv_index)
         return input_ids, input_positions.to(device), meta
 
-    def _sample(
-        self,
-        step: _Step,
-        sampling: list[int],
-        entries: list[StepEntry],
-        hidden: torch.Tensor,
-        outs: list[EntryResult],
-        result: StepResult,
-    ) -> None:
-        """Sample the plain decodes and plain entries in one batched pass, the rest one
-        request at a time; then verify the drafts."""
-        picked = [i for i in sampling if i not in step.void]
-        plain = [i for i in picked if i not in step.trees and step.reqs[i].plain]
-        special = [i for i in picked if i not in step.trees and not step.reqs[i].plain]
-        for i in plain:
-            self._start_sampling(step.reqs[i])
-        rows = step.decode_rows
-        n = rows.numel()
-        decode_plain = self.row_sampling.plain.index_select(0, rows)
-        # None: every decode is plain (the usual step: no per-request work at all).
-        plain_decodes = None if bool(decode_plain.all()) else decode_plain.nonzero().flatten()
-        if not step.reqs and plain_decodes is None:  # the usual step: every row samples
-            hidden_rows, table_rows = None, rows
-        else:
-            hidden_rows = torch.cat([
-                torch.arange(n) if plain_decodes is None else plain_decodes,
-                torch.tensor([step.last_row(i) for i in plain], dtype=torch.long),
-            ])
-            table_rows = torch.cat([
-                rows if plain_decodes is None else rows[plain_decodes],
-                torch.tensor([step.reqs[i].row for i in plain], dtype=torch.long),
-            ])
-        tokens = torch.empty(0, dtype=torch.long)
-        if table_rows.numel():
-            last = hidden if hidden_rows is None else hidden.index_select(
-                0, hidden_rows.to(hidden.device))
-            tokens = self.row_sampling.sample(self.model.logits(last), table_rows)
-            self.table.last.index_copy_(0, table_rows.to(self.device), tokens.to(self.device))
-        picked_tokens = tokens.tolist()  # the step's one device-to-host copy of plain tokens
-        decoded = picked_tokens[: len(picked_tokens) - len(plain)]
-        for i, token in zip(plain, picked_tokens[len(decoded) :], strict=True):
-            outs[i].token_id = token
-        if plain_decodes is not None:  # decodes of requests that are not plain
-            others = (~decode_plain).nonzero().flatten().tolist()
-            merged = [-1] * n
-            for j, token in zip(plain_decodes.tolist(), decoded, strict=True):
-                merged[j] = token
-            extra = [EntryResult("") for _ in others]
-            reqs = [self._by_row[int(rows[j])] for j in others]
-            for j, token in zip(others, self._sample_rows(reqs, others, hidden, extra),
-                                strict=True):
-                merged[j] = token
-            decoded = merged
-        result.decode_tokens = int_array(decoded)
-        self._sample_rows([step.reqs[i] for i in special], [step.last_row(i) for i in special],
-                          hidden, [outs[i] for i in special])
-        drafted = [i for i in picked if i in step.trees]
-        paths = self._verify(drafted, entries, step, hidden, outs)
-        for i in drafted:
-            req = step.reqs[i]
-            self.table.last[req.row] = outs[i].token_id
-            accepted, kept = keep_path(self.pool, entries[i], paths[i])
-            self.table.append(req.row, accepted, kept)
-        if self.tp is not None:
-            flat = list(decoded)
-            for i in sampling:
-                flat.append(outs[i].token_id if i not in step.void else -1)
-                if entries[i].draft:
-                    path = paths.get(i, [])
-                    flat.extend(path + [-1] * (len(entries[i].draft) - len(path)))
-            self.tp.broadcast_tokens(flat)
-
-    def _start_sampling(self, req: _RequestState) -> None:
-        """A plain request's first sample since its admission: its draws so far are its
-        output so far (a retracted request's, readmitted), which its penalties count."""
-        if not req.sampled:
-            req.sampled = True
-            row, n = req.row, req.spec.prompt_len
-            drawn = int(self.table.lens[row]) - n
-            if bool(self.row_sampling.penalised[row]):  # its tokens, from the device
-                self.row_sampling.start(row, drawn, self.table.row_tokens(row, 0, n),
-                                        self.table.row_tokens(row, n), self.device)
-            else:
-                self.row_sampling.start(row, drawn)
-
-    def _sample_rows(
-        self,
-        reqs: list[_RequestState],
-        hidden_rows: list[int],
-        hidden: torch.Tensor,
-        outs: list[EntryResult],
-    ) -> list[int]:
-        """Sample requests that are not plain one by one (penalties, bias, a grammar,
-        logprobs): each from its own sampler, under its grammar's mask."""
-        if not reqs:
-            return []
-        logits = self.model.logits(hidden[torch.tensor(hidden_rows, device=hidden.device)])
-        samplers = [self._sampler(req) for req in reqs]
-        wants = [req.spec.logprobs for req in reqs]
-        top_n = [w.top_logprobs_num if w.return_logprob else 0 for w in wants]
-        with_logprobs = any(w.return_logprob for w in wants)
-        logits = _for_sampling(logits, samplers, with_logprobs)
-        matchers = [self._matcher(req) for req in reqs]
-        apply_masks(logits, matchers)
-        sampled = sample(logits, samplers, top_n, with_logprobs=with_logprobs)
-        tokens = sampled.token_ids
-        for j, req in enumerate(reqs):
-            token, out = tokens[j], outs[j]
-            self.table.last[req.row] = out.token_id = token
-            samplers[j].record(token)
-            if wants[j].return_logprob:
-                out.logprob = sampled.logprobs[j]
-                out.top_logprobs = sampled.top_logprobs[j]
-            self._advance_grammar(req, matchers[j], token, wants[j], out)
-        return tokens
-
-    def _verify(
-        self,
-        drafted: list[int],
-        entries: list[StepEntry],
-        step: _Step,
-        hidden: torch.Tensor,
-        outs: list[EntryResult],
-    ) -> dict[int, list[int]]:
-        """Walk each draft tree from its fed token: sample the model's token there, exactly as
-        a decode step would (same sampler state, grammar mask and draw); where a child carries
-        that token (and the tokens jump-forward forces after it, if any), accept them and
-        sample again below; else the sampled token ends the walk, followed by what is forced.
-        Every output token is so the model's own, and greedy output equals decoding without
-        drafts. Returns each entry's accepted draft nodes."""
-        if not drafted:
-            return {}
-        reqs, trees = step.reqs, step.trees
-        row_of: dict[tuple[int, int], int] = {}  # (entry, node; -1 the fed token) -> logits row
-        rows: list[int] = []
-        for i in drafted:
-            row_of[i, -1] = len(rows)
-            rows.append(step.last_row(i))
-            for node, row in trees[i].items():
-                row_of[i, node] = len(rows)
-                rows.append(row)
-        logits = self.model.logits(hidden[torch.tensor(rows, device=hidden.device)])
-        samplers = {i: self._sampler(reqs[i]) for i in drafted}
-        matchers = {i: self._matcher(reqs[i]) for i in drafted}
-        wants = {i: reqs[i].spec.logprobs for i in drafted}
-        logits = _for_sampling(logits, list(samplers.values()),
-                               any(w.return_logprob for w in wants.values()))
-        kids = {i: children(entries[i], trees[i]) for i in drafted}
-        at = dict.fromkeys(drafted, -1)  # the node each walk stands on
-        paths: dict[int, list[int]] = {i: [] for i in drafted}
-        walking = list(drafted)
-        while walking:
-            index = torch.tensor([row_of[i, at[i]] for i in walking], device=logits.device)
-            here = logits.index_select(0, index)
-            apply_masks(here, [matchers[i] for i in walking])
-            top_n = [w.top_logprobs_num if w.return_logprob else 0 for w in map(wants.get, walking)]
-            sampled = sample(here, [samplers[i] for i in walking], top_n,
-                             with_logprobs=any(wants[i].return_logprob for i in walking))
-            still = []
-            for j, i in enumerate(walking):
-                token, out = sampled.token_ids[j], outs[i]
-                samplers[i].record(token)
-                forced = self._advance_grammar(reqs[i], matchers[i], token, wants[i], out)
-                nodes = forced_path(kids[i], at[i], [token, *out.forced_ids])
-                if nodes is None:
-                    out.token_id = token
-                    if wants[i].return_logprob:
-                        out.logprob, out.top_logprobs = sampled.logprobs[j], sampled.top_logprobs[j]
-                    continue
-                # The tree carries the token, and every token jump-forward forced after it:
-                # all are accepted, their K/V computed, and the walk goes on below them.
-                out.accepted_ids += [token, *out.forced_ids]
-                if wants[i].return_logprob:
-                    out.accepted_logprobs.append(sampled.logprobs[j])
-                    out.accepted_top_logprobs.append(sampled.top_logprobs[j])
-                if forced:
-                    out.forced_ids, reqs[i].jumped = [], False
-                paths[i] += nodes
-                at[i] = nodes[-1]
-                still.append(i)
-            walking = still
-        for i in drafted:
-            if reqs[i].plain:  # its draws and penalties are counted by its row
-                self.row_sampling.drawn[reqs[i].row] = samplers[i].num_output
-                self.row_sampling.record(reqs[i].row, [*outs[i].accepted_ids,
-                                                       outs[i].token_id])
-        return paths
-
-    def _advance_grammar(
-        self, req: _RequestState, matcher: Matcher | None, token: int, wants: LogprobRequest,
-        out: EntryResult,
-    ) -> bool:
-        """Feed a sampled token to the request's grammar; True when the grammar forces
-        tokens after it (jump-forward: out.forced_ids, recorded by its sampler)."""
-        if matcher is None:
-            return False
-        if not matcher.accept(token):
-            log.warning("request %s: token %d is outside its grammar", req.spec.rid, token)
-            return False
-        if wants.return_logprob:  # a forced token has no logprob to report
-            return False
-        out.forced_ids = self._grammars().forced_tokens(matcher, token)
-        for forced in out.forced_ids:
-            self._sampler(req).record(forced)
-        req.jumped = bool(out.forced_ids)
-        return req.jumped
-
-    def _follow(
-        self,
-        tp: TensorParallel,
-        step: _Step,
-        sampling: list[int],
-        entries: list[StepEntry],
-        outs: list[EntryResult],
-        result: StepResult,
-    ) -> None:
-        """A rank other than 0 takes rank 0's tokens (and accepted draft paths) instead of
-        computing logits, so every rank feeds the same tokens next step (sampling state
-        lives on rank 0 only). Forced tokens reach these ranks as the input_ids of the
-        request's next entry."""
-        n = step.num_decodes
-        size = n + sum(1 + len(entries[i].draft) for i in sampling)
-        if not size:
-            return
-        flat = tp.broadcast_tokens([0] * size)
-        if n:
-            tokens = torch.tensor(flat[:n], dtype=torch.long, device=self.device)
-            self.table.last.index_copy_(0, step.decode_rows.to(self.device), tokens)
-            result.decode_tokens = int_array(flat[:n])
-        at = n
-        for i in sampling:
-            token, entry, req = flat[at], entries[i], step.reqs[i]
-            path = [k for k in flat[at + 1 : at + 1 + len(entry.draft)] if k >= 0]
-            at += 1 + len(entry.draft)
-            if token < 0:
-                continue
-            outs[i].token_id = token
-            if entry.draft:
-                outs[i].accepted_ids, kept = keep_path(self.pool, entry, path)
-                self.table.append(req.row, outs[i].accepted_ids, kept)
-            self.table.last[req.row] = token
-
     def rids(self, batch: StepBatch) -> list[str]:
         """The requests a step (just run) computed for: its packed decodes', its entries'."""
         by_row = self._by_row
@@ -590,117 +304,11 @@ class ModelRunner:
             0.05 if idle else 0.0
         )
 
-    def _grammars(self) -> Grammars:
-        if self.grammars is None:
-            raise ValueError("this worker was not given a vocabulary for constrained decoding")
-        return self.grammars
-
-    def _matcher(self, req: _RequestState) -> Matcher | None:
-        """The request's grammar matcher, made at its first sample and brought up to date
-        with any output it had before (a retracted request's)."""
-        constraint = req.spec.params.grammar
-        if constraint is None:
-            return None
-        if req.matcher is None:
-            req.matcher = self._grammars().matcher(constraint)
-            for token in self.table.row_tokens(req.row, req.spec.prompt_len):
-                req.matcher.accept(token)
-        # Ended (its stop token accepted): a step the scheduler ran ahead past the finish
-        # samples freely; that token is dropped.
-        return None if req.matcher.ended else req.matcher
-
-    def _sampler(self, req: _RequestState) -> RequestSampler:
-        """The request's sampler: kept for a request that is not plain; for a plain one,
-        made at its count of draws (verifying drafts, which walks request by request)."""
-        if req.sampler is None or req.plain:
-            spec = req.spec
-            sampler = RequestSampler(
-                spec.params,
-                self.table.row_tokens(req.row, 0, spec.prompt_len),
-                self.config.vocab_size,
-                seed=spec.seed,
-                eos_token_ids=self.config.eos_token_ids,
-            )
-            if sampler.history is not None or not req.plain:
-                for token in self.table.row_tokens(req.row, spec.prompt_len):
-                    sampler.record(token)
-            if req.plain:
-                self._start_sampling(req)
-                sampler.num_output = int(self.row_sampling.drawn[req.row])
-                return sampler
-            req.sampler = sampler
-        return req.sampler
-
-    def _input_logprobs(
-        self, req: _RequestState, q_start: int, q_len: int, hidden: torch.Tensor,
-        out: EntryResult,
-    ) -> None:
-        """Logprobs of the prompt tokens this chunk (q_len tokens from step row q_start)
-        holds, from logprob_start_len on."""
-        spec = req.spec
-        start_len = spec.logprobs.logprob_start_len
-        end = int(self.table.lens[req.row])
-        first = end - q_len  # prompt position of the chunk's first token
-        carry, req.carry_logprobs = req.carry_logprobs, None
-        last_row = hidden[q_start + q_len - 1 : q_start + q_len]
-        if start_len <= end < spec.prompt_len:
-            req.carry_logprobs = torch.log_softmax(self.model.logits(last_row), dim=-1)[0]
-        lo, hi = max(start_len, first), min(spec.prompt_len, end)
-        if lo >= hi:
-            return
-        ids = self.table.row_tokens(req.row, 0, hi)
-        out.input_logprobs_start = lo
-        top_n = spec.logprobs.top_logprobs_num
-        if lo == first:
-            # Predicted by the previous chunk's last position; nothing predicts position 0.
-            if carry is None:
-                out.input_logprobs.append(float("nan"))
-                out.input_top_logprobs.append([])
-            else:
-                _add_logprobs(out, carry.unsqueeze(0), [ids[lo]], top_n)
-            lo += 1
-        for b in range(lo, hi, _LOGPROB_BLOCK):
-            e = min(b + _LOGPROB_BLOCK, hi)
-            rows = torch.arange(b - 1, e - 1, device=hidden.device) - first + q_start
-            logprobs = torch.log_softmax(self.model.logits(hidden[rows]), dim=-1)
-            _add_logprobs(out, logprobs, ids[b:e], top_n)
-
-
-def _for_sampling(
-    logits: torch.Tensor, samplers: Sequence[RequestSampler], with_logprobs: bool
-) -> torch.Tensor:
-    """Logits where they are sampled: only greedy picks stay on the device, since the
-    sampler's seeded draws and sums do not depend on the rest of the batch in CPU
-    arithmetic (see sampling.py)."""
-    if logits.device.type != "cpu" and (
-        with_logprobs or not all(s.params.is_greedy for s in samplers)
-    ):
-        return logits.cpu()
-    return logits
-
-
 def _ints(packed: array[int]) -> torch.Tensor:
     """A packed int32 array as a host tensor (sharing its memory)."""
     if not packed:
         return torch.empty(0, dtype=torch.int32)
     return torch.frombuffer(packed, dtype=torch.int32)
-
-
-def _add_logprobs(
-    out: EntryResult, logprobs: torch.Tensor, targets: list[int], top_n: int
-) -> None:
-    """Append each target's logprob (and the top-n alternatives) to the entry result."""
-    index = torch.tensor(targets, device=logprobs.device).unsqueeze(1)
-    picked = logprobs.gather(1, index).squeeze(1)
-    out.input_logprobs.extend(picked.tolist())
-    if top_n:
-        values, indices = logprobs.topk(top_n, dim=-1)
-        out.input_top_logprobs.extend(
-            list(zip(ids, vals, strict=True))
-            for vals, ids in zip(values.tolist(), indices.tolist(), strict=True)
-        )
-    else:
-        out.input_top_logprobs.extend([] for _ in targets)
 
 
 def load_runner(
