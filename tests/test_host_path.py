@@ -3,6 +3,7 @@ sampling against per-request sampling, and packed decode steps against entries."
 
 from __future__ import annotations
 
+import asyncio
 import os
 import random
 from pathlib import Path
@@ -240,3 +241,56 @@ def test_entries_that_feed_their_last_token_beside_packed_ones(tiny: Any) -> Non
                               decode_slots=int_array(batch.entries[0].slots))
         got.append(runner.forward(batch))
     assert decode_tokens(got) == expected
+
+
+# ---------------------------------------------------------------- launch before read
+
+
+class _Pending:
+    def __init__(self, events: list[str], name: str) -> None:
+        self.events, self.name = events, name
+
+    def result(self) -> StepResult:
+        self.events.append(f"read {self.name}")
+        return StepResult(int(self.name))
+
+
+class _LaunchingRunner:
+    """Records each launch and read; step 9 fails to launch."""
+
+    def __init__(self) -> None:
+        self.events: list[str] = []
+
+    def launch(self, batch: StepBatch) -> _Pending:
+        if batch.step == 9:
+            raise RuntimeError("step 9 failed")
+        self.events.append(f"launch {batch.step}")
+        return _Pending(self.events, str(batch.step))
+
+
+def test_in_process_steps_launch_before_the_one_before_is_read() -> None:
+    """The next step is launched before the host reads the last one's tokens; a step with
+    none behind it is read when its caller waits; a failed launch fails only its step."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from radixmesh.api import _DirectExecutor
+    from radixmesh.engine.scheduler import ScheduledBatch
+
+    async def drive(executor: _DirectExecutor) -> list[int]:
+        got = []
+        first = executor.submit(ScheduledBatch(StepBatch(1)))
+        second = executor.submit(ScheduledBatch(StepBatch(2)))
+        got.append((await first).step)  # as the overlapped loop does: N+1 is in before N
+        got.append((await second).step)  # nothing behind it: read when awaited
+        third = executor.submit(ScheduledBatch(StepBatch(3)))
+        failing = executor.submit(ScheduledBatch(StepBatch(9)))
+        got.append((await third).step)
+        with pytest.raises(RuntimeError, match="step 9 failed"):
+            await failing
+        return got
+
+    runner = _LaunchingRunner()
+    with ThreadPoolExecutor(1) as thread:
+        executor = _DirectExecutor(runner, thread)  # type: ignore[arg-type]
+        assert asyncio.run(drive(executor)) == [1, 2, 3]
+    assert runner.events == ["launch 1", "launch 2", "read 1", "read 2", "launch 3", "read 3"]

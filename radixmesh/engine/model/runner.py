@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -56,6 +56,20 @@ if TYPE_CHECKING:
 log = logging.getLogger("radixmesh.worker")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+class PendingStep:
+    """A launched step: its result, once the host has read its tokens."""
+
+    def __init__(self, result: StepResult, read: Callable[[], None] | None, began: float) -> None:
+        self._result, self._read, self._began = result, read, began
+
+    def result(self) -> StepResult:
+        if self._read is not None:
+            self._read()
+            self._read = None
+            self._result.forward_ms = (time.perf_counter() - self._began) * 1e3
+        return self._result
 
 
 class ModelRunner:
@@ -146,10 +160,16 @@ class ModelRunner:
                 self.model, self.attention, self.pool, max_batch, max_context, capture=not eager
             )
 
-    @torch.inference_mode()
     def forward(self, batch: StepBatch) -> StepResult:
+        """Run one step and read its result."""
+        return self.launch(batch).result()
+
+    @torch.inference_mode()
+    def launch(self, batch: StepBatch) -> PendingStep:
         """Run one step: forget released requests, admit new ones, load KV from the host
-        pool, compute, sample, start backups to the host pool."""
+        pool, compute, sample, start backups to the host pool. A step of plain decodes
+        alone comes back before its tokens are read (on a GPU, before its work is done):
+        launching the next one first keeps the device busy while the host waits."""
         began = time.perf_counter()
         if batch.step == 1:  # a scheduler (re)started: what the one before sent is gone
             self.requests.clear()
@@ -171,14 +191,13 @@ class ModelRunner:
             if batch.host_pool is not None:
                 self.host_copies.map(batch.host_pool)
             self.host_copies.load([c for c in batch.copies if not c.to_host])
-            if batch.entries or batch.decode_rows:
-                self._run(batch, result)
+            read = self._run(batch, result) if batch.num_requests else None
             self.host_copies.start_backups([c for c in batch.copies if c.to_host])
         result.copies_done = self.host_copies.finished()
         result.forward_ms = (time.perf_counter() - began) * 1e3
-        return result
+        return PendingStep(result, read, began)
 
-    def _run(self, batch: StepBatch, result: StepResult) -> None:
+    def _run(self, batch: StepBatch, result: StepResult) -> Callable[[], None] | None:
         table = self.table
         decode_rows = _ints(batch.decode_rows).long()
         step = StepLayout(decode_rows, [], [], [], {}, set())
@@ -225,12 +244,12 @@ class ModelRunner:
         sampling = [i for i, e in enumerate(batch.entries) if e.sample]
         if self.tp is not None and not self.tp.is_leader:
             self.sampler.follow(self.tp, step, sampling, batch.entries, outs, result)
-            return
+            return None
         for i, out in enumerate(outs):
             req = step.reqs[i]
             if req.spec.logprobs.return_logprob and req.spec.logprobs.logprob_start_len >= 0:
                 self.sampler.input_logprobs(req, step.q_starts[i], step.q_lens[i], hidden, out)
-        self.sampler.sample(step, sampling, batch.entries, hidden, outs, result)
+        return self.sampler.sample(step, sampling, batch.entries, hidden, outs, result)
 
     def _inputs(
         self, step: StepLayout, ids: list[int], feeds_last: list[tuple[int, int]],

@@ -6,7 +6,7 @@ holds what the runner remembers of each request between steps, beside its table 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -98,9 +98,11 @@ class StepSampler:
         hidden: torch.Tensor,
         outs: list[EntryResult],
         result: StepResult,
-    ) -> None:
+    ) -> Callable[[], None] | None:
         """Sample the plain decodes and plain entries in one batched pass, the rest one
-        request at a time; then verify the drafts."""
+        request at a time; then verify the drafts. A step of plain decodes alone on one rank
+        returns what reads its tokens into `result` later (the copy is queued behind the
+        step's work), so that the next step can be launched first."""
         picked = [i for i in sampling if i not in step.void]
         plain = [i for i in picked if i not in step.trees and step.reqs[i].plain]
         special = [i for i in picked if i not in step.trees and not step.reqs[i].plain]
@@ -128,6 +130,8 @@ class StepSampler:
                 0, hidden_rows.to(hidden.device))
             tokens = self.row_sampling.sample(self.model.logits(last), table_rows)
             self.table.last.index_copy_(0, table_rows.to(self.device), tokens.to(self.device))
+            if not step.reqs and plain_decodes is None and self.tp is None:
+                return _token_reader(tokens, result)
         picked_tokens = tokens.tolist()  # the step's one device-to-host copy of plain tokens
         decoded = picked_tokens[: len(picked_tokens) - len(plain)]
         for i, token in zip(plain, picked_tokens[len(decoded) :], strict=True):
@@ -161,6 +165,7 @@ class StepSampler:
                     path = paths.get(i, [])
                     flat.extend(path + [-1] * (len(entries[i].draft) - len(path)))
             self.tp.broadcast_tokens(flat)
+        return None
 
     def _start_sampling(self, req: RequestState) -> None:
         """A plain request's first sample since its admission: its draws so far are its
@@ -407,6 +412,23 @@ class StepSampler:
             logprobs = torch.log_softmax(self.model.logits(hidden[rows]), dim=-1)
             _add_logprobs(out, logprobs, ids[b:e], top_n)
 
+
+
+def _token_reader(tokens: torch.Tensor, result: StepResult) -> Callable[[], None]:
+    """What reads a step's tokens into result.decode_tokens; on a GPU their copy to pinned
+    host memory is queued now, and the read waits for it."""
+    if tokens.device.type != "cuda":
+        return lambda: setattr(result, "decode_tokens", int_array(tokens.tolist()))
+    host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+    host.copy_(tokens, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+
+    def read() -> None:
+        copied.synchronize()
+        result.decode_tokens = int_array(host.tolist())
+
+    return read
 
 
 def _for_sampling(
