@@ -59,16 +59,18 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 class PendingStep:
-    """A launched step: its result, once the host has read its tokens."""
+    """A launched step: its result, once the host has read its tokens. Its forward_ms counts
+    the launch and the wait for the tokens, not the time between (another step's)."""
 
-    def __init__(self, result: StepResult, read: Callable[[], None] | None, began: float) -> None:
-        self._result, self._read, self._began = result, read, began
+    def __init__(self, result: StepResult, read: Callable[[], None] | None) -> None:
+        self._result, self._read = result, read
 
     def result(self) -> StepResult:
         if self._read is not None:
+            began = time.perf_counter()
             self._read()
             self._read = None
-            self._result.forward_ms = (time.perf_counter() - self._began) * 1e3
+            self._result.forward_ms += (time.perf_counter() - began) * 1e3
         return self._result
 
 
@@ -195,7 +197,7 @@ class ModelRunner:
             self.host_copies.start_backups([c for c in batch.copies if c.to_host])
         result.copies_done = self.host_copies.finished()
         result.forward_ms = (time.perf_counter() - began) * 1e3
-        return PendingStep(result, read, began)
+        return PendingStep(result, read)
 
     def _run(self, batch: StepBatch, result: StepResult) -> Callable[[], None] | None:
         table = self.table
