@@ -168,25 +168,26 @@ def main() -> None:
 
 
 def gpu_busy(engine: Any, bench: Bench, batch: int, prompt: int, long: int) -> dict[str, Any]:
-    """The share of a decode run's wall time spent between CUDA events recorded at the start
-    and the end of each runner step (the host's gaps between steps are what is left)."""
+    """The share of a decode run's wall time the GPU spends between CUDA events recorded
+    before and after each step's launch: in stream order, so the spans never overlap, and
+    the gaps between them are the host's."""
     runner = engine.runner
-    forward = runner.forward
+    launch = runner.launch
     spans: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
     def timed(step: Any) -> Any:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        result = forward(step)
+        pending = launch(step)
         end.record()
         spans.append((start, end))
-        return result
+        return pending
 
-    runner.forward = timed
+    runner.launch = timed
     try:
         elapsed, _ = bench.run(bench.prompts(batch, prompt), long)
     finally:
-        runner.forward = forward
+        runner.launch = launch
     torch.cuda.synchronize()
     busy = sum(s.elapsed_time(e) for s, e in spans) / 1e3
     return {"figure": f"GPU busy, batch {batch} run", "value": 100 * busy / elapsed,
