@@ -67,7 +67,9 @@ def test_table_matches_per_request_lists() -> None:
                 last[row] = rng.randrange(1000)
                 table.last[row] = last[row]
             slots = fresh(len(rows))
-            positions = table.append_decodes(torch.tensor(rows), torch.tensor(slots))
+            at = torch.tensor(rows)
+            positions = table.decode_positions(at)
+            table.write_decodes(at, positions, torch.tensor(slots))
             assert positions.tolist() == [len(ref[r][0]) for r in rows]
             for row, slot in zip(rows, slots, strict=True):
                 ref[row][0].append(last[row])

@@ -38,10 +38,12 @@ class AttentionMetadata:
     # Every sequence is one decoding token, sequence b at row b, and W is the longest
     # kv_len: what a plain decode step (or a CUDA graph) runs, read without checks.
     decode_only: bool = False
+    device_kv_lens: torch.Tensor | None = None  # kv_lens already on the device, if at hand
 
     @classmethod
     def decodes(
-        cls, out_slots: torch.Tensor, kv_lens: torch.Tensor, kv_index: torch.Tensor
+        cls, out_slots: torch.Tensor, kv_lens: torch.Tensor, kv_index: torch.Tensor,
+        device_kv_lens: torch.Tensor | None = None,
     ) -> AttentionMetadata:
         """A step of one-token decodes, in row order (kv_index exactly as wide as the
         longest of kv_lens)."""
@@ -49,7 +51,13 @@ class AttentionMetadata:
         rows = _DECODE_ROWS.get(n)
         if rows is None:
             rows = _DECODE_ROWS[n] = (torch.arange(n), torch.ones(n, dtype=torch.long))
-        return cls(out_slots, *rows, kv_lens, kv_index, decode_only=True)
+        return cls(out_slots, *rows, kv_lens, kv_index, decode_only=True,
+                   device_kv_lens=device_kv_lens)
+
+    def lens_on(self, device: torch.device) -> torch.Tensor:
+        """kv_lens on `device`."""
+        lens = self.device_kv_lens
+        return lens if lens is not None and lens.device == device else self.kv_lens.to(device)
 
     @classmethod
     def from_spans(cls, out_slots: torch.Tensor, spans: Sequence[SeqSpan]) -> AttentionMetadata:

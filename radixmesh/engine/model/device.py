@@ -22,6 +22,15 @@ def resolve_device(name: str, rank: int = 0) -> torch.device:
     return torch.device(name)
 
 
+def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`. To a GPU through pinned memory without waiting: a copy from
+    pageable memory would wait for every kernel queued before it, and a step launched
+    behind another would wait for that one to finish."""
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def current(device: torch.device) -> AbstractContextManager[object]:
     """Make `device` the current CUDA device for a block (Triton kernels, streams and CUDA
     graphs go to the current device); nothing on the CPU."""

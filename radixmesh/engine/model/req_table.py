@@ -48,16 +48,21 @@ class ReqTable:
         self.lens[row] = end
         return start
 
-    def append_decodes(self, rows: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """One decode per row (host rows [B], their new slots [B]): each feeds its last
-        sampled token at the row's next position. Returns those positions (host)."""
+    def decode_positions(self, rows: torch.Tensor) -> torch.Tensor:
+        """One decode per row (host rows [B]): the positions they write (host), each the row's
+        next, now counted in its length; write_decodes fills them."""
         positions = self.lens.index_select(0, rows)
         self._fit(int(rows.max()) + 1, int(positions.max()) + 1)
-        at = (rows.to(self.device), positions.to(self.device))
-        self.slots.index_put_(at, slots.to(self.device, torch.int32))
-        self.tokens.index_put_(at, self.last.index_select(0, at[0]).to(torch.int32))
         self.lens.index_copy_(0, rows, positions + 1)
         return positions
+
+    def write_decodes(self, rows: torch.Tensor, positions: torch.Tensor,
+                      slots: torch.Tensor) -> None:
+        """Each row's new slot at its position, and its last sampled token, which it feeds
+        (all on the device)."""
+        at = (rows, positions)
+        self.slots.index_put_(at, slots.to(torch.int32))
+        self.tokens.index_put_(at, self.last.index_select(0, rows).to(torch.int32))
 
     def index(self, rows: torch.Tensor, width: int) -> torch.Tensor:
         """The first `width` slots of each of `rows` (device) as an int32 [B, width] tensor."""

@@ -26,7 +26,7 @@ from radixmesh.engine.model.attention import (
     padded_rows,
 )
 from radixmesh.engine.model.attention_choice import check_runs_on, make_attention
-from radixmesh.engine.model.device import current, resolve_device
+from radixmesh.engine.model.device import current, resolve_device, upload
 from radixmesh.engine.model.draft_tree import (
     draft_rows,
     grammar_allows,
@@ -261,14 +261,19 @@ class ModelRunner:
         tensor ops over the table, the entries' and draft nodes' from their lists."""
         table, device = self.table, self.device
         rows = step.decode_rows
-        decode_positions = (table.append_decodes(rows, decode_slots) if rows.numel()
-                            else rows.new_empty(0))
+        decode_positions = table.decode_positions(rows) if rows.numel() else rows.new_empty(0)
+        decode_lens = decode_positions + 1
+        # The decodes' rows, slots, positions and lengths go to the device in one copy.
+        rows_at, slots_at, positions_at, lens_at = upload(
+            torch.stack([rows, decode_slots.long(), decode_positions, decode_lens]), device
+        ).unbind(0)
+        step.device_rows = rows_at
+        if rows.numel():
+            table.write_decodes(rows_at, positions_at, slots_at)
         if not step.reqs:  # plain decodes only: a handful of tensor ops whatever the batch
-            at = rows.to(device)
-            kv_lens = decode_positions + 1
-            meta = AttentionMetadata.decodes(decode_slots.to(device, torch.long), kv_lens,
-                                             table.index(at, int(kv_lens.max())))
-            return table.last.index_select(0, at), decode_positions.to(device), meta
+            index = table.index(rows_at, int(decode_lens.max()))
+            meta = AttentionMetadata.decodes(slots_at, decode_lens, index, lens_at)
+            return table.last.index_select(0, rows_at), positions_at, meta
         entry_rows = torch.tensor([r.row for r in step.reqs], dtype=torch.long)
         seq_rows = torch.cat([rows, entry_rows])
         entry_ids = torch.tensor(ids, dtype=torch.long, device=device)
@@ -276,7 +281,7 @@ class ModelRunner:
             at, owners = zip(*feeds_last, strict=True)
             entry_ids[torch.tensor(at, device=device)] = table.last[torch.tensor(owners,
                                                                                  device=device)]
-        input_ids = torch.cat([table.last.index_select(0, rows.to(device)), entry_ids])
+        input_ids = torch.cat([table.last.index_select(0, rows_at), entry_ids])
         input_positions = torch.cat([decode_positions, torch.tensor(positions, dtype=torch.long)])
         out_slots = torch.cat([decode_slots.long(), torch.tensor(slots, dtype=torch.long)])
         kv_lens = torch.cat([decode_positions + 1, table.lens.index_select(0, entry_rows),

@@ -60,6 +60,7 @@ class StepLayout:
     q_lens: list[int]  # per entry: tokens it feeds
     trees: dict[int, dict[int, int]]  # entries with a draft -> its nodes' rows
     void: set[int]  # entries whose sample a jump-forward made void
+    device_rows: torch.Tensor | None = None  # decode_rows on the runner's device
 
     @property
     def num_decodes(self) -> int:
@@ -129,7 +130,10 @@ class StepSampler:
             last = hidden if hidden_rows is None else hidden.index_select(
                 0, hidden_rows.to(hidden.device))
             tokens = self.row_sampling.sample(self.model.logits(last), table_rows)
-            self.table.last.index_copy_(0, table_rows.to(self.device), tokens.to(self.device))
+            on_device = step.device_rows if table_rows is rows else None
+            if on_device is None:
+                on_device = table_rows.to(self.device)
+            self.table.last.index_copy_(0, on_device, tokens.to(self.device))
             if not step.reqs and plain_decodes is None and self.tp is None:
                 return _token_reader(tokens, result)
         picked_tokens = tokens.tolist()  # the step's one device-to-host copy of plain tokens

@@ -81,7 +81,8 @@ class TritonAttention(AttentionBackend):
         self._out_slots = self._ints(meta.out_slots)
         if meta.decode_only:
             self._decode_rows = self._extend = None
-            self._decode = _DecodePart(self._pages(meta.kv_index, None), self._ints(meta.kv_lens))
+            lens = self._ints(meta.lens_on(self.device))
+            self._decode = _DecodePart(self._pages(meta.kv_index, None), lens)
             return
         is_decode = meta.q_lens == 1
         extends = (~is_decode).nonzero().flatten()
@@ -117,7 +118,7 @@ class TritonAttention(AttentionBackend):
         pages = self._pages(meta.kv_index, None)
         tables.out_slots[:n].copy_(meta.out_slots)
         tables.out_slots[n:].fill_(-1)
-        tables.seq_lens[:n].copy_(meta.kv_lens)
+        tables.seq_lens[:n].copy_(meta.lens_on(tables.seq_lens.device))
         tables.seq_lens[n:].zero_()
         tables.page_table[:n, : pages.shape[1]].copy_(pages)
 
