@@ -455,7 +455,7 @@ def test_a_failed_step_fails_requests_instead_of_hanging(chunked: Engine, caplog
     def broken(batch: Any) -> Any:
         raise RuntimeError("device lost")
 
-    chunked.runner.forward = broken  # type: ignore[method-assign]
+    chunked.runner.launch = broken  # type: ignore[method-assign]  # how the engine runs steps
     pending = in_thread(chunked.generate, PROMPT, {"max_new_tokens": 2})
     with pytest.raises(RuntimeError, match="device lost"):
         pending.result(timeout=60)
