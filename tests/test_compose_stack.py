@@ -48,11 +48,22 @@ def run(*cmd: str, timeout: float = 600, check: bool = True) -> subprocess.Compl
 HOST_TIER_ON = ROOT / ".pytest_cache" / "compose.host-tier.yaml"
 
 
+# Containers that share a named volume race to copy the image's files into it when it is new
+# (the daemon's race, moby/moby#43068): one of them fails with this. The same `up` again
+# finds the volume filled and creates the rest.
+VOLUME_RACE = "failed to mkdir /var/lib/docker/volumes/"
+
+
 def compose_cmd(*args: str, timeout: float = 600, check: bool = True
                 ) -> subprocess.CompletedProcess[str]:
     files = ("compose.yaml", "compose.offline.yaml", str(HOST_TIER_ON))
-    return run(str(BINARY), "-p", PROJECT, *(a for f in files for a in ("-f", f)), *args,
-               timeout=timeout, check=check)
+    cmd = (str(BINARY), "-p", PROJECT, *(a for f in files for a in ("-f", f)), *args)
+    done = run(*cmd, timeout=timeout, check=False)
+    if "up" in args and done.returncode and VOLUME_RACE in done.stdout + done.stderr:
+        done = run(*cmd, timeout=timeout, check=False)
+    if check:
+        assert done.returncode == 0, f"{' '.join(cmd)}:\n{done.stdout[-3000:]}{done.stderr[-3000:]}"
+    return done
 
 
 def daemon_up() -> bool:
