@@ -19,15 +19,9 @@ from radixmesh.core.sampling_params import SamplingParams
 from radixmesh.core.step import StepBatch, StepEntry, StepResult, int_array
 from radixmesh.engine.model.model_source import load_model
 from radixmesh.engine.model.req_table import ReqTable
+from radixmesh.engine.model.row_sampling import RowSampling, is_plain, uniforms
 from radixmesh.engine.model.runner import ModelRunner
-from radixmesh.engine.model.sampling import (
-    RequestSampler,
-    RowSampling,
-    is_plain,
-    sample,
-    uniform,
-    uniforms,
-)
+from radixmesh.engine.model.sampling import RequestSampler, sample, uniform
 
 # ---------------------------------------------------------------- the request table
 

@@ -46,7 +46,7 @@ from radixmesh.engine.model.parallel import (
     shard_weights,
 )
 from radixmesh.engine.model.req_table import ReqTable
-from radixmesh.engine.model.sampling import is_plain
+from radixmesh.engine.model.row_sampling import is_plain
 from radixmesh.engine.model.step_sampler import RequestState, StepLayout, StepSampler
 from radixmesh.engine.model.torch_attention import TorchAttention
 

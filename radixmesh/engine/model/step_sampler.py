@@ -20,7 +20,8 @@ from radixmesh.engine.model.model import CausalLM
 from radixmesh.engine.model.model_config import ModelConfig
 from radixmesh.engine.model.parallel import TensorParallel
 from radixmesh.engine.model.req_table import ReqTable
-from radixmesh.engine.model.sampling import RequestSampler, RowSampling, sample
+from radixmesh.engine.model.row_sampling import RowSampling
+from radixmesh.engine.model.sampling import RequestSampler, sample
 
 log = logging.getLogger("radixmesh.worker")
 
