@@ -1,0 +1,148 @@
+"""The decode half of building a step: every running request's next token, packed where it
+can be (StepBatch.decode_rows), drafted where speculation says, and room made for it by
+evicting, retracting or cutting short when the pool is full."""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import TYPE_CHECKING
+
+from radixmesh.core.finish import FinishKind, FinishReason
+from radixmesh.core.step import StepEntry
+from radixmesh.engine.kv_allocator import KVAllocator
+from radixmesh.engine.radix_cache import RadixCache
+from radixmesh.engine.request import Req
+from radixmesh.engine.scheduler_config import SchedulerConfig
+from radixmesh.engine.speculation import Draft, NoSpeculation
+
+if TYPE_CHECKING:
+    from radixmesh.engine.scheduler import ScheduledBatch
+
+
+class DecodeSteps:
+    """Scheduler's decode scheduling, apart from the rest of the step (see scheduler.py)."""
+
+    # What Scheduler provides.
+    config: SchedulerConfig
+    page: int
+    cache: RadixCache
+    allocator: KVAllocator
+    speculation: NoSpeculation
+    running: list[Req]
+    num_retractions: int
+
+    if TYPE_CHECKING:
+        def _grow(self, req: Req, n: int) -> list[int] | None: ...
+        def _retract(self, req: Req) -> None: ...
+        def _finish(self, req: Req, reason: FinishReason) -> None: ...
+
+    def _schedule_decodes(self, batch: ScheduledBatch) -> None:
+        spare = self._decode_pages()
+        try:
+            self._decode_each(batch, spare)
+        finally:
+            if spare:  # taken for requests that did not decode (retracted, finishing)
+                self.allocator.free(spare)
+
+    def _decode_each(self, batch: ScheduledBatch, spare: deque[int]) -> None:
+        i = 0
+        while i < len(self.running):
+            req = self.running[i]
+            if req.remaining_new_tokens() <= 0 or len(req.slots) >= self.config.context_length:
+                i += 1  # its last token is in flight; the result will finish it
+                continue
+            draft: Draft | None = None
+            slots: list[int] | None = None
+            if not req.jumped and self.speculation.drafts(req):
+                if req.pending:
+                    i += 1  # its draft starts from the token in flight (a verify's too)
+                    continue
+                draft, slots = self._draft(req)
+            # Tokens known but not yet fed: after a jump-forward, the sampled token (unless
+            # the step in flight feeds it) and the forced ones. Otherwise only the token in
+            # flight or the last one sampled, which the runner feeds itself.
+            unfed = req.tokens[len(req.slots) :] if req.jumped else []
+            if draft is None and not unfed and req.packs:
+                slot = self._next_slot(req, spare)
+                if slot is not None:  # the usual decode: packed, its slot at hand
+                    batch.batch.decode_rows.append(req.row)
+                    batch.batch.decode_slots.append(slot)
+                    batch.decodes.append(req)
+                    req.pending += 1
+                    i += 1
+                    continue
+            if slots is None:
+                slots = self._grow(req, max(len(unfed), 1))
+            if slots is None and self.cache.pending_backups():
+                # Backups pin device slots (and every prefix above them) for a step or two:
+                # wait for them rather than retract or cut a request short.
+                i += 1
+                continue
+            if slots is None and len(self.running) == 1:
+                # Alone and still out of room: it could never be readmitted either.
+                self._finish(
+                    req, FinishReason(FinishKind.LENGTH, len(req.output_ids), "KV pool full")
+                )
+                break
+            if slots is None:
+                victim = self.running[-1]
+                self.num_retractions += 1
+                self._retract(victim)
+                if victim is req:
+                    break
+                continue
+            if draft is None and not unfed and req.packs:
+                batch.batch.decode_rows.append(req.row)
+                batch.batch.decode_slots.append(slots[0])
+                batch.decodes.append(req)
+                req.pending += 1
+                i += 1
+                continue
+            entry = StepEntry(req.rid, unfed, slots, True)
+            if draft is not None:
+                entry.draft, entry.draft_parents = draft
+            batch.batch.entries.append(entry)
+            batch.reqs.append(req)
+            if req.jumped:
+                batch.jumps.add(req.rid)
+                req.jumped = False
+            req.pending += 1
+            i += 1
+
+    def _draft(self, req: Req) -> tuple[Draft | None, list[int] | None]:
+        """A draft to verify after the request's last token, with a slot for that token and
+        each draft token; (None, None) when it drafts nothing or there is no room."""
+        limit = min(
+            req.remaining_new_tokens() - 1,  # the step adds a token of its own
+            self.config.context_length - len(req.slots) - 1,
+        )
+        draft = self.speculation.draft(req, limit, len(self.running))
+        slots = None if draft is None else self._grow(req, 1 + len(draft.tokens))
+        return (draft, slots) if slots is not None else (None, None)
+
+    def _decode_pages(self) -> deque[int]:
+        """Fresh pages for the step's decodes that start a page (first slots), taken from the
+        free ones in one go; more come one at a time, with eviction, if these run out."""
+        page = self.page
+        if page == 1:
+            need = len(self.running)
+        else:
+            need = sum(1 for r in self.running if len(r.slots) % page == 0
+                       or len(r.slots) <= r.cached_len)
+        take = min(need, self.allocator.available() // page)
+        fresh = self.allocator.alloc(take * page) if take else None
+        return deque(fresh[::page] if fresh else ())
+
+    def _next_slot(self, req: Req, spare: deque[int]) -> int | None:
+        """Give a request one more slot: in its partial last page, else the first of a spare
+        fresh page; None when neither is at hand."""
+        slots = req.slots
+        have = len(slots)
+        if have % self.page and have > req.cached_len:
+            slot = slots[-1] + 1
+        elif spare:
+            slot = spare.popleft()
+        else:
+            return None
+        slots.append(slot)
+        return slot
