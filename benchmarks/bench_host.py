@@ -13,19 +13,30 @@ time. Printed per batch size: the step time, the model's share of it, the host t
 request per step and the output tokens per second. The targets of the host-path work: at
 most 10 us of host time per request per step at batch 256, a batch-1 step at most 0.4 ms.
 
+With --mesh, the same model behind `radixmesh up` (every service its own process) serves
+`--streams` concurrent streaming /generate calls, against the in-process Engine running the
+same prompts as one batch, in the same run: output tok/s on both sides (prefill included,
+the same on both), their ratio, every service's CPU time per output token and its RSS
+after the run. The client reads the streams as lines and parses only each one's last
+chunk, so that its own CPU (on the same cores) takes little from the mesh.
+
 Usage:
     python benchmarks/bench_host.py                  # batches 1, 64, 256
     python benchmarks/bench_host.py --batches 1,256 --repeats 5
+    python benchmarks/bench_host.py --mesh           # 256 streams, mesh vs in-process
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
+import os
 import statistics
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -63,14 +74,117 @@ def timed_batch(engine: Any, clock: ModelClock, batch: int, new_tokens: int,
     """Seconds to run `batch` fresh prompts to exactly `new_tokens` tokens each, and the
     model's seconds of them."""
     engine.flush_cache()
-    prompts = [[(7 * r + 13 * i + 1) % (VOCAB - 1) for i in range(PROMPT)] for r in range(batch)]
     sampling = {**params, "max_new_tokens": new_tokens, "ignore_eos": True}
     model_before = clock.seconds
     began = time.perf_counter()
-    out = engine.generate(input_ids=prompts, sampling_params=sampling)
+    out = engine.generate(input_ids=prompts(batch), sampling_params=sampling)
     elapsed = time.perf_counter() - began
     assert all(o["meta_info"]["completion_tokens"] == new_tokens for o in out)
     return elapsed, clock.seconds - model_before
+
+
+def prompts(batch: int) -> list[list[int]]:
+    return [[(7 * r + 13 * i + 1) % (VOCAB - 1) for i in range(PROMPT)] for r in range(batch)]
+
+
+def engine_rate(model: Path, streams: int, new_tokens: int, repeats: int) -> list[float]:
+    """In-process output tok/s over `streams` prompts run as one batch, per repeat."""
+    from radixmesh.api import Engine
+
+    sampling = {"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True}
+    rates = []
+    with Engine(str(model), max_running_requests=streams,
+                max_total_tokens=streams * (PROMPT + new_tokens + 16),
+                show_progress=False) as engine:
+        engine.generate(input_ids=prompts(streams), sampling_params={**sampling,
+                                                                     "max_new_tokens": 4})
+        for _ in range(repeats):
+            engine.flush_cache()
+            began = time.perf_counter()
+            engine.generate(input_ids=prompts(streams), sampling_params=sampling)
+            rates.append(streams * new_tokens / (time.perf_counter() - began))
+    return rates
+
+
+async def stream_all(url: str, streams: int, new_tokens: int) -> float:
+    """Output tok/s of `streams` concurrent streaming /generate calls."""
+    import aiohttp
+
+    sampling = {"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True}
+
+    async def one(http: aiohttp.ClientSession, ids: list[int]) -> int:
+        last = b""
+        body = {"input_ids": ids, "sampling_params": sampling, "stream": True}
+        async with http.post(url + "/generate", json=body) as r:
+            r.raise_for_status()
+            async for line in r.content:
+                if line.startswith(b"data: {"):
+                    last = line
+        return int(json.loads(last[6:])["meta_info"]["completion_tokens"])
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600),
+                                     connector=aiohttp.TCPConnector(limit=0)) as http:
+        async with http.post(url + "/flush_cache") as r:
+            r.raise_for_status()
+        began = time.perf_counter()
+        done = await asyncio.gather(*(one(http, ids) for ids in prompts(streams)))
+        elapsed = time.perf_counter() - began
+    assert all(n == new_tokens for n in done), done
+    return sum(done) / elapsed
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def mesh_figures(model: Path, streams: int, new_tokens: int, repeats: int
+                 ) -> tuple[list[float], dict[str, float], dict[str, float]]:
+    """The mesh's output tok/s per repeat; each service's CPU microseconds per output token
+    over all repeats, and its RSS after them."""
+    from radixmesh.launcher import Mesh, MeshArgs
+
+    args = MeshArgs(model_path=str(model), port=0, grpc_port=0, max_running_requests=streams,
+                    max_total_tokens=streams * (PROMPT + new_tokens + 16))
+    with tempfile.TemporaryDirectory() as logs, Mesh(replace(args, log_dir=logs)) as mesh:
+        pids = {c.service: c.proc.pid for c in mesh.children}
+        if mesh.nats is not None and mesh.nats.pid is not None:
+            pids["nats"] = mesh.nats.pid
+        asyncio.run(stream_all(mesh.url, streams, 4))  # warm-up
+        before = {name: cpu_seconds(pid) for name, pid in pids.items()}
+        rates = [asyncio.run(stream_all(mesh.url, streams, new_tokens)) for _ in range(repeats)]
+        tokens = streams * new_tokens * repeats
+        cpu = {name: (cpu_seconds(pid) - before[name]) / tokens * 1e6
+               for name, pid in pids.items()}
+        rss = {name: rss_mib(pid) for name, pid in pids.items()}
+    return rates, cpu, rss
+
+
+def mesh_main(args: argparse.Namespace) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        model = Path(tmp) / "host-model"
+        write_random_llama(model, SHAPE)
+        engine = engine_rate(model, args.streams, args.new_tokens, args.repeats)
+        mesh, cpu, rss = mesh_figures(model, args.streams, args.new_tokens, args.repeats)
+    e, m = statistics.median(engine), statistics.median(mesh)
+    print(f"mesh vs in-process, {args.streams} streams x {args.new_tokens} new tokens "
+          f"({PROMPT}-token prompts), {cpu_name()}; medians of {args.repeats}")
+    print(f"in-process {e:,.0f} out tok/s, mesh {m:,.0f}: {m / e:.2f}x")
+    services = [n for n in cpu if n != "worker"]
+    print(f"{'process':<12} {'CPU us/out tok':>15} {'RSS MiB':>8}")
+    for name in [*services, "worker"]:
+        print(f"{name:<12} {cpu[name]:>15.1f} {rss[name]:>8.0f}")
+    print(f"{'services':<12} {sum(cpu[n] for n in services):>15.1f}  (all but the worker)")
+    if args.json:
+        args.json.write_text(json.dumps({"engine_tok_s": engine, "mesh_tok_s": mesh,
+                                         "cpu_us_per_token": cpu, "rss_mib": rss}, indent=2))
 
 
 def main() -> None:
@@ -83,7 +197,14 @@ def main() -> None:
                         help="temperature 0.8, top_p 0.9 instead of greedy")
     parser.add_argument("--disable-overlap-schedule", action="store_true")
     parser.add_argument("--json", type=Path, help="also write the figures here")
+    parser.add_argument("--mesh", action="store_true",
+                        help="the mesh against the in-process engine (see above)")
+    parser.add_argument("--streams", type=int, default=256)
+    parser.add_argument("--new-tokens", type=int, default=64)
     args = parser.parse_args()
+    if args.mesh:
+        mesh_main(args)
+        return
     batches = [int(b) for b in args.batches.split(",")]
 
     from radixmesh.api import Engine

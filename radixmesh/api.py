@@ -12,7 +12,7 @@ import random
 import threading
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from typing import Any
 
@@ -23,11 +23,11 @@ from radixmesh.core.model_info import model_info, model_shape
 from radixmesh.core.request import FieldNames, ModelLimits, build_request
 from radixmesh.core.sampling_params import LogprobRequest
 from radixmesh.core.settings import EngineArgs
-from radixmesh.core.step import StepBatch, StepResult
+from radixmesh.core.step import StepResult
 from radixmesh.core.tokenizer import Tokenizer
 from radixmesh.engine.host_link import HostLink
 from radixmesh.engine.loop import EngineLoop
-from radixmesh.engine.model.runner import ModelRunner, PendingStep, load_runner
+from radixmesh.engine.model.runner import LaunchAhead, ModelRunner, load_runner
 from radixmesh.engine.request import Req
 from radixmesh.engine.scheduler import ScheduledBatch, Scheduler
 from radixmesh.engine.scheduler_config import SchedulerConfig
@@ -39,52 +39,14 @@ log = logging.getLogger("radixmesh.engine")
 
 
 class _DirectExecutor:
-    """Runs each step on the one torch thread, in the order submitted, launching each before
-    the one before it is read (ModelRunner.launch): while the host waits for a step's
-    tokens, the next step is already queued on the GPU. On the CPU a launch computes the
-    whole step, and nothing changes."""
+    """The in-process executor: each step straight to the runner on the torch thread."""
 
     def __init__(self, runner: ModelRunner, torch_thread: ThreadPoolExecutor) -> None:
         self._runner = runner
-        self._thread = torch_thread
-        # The step launched last, not read yet, and its future (torch thread only).
-        self._launched: tuple[PendingStep, Future[StepResult]] | None = None
+        self._steps: LaunchAhead[StepResult] = LaunchAhead(torch_thread)
 
     def submit(self, batch: ScheduledBatch) -> Awaitable[StepResult]:
-        done: Future[StepResult] = Future()
-        self._thread.submit(self._launch, batch.batch, done)
-        return self._result(done)
-
-    async def _result(self, done: Future[StepResult]) -> StepResult:
-        if not done.done():
-            # Read it now unless a later step, launched first, reads it.
-            self._thread.submit(self._read, done)
-        return await asyncio.wrap_future(done)
-
-    def _launch(self, batch: StepBatch, done: Future[StepResult]) -> None:
-        try:
-            pending = self._runner.launch(batch)
-        except BaseException as exc:
-            self._read(None)
-            done.set_exception(exc)
-            return
-        launched, self._launched = self._launched, (pending, done)
-        if launched is not None:
-            _settle(*launched)
-
-    def _read(self, done: Future[StepResult] | None) -> None:
-        """Read the step launched last, if it is `done`'s (None: whichever)."""
-        launched = self._launched
-        if launched is not None and (done is None or launched[1] is done):
-            self._launched = None
-            _settle(*launched)
-
-
-def _settle(pending: PendingStep, done: Future[StepResult]) -> None:
-    try:
-        done.set_result(pending.result())
-    except BaseException as exc:
-        done.set_exception(exc)
+        return self._steps.submit(lambda: self._runner.launch(batch.batch))
 
 
 class _Streams:

@@ -6,7 +6,9 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import threading
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module is imported: @triton.jit reads it
@@ -243,8 +245,15 @@ def test_entries_that_feed_their_last_token_beside_packed_ones(tiny: Any) -> Non
 
 
 class _Pending:
+    """A launched step whose tokens land on the host after three looks."""
+
     def __init__(self, events: list[str], name: str) -> None:
         self.events, self.name = events, name
+        self.looks = 0
+
+    def ready(self) -> bool:
+        self.looks += 1
+        return self.looks > 3
 
     def result(self) -> StepResult:
         self.events.append(f"read {self.name}")
@@ -290,3 +299,34 @@ def test_in_process_steps_launch_before_the_one_before_is_read() -> None:
         executor = _DirectExecutor(runner, thread)  # type: ignore[arg-type]
         assert asyncio.run(drive(executor)) == [1, 2, 3]
     assert runner.events == ["launch 1", "launch 2", "read 1", "read 2", "launch 3", "read 3"]
+
+
+def test_worker_service_launches_a_step_before_reading_the_one_before() -> None:
+    """Over gRPC too: the worker launches step N+1, which the overlapped scheduler sends
+    while N runs, before it reads N's tokens; each call answers its own step."""
+    from radixmesh.core.service_settings import WorkerConfig
+    from radixmesh.proto.convert import batch_to_proto
+    from radixmesh.services.worker.server import WorkerService
+
+    runner = _LaunchingRunner()
+    runner.rids = lambda batch: []  # type: ignore[attr-defined]
+    gate = threading.Event()
+
+    async def drive() -> list[int]:
+        service = WorkerService(WorkerConfig())
+        service.runner = runner  # type: ignore[assignment]
+        service.porter = object()  # type: ignore[assignment]
+        service.sender = SimpleNamespace(pending=False, finished=list)  # type: ignore[assignment]
+        # Hold the torch thread so that both steps are queued before either launches.
+        held = service._torch.submit(gate.wait)
+        first = asyncio.ensure_future(service.Forward(batch_to_proto(StepBatch(1)), None))
+        second = asyncio.ensure_future(service.Forward(batch_to_proto(StepBatch(2)), None))
+        await asyncio.sleep(0.05)
+        gate.set()
+        answers = [(await first).step, (await second).step]
+        held.result()
+        service._torch.shutdown()
+        return answers
+
+    assert asyncio.run(drive()) == [1, 2]
+    assert runner.events == ["launch 1", "launch 2", "read 1", "read 2"]

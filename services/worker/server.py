@@ -10,12 +10,15 @@ import socket
 import warnings
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import grpc
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from opentelemetry.trace import get_current_span
 
 from radixmesh.core.model_files import served_name
 from radixmesh.core.model_info import model_shape
@@ -23,7 +26,7 @@ from radixmesh.core.service_settings import WorkerConfig
 from radixmesh.core.step import KVSend, StepBatch, StepResult
 from radixmesh.engine.model.kv_transfer import KVInbox, KVPorter
 from radixmesh.engine.model.parallel import destroy_tensor_parallel
-from radixmesh.engine.model.runner import ModelRunner, load_runner
+from radixmesh.engine.model.runner import LaunchAhead, ModelRunner, PendingStep, load_runner
 from radixmesh.kernels import native
 from radixmesh.mesh.discovery import Announcer, WorkerRank
 from radixmesh.mesh.service import StatusServer
@@ -43,6 +46,28 @@ STOP_GRACE_S = 2.0
 # How long a stop waits for the torch thread (a step or a model load) to finish.
 SETTLE_TIMEOUT_S = 15.0
 ORDER_WAIT_S = 1.0
+
+# A step's result, the KV it sends (each with its data) and its requests' ids.
+Stepped = tuple[StepResult, list[tuple[KVSend, torch.Tensor]], list[str]]
+
+
+@dataclass
+class _WorkerStep:
+    """A step launched on this rank; its result comes with the KV it sends, read after the
+    forward (which may compute it)."""
+
+    pending: PendingStep
+    batch: StepBatch
+    porter: KVPorter
+    rids: list[str]
+
+    def ready(self) -> bool:
+        return self.pending.ready()
+
+    def result(self) -> Stepped:
+        result = self.pending.result()
+        sends = [(send, self.porter.read(send.slots)) for send in self.batch.sends]
+        return result, sends, self.rids
 
 
 def _set_threads(num_threads: int) -> None:
@@ -103,6 +128,7 @@ class WorkerService(wgrpc.WorkerServicer):
         # order; each must reach the torch thread after the step before it.
         self._order = asyncio.Condition()
         self._submitted_step = 0
+        self._steps: LaunchAhead[Stepped] = LaunchAhead(self._torch)
         # Disaggregation: KV this rank sends to decode engines, and accepts from prefill ones.
         self.inbox = KVInbox()
         self.porter: KVPorter | None = None
@@ -201,7 +227,6 @@ class WorkerService(wgrpc.WorkerServicer):
         runner = self.runner
         if runner is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
-        loop = asyncio.get_running_loop()
         async with self._order:
             # A step at or below the last one is a scheduler that started over; a gap that
             # does not fill within ORDER_WAIT_S is one that will never fill.
@@ -211,7 +236,8 @@ class WorkerService(wgrpc.WorkerServicer):
                     ORDER_WAIT_S,
                 )
             batch = batch_from_proto(request)
-            pending = loop.run_in_executor(self._torch, self._step, runner, batch)
+            traced = get_current_span().is_recording()
+            pending = self._steps.submit(partial(self._launch, runner, batch, traced))
             self._submitted_step = request.step
             self._order.notify_all()
         try:
@@ -230,21 +256,18 @@ class WorkerService(wgrpc.WorkerServicer):
         note_forward(batch, result, self.config.tp_rank, rids)
         return result_to_proto(result)
 
-    def _step(self, runner: ModelRunner, batch: StepBatch
-              ) -> tuple[StepResult, list[tuple[KVSend, torch.Tensor]], list[str]]:
-        """One step on the torch thread: what KV this rank accepts, the forward, then the
-        KV to send (read after the forward, which may compute it) and the step's requests
-        (for its span)."""
+    def _launch(self, runner: ModelRunner, batch: StepBatch, traced: bool) -> _WorkerStep:
+        """One step on the torch thread: what KV this rank accepts, then the forward,
+        launched (see LaunchAhead); with `traced`, the step's requests for its span."""
         if batch.step == 1:
             self.inbox.clear()
         for rid in batch.release:
             self.inbox.release(rid)
         for expect in batch.expects:
             self.inbox.expect(expect)
-        result = runner.forward(batch)
         assert self.porter is not None
-        reads = [(send, self.porter.read(send.slots)) for send in batch.sends]
-        return result, reads, runner.rids(batch)
+        pending = runner.launch(batch)
+        return _WorkerStep(pending, batch, self.porter, runner.rids(batch) if traced else [])
 
     async def PutKV(
         self, request_iterator: AsyncIterator[wpb.KVPages], context: grpc.aio.ServicerContext

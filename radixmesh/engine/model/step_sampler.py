@@ -6,7 +6,7 @@ holds what the runner remembers of each request between steps, beside its table 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -100,7 +100,7 @@ class StepSampler:
         hidden: torch.Tensor,
         outs: list[EntryResult],
         result: StepResult,
-    ) -> Callable[[], None] | None:
+    ) -> TokenRead | None:
         """Sample the plain decodes and plain entries in one batched pass, the rest one
         request at a time; then verify the drafts. A step of plain decodes alone on one rank
         returns what reads its tokens into `result` later (the copy is queued behind the
@@ -136,7 +136,7 @@ class StepSampler:
                 on_device = table_rows.to(self.device)
             self.table.last.index_copy_(0, on_device, tokens.to(self.device))
             if not step.reqs and plain_decodes is None and self.tp is None:
-                return _token_reader(tokens, result)
+                return TokenRead(tokens, result)
         picked_tokens = tokens.tolist()  # the step's one device-to-host copy of plain tokens
         decoded = picked_tokens[: len(picked_tokens) - len(plain)]
         for i, token in zip(plain, picked_tokens[len(decoded) :], strict=True):
@@ -419,21 +419,29 @@ class StepSampler:
 
 
 
-def _token_reader(tokens: torch.Tensor, result: StepResult) -> Callable[[], None]:
-    """What reads a step's tokens into result.decode_tokens; on a GPU their copy to pinned
-    host memory is queued now, and the read waits for it."""
-    if tokens.device.type != "cuda":
-        return lambda: setattr(result, "decode_tokens", int_array(tokens.tolist()))
-    host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-    host.copy_(tokens, non_blocking=True)
-    copied = torch.cuda.Event()
-    copied.record()
+class TokenRead:
+    """Reads a step's plain tokens into result.decode_tokens. On a GPU their copy to pinned
+    host memory is queued at once; ready() tells whether it has landed, and the read waits
+    for it."""
 
-    def read() -> None:
-        copied.synchronize()
-        result.decode_tokens = int_array(host.tolist())
+    def __init__(self, tokens: torch.Tensor, result: StepResult) -> None:
+        self._result = result
+        self._copied: torch.cuda.Event | None = None
+        if tokens.device.type == "cuda":
+            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            host.copy_(tokens, non_blocking=True)
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+            tokens = host
+        self._tokens = tokens
 
-    return read
+    def ready(self) -> bool:
+        return self._copied is None or self._copied.query()
+
+    def __call__(self) -> None:
+        if self._copied is not None:
+            self._copied.synchronize()
+        self._result.decode_tokens = int_array(self._tokens.tolist())
 
 
 def _for_sampling(
