@@ -5,6 +5,7 @@ built from generate.proto alone."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import math
 import os
@@ -73,8 +74,11 @@ async def test_grpc_generate_streams_deltas_and_finishes(grpc_stack):
         return_logprob=True, top_logprobs_num=1, rid="g1",
     )
     replies = [r async for r in stub.Generate(request)]
-    assert [r.text for r in replies] == [token_text(21), token_text(22)]
-    assert [list(r.output_ids) for r in replies] == [[21], [22]]
+    # Deltas (tokens that came together share a reply).
+    assert "".join(r.text for r in replies) == token_text(21) + token_text(22)
+    assert [t for r in replies for t in r.output_ids] == [21, 22]
+    assert [r.completion_tokens for r in replies] == list(
+        itertools.accumulate(len(r.output_ids) for r in replies))
     last = replies[-1]
     assert last.rid == "g1" and last.completion_tokens == 2 and last.prompt_tokens == 3
     assert last.finish.kind == "length" and last.finish.token_id == 2
@@ -278,8 +282,10 @@ async def test_a_client_compiled_from_generate_proto_alone_calls_generate(grpc_s
     assert got["file"] == "generate.proto" and not got["radixmesh_loaded"]
     ids = echo_ids([31, 32, 33], 4)
     assert ids == [31, 32, 33, 31]
-    assert got["replies"] == [
-        ["standalone", token_text(t), [t], k + 1] for k, t in enumerate(ids)
-    ]
+    replies = got["replies"]
+    assert {r[0] for r in replies} == {"standalone"}
+    assert "".join(r[1] for r in replies) == "".join(map(token_text, ids))
+    assert [t for r in replies for t in r[2]] == ids
+    assert [r[3] for r in replies] == list(itertools.accumulate(len(r[2]) for r in replies))
     assert got["finish"] == ["length", 4]
     assert got["cached"] == [3, 3 - host_part(3), host_part(3), 0]

@@ -4,6 +4,7 @@ the service's process lifecycle. Its public gRPC port: test_grpc_front_door.py."
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import re
@@ -69,6 +70,14 @@ async def _run(client: MeshClient, request: GenerationRequest) -> list[Generatio
         return [chunk async for chunk in chunks]
 
 
+def _ids(chunks: list[GenerationChunk]) -> list[int]:
+    """The output ids of a request's chunks (those that came together arrive as one)."""
+    ids = [t for c in chunks for t in c.output_ids]
+    counts = [c.completion_tokens for c in chunks]
+    assert counts == list(itertools.accumulate(len(c.output_ids) for c in chunks)), counts
+    return ids
+
+
 # ---- the mesh client ---------------------------------------------------------------------
 
 
@@ -77,9 +86,8 @@ async def test_single_request_round_trip(mesh):
     prompt = [5, 6, 7, 8, 9]
     request = _request(prompt, max_new_tokens=3, stop=["xy"], temperature=0.5)
     chunks = await _run(mesh.client, request)
-    assert [c.text for c in chunks] == [token_text(t) for t in echo_ids(prompt, 3)]
-    assert [c.output_ids for c in chunks] == [[5], [6], [7]]
-    assert [c.completion_tokens for c in chunks] == [1, 2, 3]
+    assert "".join(c.text for c in chunks) == "".join(map(token_text, echo_ids(prompt, 3)))
+    assert _ids(chunks) == [5, 6, 7]
     assert chunks[-1].finish.to_dict() == {"type": "length", "length": 3}
     assert all(c.finish is None for c in chunks[:-1])
     assert chunks[-1].prompt_tokens == 5
@@ -102,8 +110,7 @@ async def test_given_seed_is_kept(mesh):
 async def test_out_of_order_chunks_are_reassembled_and_a_late_finish_ignored(mesh):
     await mesh.add_engine("e", reverse=True, extra_finish=True)
     chunks = await _run(mesh.client, _request([3, 4, 5], max_new_tokens=5))
-    assert [c.output_ids[0] for c in chunks] == echo_ids([3, 4, 5], 5)
-    assert [c.completion_tokens for c in chunks] == [1, 2, 3, 4, 5]
+    assert _ids(chunks) == echo_ids([3, 4, 5], 5)
     assert chunks[-1].finish.to_dict() == {"type": "length", "length": 5}
     assert "LATE" not in "".join(c.text for c in chunks)
 
@@ -114,11 +121,12 @@ async def test_logprobs_pass_through_and_prompt_logprobs_arrive_complete_at_the_
     request = GenerationRequest("lp", prompt, SamplingParams(max_new_tokens=3),
                                 LogprobRequest(True, 2, 0))
     chunks = await _run(mesh.client, request)
-    assert [c.output_token_logprobs for c in chunks] == [
-        [(pytest.approx(output_logprob(i)), t, None)] for i, t in enumerate(echo_ids(prompt, 3))
+    assert [lp for c in chunks for lp in c.output_token_logprobs] == [
+        (pytest.approx(output_logprob(i)), t, None) for i, t in enumerate(echo_ids(prompt, 3))
     ]
-    assert chunks[0].output_top_logprobs == [[(-1.0, 11, None), (-2.0, 12, None)]]
-    assert chunks[0].input_token_logprobs == []  # only the last chunk carries them
+    assert chunks[0].output_top_logprobs[0] == [(-1.0, 11, None), (-2.0, 12, None)]
+    assert len([top for c in chunks for top in c.output_top_logprobs]) == 3
+    assert all(c.input_token_logprobs == [] for c in chunks[:-1])  # only the last has them
     last = chunks[-1]
     assert last.input_token_logprobs[0] == (None, 11, None)  # NaN -> None
     assert last.input_token_logprobs[1:] == [
@@ -126,6 +134,24 @@ async def test_logprobs_pass_through_and_prompt_logprobs_arrive_complete_at_the_
     ]
     assert last.input_top_logprobs[0] is None
     assert last.input_top_logprobs[3] == [(-1.0, 14, None), (-2.0, 15, None)]
+
+
+async def test_chunks_that_arrive_before_the_reader_wakes_reach_it_as_one():
+    """A reader behind its request's output (a busy front door) takes all of it in one go:
+    one chunk with every new token, the latest counts, and the finish."""
+    flight = client_module._InFlight("e", ChunkAssembler(_request([1, 2, 3], rid="t")))
+    assembler = flight.assembler
+    for seq, (token, text) in enumerate([(7, " a"), (8, " b"), (9, " c")]):
+        finish = mpb.Finish(kind="length", token_id=3) if seq == 2 else None
+        chunk = mpb.TextChunk(rid="t", seq=seq, text=text, output_ids=[token],
+                              completion_tokens=seq + 1, cached_tokens=2, finish=finish)
+        for out in assembler.add(chunk):
+            flight.deliver(out)
+    merged = await flight.take()
+    assert (merged.text, merged.output_ids, merged.completion_tokens) == (" a b c", [7, 8, 9], 3)
+    assert merged.cached_tokens == 2 and merged.finish.to_dict() == {"type": "length",
+                                                                     "length": 3}
+    assert flight.ready is None
 
 
 def test_reassembly_keeps_the_cache_tiers_of_the_last_count_through_an_abort():
@@ -218,7 +244,7 @@ async def test_a_request_its_engine_lost_before_any_output_is_retried_once(mesh)
     healthy.load = 5  # busier: the losing engine is picked first
     await asyncio.sleep(0.2)  # both heartbeats heard again
     chunks = await _run(mesh.client, _request([1, 2], max_new_tokens=2))
-    assert [c.output_ids for c in chunks] == [[1], [2]]
+    assert _ids(chunks) == [1, 2]
     assert chunks[-1].finish.kind is FinishKind.LENGTH
     assert len(losing.requests) == 2 and len(healthy.requests) == 1
 

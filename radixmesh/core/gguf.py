@@ -7,32 +7,22 @@ GGUF's vocabulary in a few tens of milliseconds without importing torch
 
 from __future__ import annotations
 
+import math
 import mmap
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
 TOKEN_TYPE_CONTROL = 3
 TOKEN_TYPE_USER_DEFINED = 4
 
-# GGUF metadata value types -> (struct format, numpy dtype) for the fixed-size ones.
-_SCALAR_TYPES: dict[int, tuple[str, str]] = {
-    0: ("<B", "<u1"),
-    1: ("<b", "<i1"),
-    2: ("<H", "<u2"),
-    3: ("<h", "<i2"),
-    4: ("<I", "<u4"),
-    5: ("<i", "<i4"),
-    6: ("<f", "<f4"),
-    7: ("<?", "?"),
-    10: ("<Q", "<u8"),
-    11: ("<q", "<i8"),
-    12: ("<d", "<f8"),
+# GGUF metadata value types -> struct format, for the fixed-size ones.
+_SCALAR_TYPES: dict[int, str] = {
+    0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q",
+    12: "d",
 }
 _TYPE_STRING = 8
 _TYPE_ARRAY = 9
@@ -68,9 +58,12 @@ class _Cursor:
         self.pos = pos
 
     def unpack(self, fmt: str) -> Any:
-        (value,) = struct.unpack_from(fmt, self.buf, self.pos)
+        return self.unpack_all(fmt)[0]
+
+    def unpack_all(self, fmt: str) -> tuple[Any, ...]:
+        values = struct.unpack_from(fmt, self.buf, self.pos)
         self.pos += struct.calcsize(fmt)
-        return value
+        return values
 
     def string(self) -> str:
         (n,) = struct.unpack_from("<Q", self.buf, self.pos)
@@ -94,13 +87,10 @@ class _Cursor:
                 return [self.value(_TYPE_ARRAY) for _ in range(count)]
             if etype not in _SCALAR_TYPES:
                 raise ValueError(f"unknown GGUF array element type {etype}")
-            dtype = np.dtype(_SCALAR_TYPES[etype][1])
-            arr = np.frombuffer(self.buf, dtype=dtype, count=count, offset=self.pos)
-            self.pos += count * dtype.itemsize
-            return arr.tolist()
+            return list(self.unpack_all(f"<{count}{_SCALAR_TYPES[etype]}"))
         if vtype not in _SCALAR_TYPES:
             raise ValueError(f"unknown GGUF value type {vtype}")
-        return self.unpack(_SCALAR_TYPES[vtype][0])
+        return self.unpack("<" + _SCALAR_TYPES[vtype])
 
     def _string_array(self, count: int) -> list[str]:
         buf, pos = self.buf, self.pos
@@ -154,7 +144,7 @@ def read_gguf(path: str | Path, *, tensors: bool = True) -> GGUFFile:
         data_start = (cur.pos + align - 1) // align * align
         for name, dims, ggml_type, rel in raw_infos:
             block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
-            n_elem = int(np.prod(dims, dtype=np.int64)) if dims else 1
+            n_elem = math.prod(dims)
             nbytes = n_elem // block * type_size
             offset = data_start + rel
             if offset + nbytes > len(mm):

@@ -37,13 +37,12 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from functools import lru_cache
-from typing import Any, ClassVar
-
-from jsonschema import validators
-from jsonschema.exceptions import SchemaError
-from jsonschema.protocols import Validator
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from radixmesh.core.grammar import tool_calls_tag
+
+if TYPE_CHECKING:
+    from jsonschema.protocols import Validator
 
 
 @dataclass(frozen=True)
@@ -131,6 +130,8 @@ def _python_arguments(source: str) -> Any:
 def _validator(schema_text: str) -> Validator:
     """The validator of one parameters schema, checked once: checking a schema costs about a
     millisecond, and every answer of a request with tools builds a parser."""
+    from jsonschema import validators  # here: only tool calls need it, the services do not
+
     schema = json.loads(schema_text)
     validator = validators.validator_for(schema)
     validator.check_schema(schema)
@@ -196,6 +197,8 @@ class ToolParser(ABC):
     _opener: ClassVar[str]  # the text a unit starts with, searched for in the content
 
     def __init__(self, tools: Mapping[str, Mapping[str, Any]]) -> None:
+        from jsonschema.exceptions import SchemaError
+
         self._validators: dict[str, Validator] = {}
         for function, schema in tools.items():
             try:

@@ -261,6 +261,7 @@ class SchedulerMetrics:
         self._host_copied = HostStats()
         self._host_lost = 0
         self._storage_counted = (0, 0)  # pages stored, queries: counted so far
+        self._new_tokens = 0  # generated since the last state(): counted there, once a step
         self.token_bytes = 0  # of one token's KV: what a host copy moves per token
         self._priority = PriorityLabels()
         self._preempted: dict[int, int] = {}  # preemptions counted so far, by priority
@@ -318,7 +319,7 @@ class SchedulerMetrics:
             CACHED_TOKENS.labels(**self._labels, tier=STORAGE_TIER).inc(storage_tokens)
             self._set_hit_rate()
         self._throughput.add(new_tokens)
-        GENERATION_TOKENS.labels(**self._labels).inc(new_tokens)
+        self._new_tokens += new_tokens
         if finish_reason is not None:
             FINISHED.labels(**self._labels, finish_reason=finish_reason).inc()
 
@@ -356,8 +357,12 @@ class SchedulerMetrics:
         return FORWARD_SECONDS.labels(**self._labels).time()
 
     def state(self, sched: Scheduler) -> None:
-        """The queue, the KV pool and the cache as they are now."""
+        """The queue, the KV pool and the cache as they are now, and the tokens generated
+        since the last call."""
         labels = self._labels
+        if self._new_tokens:
+            GENERATION_TOKENS.labels(**labels).inc(self._new_tokens)
+            self._new_tokens = 0
         used = sched.config.num_slots - sched.allocator.available()
         NUM_RUNNING.labels(**labels).set(sched.num_running())
         NUM_QUEUE.labels(**labels).set(len(sched.waiting))

@@ -100,26 +100,26 @@ class ChunkAssembler:
             prompt_tokens=self.prompt_tokens,
             completion_tokens=self.completion_tokens,
             cached_tokens=self.cached_tokens,
-            output_token_logprobs=[
-                (_logprob(lp), tid, None)
-                for lp, tid in zip(chunk.logprobs.output, ids, strict=False)
-            ],
-            output_top_logprobs=[_top(t.items) for t in chunk.logprobs.output_top],
             cached_host_tokens=self.cached_host_tokens,
             cached_storage_tokens=self.cached_storage_tokens,
             spec_verify_ct=chunk.spec_verify_ct,
             spec_accepted_tokens=chunk.spec_accepted_tokens,
             disaggregated=_disaggregated(chunk),
         )
-        self._gather_input_logprobs(chunk)
+        if chunk.HasField("logprobs"):  # only a request that asked has them
+            logprobs = chunk.logprobs
+            out.output_token_logprobs = [
+                (_logprob(lp), tid, None) for lp, tid in zip(logprobs.output, ids, strict=False)
+            ]
+            out.output_top_logprobs = [_top(t.items) for t in logprobs.output_top]
+            self._gather_input_logprobs(logprobs)
         if chunk.HasField("finish"):
             self.finished = True
             out.finish = finish_from_proto(chunk.finish)
             out.input_token_logprobs, out.input_top_logprobs = self._input_logprob_lists()
         return out
 
-    def _gather_input_logprobs(self, chunk: mpb.TextChunk) -> None:
-        logprobs = chunk.logprobs
+    def _gather_input_logprobs(self, logprobs: mpb.Logprobs) -> None:
         start = logprobs.input_offset
         end = start + len(logprobs.input)
         if end > len(self._input_logprobs):

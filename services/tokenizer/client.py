@@ -51,16 +51,34 @@ class _InFlight:
 
     engine_id: str
     assembler: ChunkAssembler
-    queue: asyncio.Queue[GenerationChunk]
     last_output: float = field(default_factory=time.monotonic)  # sent, or its last chunk
     gap_since: float | None = None  # since when a chunk is missing
     lost: bool = False  # its engine went away or lost its workers
+    # Output not yet taken by the request's reader: what arrives before it wakes joins one
+    # chunk, so a reader that falls behind catches up in one go.
+    ready: GenerationChunk | None = None
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def deliver(self, chunk: GenerationChunk) -> None:
+        if self.ready is None:
+            self.ready = chunk
+        else:
+            self.ready.merge(chunk)
+        self.wake.set()
+
+    async def take(self) -> GenerationChunk:
+        """The output that arrived since the last take; waits for some."""
+        while self.ready is None:
+            self.wake.clear()
+            await self.wake.wait()
+        chunk, self.ready = self.ready, None
+        return chunk
 
     def end(self, message: str, lost: bool = False) -> None:
         """End it with an abort (the mesh gave up on it; `lost`: with its engine)."""
         if not self.assembler.finished:
             self.lost = self.lost or lost
-            self.queue.put_nowait(self.assembler.abort(message))
+            self.deliver(self.assembler.abort(message))
 
 
 class MeshClient:
@@ -172,7 +190,7 @@ class MeshClient:
         except ValueError as exc:  # a value the message cannot carry, e.g. out of int32
             trace.end(f"invalid request: {exc}")
             raise GenerationError(f"invalid request: {exc}", 400) from exc
-        flight = _InFlight(route.engine_id, ChunkAssembler(request), asyncio.Queue())
+        flight = _InFlight(route.engine_id, ChunkAssembler(request))
         self._in_flight[request.rid] = flight
         observed = self.metrics.request(len(request.input_ids))
         finished = retried = False
@@ -183,7 +201,7 @@ class MeshClient:
                 subjects.engine_generate(route.engine_id), payload, headers=trace.headers()
             )
             while not finished:
-                chunk = await flight.queue.get()
+                chunk = await flight.take()
                 if not retried and await self._retry(flight, chunk, request, trace):
                     retried = True  # once: on another engine, as if new
                     continue
@@ -344,7 +362,7 @@ class MeshClient:
             if chunk.finish.engine_lost:
                 flight.lost = True
             for out in flight.assembler.add(chunk):
-                flight.queue.put_nowait(out)
+                flight.deliver(out)
             if not flight.assembler.has_gap:
                 flight.gap_since = None
             elif flight.gap_since is None:

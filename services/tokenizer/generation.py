@@ -40,6 +40,23 @@ class GenerationChunk:
     # Prefill/decode disaggregation: the engines and the KV transfer (None: one engine).
     disaggregated: Disaggregated | None = None
 
+    def merge(self, later: GenerationChunk) -> None:
+        """Take in the request's next chunk: one chunk for both, as if they came as one."""
+        self.text += later.text
+        self.output_ids += later.output_ids
+        self.output_token_logprobs += later.output_token_logprobs
+        self.output_top_logprobs += later.output_top_logprobs
+        self.prompt_tokens, self.completion_tokens = later.prompt_tokens, later.completion_tokens
+        self.cached_tokens = later.cached_tokens
+        self.cached_host_tokens = later.cached_host_tokens
+        self.cached_storage_tokens = later.cached_storage_tokens
+        self.spec_verify_ct = later.spec_verify_ct
+        self.spec_accepted_tokens = later.spec_accepted_tokens
+        self.finish = later.finish
+        self.input_token_logprobs = later.input_token_logprobs
+        self.input_top_logprobs = later.input_top_logprobs
+        self.disaggregated = later.disaggregated or self.disaggregated
+
     @property
     def cached_tokens_details(self) -> CachedTokens:
         """cached_tokens by tier: the rest of the hit was on the device."""

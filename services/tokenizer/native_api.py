@@ -13,7 +13,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, replace
 from functools import lru_cache
@@ -183,32 +183,56 @@ class NativeApi:
         jobs: list[GenerationRequest],
         outputs: list[NativeOutput],
     ) -> web.StreamResponse:
-        events: asyncio.Queue[_Event] = asyncio.Queue()
-        tasks = [asyncio.create_task(self._pump(i, job, events)) for i, job in enumerate(jobs)]
         response: web.StreamResponse | None = None
-        try:
-            running = len(jobs)
-            while running:
-                index, event = await events.get()
-                if isinstance(event, GenerationError):
-                    if response is None:  # nothing sent yet: a plain error answer
-                        return error_response(str(event), event.status, event.headers)
-                    await response.write(sse_event(error_body(str(event), event.status)))
-                    break
+        running = len(jobs)
+        async with aclosing(self._events(jobs)) as batches:
+            async for batch in batches:
+                events = []
+                for index, event in batch:
+                    if isinstance(event, GenerationError):
+                        if response is None:  # nothing sent yet: a plain error answer
+                            return error_response(str(event), event.status, event.headers)
+                        events.append(sse_event(error_body(str(event), event.status)))
+                        running = 0
+                        break
+                    outputs[index].add(event)
+                    payload = outputs[index].body()
+                    if parsed.listed:
+                        payload["index"] = index
+                    events.append(sse_event(payload))
+                    if event.finish is not None:
+                        running -= 1
                 if response is None:
                     response = web.StreamResponse(headers=_SSE_HEADERS)
                     await response.prepare(request)
-                outputs[index].add(event)
-                payload = outputs[index].body()
-                if parsed.listed:
-                    payload["index"] = index
-                await response.write(sse_event(payload))
-                if event.finish is not None:
-                    running -= 1
-            assert response is not None
-            await response.write(SSE_DONE)
-            await response.write_eof()
-            return response
+                if not running:
+                    events.append(SSE_DONE)
+                await response.write(b"".join(events))
+                if not running:
+                    break
+        assert response is not None
+        await response.write_eof()
+        return response
+
+    async def _events(self, jobs: list[GenerationRequest]) -> AsyncIterator[list[_Event]]:
+        """The jobs' output as it comes: every chunk at hand each time (one per request and
+        wake-up, see MeshClient), an error in place of a job's chunks when it fails."""
+        if len(jobs) == 1:  # no fan-in: the request's chunks as they are
+            try:
+                async with aclosing(self.client.generate(jobs[0])) as chunks:
+                    async for chunk in chunks:
+                        yield [(0, chunk)]
+            except GenerationError as exc:
+                yield [(0, exc)]
+            return
+        events: asyncio.Queue[_Event] = asyncio.Queue()
+        tasks = [asyncio.create_task(self._pump(i, job, events)) for i, job in enumerate(jobs)]
+        try:
+            while True:
+                batch = [await events.get()]
+                while not events.empty():
+                    batch.append(events.get_nowait())
+                yield batch
         finally:
             await _cancel(tasks)
 
