@@ -153,6 +153,19 @@ class WindowText(NamedTuple):
 
 def window_text(decode: DecodeFn, rules: TextRules, update: Update) -> WindowText:
     """The text the update adds to the request's output, stop strings applied."""
+    if _stop_matcher(rules.stop, rules.no_stop_trim) is None and not (
+        rules.spaces_between_special_tokens and not rules.skip_special_tokens
+    ):
+        # Most updates: no stop strings, and the text ends in a whole character before the
+        # new ids and after them, so what they add is the difference of two decodes.
+        context = update.context
+        if len(context) == update.offset:
+            context = [*update.prompt_tail, *context]
+        new = update.new[:-1] if update.trim_last and update.new else update.new
+        before = decode(context, skip_special_tokens=rules.skip_special_tokens)
+        after = decode([*context, *new], skip_special_tokens=rules.skip_special_tokens)
+        if not before.endswith(REPLACEMENT_CHAR) and not after.endswith(REPLACEMENT_CHAR):
+            return WindowText(after[len(before) :])
     window = _Window(decode, rules, update.context, update.offset, update.prompt_tail)
     return window.update(update.new, update.finished, update.trim_last)
 
