@@ -47,7 +47,7 @@ _KINDS = frozenset(kind.value for kind in FinishKind)
 
 def finish_to_proto(reason: FinishReason) -> mpb.Finish:
     """FinishReason as the Finish message (a length limit travels as token_id)."""
-    out = mpb.Finish(kind=reason.kind.value, message=reason.message or "")
+    out = mpb.Finish(kind=reason.kind.value, message=reason.message or "", status=reason.status)
     if isinstance(reason.matched, str):
         out.text = reason.matched
     elif isinstance(reason.matched, int):
@@ -61,7 +61,7 @@ def finish_from_proto(finish: mpb.Finish) -> FinishReason:
     matched = getattr(finish, which) if which else None
     if finish.kind not in _KINDS:
         return FinishReason(FinishKind.ABORT, message=f"unknown finish {finish.kind!r}")
-    return FinishReason(FinishKind(finish.kind), matched, finish.message or None)
+    return FinishReason(FinishKind(finish.kind), matched, finish.message or None, finish.status)
 
 
 def sampling_to_proto(p: SamplingParams, seed: int) -> wpb.SamplingParams:

@@ -96,18 +96,20 @@ class KVCommit(_message.Message):
     def __init__(self, rid: _Optional[str] = ..., prefill_engine: _Optional[str] = ..., error: _Optional[str] = ..., output_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Union[Logprobs, _Mapping]] = ..., finish: _Optional[_Union[Finish, _Mapping]] = ..., transfer_tokens: _Optional[int] = ..., transfer_bytes: _Optional[int] = ..., transfer_ms: _Optional[float] = ..., prefill_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class Finish(_message.Message):
-    __slots__ = ("kind", "token_id", "text", "message", "engine_lost")
+    __slots__ = ("kind", "token_id", "text", "message", "engine_lost", "status")
     KIND_FIELD_NUMBER: _ClassVar[int]
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     ENGINE_LOST_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
     kind: str
     token_id: int
     text: str
     message: str
     engine_lost: bool
-    def __init__(self, kind: _Optional[str] = ..., token_id: _Optional[int] = ..., text: _Optional[str] = ..., message: _Optional[str] = ..., engine_lost: _Optional[bool] = ...) -> None: ...
+    status: int
+    def __init__(self, kind: _Optional[str] = ..., token_id: _Optional[int] = ..., text: _Optional[str] = ..., message: _Optional[str] = ..., engine_lost: _Optional[bool] = ..., status: _Optional[int] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("rid", "finish")

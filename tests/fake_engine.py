@@ -56,8 +56,9 @@ class FakeEngine:
     later finish that must be ignored; `hold` sends one chunk and waits for the abort;
     `delay_s` spaces the chunks; `lose` ends each request at once as an engine that lost its
     workers does; `gap` never sends a request's first chunk (as if a detokenizer died with
-    it). `down` makes its heartbeats say it is down. Its heartbeats report a mixture-of-experts
-    model (MOE_SHAPE)."""
+    it); `refuse_grammars` refuses a request with a regex as an engine whose compile failed
+    does. `down` makes its heartbeats say it is down. Its heartbeats report a
+    mixture-of-experts model (MOE_SHAPE)."""
 
     def __init__(
         self,
@@ -73,6 +74,7 @@ class FakeEngine:
         delay_s: float = 0.0,
         lose: bool = False,
         gap: bool = False,
+        refuse_grammars: bool = False,
     ) -> None:
         self.nc = nc
         self.engine_id = engine_id
@@ -85,6 +87,7 @@ class FakeEngine:
         self.delay_s = delay_s
         self.lose = lose
         self.gap = gap
+        self.refuse_grammars = refuse_grammars
         self.down = False
         self.load = 0  # running + waiting it reports
         self.flush_ok = True
@@ -189,6 +192,11 @@ class FakeEngine:
             chunks = [lost]
         elif self.gap:
             chunks = chunks[1:]
+        elif self.refuse_grammars and request.sampling.regex:
+            refused = mpb.TextChunk(rid=request.rid, seq=0, prompt_tokens=len(request.input_ids))
+            refused.finish.CopyFrom(mpb.Finish(kind="abort", status=400, message=(
+                "the regex could not be compiled: unbalanced parenthesis")))
+            chunks = [refused]
         if self.hold:
             await self._send(request, chunks[:1])
             await self.wait_for("aborts", len(self.aborts) + 1, timeout_s=30)

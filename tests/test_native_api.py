@@ -344,10 +344,8 @@ BAD_REQUESTS = [
     ({"text": "a", "sampling_params": {"logit_bias": [1]}}, "logit_bias"),
     ({"text": "a", "sampling_params": {"spaces_between_special_tokens": 1}},
      "spaces_between_special_tokens"),
-    ({"text": "a", "sampling_params": {"regex": "([0-9]+"}}, "invalid regex"),
     ({"text": "a", "sampling_params": {"json_schema": "{oops"}}, "json_schema is not valid JSON"),
     ({"text": "a", "sampling_params": {"json_schema": '{"type": "nope"}'}}, "invalid json_schema"),
-    ({"text": "a", "sampling_params": {"ebnf": "root ::= undefined_rule"}}, "invalid ebnf"),
     ({"text": "a", "sampling_params": {"regex": "a", "ebnf": 'root ::= "a"'}}, "at most one"),
     ({"text": "a", "sampling_params": {"regex": 5}}, "regex must be a non-empty string"),
     ({"text": "a", "sampling_params": [{}]}, "sampling_params"),
@@ -368,6 +366,19 @@ BAD_REQUESTS = [
     ({"input_ids": [1] * CONTEXT}, "context length"),
     ({"input_ids": [1] * 200, "sampling_params": {"max_new_tokens": 100}}, "max_new_tokens"),
 ]
+
+
+async def test_a_constraint_its_engine_cannot_compile_is_a_400_streamed_or_not(stack):
+    """The front door checks only a constraint's form; the engine compiles it, and its
+    refusal (before any output) is the answer's status."""
+    engine = await stack.add_engine(refuse_grammars=True)
+    for stream in (False, True):
+        body = {"text": "a", "sampling_params": {"regex": "([0-9]+"}, "stream": stream}
+        async with stack.http.post(stack.url + "/generate", json=body) as resp:
+            answer = await resp.json()
+        assert resp.status == 400, answer
+        assert "the regex could not be compiled" in answer["error"]["message"], answer
+    assert len(engine.requests) == 2 and engine.aborts == []
 
 
 async def test_each_bad_request_is_400_and_the_service_keeps_serving(stack):

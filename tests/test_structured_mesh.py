@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import openai
@@ -256,7 +257,7 @@ def test_bad_response_format_is_a_400(oa, model, response_format, needle):
         assert err.value.body["param"] == "response_format", err.value.body
     with pytest.raises(openai.BadRequestError) as err:
         oa.completions.create(model=model, prompt="hi", max_tokens=4, extra_body={"regex": "(a"})
-    assert "regex" in err.value.message
+    assert "regex" in err.value.message and err.value.body["param"] == "regex", err.value.body
     ok = oa.completions.create(model=model, prompt="hi", max_tokens=2, temperature=0)
     assert ok.usage.completion_tokens == 2
 
@@ -319,3 +320,25 @@ def test_a_forced_tool_call_through_the_openai_client(oa, model):
     (picked,) = required.choices[0].message.tool_calls
     assert picked.function.name in ("get_weather", "get_time")
     assert isinstance(json.loads(picked.function.arguments), dict)
+
+
+def test_only_the_worker_loads_torch_or_a_grammar_library(mesh, client, oa, model):
+    """After requests of every kind (constrained and free, native and OpenAI, streamed,
+    refused), the tokenizer, scheduler and detokenizer hold no torch and no grammar
+    library: the worker compiles every constraint, the front door checks only its form."""
+    assert generate(client, "Call", {"max_new_tokens": 16, "regex": PHONE})["text"]
+    refused = client.post("/generate", json={"text": "hi", "sampling_params": {
+        "max_new_tokens": 4, "ebnf": "root ::= undefined"}})
+    assert refused.status_code == 400, refused.text
+    with client.stream("POST", "/generate", json={
+            "text": "hi", "sampling_params": {"max_new_tokens": 4}, "stream": True}) as r:
+        assert sse_events(r)
+    oa.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
+                               max_tokens=8, response_format={"type": "json_object"})
+    for child in mesh.children:
+        maps = Path(f"/proc/{child.proc.pid}/maps").read_text()
+        loaded = {lib for lib in ("libtorch_cpu", "xgrammar", "llguidance") if lib in maps}
+        if child.service == "worker":
+            assert {"libtorch_cpu", "xgrammar"} <= loaded, loaded
+        else:
+            assert not loaded, (child.name, loaded)

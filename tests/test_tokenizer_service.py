@@ -249,6 +249,18 @@ async def test_a_request_its_engine_lost_before_any_output_is_retried_once(mesh)
     assert len(losing.requests) == 2 and len(healthy.requests) == 1
 
 
+async def test_a_constraint_its_engine_cannot_compile_is_an_error_naming_it(mesh):
+    """The front door checks a constraint's form only (it loads no grammar library): the
+    engine's refusal, before any output, comes back as a 400 naming the field."""
+    engine = await mesh.add_engine("e", refuse_grammars=True)
+    with pytest.raises(GenerationError) as err:
+        await _run(mesh.client, _request([1, 2], max_new_tokens=2, regex="(a"))
+    assert (err.value.status, err.value.param) == (400, "regex")
+    assert "the regex could not be compiled" in str(err.value)
+    assert engine.aborts == [] and mesh.client.in_flight == 0
+    assert _ids(await _run(mesh.client, _request([1, 2], max_new_tokens=2))) == [1, 2]
+
+
 async def test_output_with_a_lasting_hole_ends_and_is_aborted(mesh, monkeypatch):
     monkeypatch.setattr(client_module, "GAP_TIMEOUT_S", 0.3)
     engine = await mesh.add_engine("e", gap=True)

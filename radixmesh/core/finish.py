@@ -21,6 +21,9 @@ class FinishReason:
     kind: FinishKind
     matched: int | str | None = None
     message: str | None = None
+    # An abort the request itself caused, as an HTTP status (400: its constraint does not
+    # compile): a front door answers with it when nothing was generated; 0: none.
+    status: int = 0
 
     def to_dict(self) -> dict[str, object]:
         """The finish_reason object of SGLang's meta_info."""

@@ -92,6 +92,21 @@ def llguidance_grammar(kind: str, text: str) -> str:
     return grammar
 
 
+def _check_form(kind: str, text: str, backend: str) -> None:
+    _check_kind(kind, text)
+    if kind == "structural_tag" and backend == "llguidance":
+        raise ValueError("structural_tag needs the xgrammar grammar backend")
+    if kind == "json_schema":
+        from jsonschema import validators
+        from jsonschema.exceptions import SchemaError
+
+        schema = json.loads(text)
+        try:
+            validators.validator_for(schema).check_schema(schema)
+        except SchemaError as exc:
+            raise ValueError(f"invalid json_schema: {exc.message}") from None
+
+
 def _closed(schema: Any) -> Any:
     """The schema with no properties beyond those listed wherever it does not say (what
     xgrammar does by default), so both backends give the same language."""
@@ -105,17 +120,14 @@ def _closed(schema: Any) -> Any:
     return closed
 
 
-def import_backend(backend: str) -> None:
-    """Import the backend's package now (it takes a second or more), e.g. at start-up."""
-    if backend == "llguidance":
-        import llguidance  # noqa: F401
-    else:
-        import xgrammar  # noqa: F401
-
-
-def check(constraint: tuple[str, str] | None, backend: str = "xgrammar") -> None:
+def check(
+    constraint: tuple[str, str] | None, backend: str = "xgrammar", compile: bool = True
+) -> None:
     """Raise ValueError unless the (kind, text) constraint, if any, parses and `backend`
-    (the grammar_backend setting) can run it."""
+    (the grammar_backend setting) can run it. With `compile` false, only its form is checked
+    and no grammar library is loaded (xgrammar brings torch): the kind, a structural tag's
+    shape, a JSON schema's JSON against the JSON Schema meta-schema; the engine's compile
+    finds the rest."""
     if constraint is None:
         return
     if backend == "none":
@@ -123,7 +135,9 @@ def check(constraint: tuple[str, str] | None, backend: str = "xgrammar") -> None
             f"{constraint[0]} needs constrained decoding, which this server has off "
             "(grammar_backend none)"
         )
-    if backend == "llguidance":
+    if not compile:
+        _check_form(*constraint, backend)
+    elif backend == "llguidance":
         llguidance_grammar(*constraint)
     else:
         parse(*constraint)

@@ -35,6 +35,9 @@ class ModelLimits:
     context_length: int  # 0 while unknown (no engine seen yet): lengths are left to the engine
     vocab_size: int
     grammar_backend: str = "xgrammar"  # "none": constraints are refused
+    # False where the engine compiles each constraint and refuses a bad one itself (a front
+    # door that loads no grammar library): only its form is checked here.
+    compile_grammars: bool = True
 
 
 @dataclass(frozen=True)
@@ -152,7 +155,7 @@ def _sampling_params(raw: dict[str, Any], prompt_tokens: int, limits: ModelLimit
         raise ValueError(f"top_k must be <= the vocabulary size {vocab}, got {params.top_k}")
     if params.seed is not None and not 0 <= params.seed < 2**64:
         raise ValueError(f"seed must be in [0, 2**64), got {params.seed}")
-    grammar.check(params.grammar, limits.grammar_backend)
+    grammar.check(params.grammar, limits.grammar_backend, limits.compile_grammars)
     return params
 
 

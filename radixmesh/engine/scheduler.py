@@ -549,7 +549,8 @@ class Scheduler(TransferSteps, DecodeSteps):
             kind = grammar[0]
             for req in [r for r in self.waiting if r.params.grammar == grammar]:
                 self._finish(req, FinishReason(
-                    FinishKind.ABORT, message=f"the {kind} could not be compiled: {error}"
+                    FinishKind.ABORT, message=f"the {kind} could not be compiled: {error}",
+                    status=400,
                 ))
 
     def _check_finish(self, req: Req, token: int) -> FinishReason | None:

@@ -129,7 +129,7 @@ def _tools(raw: Any) -> tuple[list[Json], dict[str, Json]]:
         if not isinstance(params, dict):
             raise RequestError(f"the parameters of tool {name!r} must be an object", "tools")
         try:
-            grammar.check(("json_schema", json.dumps(params)))
+            grammar.check(("json_schema", json.dumps(params)), compile=False)
         except ValueError as exc:
             raise RequestError(f"the parameters of tool {name!r}: {exc}", "tools") from None
         functions[name] = params

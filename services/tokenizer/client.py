@@ -208,8 +208,15 @@ class MeshClient:
                 if waiting:
                     waiting = False
                     self.queued -= 1
-                observed.on_chunk(chunk)
                 finished = chunk.finish is not None
+                if finished and chunk.finish.status and not chunk.completion_tokens:
+                    # Refused by its engine for what it asked (a constraint that does not
+                    # compile): an error answer, as if refused here.
+                    grammar = request.params.grammar
+                    raise GenerationError(chunk.finish.message or "refused by the engine",
+                                          chunk.finish.status,
+                                          param=grammar[0] if grammar else None)
+                observed.on_chunk(chunk)
                 trace.chunk(chunk)
                 yield chunk
         finally:

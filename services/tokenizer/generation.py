@@ -66,13 +66,16 @@ class GenerationChunk:
 
 
 class GenerationError(Exception):
-    """A request the mesh could not serve; `status` is the HTTP status to answer with, and
-    `retry_after` the seconds a client should wait before trying again (overload)."""
+    """A request the mesh could not serve (or refused: an engine that could not compile its
+    constraint); `status` is the HTTP status to answer with, and `retry_after` the seconds a
+    client should wait before trying again (overload)."""
 
-    def __init__(self, message: str, status: int = 503, retry_after: int | None = None) -> None:
+    def __init__(self, message: str, status: int = 503, retry_after: int | None = None,
+                 param: str | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.retry_after = retry_after
+        self.param = param  # the request's field at fault, when it is one
 
     @property
     def headers(self) -> dict[str, str]:
@@ -104,4 +107,5 @@ class GenerationClient(Protocol):
 
 def model_limits(client: GenerationClient) -> ModelLimits:
     """What the client's requests are checked against (build_request)."""
-    return ModelLimits(client.context_length, client.vocab_size, client.grammar_backend)
+    return ModelLimits(client.context_length, client.vocab_size, client.grammar_backend,
+                       compile_grammars=False)

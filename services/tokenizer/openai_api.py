@@ -141,7 +141,10 @@ class OpenAIRoutes:
                     return await _stream(request, fanout, builder)
                 return await _complete(fanout, builder)
             except GenerationError as exc:
-                return error_response(str(exc), exc.status, headers=exc.headers)
+                # A constraint the engine refused came from response_format when there is one.
+                param = "response_format" if exc.param and body.get("response_format") else (
+                    exc.param)
+                return error_response(str(exc), exc.status, param, exc.headers)
             except ClientGone:
                 log.info("client of %s went away; its requests were aborted", parsed.id)
                 return web.Response(status=CLIENT_CLOSED)

@@ -104,7 +104,8 @@ class ServedModel(NamedTuple):
 
     @property
     def limits(self) -> ModelLimits:
-        return ModelLimits(self.context_length, self.vocab_size, self.grammar_backend)
+        return ModelLimits(self.context_length, self.vocab_size, self.grammar_backend,
+                           compile_grammars=False)
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,6 @@ import grpc
 from aiohttp import web
 from nats.aio.client import Client as NATS
 
-from radixmesh.core import grammar
 from radixmesh.core.flags import shown
 from radixmesh.core.model_files import resolve_model_path, served_name
 from radixmesh.core.service_settings import TokenizerServiceConfig
@@ -69,10 +68,6 @@ class TokenizerServer:
             stall_timeout_s=cfg.stall_timeout,
         )
         await client.start()
-        if cfg.grammar_backend != "none":
-            # Its import takes seconds: not on the event loop when the first constraint comes.
-            asyncio.get_running_loop().run_in_executor(None, grammar.import_backend,
-                                                       cfg.grammar_backend)
 
         middlewares = [tracing_middleware, metrics_middleware]
         if cfg.api_key:
