@@ -1,12 +1,12 @@
 """What a decode step's output costs at each hop of the mesh, per output token.
 
 A step of N running requests, each one new token, goes from the scheduler to a detokenizer
-(one TokenStep) and from there to its tokenizer (one TextChunks); this runs those hops'
-own code on the same data, without sockets: the scheduler building and serializing the
-step, the detokenizer parsing it, detokenizing every update and serializing the replies,
-and the tokenizer parsing them and putting each request's chunk in order. Printed per hop:
-microseconds of CPU per output token, and the bytes per token of the message it sends on
-(the tokenizer's answer is HTTP, not counted).
+(one TokenStep, its updates of new ids alone packed) and from there to its tokenizer (one
+TextChunks); this runs those hops' own code on the same data, without sockets: the
+scheduler building and serializing the step, the detokenizer parsing it, detokenizing
+every update and serializing the replies, and the tokenizer parsing them and putting each
+request's chunk in order. Printed per hop: microseconds of CPU per output token, and the
+bytes per token of the message it sends on (the tokenizer's answer is HTTP, not counted).
 
 The output streams are the default model's tokens of an assistant-style answer (the same
 text as bench_detokenize.py), the requests' prompts 64 tokens, greedy, no stop strings
@@ -33,7 +33,7 @@ from radixmesh.core.tokenizer import Tokenizer
 from radixmesh.engine.request import Req
 from radixmesh.proto import mesh_pb2 as mpb
 from radixmesh.services.detokenizer.server import step_replies
-from radixmesh.services.scheduler.mesh_io import UpdateBuilder
+from radixmesh.services.scheduler.mesh_io import StepMessage, UpdateBuilder
 from radixmesh.services.tokenizer.assembler import ChunkAssembler
 
 PROMPT = 64
@@ -64,8 +64,10 @@ def run_once(tok: Tokenizer, outputs: list[list[int]], stop: list[str]
         for req, out in zip(reqs, outputs, strict=True):
             req.output_ids.append(out[k])
         began = time.perf_counter()
-        step = mpb.TokenStep(updates=[builder.build(req) for req in reqs])
-        data = step.SerializeToString()
+        step = StepMessage("e0")
+        for req in reqs:
+            builder.add(step, req)
+        data = step.to_proto().SerializeToString()
         took = time.perf_counter()
         replies = step_replies(mpb.TokenStep.FromString(data), tok.decode)
         (chunks,) = replies.chunks.values()

@@ -215,8 +215,8 @@ def batch_from_proto(msg: wpb.StepBatch) -> StepBatch:
             for k in msg.sends
         ],
         [KVExpect(x.rid, list(x.slots), x.key) for x in msg.expects],
-        _ints(msg.decode_rows),
-        _ints(msg.decode_slots),
+        ints(msg.decode_rows),
+        ints(msg.decode_slots),
     )
 
 
@@ -280,11 +280,11 @@ def result_from_proto(msg: wpb.StepResult) -> StepResult:
         [(g.kind, g.text) for g in msg.grammars_ready],
         [((f.constraint.kind, f.constraint.text), f.error) for f in msg.grammars_failed],
         [SendOutcome(o.rid, o.error, o.bytes, o.ms) for o in msg.sends_done],
-        _ints(msg.decode_tokens),
+        ints(msg.decode_tokens),
     )
 
 
-def _ints(packed: bytes) -> array[int]:
+def ints(packed: bytes) -> array[int]:
     """A packed int32 field back as an array."""
     values = int_array()
     values.frombytes(packed)

@@ -187,11 +187,39 @@ class Transfer(_message.Message):
     fallback: str
     def __init__(self, prefill_engine: _Optional[str] = ..., tokens: _Optional[int] = ..., bytes: _Optional[int] = ..., ms: _Optional[float] = ..., fallback: _Optional[str] = ...) -> None: ...
 
+class PackedUpdates(_message.Message):
+    __slots__ = ("rids", "seqs", "offsets", "routes", "context_lens", "context_ids", "new_lens", "new_ids", "reply_to", "detok")
+    RIDS_FIELD_NUMBER: _ClassVar[int]
+    SEQS_FIELD_NUMBER: _ClassVar[int]
+    OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    ROUTES_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_LENS_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_IDS_FIELD_NUMBER: _ClassVar[int]
+    NEW_LENS_FIELD_NUMBER: _ClassVar[int]
+    NEW_IDS_FIELD_NUMBER: _ClassVar[int]
+    REPLY_TO_FIELD_NUMBER: _ClassVar[int]
+    DETOK_FIELD_NUMBER: _ClassVar[int]
+    rids: _containers.RepeatedScalarFieldContainer[str]
+    seqs: bytes
+    offsets: bytes
+    routes: bytes
+    context_lens: bytes
+    context_ids: bytes
+    new_lens: bytes
+    new_ids: bytes
+    reply_to: _containers.RepeatedScalarFieldContainer[str]
+    detok: _containers.RepeatedCompositeFieldContainer[DetokSpec]
+    def __init__(self, rids: _Optional[_Iterable[str]] = ..., seqs: _Optional[bytes] = ..., offsets: _Optional[bytes] = ..., routes: _Optional[bytes] = ..., context_lens: _Optional[bytes] = ..., context_ids: _Optional[bytes] = ..., new_lens: _Optional[bytes] = ..., new_ids: _Optional[bytes] = ..., reply_to: _Optional[_Iterable[str]] = ..., detok: _Optional[_Iterable[_Union[DetokSpec, _Mapping]]] = ...) -> None: ...
+
 class TokenStep(_message.Message):
-    __slots__ = ("updates",)
+    __slots__ = ("updates", "packed", "engine_id")
     UPDATES_FIELD_NUMBER: _ClassVar[int]
+    PACKED_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     updates: _containers.RepeatedCompositeFieldContainer[TokenUpdate]
-    def __init__(self, updates: _Optional[_Iterable[_Union[TokenUpdate, _Mapping]]] = ...) -> None: ...
+    packed: PackedUpdates
+    engine_id: str
+    def __init__(self, updates: _Optional[_Iterable[_Union[TokenUpdate, _Mapping]]] = ..., packed: _Optional[_Union[PackedUpdates, _Mapping]] = ..., engine_id: _Optional[str] = ...) -> None: ...
 
 class TextChunk(_message.Message):
     __slots__ = ("rid", "seq", "text", "output_ids", "finish", "prompt_tokens", "cached_tokens", "cached_host_tokens", "cached_storage_tokens", "spec_verify_ct", "spec_accepted_tokens", "completion_tokens", "logprobs", "engine_id", "transfer")

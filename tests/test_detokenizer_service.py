@@ -15,6 +15,7 @@ import aiohttp
 import nats
 from process_helpers import service_process
 
+from radixmesh.core.detokenize import detok_context_size
 from radixmesh.core.finish import FinishKind, FinishReason
 from radixmesh.core.sampling_params import SamplingParams
 from radixmesh.core.service_settings import DetokenizerConfig
@@ -23,8 +24,12 @@ from radixmesh.engine.request import Req
 from radixmesh.mesh import subjects
 from radixmesh.proto import mesh_pb2 as mpb
 from radixmesh.proto import worker_pb2 as wpb
-from radixmesh.services.detokenizer.server import DetokenizerService, step_replies
-from radixmesh.services.scheduler.mesh_io import UpdateBuilder
+from radixmesh.services.detokenizer.server import (
+    DetokenizerService,
+    StepReplies,
+    step_replies,
+)
+from radixmesh.services.scheduler.mesh_io import StepMessage, UpdateBuilder
 
 OWNER_A = subjects.tokenizer_out("a")
 OWNER_B = subjects.tokenizer_out("b")
@@ -174,6 +179,55 @@ def test_the_cache_tiers_of_a_request_reach_its_updates_and_chunks() -> None:
         (5, 2, 0),
         (5, 2, 0),
     ]
+
+
+def _registered(builder: UpdateBuilder, tok: Tokenizer, stops: dict[str, list[str]]
+                ) -> list[Req]:
+    reqs = []
+    for rid, stop in stops.items():
+        req = Req(rid=rid, input_ids=tok.encode("Say it."),
+                  params=SamplingParams(max_new_tokens=128, stop=stop), seed=0)
+        builder.register(req, mpb.EngineRequest(
+            reply_to=OWNER_A, detok=mpb.DetokSpec(stop=stop, skip_special_tokens=True,
+                                                  prompt_tail=req.input_ids[-4:]),
+            detok_context=detok_context_size(stop)))
+        reqs.append(req)
+    return reqs
+
+
+def test_packed_updates_read_as_the_same_updates_in_full() -> None:
+    """A step's updates of new ids alone travel packed; each request's chunks, and the stop
+    string that ends one (aborting its engine), are what the same updates give in full."""
+    tok = tokenizer()
+    answer = tok.encode(" Sure: caf\u00e9 au lait \U0001f600, and more text." * 4 + " THE END")
+    stops = {"plain": [], "stopped": ["THE END"]}
+    full_builder, packed_builder = UpdateBuilder(ENGINE), UpdateBuilder(ENGINE)
+    full_reqs = _registered(full_builder, tok, stops)
+    packed_reqs = _registered(packed_builder, tok, stops)
+    full, packed = [], []
+    for token in answer:
+        for req in [*full_reqs, *packed_reqs]:
+            req.output_ids.append(token)
+        full.append(mpb.TokenStep(updates=[full_builder.build(r) for r in full_reqs]))
+        step = StepMessage(ENGINE)
+        for req in packed_reqs:
+            packed_builder.add(step, req)
+        packed.append(step.to_proto())
+    assert sum(len(s.packed.rids) for s in packed) > len(answer)  # most of them
+    got = [step_replies(s, tok.decode) for s in packed]
+    want = [step_replies(s, tok.decode) for s in full]
+    fields = ("rid", "seq", "text", "output_ids", "completion_tokens", "finish")
+
+    def chunks(replies: list[StepReplies]) -> list[list[object]]:
+        # Within a step the packed updates come after the others: in order per request.
+        return sorted(([getattr(c, f) for f in fields]
+                       for r in replies for c in r.chunks[OWNER_A].chunks), key=lambda c: c[:2])
+
+    assert chunks(got) == chunks(want)
+    assert "".join(c.text for r in got for c in r.chunks[OWNER_A].chunks
+                   if c.rid == "plain") == tok.decode(answer)
+    assert [(subject, abort.rid) for r in got for subject, abort in r.aborts] == [
+        (subjects.engine_abort(ENGINE), "stopped")]
 
 
 def test_a_bad_update_aborts_only_its_request() -> None:

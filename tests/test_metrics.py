@@ -258,8 +258,10 @@ def test_detokenizer_counts_updates_tokens_and_finished_requests() -> None:
     step = mpb.TokenStep()
     step.updates.add(rid="a", new_ids=[1, 2])
     step.updates.add(rid="b", new_ids=[3], finish=mpb.Finish(kind="length"))
-    detok_metrics.observe_updates(step.updates)
+    step.packed.rids.extend(["c", "d"])  # packed: new ids alone, never a finish
+    step.packed.new_ids = int_array([4, 5, 6]).tobytes()
+    detok_metrics.observe_step(step)
     after = {n: value(f"radixmesh:detokenizer_{n}_total") for n in names}
     assert {n: after[n] - before[n] for n in names} == {  # type: ignore[operator]
-        "updates": 2, "tokens": 3, "finished_requests": 1,
+        "updates": 4, "tokens": 6, "finished_requests": 1,
     }

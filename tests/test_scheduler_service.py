@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 
 import grpc
@@ -17,7 +18,7 @@ from radixmesh.mesh import subjects
 from radixmesh.proto import mesh_pb2 as mpb
 from radixmesh.proto import worker_pb2 as wpb
 from radixmesh.proto import worker_pb2_grpc as wgrpc
-from radixmesh.proto.convert import batch_from_proto, result_to_proto
+from radixmesh.proto.convert import batch_from_proto, ints, result_to_proto
 from radixmesh.services.scheduler.server import SchedulerService
 
 NUM_SLOTS = 256
@@ -89,13 +90,32 @@ def request(rid: str, prompt: list[int], max_new: int, **kw: object) -> bytes:
     return msg.SerializeToString()
 
 
+def step_updates(step: mpb.TokenStep) -> list[mpb.TokenUpdate]:
+    """A step's updates, its packed ones as TokenUpdates."""
+    p = step.packed
+    out = list(step.updates)
+    seqs, offsets, routes = ints(p.seqs), ints(p.offsets), ints(p.routes)
+    contexts = _split(ints(p.context_ids), ints(p.context_lens))
+    news = _split(ints(p.new_ids), ints(p.new_lens))
+    for i, rid in enumerate(p.rids):
+        out.append(mpb.TokenUpdate(
+            rid=rid, seq=seqs[i], offset=offsets[i], context_ids=contexts[i], new_ids=news[i],
+            reply_to=p.reply_to[routes[i]], detok=p.detok[routes[i]], engine_id=step.engine_id))
+    return out
+
+
+def _split(values: Sequence[int], lengths: Sequence[int]) -> list[list[int]]:
+    ends = list(itertools.accumulate(lengths))
+    return [list(values[end - n : end]) for n, end in zip(lengths, ends, strict=True)]
+
+
 async def collect(nc: nats.NATS, rids: set[str]) -> tuple[dict[str, list[mpb.TokenUpdate]],
                                                           asyncio.Event, object]:
     updates: dict[str, list[mpb.TokenUpdate]] = {r: [] for r in rids}
     done = asyncio.Event()
 
     async def on_step(msg: object) -> None:
-        for u in mpb.TokenStep.FromString(msg.data).updates:  # type: ignore[attr-defined]
+        for u in step_updates(mpb.TokenStep.FromString(msg.data)):  # type: ignore[attr-defined]
             updates.setdefault(u.rid, []).append(u)
         if all(u and u[-1].HasField("finish") for u in updates.values()):
             done.set()

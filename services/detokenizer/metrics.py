@@ -4,8 +4,6 @@ SGLang's detokenizer exports none, so every name carries `radixmesh:detokenizer_
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 from prometheus_client import Counter, Histogram
 
 from radixmesh.proto import mesh_pb2 as mpb
@@ -25,8 +23,10 @@ HANDLE_SECONDS = Histogram(
 )
 
 
-def observe_updates(updates: Sequence[mpb.TokenUpdate]) -> None:
-    """Count one TokenStep's updates, their tokens and the requests they finish."""
-    UPDATES.inc(len(updates))
-    TOKENS.inc(sum(len(u.new_ids) for u in updates))
+def observe_step(step: mpb.TokenStep) -> None:
+    """Count one TokenStep's updates, their tokens and the requests they finish (packed
+    updates finish none)."""
+    updates, packed = step.updates, step.packed
+    UPDATES.inc(len(updates) + len(packed.rids))
+    TOKENS.inc(sum(len(u.new_ids) for u in updates) + len(packed.new_ids) // 4)
     FINISHED.inc(sum(u.HasField("finish") for u in updates))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
 import nats
@@ -13,13 +14,14 @@ from google.protobuf.message import DecodeError
 from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 
-from radixmesh.core.detokenize import DecodeFn, TextRules, Update, window_text
+from radixmesh.core.detokenize import DecodeFn, TextRules, Update, WindowText, window_text
 from radixmesh.core.model_files import resolve_model_path
 from radixmesh.core.service_settings import DetokenizerConfig
 from radixmesh.core.tokenizer import Tokenizer
 from radixmesh.mesh import subjects
 from radixmesh.mesh.service import StatusServer, connect_bus
 from radixmesh.proto import mesh_pb2 as mpb
+from radixmesh.proto.convert import ints
 from radixmesh.services.detokenizer import metrics
 from radixmesh.services.detokenizer.step_trace import StepTrace
 
@@ -41,6 +43,7 @@ class UpdateReply(NamedTuple):
     chunk: mpb.TextChunk
     stop_matched: bool  # a stop string completed within the update's new ids
     stops_engine: bool  # the chunk ends a request the engine still runs
+    failed: bool = False  # the update could not be detokenized: the chunk ends the request
 
 
 def text_chunk(update: mpb.TokenUpdate, decode: DecodeFn) -> UpdateReply:
@@ -53,52 +56,73 @@ def text_chunk(update: mpb.TokenUpdate, decode: DecodeFn) -> UpdateReply:
         and finish.WhichOneof("matched") == "token_id"
         and not spec.no_stop_trim
     )
-    rules = TextRules(
+    window = window_text(decode, _rules(spec), Update(
+        update.context_ids, update.new_ids, update.offset, finish is not None, trim_stop_token,
+        spec.prompt_tail,
+    ))
+    reply = _reply(update.rid, update.seq, update.offset, update.new_ids, window, finish)
+    chunk = reply.chunk
+    chunk.prompt_tokens = update.prompt_tokens
+    chunk.cached_tokens = update.cached_tokens
+    chunk.cached_host_tokens = update.cached_host_tokens
+    chunk.cached_storage_tokens = update.cached_storage_tokens
+    chunk.spec_verify_ct = update.spec_verify_ct
+    chunk.spec_accepted_tokens = update.spec_accepted_tokens
+    if update.HasField("logprobs"):
+        chunk.logprobs.CopyFrom(_kept_logprobs(update.logprobs, len(chunk.output_ids)))
+    if update.HasField("transfer"):  # which engines served it matters only when two did
+        chunk.engine_id = update.engine_id
+        chunk.transfer.CopyFrom(update.transfer)
+    return reply._replace(stops_engine=reply.stops_engine and finish is None)
+
+
+def _rules(spec: mpb.DetokSpec) -> TextRules:
+    return TextRules(
         tuple(spec.stop), spec.no_stop_trim, spec.skip_special_tokens, spec.min_new_tokens,
         spec.spaces_between_special_tokens,
     )
-    window = window_text(
-        decode,
-        rules,
-        Update(
-            update.context_ids,
-            update.new_ids,
-            update.offset,
-            finish is not None,
-            trim_stop_token,
-            spec.prompt_tail,
-        ),
-    )
-    total = update.offset + len(update.new_ids)
-    kept, completion = len(update.new_ids), total
+
+
+def _reply(rid: str, seq: int, offset: int, new_ids: Sequence[int], window: WindowText,
+           finish: mpb.Finish | None) -> UpdateReply:
+    """The chunk of an update whose new ids' text is `window`: a stop string the text
+    completes ends it (the finish it stops the engine with, unless it came with one)."""
+    total = offset + len(new_ids)
+    kept, completion = len(new_ids), total
     # A stop string completed by the last token of a finished request trims the text but
     # keeps the finish the engine reported, as the in-process engine does.
     stopped = window.stop_at is not None and (finish is None or window.stop_at < total)
     if window.stop_at is not None:
         completion = window.stop_at
     if stopped:
-        kept = max(completion - update.offset, 0)
+        kept = max(completion - offset, 0)
         finish = mpb.Finish(kind="stop", text=window.matched)
-    chunk = mpb.TextChunk(
-        rid=update.rid,
-        seq=update.seq,
-        text=window.text,
-        output_ids=update.new_ids[:kept],
-        finish=finish,
-        prompt_tokens=update.prompt_tokens,
-        cached_tokens=update.cached_tokens,
-        cached_host_tokens=update.cached_host_tokens,
-        cached_storage_tokens=update.cached_storage_tokens,
-        spec_verify_ct=update.spec_verify_ct,
-        spec_accepted_tokens=update.spec_accepted_tokens,
-        completion_tokens=completion,
-        logprobs=_kept_logprobs(update.logprobs, kept) if update.HasField("logprobs") else None,
-        # Which engines served it matters to the client only when two did.
-        engine_id=update.engine_id if update.HasField("transfer") else "",
-        transfer=update.transfer if update.HasField("transfer") else None,
-    )
-    matched_here = window.stop_at is not None and window.stop_at > update.offset
-    return UpdateReply(chunk, matched_here, stopped and not update.HasField("finish"))
+    chunk = mpb.TextChunk(rid=rid, seq=seq, text=window.text, output_ids=new_ids[:kept],
+                          finish=finish, completion_tokens=completion)
+    matched_here = window.stop_at is not None and window.stop_at > offset
+    return UpdateReply(chunk, matched_here, stopped)
+
+
+def packed_replies(step: mpb.TokenStep, decode: DecodeFn
+                   ) -> Iterator[tuple[str, UpdateReply]]:
+    """The packed updates' chunks (see PackedUpdates), each with its reply_to subject."""
+    p = step.packed
+    rules = [_rules(spec) for spec in p.detok]
+    seqs, offsets, routes = ints(p.seqs), ints(p.offsets), ints(p.routes)
+    context_lens, context_ids = ints(p.context_lens), ints(p.context_ids)
+    new_lens, new_ids = ints(p.new_lens), ints(p.new_ids)
+    c = n = 0
+    for i, rid in enumerate(p.rids):
+        context, new = context_ids[c : c + context_lens[i]], new_ids[n : n + new_lens[i]]
+        c, n = c + context_lens[i], n + new_lens[i]
+        route, offset = routes[i], offsets[i]
+        try:
+            window = window_text(decode, rules[route], Update(context, new, offset, False))
+            reply = _reply(rid, seqs[i], offset, new, window, None)
+        except Exception as exc:
+            log.exception("cannot detokenize update %d of %s", seqs[i], rid)
+            reply = _failed(mpb.TokenUpdate(rid=rid, seq=seqs[i], offset=offset), exc)
+        yield p.reply_to[route], reply
 
 
 def _kept_logprobs(logprobs: mpb.Logprobs, kept: int) -> mpb.Logprobs:
@@ -121,7 +145,7 @@ def _failed(update: mpb.TokenUpdate, error: Exception) -> UpdateReply:
         cached_storage_tokens=update.cached_storage_tokens,
         completion_tokens=update.offset,
     )
-    return UpdateReply(chunk, False, not update.HasField("finish"))
+    return UpdateReply(chunk, False, not update.HasField("finish"), failed=True)
 
 
 def step_replies(step: mpb.TokenStep, decode: DecodeFn) -> StepReplies:
@@ -129,6 +153,22 @@ def step_replies(step: mpb.TokenStep, decode: DecodeFn) -> StepReplies:
     chunks: dict[str, mpb.TextChunks] = {}
     aborts: list[tuple[str, mpb.AbortRequest]] = []
     stop_matches = errors = 0
+    for reply_to, engine_id, reply in _replies(step, decode):
+        errors += reply.failed
+        stop_matches += reply.stop_matched
+        chunk = reply.chunk
+        if reply_to:
+            chunks.setdefault(reply_to, mpb.TextChunks()).chunks.append(chunk)
+        else:
+            log.warning("update %d of %s names no reply subject", chunk.seq, chunk.rid)
+        if reply.stops_engine and engine_id:
+            abort = mpb.AbortRequest(rid=chunk.rid, finish=chunk.finish)
+            aborts.append((subjects.engine_abort(engine_id), abort))
+    return StepReplies(chunks, aborts, stop_matches, errors)
+
+
+def _replies(step: mpb.TokenStep, decode: DecodeFn) -> Iterator[tuple[str, str, UpdateReply]]:
+    """Every update's chunk, with its reply_to subject and its engine."""
     for update in step.updates:
         try:
             reply = text_chunk(update, decode)
@@ -136,16 +176,10 @@ def step_replies(step: mpb.TokenStep, decode: DecodeFn) -> StepReplies:
             # One bad update must not hold back the other requests of the step.
             log.exception("cannot detokenize update %d of %s", update.seq, update.rid)
             reply = _failed(update, exc)
-            errors += 1
-        stop_matches += reply.stop_matched
-        if update.reply_to:
-            chunks.setdefault(update.reply_to, mpb.TextChunks()).chunks.append(reply.chunk)
-        else:
-            log.warning("update %d of %s names no reply subject", update.seq, update.rid)
-        if reply.stops_engine and update.engine_id:
-            abort = mpb.AbortRequest(rid=update.rid, finish=reply.chunk.finish)
-            aborts.append((subjects.engine_abort(update.engine_id), abort))
-    return StepReplies(chunks, aborts, stop_matches, errors)
+        yield update.reply_to, update.engine_id, reply
+    if step.HasField("packed"):
+        for reply_to, reply in packed_replies(step, decode):
+            yield reply_to, step.engine_id, reply
 
 
 
@@ -206,7 +240,7 @@ class DetokenizerService:
                 return
             replies = step_replies(step, tokenizer.decode)
             trace.decoded(step, replies)
-            metrics.observe_updates(step.updates)
+            metrics.observe_step(step)
             metrics.STOP_MATCHES.inc(replies.stop_matches)
             metrics.ERRORS.inc(replies.errors)
             for reply_to, chunks in replies.chunks.items():

@@ -1,15 +1,18 @@
 """The scheduler's NATS messages, converted here and nowhere else: an EngineRequest
 becomes a Req, an AbortRequest's reason a FinishReason, and a request's progress becomes
-TokenUpdates for the detokenizers (what is new since the last update, plus the few tokens
-of context any detokenizer replica needs)."""
+its update in a step's TokenStep for the detokenizers (what is new since the last update,
+plus the few tokens of context any detokenizer replica needs): a TokenUpdate, or an entry
+of the step's packed arrays when new ids are all it carries."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from array import array
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from radixmesh.core.finish import FinishKind, FinishReason
 from radixmesh.core.sampling_params import LogprobRequest
-from radixmesh.core.step import TopLogprobs, kv_key
+from radixmesh.core.step import TopLogprobs, int_array, kv_key
 from radixmesh.engine.disaggregation import Committed, Handoff, Transfer, handoff_key
 from radixmesh.engine.request import Req
 from radixmesh.proto import mesh_pb2 as mpb
@@ -124,6 +127,69 @@ class _Route:
     seq: int = 0
     sent_outputs: int = 0
     sent_input_logprobs: int = 0
+    # What its packed updates share with other requests': reply_to and detok less the
+    # prompt's tail (which only updates with the prompt in their context need).
+    shared: tuple[str, bytes] = ("", b"")
+
+    def __post_init__(self) -> None:
+        spec = mpb.DetokSpec()
+        spec.CopyFrom(self.detok)
+        spec.ClearField("prompt_tail")
+        self.shared = (self.reply_to, spec.SerializeToString(deterministic=True))
+
+
+class Sent(NamedTuple):
+    """What one request's update in a step holds."""
+
+    first: bool
+    new_tokens: int
+
+
+@dataclass
+class StepMessage:
+    """One step's TokenStep as it is built: a TokenUpdate for each request that needs one,
+    every other request's update packed (PackedUpdates)."""
+
+    engine_id: str
+    updates: list[mpb.TokenUpdate] = field(default_factory=list)
+    rids: list[str] = field(default_factory=list)
+    seqs: array[int] = field(default_factory=int_array)
+    offsets: array[int] = field(default_factory=int_array)
+    routes: array[int] = field(default_factory=int_array)
+    context_lens: array[int] = field(default_factory=int_array)
+    context_ids: array[int] = field(default_factory=int_array)
+    new_lens: array[int] = field(default_factory=int_array)
+    new_ids: array[int] = field(default_factory=int_array)
+    _shared: dict[tuple[str, bytes], int] = field(default_factory=dict)
+
+    def pack(self, rid: str, route: _Route, context: list[int], new: list[int]) -> None:
+        """Add a request's update of new ids alone."""
+        index = self._shared.setdefault(route.shared, len(self._shared))
+        self.rids.append(rid)
+        self.seqs.append(route.seq)
+        self.offsets.append(route.sent_outputs)
+        self.routes.append(index)
+        self.context_lens.append(len(context))
+        self.context_ids.extend(context)
+        self.new_lens.append(len(new))
+        self.new_ids.extend(new)
+
+    def __len__(self) -> int:
+        return len(self.updates) + len(self.rids)
+
+    def to_proto(self) -> mpb.TokenStep:
+        step = mpb.TokenStep(updates=self.updates, engine_id=self.engine_id)
+        if self.rids:
+            p = step.packed
+            p.rids.extend(self.rids)
+            p.seqs, p.offsets = self.seqs.tobytes(), self.offsets.tobytes()
+            p.routes = self.routes.tobytes()
+            p.context_lens, p.context_ids = self.context_lens.tobytes(), self.context_ids.tobytes()
+            p.new_lens, p.new_ids = self.new_lens.tobytes(), self.new_ids.tobytes()
+            for reply_to, spec in self._shared:
+                p.reply_to.append(reply_to)
+                p.detok.add().ParseFromString(spec)
+        return step
 
 
 class UpdateBuilder:
@@ -137,6 +203,29 @@ class UpdateBuilder:
     def register(self, req: Req, msg: mpb.EngineRequest) -> None:
         """Where `req`'s updates go, from the message it came in."""
         self._routes[req] = _Route(msg.reply_to, msg.detok, max(msg.detok_context, 1))
+
+    def add(self, step: StepMessage, req: Req, traceparent: str = "", lost: bool = False
+            ) -> Sent | None:
+        """Put what is new for `req` in `step`: packed when new ids are all it carries; with
+        `lost`, a finish says the engine lost its workers."""
+        route = self._routes.get(req)
+        if route is None:
+            return None
+        offset, end = route.sent_outputs, len(req.output_ids)
+        if (route.seq and offset > route.context and not traceparent and req.finish is None
+                and not req.logprobs.return_logprob and req.transfer is None
+                and not req.spec_verify_ct):
+            step.pack(req.rid, route, req.output_ids[offset - route.context : offset],
+                      req.output_ids[offset:end])
+            route.seq += 1
+            route.sent_outputs = end
+            return Sent(False, end - offset)
+        update = self.build(req, traceparent)
+        assert update is not None
+        if lost and update.HasField("finish"):
+            update.finish.engine_lost = True
+        step.updates.append(update)
+        return Sent(update.seq == 0, len(update.new_ids))
 
     def build(self, req: Req, traceparent: str = "") -> mpb.TokenUpdate | None:
         """What is new for `req` since its last update; forgets it once finished."""

@@ -37,6 +37,7 @@ from radixmesh.proto import mesh_pb2 as mpb
 from radixmesh.proto import worker_pb2 as wpb
 from radixmesh.services.scheduler.cachectl_client import CachectlClient
 from radixmesh.services.scheduler.mesh_io import (
+    StepMessage,
     UpdateBuilder,
     abort_reason,
     commit_to_proto,
@@ -394,7 +395,7 @@ class SchedulerService:
         """Every request's news as one TokenStep; finished sequences to the routers."""
         sched = self.scheduler
         assert sched is not None and self._nc is not None
-        step = mpb.TokenStep(updates=self._refused)
+        step = StepMessage(self.engine_id, self._refused)
         self._refused = []
         cached = mpb.CacheEvent(engine_id=self.engine_id)
         commits, self._refused_commits = self._refused_commits, []
@@ -415,19 +416,16 @@ class SchedulerService:
             if req.finish is not None:
                 self._handoffs.pop(req.rid, None)
             trace = self.traces.sent(req.rid, len(req.output_ids), req.finish, req.cached_tokens)
-            update = self.updates.build(req, trace)
-            if update is None:
+            sent = self.updates.add(step, req, trace, self._down)
+            if sent is None:
                 continue
             finish = req.finish.kind.value if req.finish is not None else None
             self.metrics.update(
-                update.seq == 0, len(req.input_ids), req.cached_tokens, len(update.new_ids), finish,
+                sent.first, len(req.input_ids), req.cached_tokens, sent.new_tokens, finish,
                 req.cached_host_tokens, req.cached_storage_tokens,
             )
-            if update.seq == 0 and req.prefetch is not None:
+            if sent.first and req.prefetch is not None:
                 self.metrics.prefetched(req.prefetch)
-            if self._down and update.HasField("finish"):
-                update.finish.engine_lost = True
-            step.updates.append(update)
             if req.finish is not None:
                 cached.inserted.add(cache_salt=req.namespace or "", token_ids=req.tokens)
         if self.host_link is not None:
@@ -436,8 +434,8 @@ class SchedulerService:
         self.metrics.state(sched)
         try:
             await self._send_handoffs(sched, commits)
-            if step.updates:
-                await self._nc.publish(subjects.DETOK, step.SerializeToString())
+            if step:
+                await self._nc.publish(subjects.DETOK, step.to_proto().SerializeToString())
             if cached.inserted:
                 await self._nc.publish(
                     subjects.cache_events(self.engine_id), cached.SerializeToString()
