@@ -336,7 +336,7 @@ def test_a_constrained_request_waits_for_its_compile_alone(overlap: bool) -> Non
     for r in constrained:
         assert r.output_ids == reference_output(r.input_ids, 4)
     assert bad.finish is not None and bad.finish.kind is FinishKind.ABORT
-    assert bad.finish.message == "the ebnf could not be compiled: broken"
+    assert bad.finish.message == "broken" and bad.finish.status == 400
     assert "bad" not in worker.sampled and not bad.output_ids
     assert free.output_ids == reference_output([1, 2, 3], 12)
     assert sched.held_slots() == 0 and not worker.reqs

@@ -546,12 +546,8 @@ class Scheduler(TransferSteps, DecodeSteps):
     def _compiles_ended(self, result: StepResult) -> None:
         self.constraints.ended(result.grammars_ready, result.grammars_failed)
         for grammar, error in result.grammars_failed:
-            kind = grammar[0]
             for req in [r for r in self.waiting if r.params.grammar == grammar]:
-                self._finish(req, FinishReason(
-                    FinishKind.ABORT, message=f"the {kind} could not be compiled: {error}",
-                    status=400,
-                ))
+                self._finish(req, FinishReason(FinishKind.ABORT, message=error, status=400))
 
     def _check_finish(self, req: Req, token: int) -> FinishReason | None:
         return req.stop_reason(token, self.config.eos_token_ids, self.config.context_length)

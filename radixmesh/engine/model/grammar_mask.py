@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from radixmesh.core.grammar import llguidance_grammar, structural_tag
+from radixmesh.core.grammar import check, llguidance_grammar, structural_tag
 from radixmesh.core.step import Constraint
 from radixmesh.core.tokenizer import Tokenizer
 
@@ -212,7 +212,7 @@ class Grammars:
             if error is None:
                 ready.append(constraint)
             else:
-                failed.append((constraint, f"{type(error).__name__}: {error}"))
+                failed.append((constraint, _refusal(constraint, error)))
                 self._compiled.pop(constraint, None)
         return ready, failed
 
@@ -269,6 +269,9 @@ class Grammars:
         return self._compiler
 
     def _compile(self, constraint: Constraint) -> Any:
+        # The check the in-process engine makes before queueing: a constraint that does not
+        # parse is refused here in the same words.
+        check(constraint, self.backend)
         compiler = self._compiler_ready()
         kind, text = constraint
         if self.backend == "llguidance":
@@ -288,6 +291,13 @@ class Grammars:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _refusal(constraint: Constraint, error: BaseException) -> str:
+    """Why a constraint was refused: a check's words as they are, else the compiler's."""
+    if isinstance(error, ValueError):
+        return str(error)
+    return f"the {constraint[0]} could not be compiled: {type(error).__name__}: {error}"
 
 
 def apply_masks(logits: torch.Tensor, matchers: Sequence[Matcher | None]) -> None:
