@@ -255,11 +255,29 @@ class TextChunk(_message.Message):
     transfer: Transfer
     def __init__(self, rid: _Optional[str] = ..., seq: _Optional[int] = ..., text: _Optional[str] = ..., output_ids: _Optional[_Iterable[int]] = ..., finish: _Optional[_Union[Finish, _Mapping]] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., cached_host_tokens: _Optional[int] = ..., cached_storage_tokens: _Optional[int] = ..., spec_verify_ct: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., logprobs: _Optional[_Union[Logprobs, _Mapping]] = ..., engine_id: _Optional[str] = ..., transfer: _Optional[_Union[Transfer, _Mapping]] = ...) -> None: ...
 
+class PackedChunks(_message.Message):
+    __slots__ = ("rids", "seqs", "texts", "id_lens", "ids", "completion_tokens")
+    RIDS_FIELD_NUMBER: _ClassVar[int]
+    SEQS_FIELD_NUMBER: _ClassVar[int]
+    TEXTS_FIELD_NUMBER: _ClassVar[int]
+    ID_LENS_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    rids: _containers.RepeatedScalarFieldContainer[str]
+    seqs: bytes
+    texts: _containers.RepeatedScalarFieldContainer[str]
+    id_lens: bytes
+    ids: bytes
+    completion_tokens: bytes
+    def __init__(self, rids: _Optional[_Iterable[str]] = ..., seqs: _Optional[bytes] = ..., texts: _Optional[_Iterable[str]] = ..., id_lens: _Optional[bytes] = ..., ids: _Optional[bytes] = ..., completion_tokens: _Optional[bytes] = ...) -> None: ...
+
 class TextChunks(_message.Message):
-    __slots__ = ("chunks",)
+    __slots__ = ("chunks", "packed")
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    PACKED_FIELD_NUMBER: _ClassVar[int]
     chunks: _containers.RepeatedCompositeFieldContainer[TextChunk]
-    def __init__(self, chunks: _Optional[_Iterable[_Union[TextChunk, _Mapping]]] = ...) -> None: ...
+    packed: PackedChunks
+    def __init__(self, chunks: _Optional[_Iterable[_Union[TextChunk, _Mapping]]] = ..., packed: _Optional[_Union[PackedChunks, _Mapping]] = ...) -> None: ...
 
 class EngineStatus(_message.Message):
     __slots__ = ("engine_id", "running", "waiting", "num_slots", "free_slots", "cached_tokens", "context_length", "vocab_size", "model_path", "uptime_s", "down", "instance", "architecture", "num_experts", "num_experts_per_tok", "role")

@@ -13,6 +13,7 @@ from typing import Any
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
+from radixmesh.core.step import int_array
 from radixmesh.mesh import subjects
 from radixmesh.proto import mesh_pb2 as mpb
 from radixmesh.proto import worker_pb2 as wpb
@@ -57,8 +58,9 @@ class FakeEngine:
     `delay_s` spaces the chunks; `lose` ends each request at once as an engine that lost its
     workers does; `gap` never sends a request's first chunk (as if a detokenizer died with
     it); `refuse_grammars` refuses a request with a regex as an engine whose compile failed
-    does. `down` makes its heartbeats say it is down. Its heartbeats report a
-    mixture-of-experts model (MOE_SHAPE)."""
+    does; `packed` sends the chunks between the first and the last packed, as detokenizers
+    send those of packed updates. `down` makes its heartbeats say it is down. Its heartbeats
+    report a mixture-of-experts model (MOE_SHAPE)."""
 
     def __init__(
         self,
@@ -75,6 +77,7 @@ class FakeEngine:
         lose: bool = False,
         gap: bool = False,
         refuse_grammars: bool = False,
+        packed: bool = False,
     ) -> None:
         self.nc = nc
         self.engine_id = engine_id
@@ -88,6 +91,7 @@ class FakeEngine:
         self.lose = lose
         self.gap = gap
         self.refuse_grammars = refuse_grammars
+        self.packed = packed
         self.down = False
         self.load = 0  # running + waiting it reports
         self.flush_ok = True
@@ -209,7 +213,20 @@ class FakeEngine:
             await self._send(request, [chunk])
 
     async def _send(self, request: mpb.EngineRequest, chunks: list[mpb.TextChunk]) -> None:
-        payload = mpb.TextChunks(chunks=chunks).SerializeToString()
+        message = mpb.TextChunks()
+        for chunk in chunks:
+            plain = chunk.seq and not chunk.HasField("finish") and not chunk.HasField("logprobs")
+            if not (self.packed and plain):
+                message.chunks.append(chunk)
+                continue
+            p = message.packed
+            p.rids.append(chunk.rid)
+            p.texts.append(chunk.text)
+            p.seqs += int_array([chunk.seq]).tobytes()
+            p.id_lens += int_array([len(chunk.output_ids)]).tobytes()
+            p.ids += int_array(chunk.output_ids).tobytes()
+            p.completion_tokens += int_array([chunk.completion_tokens]).tobytes()
+        payload = message.SerializeToString()
         await self.nc.publish(request.reply_to, payload)
 
     def _chunks(self, request: mpb.EngineRequest) -> list[mpb.TextChunk]:

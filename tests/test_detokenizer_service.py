@@ -24,6 +24,7 @@ from radixmesh.engine.request import Req
 from radixmesh.mesh import subjects
 from radixmesh.proto import mesh_pb2 as mpb
 from radixmesh.proto import worker_pb2 as wpb
+from radixmesh.proto.convert import ints
 from radixmesh.services.detokenizer.server import (
     DetokenizerService,
     StepReplies,
@@ -181,6 +182,18 @@ def test_the_cache_tiers_of_a_request_reach_its_updates_and_chunks() -> None:
     ]
 
 
+def unpacked(message: mpb.TextChunks) -> list[mpb.TextChunk]:
+    """A TextChunks' chunks, its packed ones as TextChunks."""
+    p = message.packed
+    seqs, lens, completions = ints(p.seqs), ints(p.id_lens), ints(p.completion_tokens)
+    ids, end, out = ints(p.ids), 0, list(message.chunks)
+    for i, rid in enumerate(p.rids):
+        start, end = end, end + lens[i]
+        out.append(mpb.TextChunk(rid=rid, seq=seqs[i], text=p.texts[i], output_ids=ids[start:end],
+                                 completion_tokens=completions[i]))
+    return out
+
+
 def _registered(builder: UpdateBuilder, tok: Tokenizer, stops: dict[str, list[str]]
                 ) -> list[Req]:
     reqs = []
@@ -221,10 +234,12 @@ def test_packed_updates_read_as_the_same_updates_in_full() -> None:
     def chunks(replies: list[StepReplies]) -> list[list[object]]:
         # Within a step the packed updates come after the others: in order per request.
         return sorted(([getattr(c, f) for f in fields]
-                       for r in replies for c in r.chunks[OWNER_A].chunks), key=lambda c: c[:2])
+                       for r in replies for c in unpacked(r.chunks[OWNER_A])),
+                      key=lambda c: c[:2])
 
+    assert any(r.chunks[OWNER_A].packed.rids for r in got)
     assert chunks(got) == chunks(want)
-    assert "".join(c.text for r in got for c in r.chunks[OWNER_A].chunks
+    assert "".join(c.text for r in got for c in unpacked(r.chunks[OWNER_A])
                    if c.rid == "plain") == tok.decode(answer)
     assert [(subject, abort.rid) for r in got for subject, abort in r.aborts] == [
         (subjects.engine_abort(ENGINE), "stopped")]

@@ -107,6 +107,18 @@ async def test_given_seed_is_kept(mesh):
     assert engine.requests[0].sampling.seed == 1234
 
 
+async def test_packed_chunks_read_as_the_same_chunks_in_full(mesh):
+    """Chunks of new text alone may come packed (PackedChunks): the same output, counts and
+    finish, in order even when they come last first."""
+    await mesh.add_engine("e", packed=True, reverse=True)
+    prompt = [5, 6, 7, 8, 9]
+    chunks = await _run(mesh.client, _request(prompt, max_new_tokens=6))
+    assert _ids(chunks) == echo_ids(prompt, 6)
+    assert "".join(c.text for c in chunks) == "".join(map(token_text, echo_ids(prompt, 6)))
+    assert chunks[-1].finish.to_dict() == {"type": "length", "length": 6}
+    assert all(c.prompt_tokens == 5 for c in chunks)
+
+
 async def test_out_of_order_chunks_are_reassembled_and_a_late_finish_ignored(mesh):
     await mesh.add_engine("e", reverse=True, extra_finish=True)
     chunks = await _run(mesh.client, _request([3, 4, 5], max_new_tokens=5))

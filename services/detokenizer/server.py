@@ -17,6 +17,7 @@ from nats.errors import Error as NatsError
 from radixmesh.core.detokenize import DecodeFn, TextRules, Update, WindowText, window_text
 from radixmesh.core.model_files import resolve_model_path
 from radixmesh.core.service_settings import DetokenizerConfig
+from radixmesh.core.step import int_array
 from radixmesh.core.tokenizer import Tokenizer
 from radixmesh.mesh import subjects
 from radixmesh.mesh.service import StatusServer, connect_bus
@@ -35,6 +36,45 @@ class StepReplies(NamedTuple):
     aborts: list[tuple[str, mpb.AbortRequest]]  # (engine abort subject, message)
     stop_matches: int  # stop strings completed by the step's tokens
     errors: int
+
+
+class PlainText(NamedTuple):
+    """The chunk of a packed update that ends nothing: new text and ids alone."""
+
+    rid: str
+    seq: int
+    text: str
+    ids: Sequence[int]
+    completion_tokens: int
+
+
+class _Outbox:
+    """One owner's TextChunks as they are built: full chunks, and plain ones packed."""
+
+    def __init__(self) -> None:
+        self.chunks: list[mpb.TextChunk] = []
+        self.rids: list[str] = []
+        self.texts: list[str] = []
+        self.seqs, self.id_lens = int_array(), int_array()
+        self.ids, self.completions = int_array(), int_array()
+
+    def plain(self, text: PlainText) -> None:
+        self.rids.append(text.rid)
+        self.seqs.append(text.seq)
+        self.texts.append(text.text)
+        self.id_lens.append(len(text.ids))
+        self.ids.extend(text.ids)
+        self.completions.append(text.completion_tokens)
+
+    def to_proto(self) -> mpb.TextChunks:
+        out = mpb.TextChunks(chunks=self.chunks)
+        if self.rids:
+            p = out.packed
+            p.rids.extend(self.rids)
+            p.texts.extend(self.texts)
+            p.seqs, p.id_lens = self.seqs.tobytes(), self.id_lens.tobytes()
+            p.ids, p.completion_tokens = self.ids.tobytes(), self.completions.tobytes()
+        return out
 
 
 class UpdateReply(NamedTuple):
@@ -104,8 +144,9 @@ def _reply(rid: str, seq: int, offset: int, new_ids: Sequence[int], window: Wind
 
 
 def packed_replies(step: mpb.TokenStep, decode: DecodeFn
-                   ) -> Iterator[tuple[str, UpdateReply]]:
-    """The packed updates' chunks (see PackedUpdates), each with its reply_to subject."""
+                   ) -> Iterator[tuple[str, UpdateReply | PlainText]]:
+    """The packed updates' chunks (see PackedUpdates), each with its reply_to subject: plain
+    text where a chunk ends nothing."""
     p = step.packed
     rules = [_rules(spec) for spec in p.detok]
     seqs, offsets, routes = ints(p.seqs), ints(p.offsets), ints(p.routes)
@@ -118,7 +159,9 @@ def packed_replies(step: mpb.TokenStep, decode: DecodeFn
         route, offset = routes[i], offsets[i]
         try:
             window = window_text(decode, rules[route], Update(context, new, offset, False))
-            reply = _reply(rid, seqs[i], offset, new, window, None)
+            reply: UpdateReply | PlainText = (
+                PlainText(rid, seqs[i], window.text, new, offset + len(new))
+                if window.stop_at is None else _reply(rid, seqs[i], offset, new, window, None))
         except Exception as exc:
             log.exception("cannot detokenize update %d of %s", seqs[i], rid)
             reply = _failed(mpb.TokenUpdate(rid=rid, seq=seqs[i], offset=offset), exc)
@@ -150,24 +193,29 @@ def _failed(update: mpb.TokenUpdate, error: Exception) -> UpdateReply:
 
 def step_replies(step: mpb.TokenStep, decode: DecodeFn) -> StepReplies:
     """Detokenize every update of a step: one TextChunks per owner, aborts for the engines."""
-    chunks: dict[str, mpb.TextChunks] = {}
+    boxes: dict[str, _Outbox] = {}
     aborts: list[tuple[str, mpb.AbortRequest]] = []
     stop_matches = errors = 0
     for reply_to, engine_id, reply in _replies(step, decode):
+        if isinstance(reply, PlainText):
+            boxes.setdefault(reply_to, _Outbox()).plain(reply)
+            continue
         errors += reply.failed
         stop_matches += reply.stop_matched
         chunk = reply.chunk
         if reply_to:
-            chunks.setdefault(reply_to, mpb.TextChunks()).chunks.append(chunk)
+            boxes.setdefault(reply_to, _Outbox()).chunks.append(chunk)
         else:
             log.warning("update %d of %s names no reply subject", chunk.seq, chunk.rid)
         if reply.stops_engine and engine_id:
             abort = mpb.AbortRequest(rid=chunk.rid, finish=chunk.finish)
             aborts.append((subjects.engine_abort(engine_id), abort))
+    chunks = {subject: box.to_proto() for subject, box in boxes.items()}
     return StepReplies(chunks, aborts, stop_matches, errors)
 
 
-def _replies(step: mpb.TokenStep, decode: DecodeFn) -> Iterator[tuple[str, str, UpdateReply]]:
+def _replies(step: mpb.TokenStep, decode: DecodeFn
+             ) -> Iterator[tuple[str, str, UpdateReply | PlainText]]:
     """Every update's chunk, with its reply_to subject and its engine."""
     for update in step.updates:
         try:
@@ -245,7 +293,7 @@ class DetokenizerService:
             metrics.ERRORS.inc(replies.errors)
             for reply_to, chunks in replies.chunks.items():
                 await self._publish(reply_to, chunks.SerializeToString())
-                metrics.CHUNKS.inc(len(chunks.chunks))
+                metrics.CHUNKS.inc(len(chunks.chunks) + len(chunks.packed.rids))
             for subject, abort in replies.aborts:
                 await self._publish(subject, abort.SerializeToString(), trace.headers(abort.rid))
             trace.end()

@@ -30,7 +30,7 @@ from radixmesh.core.request import GenerationRequest
 from radixmesh.core.tokenizer import Tokenizer
 from radixmesh.mesh import subjects
 from radixmesh.proto import mesh_pb2 as mpb
-from radixmesh.proto.convert import sampling_to_proto
+from radixmesh.proto.convert import ints, sampling_to_proto
 from radixmesh.services.tokenizer import metrics
 from radixmesh.services.tokenizer.assembler import ChunkAssembler
 from radixmesh.services.tokenizer.generation import GenerationChunk, GenerationError
@@ -58,6 +58,16 @@ class _InFlight:
     # chunk, so a reader that falls behind catches up in one go.
     ready: GenerationChunk | None = None
     wake: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def arrived(self, chunks: list[GenerationChunk], now: float) -> None:
+        """Output came (`chunks`: what is now in order): deliver it, note any gap."""
+        self.last_output = now
+        for chunk in chunks:
+            self.deliver(chunk)
+        if not self.assembler.has_gap:
+            self.gap_since = None
+        elif self.gap_since is None:
+            self.gap_since = now
 
     def deliver(self, chunk: GenerationChunk) -> None:
         if self.ready is None:
@@ -361,19 +371,27 @@ class MeshClient:
             self.router.record_cached(event.engine_id, seq.token_ids, seq.cache_salt)
 
     async def _on_output(self, msg: Msg) -> None:
-        for chunk in mpb.TextChunks.FromString(msg.data).chunks:
+        message = mpb.TextChunks.FromString(msg.data)
+        now = time.monotonic()
+        for chunk in message.chunks:
             flight = self._in_flight.get(chunk.rid)
             if flight is None:
                 continue  # a late chunk of a request that already ended
-            flight.last_output = time.monotonic()
             if chunk.finish.engine_lost:
                 flight.lost = True
-            for out in flight.assembler.add(chunk):
-                flight.deliver(out)
-            if not flight.assembler.has_gap:
-                flight.gap_since = None
-            elif flight.gap_since is None:
-                flight.gap_since = flight.last_output
+            flight.arrived(flight.assembler.add(chunk), now)
+        p = message.packed
+        if p.rids:
+            seqs, lens, completions = ints(p.seqs), ints(p.id_lens), ints(p.completion_tokens)
+            ids = ints(p.ids)
+            end = 0
+            for i, rid in enumerate(p.rids):
+                start, end = end, end + lens[i]
+                flight = self._in_flight.get(rid)
+                if flight is not None:
+                    outs = flight.assembler.add_plain(seqs[i], p.texts[i], ids[start:end].tolist(),
+                                                      completions[i])
+                    flight.arrived(outs, now)
 
     async def _reap_loop(self) -> None:
         period = min(self.engines.timeout_s / 4, 1.0)
