@@ -32,7 +32,7 @@ from radixmesh.core.sampling_params import SamplingParams
 from radixmesh.core.tokenizer import Tokenizer
 from radixmesh.engine.request import Req
 from radixmesh.proto import mesh_pb2 as mpb
-from radixmesh.proto.convert import ints
+from radixmesh.proto.convert import packed_chunks
 from radixmesh.services.detokenizer.server import step_replies
 from radixmesh.services.scheduler.mesh_io import StepMessage, UpdateBuilder
 from radixmesh.services.tokenizer.assembler import ChunkAssembler
@@ -77,12 +77,8 @@ def run_once(tok: Tokenizer, outputs: list[list[int]], stop: list[str]
         message = mpb.TextChunks.FromString(text)
         for chunk in message.chunks:
             by_rid[chunk.rid].add(chunk)
-        p = message.packed
-        seqs, lens, done = ints(p.seqs), ints(p.id_lens), ints(p.completion_tokens)
-        ids, end = ints(p.ids), 0
-        for i, rid in enumerate(p.rids):
-            start, end = end, end + lens[i]
-            by_rid[rid].add_plain(seqs[i], p.texts[i], ids[start:end].tolist(), done[i])
+        for packed in packed_chunks(message.packed):
+            by_rid[packed.rid].add(packed)
         ended = time.perf_counter()
         seconds["scheduler"] += took - began
         seconds["detokenizer"] += detokenized - took

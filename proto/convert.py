@@ -6,6 +6,8 @@ see protobuf."""
 from __future__ import annotations
 
 from array import array
+from collections.abc import Iterator
+from typing import NamedTuple
 
 from radixmesh.core.finish import FinishKind, FinishReason
 from radixmesh.core.hicache import HostPoolSpec, KVGeometry
@@ -289,3 +291,49 @@ def ints(packed: bytes) -> array[int]:
     values = int_array()
     values.frombytes(packed)
     return values
+
+
+class PackedUpdate(NamedTuple):
+    """One entry of a TokenStep's PackedUpdates."""
+
+    rid: str
+    seq: int
+    offset: int
+    route: int  # index in the message's reply_to and detok
+    context: array[int]
+    new: array[int]
+
+
+class PackedChunk(NamedTuple):
+    """One entry of a TextChunks' PackedChunks."""
+
+    rid: str
+    seq: int
+    text: str
+    ids: array[int]
+    completion_tokens: int
+
+
+def packed_updates(p: mpb.PackedUpdates) -> Iterator[PackedUpdate]:
+    """The entries of packed updates, in order."""
+    contexts = _runs(ints(p.context_ids), ints(p.context_lens))
+    news = _runs(ints(p.new_ids), ints(p.new_lens))
+    for fields in zip(p.rids, ints(p.seqs), ints(p.offsets), ints(p.routes), contexts, news,
+                      strict=True):
+        yield PackedUpdate(*fields)
+
+
+def packed_chunks(p: mpb.PackedChunks) -> Iterator[PackedChunk]:
+    """The entries of packed chunks, in order."""
+    ids = _runs(ints(p.ids), ints(p.id_lens))
+    for fields in zip(p.rids, ints(p.seqs), p.texts, ids, ints(p.completion_tokens),
+                      strict=True):
+        yield PackedChunk(*fields)
+
+
+def _runs(values: array[int], lengths: array[int]) -> Iterator[array[int]]:
+    """`values` cut into consecutive runs of `lengths`."""
+    end = 0
+    for n in lengths:
+        start, end = end, end + n
+        yield values[start:end]

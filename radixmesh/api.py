@@ -27,7 +27,8 @@ from radixmesh.core.step import StepResult
 from radixmesh.core.tokenizer import Tokenizer
 from radixmesh.engine.host_link import HostLink
 from radixmesh.engine.loop import EngineLoop
-from radixmesh.engine.model.runner import LaunchAhead, ModelRunner, load_runner
+from radixmesh.engine.model.launch import LaunchAhead
+from radixmesh.engine.model.runner import ModelRunner, load_runner
 from radixmesh.engine.request import Req
 from radixmesh.engine.scheduler import ScheduledBatch, Scheduler
 from radixmesh.engine.scheduler_config import SchedulerConfig

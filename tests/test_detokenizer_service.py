@@ -24,7 +24,7 @@ from radixmesh.engine.request import Req
 from radixmesh.mesh import subjects
 from radixmesh.proto import mesh_pb2 as mpb
 from radixmesh.proto import worker_pb2 as wpb
-from radixmesh.proto.convert import ints
+from radixmesh.proto.convert import packed_chunks
 from radixmesh.services.detokenizer.server import (
     DetokenizerService,
     StepReplies,
@@ -184,14 +184,10 @@ def test_the_cache_tiers_of_a_request_reach_its_updates_and_chunks() -> None:
 
 def unpacked(message: mpb.TextChunks) -> list[mpb.TextChunk]:
     """A TextChunks' chunks, its packed ones as TextChunks."""
-    p = message.packed
-    seqs, lens, completions = ints(p.seqs), ints(p.id_lens), ints(p.completion_tokens)
-    ids, end, out = ints(p.ids), 0, list(message.chunks)
-    for i, rid in enumerate(p.rids):
-        start, end = end, end + lens[i]
-        out.append(mpb.TextChunk(rid=rid, seq=seqs[i], text=p.texts[i], output_ids=ids[start:end],
-                                 completion_tokens=completions[i]))
-    return out
+    return [*message.chunks, *(
+        mpb.TextChunk(rid=c.rid, seq=c.seq, text=c.text, output_ids=c.ids,
+                      completion_tokens=c.completion_tokens)
+        for c in packed_chunks(message.packed))]
 
 
 def _registered(builder: UpdateBuilder, tok: Tokenizer, stops: dict[str, list[str]]

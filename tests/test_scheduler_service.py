@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import grpc
@@ -18,7 +17,7 @@ from radixmesh.mesh import subjects
 from radixmesh.proto import mesh_pb2 as mpb
 from radixmesh.proto import worker_pb2 as wpb
 from radixmesh.proto import worker_pb2_grpc as wgrpc
-from radixmesh.proto.convert import batch_from_proto, ints, result_to_proto
+from radixmesh.proto.convert import batch_from_proto, packed_updates, result_to_proto
 from radixmesh.services.scheduler.server import SchedulerService
 
 NUM_SLOTS = 256
@@ -93,20 +92,11 @@ def request(rid: str, prompt: list[int], max_new: int, **kw: object) -> bytes:
 def step_updates(step: mpb.TokenStep) -> list[mpb.TokenUpdate]:
     """A step's updates, its packed ones as TokenUpdates."""
     p = step.packed
-    out = list(step.updates)
-    seqs, offsets, routes = ints(p.seqs), ints(p.offsets), ints(p.routes)
-    contexts = _split(ints(p.context_ids), ints(p.context_lens))
-    news = _split(ints(p.new_ids), ints(p.new_lens))
-    for i, rid in enumerate(p.rids):
-        out.append(mpb.TokenUpdate(
-            rid=rid, seq=seqs[i], offset=offsets[i], context_ids=contexts[i], new_ids=news[i],
-            reply_to=p.reply_to[routes[i]], detok=p.detok[routes[i]], engine_id=step.engine_id))
-    return out
-
-
-def _split(values: Sequence[int], lengths: Sequence[int]) -> list[list[int]]:
-    ends = list(itertools.accumulate(lengths))
-    return [list(values[end - n : end]) for n, end in zip(lengths, ends, strict=True)]
+    return [*step.updates, *(
+        mpb.TokenUpdate(rid=u.rid, seq=u.seq, offset=u.offset, context_ids=u.context,
+                        new_ids=u.new, reply_to=p.reply_to[u.route], detok=p.detok[u.route],
+                        engine_id=step.engine_id)
+        for u in packed_updates(p))]
 
 
 async def collect(nc: nats.NATS, rids: set[str]) -> tuple[dict[str, list[mpb.TokenUpdate]],

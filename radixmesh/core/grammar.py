@@ -20,12 +20,14 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Mapping, Sequence
+from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
 from radixmesh.core.sampling_params import GRAMMAR_KINDS
 
 if TYPE_CHECKING:
     import xgrammar
+    from jsonschema.protocols import Validator
 
 # xgrammar's messages start with the time and the C++ file and line that raised them.
 _SOURCE = re.compile(r"^\[[\d:]+\] [^:]+:\d+: (Check failed: .*? is false: )?")
@@ -35,7 +37,9 @@ _SOURCE = re.compile(r"^\[[\d:]+\] [^:]+:\d+: (Check failed: .*? is false: )?")
 _JSON_WHITESPACE = 1
 
 
-def _check_kind(kind: str, text: str) -> None:
+def check_kind(kind: str, text: str) -> None:
+    """Raise ValueError unless the kind is known and the text has its outer shape (a
+    structural tag's, a JSON schema's JSON)."""
     if kind not in GRAMMAR_KINDS:
         raise ValueError(f"unknown constraint {kind!r}: expected {', '.join(GRAMMAR_KINDS)}")
     if kind == "structural_tag":
@@ -53,7 +57,7 @@ def parse(kind: str, text: str) -> xgrammar.Grammar:
     """xgrammar's grammar of a constraint; ValueError naming the problem when it has one."""
     import xgrammar  # here: it takes a second and a half to import, and few requests need it
 
-    _check_kind(kind, text)
+    check_kind(kind, text)
     build = {
         "json_schema": xgrammar.Grammar.from_json_schema,
         "regex": xgrammar.Grammar.from_regex,
@@ -63,8 +67,13 @@ def parse(kind: str, text: str) -> xgrammar.Grammar:
     try:
         return build(text)
     except RuntimeError as exc:  # xgrammar's errors, InvalidStructuralTagError among them
-        reason = _SOURCE.sub("", str(exc).strip().splitlines()[0])
-        raise ValueError(f"invalid {kind}: {reason}") from None
+        raise xgrammar_error(kind, exc) from None
+
+
+def xgrammar_error(kind: str, error: RuntimeError) -> ValueError:
+    """An error xgrammar raised parsing or compiling a constraint, as a refusal naming it."""
+    reason = _SOURCE.sub("", str(error).strip().splitlines()[0])
+    return ValueError(f"invalid {kind}: {reason}")
 
 
 def llguidance_grammar(kind: str, text: str) -> str:
@@ -72,7 +81,7 @@ def llguidance_grammar(kind: str, text: str) -> str:
     from llguidance import LLMatcher
     from llguidance.gbnf_to_lark import gbnf_to_lark
 
-    _check_kind(kind, text)
+    check_kind(kind, text)
     if kind == "structural_tag":
         raise ValueError("structural_tag needs the xgrammar grammar backend")
     try:
@@ -93,18 +102,31 @@ def llguidance_grammar(kind: str, text: str) -> str:
 
 
 def _check_form(kind: str, text: str, backend: str) -> None:
-    _check_kind(kind, text)
+    check_kind(kind, text)
     if kind == "structural_tag" and backend == "llguidance":
         raise ValueError("structural_tag needs the xgrammar grammar backend")
     if kind == "json_schema":
-        from jsonschema import validators
-        from jsonschema.exceptions import SchemaError
-
-        schema = json.loads(text)
         try:
-            validators.validator_for(schema).check_schema(schema)
-        except SchemaError as exc:
-            raise ValueError(f"invalid json_schema: {exc.message}") from None
+            schema_validator(text)
+        except ValueError as exc:
+            raise ValueError(f"invalid json_schema: {exc}") from None
+
+
+@lru_cache(maxsize=256)
+def schema_validator(schema_text: str) -> Validator:
+    """The validator of a JSON schema, the schema checked against its meta-schema once
+    (ValueError saying why it fails): checking costs about a millisecond, and every answer
+    of a request with tools builds a tool parser."""
+    from jsonschema import validators  # here: few requests need it, and it weighs 8 MiB
+    from jsonschema.exceptions import SchemaError
+
+    schema = json.loads(schema_text)
+    validator = validators.validator_for(schema)
+    try:
+        validator.check_schema(schema)
+    except SchemaError as exc:
+        raise ValueError(exc.message) from None
+    return validator(schema)
 
 
 def _closed(schema: Any) -> Any:

@@ -36,10 +36,9 @@ import re
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
-from functools import lru_cache
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from radixmesh.core.grammar import tool_calls_tag
+from radixmesh.core.grammar import schema_validator, tool_calls_tag
 
 if TYPE_CHECKING:
     from jsonschema.protocols import Validator
@@ -126,18 +125,6 @@ def _python_arguments(source: str) -> Any:
     return arguments
 
 
-@lru_cache(maxsize=256)
-def _validator(schema_text: str) -> Validator:
-    """The validator of one parameters schema, checked once: checking a schema costs about a
-    millisecond, and every answer of a request with tools builds a parser."""
-    from jsonschema import validators  # here: only tool calls need it, the services do not
-
-    schema = json.loads(schema_text)
-    validator = validators.validator_for(schema)
-    validator.check_schema(schema)
-    return validator(schema)
-
-
 class _Span:
     """Where a bracketed value opening at `start` closes. It resumes where it stopped, since a
     stream's text only grows: rescanning long arguments on every token would be quadratic."""
@@ -197,15 +184,13 @@ class ToolParser(ABC):
     _opener: ClassVar[str]  # the text a unit starts with, searched for in the content
 
     def __init__(self, tools: Mapping[str, Mapping[str, Any]]) -> None:
-        from jsonschema.exceptions import SchemaError
-
         self._validators: dict[str, Validator] = {}
         for function, schema in tools.items():
             try:
-                self._validators[function] = _validator(json.dumps(schema, sort_keys=True))
-            except SchemaError as error:
+                self._validators[function] = schema_validator(json.dumps(schema, sort_keys=True))
+            except ValueError as error:
                 raise ValueError(
-                    f"tool {function!r}: invalid parameters schema: {error.message}"
+                    f"tool {function!r}: invalid parameters schema: {error}"
                 ) from error
         self._reset(eager=True)
 

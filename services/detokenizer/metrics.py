@@ -7,6 +7,7 @@ from __future__ import annotations
 from prometheus_client import Counter, Histogram
 
 from radixmesh.proto import mesh_pb2 as mpb
+from radixmesh.proto.convert import ints
 
 _P = "radixmesh:detokenizer_"
 
@@ -28,5 +29,5 @@ def observe_step(step: mpb.TokenStep) -> None:
     updates finish none)."""
     updates, packed = step.updates, step.packed
     UPDATES.inc(len(updates) + len(packed.rids))
-    TOKENS.inc(sum(len(u.new_ids) for u in updates) + len(packed.new_ids) // 4)
+    TOKENS.inc(sum(len(u.new_ids) for u in updates) + len(ints(packed.new_ids)))
     FINISHED.inc(sum(u.HasField("finish") for u in updates))

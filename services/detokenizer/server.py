@@ -22,7 +22,7 @@ from radixmesh.core.tokenizer import Tokenizer
 from radixmesh.mesh import subjects
 from radixmesh.mesh.service import StatusServer, connect_bus
 from radixmesh.proto import mesh_pb2 as mpb
-from radixmesh.proto.convert import ints
+from radixmesh.proto.convert import PackedChunk, packed_updates
 from radixmesh.services.detokenizer import metrics
 from radixmesh.services.detokenizer.step_trace import StepTrace
 
@@ -38,16 +38,6 @@ class StepReplies(NamedTuple):
     errors: int
 
 
-class PlainText(NamedTuple):
-    """The chunk of a packed update that ends nothing: new text and ids alone."""
-
-    rid: str
-    seq: int
-    text: str
-    ids: Sequence[int]
-    completion_tokens: int
-
-
 class _Outbox:
     """One owner's TextChunks as they are built: full chunks, and plain ones packed."""
 
@@ -58,13 +48,13 @@ class _Outbox:
         self.seqs, self.id_lens = int_array(), int_array()
         self.ids, self.completions = int_array(), int_array()
 
-    def plain(self, text: PlainText) -> None:
-        self.rids.append(text.rid)
-        self.seqs.append(text.seq)
-        self.texts.append(text.text)
-        self.id_lens.append(len(text.ids))
-        self.ids.extend(text.ids)
-        self.completions.append(text.completion_tokens)
+    def plain(self, chunk: PackedChunk) -> None:
+        self.rids.append(chunk.rid)
+        self.seqs.append(chunk.seq)
+        self.texts.append(chunk.text)
+        self.id_lens.append(len(chunk.ids))
+        self.ids.extend(chunk.ids)
+        self.completions.append(chunk.completion_tokens)
 
     def to_proto(self) -> mpb.TextChunks:
         out = mpb.TextChunks(chunks=self.chunks)
@@ -144,28 +134,22 @@ def _reply(rid: str, seq: int, offset: int, new_ids: Sequence[int], window: Wind
 
 
 def packed_replies(step: mpb.TokenStep, decode: DecodeFn
-                   ) -> Iterator[tuple[str, UpdateReply | PlainText]]:
-    """The packed updates' chunks (see PackedUpdates), each with its reply_to subject: plain
-    text where a chunk ends nothing."""
+                   ) -> Iterator[tuple[str, UpdateReply | PackedChunk]]:
+    """The packed updates' chunks (see PackedUpdates), each with its reply_to subject: a
+    packed chunk where it ends nothing."""
     p = step.packed
     rules = [_rules(spec) for spec in p.detok]
-    seqs, offsets, routes = ints(p.seqs), ints(p.offsets), ints(p.routes)
-    context_lens, context_ids = ints(p.context_lens), ints(p.context_ids)
-    new_lens, new_ids = ints(p.new_lens), ints(p.new_ids)
-    c = n = 0
-    for i, rid in enumerate(p.rids):
-        context, new = context_ids[c : c + context_lens[i]], new_ids[n : n + new_lens[i]]
-        c, n = c + context_lens[i], n + new_lens[i]
-        route, offset = routes[i], offsets[i]
+    for u in packed_updates(p):
         try:
-            window = window_text(decode, rules[route], Update(context, new, offset, False))
-            reply: UpdateReply | PlainText = (
-                PlainText(rid, seqs[i], window.text, new, offset + len(new))
-                if window.stop_at is None else _reply(rid, seqs[i], offset, new, window, None))
+            window = window_text(decode, rules[u.route], Update(u.context, u.new, u.offset, False))
+            reply: UpdateReply | PackedChunk = (
+                PackedChunk(u.rid, u.seq, window.text, u.new, u.offset + len(u.new))
+                if window.stop_at is None
+                else _reply(u.rid, u.seq, u.offset, u.new, window, None))
         except Exception as exc:
-            log.exception("cannot detokenize update %d of %s", seqs[i], rid)
-            reply = _failed(mpb.TokenUpdate(rid=rid, seq=seqs[i], offset=offset), exc)
-        yield p.reply_to[route], reply
+            log.exception("cannot detokenize update %d of %s", u.seq, u.rid)
+            reply = _failed(mpb.TokenUpdate(rid=u.rid, seq=u.seq, offset=u.offset), exc)
+        yield p.reply_to[u.route], reply
 
 
 def _kept_logprobs(logprobs: mpb.Logprobs, kept: int) -> mpb.Logprobs:
@@ -197,7 +181,7 @@ def step_replies(step: mpb.TokenStep, decode: DecodeFn) -> StepReplies:
     aborts: list[tuple[str, mpb.AbortRequest]] = []
     stop_matches = errors = 0
     for reply_to, engine_id, reply in _replies(step, decode):
-        if isinstance(reply, PlainText):
+        if isinstance(reply, PackedChunk):
             boxes.setdefault(reply_to, _Outbox()).plain(reply)
             continue
         errors += reply.failed
@@ -215,7 +199,7 @@ def step_replies(step: mpb.TokenStep, decode: DecodeFn) -> StepReplies:
 
 
 def _replies(step: mpb.TokenStep, decode: DecodeFn
-             ) -> Iterator[tuple[str, str, UpdateReply | PlainText]]:
+             ) -> Iterator[tuple[str, str, UpdateReply | PackedChunk]]:
     """Every update's chunk, with its reply_to subject and its engine."""
     for update in step.updates:
         try:

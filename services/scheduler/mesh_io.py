@@ -129,7 +129,7 @@ class _Route:
     sent_input_logprobs: int = 0
     # What its packed updates share with other requests': reply_to and detok less the
     # prompt's tail (which only updates with the prompt in their context need).
-    shared: tuple[str, bytes] = ("", b"")
+    shared: tuple[str, bytes] = field(init=False)
 
     def __post_init__(self) -> None:
         spec = mpb.DetokSpec()

@@ -14,7 +14,7 @@ from radixmesh.core.meta_info import Disaggregated, TokenLogprob
 from radixmesh.core.request import GenerationRequest
 from radixmesh.proto import mesh_pb2 as mpb
 from radixmesh.proto import worker_pb2 as wpb
-from radixmesh.proto.convert import finish_from_proto
+from radixmesh.proto.convert import PackedChunk, finish_from_proto
 from radixmesh.services.tokenizer.generation import GenerationChunk
 
 
@@ -34,10 +34,6 @@ def _top(items: Iterable[wpb.TokenLogprob]) -> list[TokenLogprob]:
     return [(_logprob(t.logprob), t.token_id, None) for t in items]
 
 
-# A packed chunk: its text, output ids and output tokens so far.
-_Plain = tuple[str, list[int], int]
-
-
 class ChunkAssembler:
     """In-order delivery of one request's output; prompt logprobs gathered until the end."""
 
@@ -50,23 +46,16 @@ class ChunkAssembler:
         self.cached_host_tokens = 0
         self.cached_storage_tokens = 0
         self._next_seq = 0
-        self._early: dict[int, mpb.TextChunk | _Plain] = {}
+        self._early: dict[int, mpb.TextChunk | PackedChunk] = {}
         self._input_logprobs: list[float] = []
         self._input_top: list[list[TokenLogprob] | None] = []
 
-    def add(self, chunk: mpb.TextChunk) -> list[GenerationChunk]:
-        """Take one chunk; returns the chunks now deliverable, in order."""
-        return self._arrived(chunk.seq, chunk)
-
-    def add_plain(self, seq: int, text: str, ids: list[int], completion_tokens: int
-                  ) -> list[GenerationChunk]:
-        """Take a packed chunk (new text and ids alone), as `add` does."""
-        return self._arrived(seq, (text, ids, completion_tokens))
-
-    def _arrived(self, seq: int, chunk: mpb.TextChunk | _Plain) -> list[GenerationChunk]:
-        if self.finished or seq < self._next_seq:
+    def add(self, chunk: mpb.TextChunk | PackedChunk) -> list[GenerationChunk]:
+        """Take one chunk (a packed one: new text and ids alone); returns the chunks now
+        deliverable, in order."""
+        if self.finished or chunk.seq < self._next_seq:
             return []
-        self._early[seq] = chunk
+        self._early[chunk.seq] = chunk
         ready = []
         while not self.finished and self._next_seq in self._early:
             ready.append(self._convert(self._early.pop(self._next_seq)))
@@ -96,12 +85,12 @@ class ChunkAssembler:
             cached_storage_tokens=self.cached_storage_tokens,
         )
 
-    def _convert(self, chunk: mpb.TextChunk | _Plain) -> GenerationChunk:
-        if isinstance(chunk, tuple):
-            text, ids, completion = chunk
-            self.completion_tokens = max(self.completion_tokens, completion)
+    def _convert(self, chunk: mpb.TextChunk | PackedChunk) -> GenerationChunk:
+        if isinstance(chunk, PackedChunk):
+            self.completion_tokens = max(self.completion_tokens, chunk.completion_tokens)
             return GenerationChunk(
-                self.request.rid, text, ids, self.prompt_tokens, self.completion_tokens,
+                self.request.rid, chunk.text, chunk.ids.tolist(), self.prompt_tokens,
+                self.completion_tokens,
                 self.cached_tokens, cached_host_tokens=self.cached_host_tokens,
                 cached_storage_tokens=self.cached_storage_tokens,
             )

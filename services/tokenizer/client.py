@@ -30,7 +30,7 @@ from radixmesh.core.request import GenerationRequest
 from radixmesh.core.tokenizer import Tokenizer
 from radixmesh.mesh import subjects
 from radixmesh.proto import mesh_pb2 as mpb
-from radixmesh.proto.convert import ints, sampling_to_proto
+from radixmesh.proto.convert import packed_chunks, sampling_to_proto
 from radixmesh.services.tokenizer import metrics
 from radixmesh.services.tokenizer.assembler import ChunkAssembler
 from radixmesh.services.tokenizer.generation import GenerationChunk, GenerationError
@@ -380,18 +380,10 @@ class MeshClient:
             if chunk.finish.engine_lost:
                 flight.lost = True
             flight.arrived(flight.assembler.add(chunk), now)
-        p = message.packed
-        if p.rids:
-            seqs, lens, completions = ints(p.seqs), ints(p.id_lens), ints(p.completion_tokens)
-            ids = ints(p.ids)
-            end = 0
-            for i, rid in enumerate(p.rids):
-                start, end = end, end + lens[i]
-                flight = self._in_flight.get(rid)
-                if flight is not None:
-                    outs = flight.assembler.add_plain(seqs[i], p.texts[i], ids[start:end].tolist(),
-                                                      completions[i])
-                    flight.arrived(outs, now)
+        for packed in packed_chunks(message.packed):
+            flight = self._in_flight.get(packed.rid)
+            if flight is not None:
+                flight.arrived(flight.assembler.add(packed), now)
 
     async def _reap_loop(self) -> None:
         period = min(self.engines.timeout_s / 4, 1.0)

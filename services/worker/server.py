@@ -25,8 +25,9 @@ from radixmesh.core.model_info import model_shape
 from radixmesh.core.service_settings import WorkerConfig
 from radixmesh.core.step import KVSend, StepBatch, StepResult
 from radixmesh.engine.model.kv_transfer import KVInbox, KVPorter
+from radixmesh.engine.model.launch import LaunchAhead, PendingStep
 from radixmesh.engine.model.parallel import destroy_tensor_parallel
-from radixmesh.engine.model.runner import LaunchAhead, ModelRunner, PendingStep, load_runner
+from radixmesh.engine.model.runner import ModelRunner, load_runner
 from radixmesh.kernels import native
 from radixmesh.mesh.discovery import Announcer, WorkerRank
 from radixmesh.mesh.service import StatusServer

@@ -34,7 +34,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from radixmesh.core.grammar import check, llguidance_grammar, structural_tag
+from radixmesh.core.grammar import (
+    check_kind,
+    llguidance_grammar,
+    structural_tag,
+    xgrammar_error,
+)
 from radixmesh.core.step import Constraint
 from radixmesh.core.tokenizer import Tokenizer
 
@@ -269,11 +274,11 @@ class Grammars:
         return self._compiler
 
     def _compile(self, constraint: Constraint) -> Any:
-        # The check the in-process engine makes before queueing: a constraint that does not
-        # parse is refused here in the same words.
-        check(constraint, self.backend)
-        compiler = self._compiler_ready()
+        """A constraint that does not parse is refused in the words of the in-process
+        engine's check before queueing (grammar.check)."""
         kind, text = constraint
+        check_kind(kind, text)
+        compiler = self._compiler_ready()
         if self.backend == "llguidance":
             import llguidance
 
@@ -281,13 +286,16 @@ class Grammars:
             if template.is_error():
                 raise ValueError(template.get_error())
             return template
-        if kind == "json_schema":
-            return compiler.compile_json_schema(text, any_whitespace=False)
-        if kind == "regex":
-            return compiler.compile_regex(text)
-        if kind == "structural_tag":
-            return compiler.compile_structural_tag(structural_tag(text))
-        return compiler.compile_grammar(text)
+        try:
+            if kind == "json_schema":
+                return compiler.compile_json_schema(text, any_whitespace=False)
+            if kind == "regex":
+                return compiler.compile_regex(text)
+            if kind == "structural_tag":
+                return compiler.compile_structural_tag(structural_tag(text))
+            return compiler.compile_grammar(text)
+        except RuntimeError as exc:
+            raise xgrammar_error(kind, exc) from None
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

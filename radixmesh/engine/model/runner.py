@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from array import array
-from collections import deque
-from collections.abc import Awaitable, Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -37,6 +34,7 @@ from radixmesh.engine.model.draft_tree import (
 from radixmesh.engine.model.grammar_mask import Grammars, Vocabulary
 from radixmesh.engine.model.host_copies import HostCopier
 from radixmesh.engine.model.kv_pool import KVPool
+from radixmesh.engine.model.launch import PendingStep
 from radixmesh.engine.model.memory import keep_freed_memory, release_free_memory
 from radixmesh.engine.model.model import CausalLM
 from radixmesh.engine.model.model_config import ModelConfig
@@ -59,99 +57,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("radixmesh.worker")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-class PendingStep:
-    """A launched step: its result, once the host has read its tokens. Its forward_ms counts
-    the launch and the wait for the tokens, not the time between (another step's)."""
-
-    def __init__(self, result: StepResult, read: TokenRead | None) -> None:
-        self._result, self._read = result, read
-
-    def ready(self) -> bool:
-        """Whether result() would not wait for the device."""
-        return self._read is None or self._read.ready()
-
-    def result(self) -> StepResult:
-        if self._read is not None:
-            began = time.perf_counter()
-            self._read()
-            self._read = None
-            self._result.forward_ms += (time.perf_counter() - began) * 1e3
-        return self._result
-
-
-R = TypeVar("R", covariant=True)
-
-
-class Launched(Protocol[R]):
-    """A step launched on the torch thread (a PendingStep, or what wraps one)."""
-
-    def ready(self) -> bool: ...
-
-    def result(self) -> R: ...
-
-
-# How often a read waiting for the device looks for a launch queued behind it.
-READ_POLL_S = 50e-6
-
-
-class LaunchAhead(Generic[R]):
-    """Runs steps on the one torch thread, in the order submitted, launching each before the
-    one before it is read (ModelRunner.launch): while the host waits for a step's tokens,
-    the next step is already queued on the GPU. A read still waiting for the device gives
-    way to a launch submitted meanwhile, which reads it after launching. On the CPU a
-    launch computes the whole step, and nothing changes."""
-
-    def __init__(self, torch_thread: ThreadPoolExecutor) -> None:
-        self._thread = torch_thread
-        # The step launched last, not read yet, and its future (torch thread only).
-        self._launched: tuple[Launched[R], Future[R]] | None = None
-        self._queued: deque[None] = deque()  # one per launch submitted and not yet run
-
-    def submit(self, launch: Callable[[], Launched[R]]) -> Awaitable[R]:
-        done: Future[R] = Future()
-        self._queued.append(None)
-        self._thread.submit(self._launch, launch, done)
-        return self._result(done)
-
-    async def _result(self, done: Future[R]) -> R:
-        if not done.done():
-            # Read it now unless a later step, launched first, reads it.
-            self._thread.submit(self._read, done)
-        return await asyncio.wrap_future(done)
-
-    def _launch(self, launch: Callable[[], Launched[R]], done: Future[R]) -> None:
-        self._queued.popleft()
-        try:
-            step = launch()
-        except BaseException as exc:
-            self._read(None)
-            done.set_exception(exc)
-            return
-        launched, self._launched = self._launched, (step, done)
-        if launched is not None:
-            _settle(*launched)
-
-    def _read(self, done: Future[R] | None) -> None:
-        """Read the step launched last, if it is `done`'s (None: whichever, at once)."""
-        launched = self._launched
-        if launched is None or (done is not None and launched[1] is not done):
-            return
-        if done is not None:
-            while not launched[0].ready():
-                if self._queued:
-                    return  # the launch queued behind this read reads the step
-                time.sleep(READ_POLL_S)
-        self._launched = None
-        _settle(*launched)
-
-
-def _settle(step: Launched[R], done: Future[R]) -> None:
-    try:
-        done.set_result(step.result())
-    except BaseException as exc:
-        done.set_exception(exc)
 
 
 class ModelRunner:
