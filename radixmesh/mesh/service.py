@@ -8,10 +8,11 @@ import asyncio
 import json
 import logging
 import signal
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 import nats
+import uvloop
 from aiohttp import web
 from nats.aio.client import Client as NATS
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -22,6 +23,7 @@ from radixmesh.core.service_settings import ServiceSettings
 from radixmesh.tracing import init_tracing
 
 C = TypeVar("C", bound=ServiceSettings)
+T = TypeVar("T")
 
 HealthCheck = Callable[[], tuple[bool, dict[str, Any]]]
 
@@ -67,6 +69,13 @@ async def connect_bus(
         bus_servers(url), name=name, max_reconnect_attempts=-1, reconnect_time_wait=1.0,
         error_cb=error, disconnected_cb=disconnected, reconnected_cb=reconnected,
     )
+
+
+def run_service(main: Coroutine[Any, Any, T]) -> T:
+    """Run a service's main coroutine to its end on uvloop's event loop: libuv's sockets,
+    timers and callbacks take less CPU per message than asyncio's own loop, and every token
+    crosses three services' loops."""
+    return uvloop.run(main)
 
 
 def stop_event() -> asyncio.Event:

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import platform
 
 from radixmesh.core.service_settings import CachectlConfig
-from radixmesh.mesh.service import configure_service, run_until_stopped, stop_event
+from radixmesh.mesh.service import configure_service, run_service, run_until_stopped, stop_event
 from radixmesh.services.cachectl.server import CachectlService
 
 log = logging.getLogger("radixmesh.cachectl")
@@ -30,7 +29,7 @@ def main() -> None:
     config = configure_service(
         CachectlConfig, "cachectl", lambda c: f"{platform.node()}-{os.getpid()}"
     )
-    asyncio.run(_main(config))
+    run_service(_main(config))
 
 
 if __name__ == "__main__":

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 
 from radixmesh.core.service_settings import DetokenizerConfig
-from radixmesh.mesh.service import configure_service, run_until_stopped, stop_event
+from radixmesh.mesh.service import configure_service, run_service, run_until_stopped, stop_event
 from radixmesh.services.detokenizer.server import DetokenizerService
 
 log = logging.getLogger("radixmesh.detokenizer")
@@ -25,7 +24,7 @@ async def _main(config: DetokenizerConfig) -> None:
 
 def main() -> None:
     config = configure_service(DetokenizerConfig, "detokenizer", lambda c: c.replica_id)
-    asyncio.run(_main(config))
+    run_service(_main(config))
 
 
 if __name__ == "__main__":

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import asyncio
-
 from radixmesh.core.service_settings import SchedulerServiceConfig
-from radixmesh.mesh.service import configure_service, run_until_stopped, stop_event
+from radixmesh.mesh.service import configure_service, run_service, run_until_stopped, stop_event
 from radixmesh.services.scheduler.server import SchedulerService
 
 
@@ -18,7 +16,7 @@ async def _main(config: SchedulerServiceConfig) -> None:
 
 def main() -> None:
     config = configure_service(SchedulerServiceConfig, "scheduler", lambda c: c.engine_id)
-    asyncio.run(_main(config))
+    run_service(_main(config))
 
 
 if __name__ == "__main__":

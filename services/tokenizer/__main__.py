@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import asyncio
-
 from radixmesh.core.service_settings import TokenizerServiceConfig
-from radixmesh.mesh.service import configure_service, stop_event
+from radixmesh.mesh.service import configure_service, run_service, stop_event
 from radixmesh.services.tokenizer.server import TokenizerServer
 
 
@@ -21,7 +19,7 @@ async def _main(config: TokenizerServiceConfig) -> None:
 
 def main() -> None:
     config = configure_service(TokenizerServiceConfig, "tokenizer", lambda c: c.replica_id)
-    asyncio.run(_main(config))
+    run_service(_main(config))
 
 
 if __name__ == "__main__":
