@@ -4,10 +4,10 @@ the middleware that counts every answer."""
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import orjson
 from aiohttp import web
 
 from radixmesh.services.tokenizer import metrics
@@ -19,9 +19,20 @@ SSE_DONE = b"data: [DONE]\n\n"
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
+def json_bytes(payload: Any) -> bytes:
+    """An answer's JSON as UTF-8 (orjson: a streamed chunk's body in well under a microsecond
+    where the standard library takes ten; a non-finite float is null)."""
+    return orjson.dumps(payload, option=orjson.OPT_NON_STR_KEYS)
+
+
+def json_answer(payload: Any) -> web.Response:
+    """A whole answer as JSON."""
+    return web.Response(body=json_bytes(payload), content_type="application/json")
+
+
 def sse_event(payload: Any) -> bytes:
     """One server-sent event carrying JSON: a `data:` line, never a comment or keep-alive."""
-    return b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n"
+    return b"data: " + json_bytes(payload) + b"\n\n"
 
 
 def _endpoint(request: web.Request) -> str:

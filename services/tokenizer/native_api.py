@@ -48,7 +48,7 @@ from radixmesh.services.tokenizer.generation import (
     GenerationError,
     model_limits,
 )
-from radixmesh.services.tokenizer.http_util import SSE_DONE, sse_event
+from radixmesh.services.tokenizer.http_util import SSE_DONE, json_answer, sse_event
 from radixmesh.services.tokenizer.request_trace import encode_traced
 
 _Event = tuple[int, GenerationChunk | GenerationError]
@@ -168,7 +168,7 @@ class NativeApi:
         finally:
             await _cancel(tasks)
         bodies = [out.body() for out in outputs]
-        return web.json_response(bodies if parsed.listed else bodies[0])
+        return json_answer(bodies if parsed.listed else bodies[0])
 
     async def _collect(self, job: GenerationRequest, out: NativeOutput | None) -> None:
         async with aclosing(self.client.generate(job)) as chunks:

@@ -23,7 +23,12 @@ from radixmesh.services.tokenizer.generation import (
     GenerationClient,
     GenerationError,
 )
-from radixmesh.services.tokenizer.http_util import CLIENT_CLOSED, SSE_DONE, sse_event
+from radixmesh.services.tokenizer.http_util import (
+    CLIENT_CLOSED,
+    SSE_DONE,
+    json_answer,
+    sse_event,
+)
 from radixmesh.services.tokenizer.openai_protocol import (
     OpenAIError,
     OpenAIRequest,
@@ -158,7 +163,7 @@ class OpenAIRoutes:
 async def _complete(fanout: GenerationFanout, builder: ResponseBuilder) -> web.Response:
     async for index, chunk in fanout:
         builder.add(index, chunk)
-    return web.json_response(builder.response())
+    return json_answer(builder.response())
 
 
 async def _stream(
