@@ -201,3 +201,19 @@ def test_two_ranks_behind_grpc(model_dir, reference) -> None:
     finally:
         for worker in ranks:
             worker.kill()
+
+
+def test_the_worker_sets_a_short_openmp_spin_before_torch_loads() -> None:
+    """libgomp reads its spin count once, when torch loads it: the worker's main module must
+    not load torch before main() sets it, and a wait policy the user chose wins."""
+    script = (
+        "import sys, radixmesh.services.worker.__main__ as m; "
+        "print('torch' in sys.modules); "
+        "env = {}; m.spin_briefly(env); print(env); "
+        "env = {'GOMP_SPINCOUNT': '5'}; m.spin_briefly(env); print(env); "
+        "env = {'OMP_WAIT_POLICY': 'active'}; m.spin_briefly(env); print(env)"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         check=True).stdout.splitlines()
+    assert out == ["False", "{'GOMP_SPINCOUNT': '1000'}", "{'GOMP_SPINCOUNT': '5'}",
+                   "{'OMP_WAIT_POLICY': 'active'}"]

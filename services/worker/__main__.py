@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import platform
+from collections.abc import MutableMapping
 
 from radixmesh.core.service_settings import WorkerConfig
 from radixmesh.mesh.service import configure_service, run_service, run_until_stopped, stop_event
@@ -18,6 +19,12 @@ log = logging.getLogger("radixmesh.worker")
 # regions. Read when torch loads libgomp; GOMP_SPINCOUNT or OMP_WAIT_POLICY set by the
 # user win.
 SPIN_COUNT = "1000"
+
+
+def spin_briefly(env: MutableMapping[str, str]) -> None:
+    """Set the worker's OpenMP spin count in `env` unless the user chose a wait policy."""
+    if "OMP_WAIT_POLICY" not in env:
+        env.setdefault("GOMP_SPINCOUNT", SPIN_COUNT)
 
 
 async def _main(config: WorkerConfig) -> bool:
@@ -35,8 +42,7 @@ async def _main(config: WorkerConfig) -> bool:
 
 
 def main() -> None:
-    if "OMP_WAIT_POLICY" not in os.environ:
-        os.environ.setdefault("GOMP_SPINCOUNT", SPIN_COUNT)
+    spin_briefly(os.environ)
     config = configure_service(
         WorkerConfig, "worker", lambda c: f"rank{c.tp_rank}-{platform.node()}-{os.getpid()}"
     )
