@@ -172,3 +172,22 @@ def test_only_transport_modules_import_protobuf():
 def test_domain_logic_imports_no_transport(module):
     bad = sorted(name for name in IMPORTS[module] if _under(name, TRANSPORT))
     assert not bad, f"{module} imports {bad}"
+
+
+def test_the_kernels_folder_does_not_shadow_pypi_kernels_from_the_root():
+    """Started in the repository's root, Python finds the kernels folder as `kernels`, the
+    name of a PyPI package transformers imports: its model classes must still load, and
+    the folder stays importable as radixmesh.kernels."""
+    import subprocess
+    import sys
+
+    script = (
+        "import transformers, radixmesh.kernels as ours; "
+        "from transformers import LlamaConfig, LlamaForCausalLM, Qwen3MoeForCausalLM; "
+        "import kernels; "
+        "print(ours.__name__, kernels.__file__ != ours.__file__)"
+    )
+    out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["radixmesh.kernels", "True"]
