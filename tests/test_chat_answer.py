@@ -151,7 +151,8 @@ def test_a_forced_call_is_parsed_after_the_reasoning(tok):
     form = json.loads(fake.requests[0].params.structural_tag)["format"]
     assert form["type"] == "sequence"
     thinking, _, answer = form["elements"]
-    assert (thinking["begin"], thinking["end"]) == ("<think>", "</think>")
+    assert thinking["type"] == "optional"  # qwen3 may answer without thinking
+    assert (thinking["content"]["begin"], thinking["content"]["end"]) == ("<think>", "</think>")
     assert answer["json_schema"] == WEATHER
 
 
@@ -224,6 +225,64 @@ def test_a_json_answer_is_constrained_after_the_thinking(tok):
     first, second = (r.params for r in fake.requests)
     assert first.json_schema is None and first.structural_tag is not None
     assert json.loads(second.json_schema) == WEATHER and second.structural_tag is None
+
+
+def _matcher(tok, structural_tag: str):
+    """Whether the engine's constraint takes a whole answer (its tokens, then the end)."""
+    import xgrammar
+
+    from radixmesh.engine.model.grammar_mask import tokenizer_info
+
+    compiler = xgrammar.GrammarCompiler(tokenizer_info(tok, tok.vocab_size, tok.eos_token_ids))
+    compiled = compiler.compile_structural_tag(grammar.structural_tag(structural_tag))
+
+    def takes(answer: str) -> bool:
+        matcher = xgrammar.GrammarMatcher(compiled)
+        ids = [*tok.encode(answer, add_special_tokens=False), tok.eos_token_ids[0]]
+        return all(matcher.accept_token(t) for t in ids) and matcher.is_terminated()
+
+    return takes
+
+
+# Each kind, what turns its thinking on, and whether the model opens the block itself.
+REASONING_KINDS = [
+    ("qwen3", {}, True),
+    ("qwen3-thinking", {}, False),
+    ("deepseek-r1", {}, False),
+    ("deepseek-v3", {"thinking": True}, False),
+]
+
+
+@pytest.mark.parametrize(("kind", "switch", "model_opens"), REASONING_KINDS)
+def test_thinking_is_optional_only_where_the_model_opens_the_block(tok, kind, switch,
+                                                                   model_opens):
+    """A JSON answer and an auto-mode tool call after the reasoning: where the model writes
+    `<think>` itself (qwen3) it may answer at once, and the answer is content or a call;
+    where the template opened the block the constraint wants it closed first."""
+    form = {"type": "json_schema", "json_schema": {"name": "w", "schema": WEATHER}}
+    direct = '{"city": "Oslo"}'
+    opened = "<think>\nhmm\n</think>\n" if model_opens else "hmm\n</think>\n"
+
+    async def scenario(api, fake):
+        fake.reply_for = lambda _: direct if model_opens else opened + direct
+        reply = await api.chat.completions.create(
+            model=MODEL, messages=USER, response_format=form,
+            extra_body={"chat_template_kwargs": switch})
+        message = reply.choices[0].message
+        assert message.content == direct
+        assert getattr(message, "reasoning_content", None) == (None if model_opens else "hmm")
+        fake.reply_for = lambda _: CALL if model_opens else opened + CALL
+        reply = await api.chat.completions.create(
+            model=MODEL, messages=USER, tools=TOOLS, extra_body={"chat_template_kwargs": switch})
+        (call,) = reply.choices[0].message.tool_calls
+        assert json.loads(call.function.arguments) == {"city": "Paris"}
+        assert reply.choices[0].message.content in (None, "")
+
+    fake = run(tok, scenario, tool_call_parser="qwen25", reasoning_parser=kind)
+    as_json, as_call = (_matcher(tok, r.params.structural_tag) for r in fake.requests)
+    assert as_json(opened + direct) and as_call(opened + CALL)
+    assert as_json(direct) == model_opens and as_call(CALL) == model_opens
+    assert not as_json(opened + '{"town": "Oslo"}')
 
 
 def test_a_conversation_with_tool_results_renders(tok, monkeypatch):

@@ -202,8 +202,10 @@ def tool_calls_tag(trigger: str, calls: Sequence[tuple[str, Mapping[str, Any], s
 
 def after_reasoning(constraint: tuple[str, str] | None, start: str, end: str
                     ) -> tuple[str, str] | None:
-    """`constraint` moved past a reasoning model's thinking: free text between `start` (""
-    when the prompt opened it) and `end`, then whitespace, then the constrained answer."""
+    """`constraint` moved past a reasoning model's thinking: free text between `start` and
+    `end`, then whitespace, then the constrained answer. Where the model opens the block
+    itself (`start` given) it may answer without one, as a model that decides not to think
+    does; where the prompt opened it (`start` "") the thinking is there to be closed."""
     if constraint is None:
         return None
     kind, text = constraint
@@ -217,6 +219,8 @@ def after_reasoning(constraint: tuple[str, str] | None, start: str, end: str
     else:
         answer = json.loads(structural_tag(text))["format"]
     thinking = _tag(start, {"type": "any_text"}, end)
+    if start:
+        thinking = {"type": "optional", "content": thinking}
     space = {"type": "regex", "pattern": r"\s*"}
     return "structural_tag", _tag_text({"type": "sequence", "elements": [thinking, space, answer]})
 
