@@ -252,7 +252,7 @@ class Pair:
     """A decode engine D and a prefill engine P, and the services' messages between them:
     D's reservations go on to P as handoffs (handoff_request -> request_from_proto), D's
     cancels abort there, and P's finished handoffs come back as commits (commit_to_proto ->
-    committed_from_proto -> D.commit_transfer). Messages pass after each engine's step;
+    committed_from_proto -> D.transfers.commit). Messages pass after each engine's step;
     `hold_commits` keeps P's commits back until let go (a slow network)."""
 
     def __init__(self, d: Side, p: Side) -> None:
@@ -344,7 +344,7 @@ class Pair:
         if not self.hold_commits:
             commits, self.held = self.held, []
             for commit in commits:
-                d.commit_transfer(commit.rid, committed_from_proto(commit))
+                d.transfers.commit(commit.rid, committed_from_proto(commit))
 
     def assert_idle(self) -> None:
         """Nothing is held on either side, nothing waits, both workers forgot everything."""
@@ -800,7 +800,7 @@ def test_losing_the_prefill_engine_falls_back_every_request_waiting_for_it() -> 
     assert {"r1", "r2", "r4", "r5", "q"} <= waiting and "r0" not in waiting
     awaited = {rid for rid in d.disagg.awaiting if rid != "q"}
     pair.prefill_alive = False
-    d.lose_prefill_engine(PREFILL)
+    d.transfers.lose_prefill_engine(PREFILL)
     assert set(d.disagg.awaiting) == {"q"} and not d.disagg.reserving
     assert {rid for rid, _ in d.disagg.take_cancelled()} == awaited
     for req in reqs:
@@ -810,7 +810,7 @@ def test_losing_the_prefill_engine_falls_back_every_request_waiting_for_it() -> 
     for _ in range(5):
         pair.tick()
     assert "q" in d.disagg.awaiting
-    d.lose_prefill_engine("P2")
+    d.transfers.lose_prefill_engine("P2")
     assert q.transfer is not None and q.transfer.fallback == "prefill engine P2 went away"
     pair.run()
     same_outputs([*reqs, q], colocated([*msgs, other], d.config))

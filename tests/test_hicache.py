@@ -76,7 +76,7 @@ def test_write_through_backs_up_everything_it_caches_once():
         serve(sched, worker, prompt, f"r{i}", overlap=False)
     # Each conversation: its 50 prompt tokens and 3 of its 4 output tokens (the last is
     # never fed back), cached once and backed up once.
-    assert sched.host.stats.backup_tokens == 3 * 53
+    assert sched.tiers.host.stats.backup_tokens == 3 * 53
     assert sched.cache.host_size() == 3 * 53
     assert sched.cache.pending_backups() == 0
 
@@ -86,11 +86,11 @@ def test_write_back_copies_only_what_eviction_would_drop():
     prompts = conversations(2, 60)
     for i, prompt in enumerate(prompts):
         serve(sched, worker, prompt, f"r{i}", overlap=False)
-    assert sched.host.stats.backups == 0  # the pool had room: nothing evicted
+    assert sched.tiers.host.stats.backups == 0  # the pool had room: nothing evicted
     big = conversations(1, 200, seed=9)[0]
     serve(sched, worker, big, "big", overlap=False)
     # Making room for 203 tokens evicted both 63-token conversations, each backed up first.
-    assert sched.host.stats.backup_tokens == 2 * 63
+    assert sched.tiers.host.stats.backup_tokens == 2 * 63
     again = serve(sched, worker, prompts[1], "again", overlap=False)
     assert again.cached_host_tokens == 59
 
@@ -99,11 +99,11 @@ def test_write_through_selective_backs_up_after_the_threshold():
     sched, worker = engine("write_through_selective", threshold=2)
     shared = conversations(1, 40)[0]
     serve(sched, worker, shared + [1], "a", overlap=False)
-    assert sched.host.stats.backups == 0
+    assert sched.tiers.host.stats.backups == 0
     serve(sched, worker, shared + [2], "b", overlap=False)  # first admission to hit it
-    assert sched.host.stats.backups == 0
+    assert sched.tiers.host.stats.backups == 0
     serve(sched, worker, shared + [3], "c", overlap=False)  # second: over the threshold
-    assert sched.host.stats.backup_tokens == 40
+    assert sched.tiers.host.stats.backup_tokens == 40
 
 
 def test_looking_at_the_queue_is_not_a_hit():
@@ -112,7 +112,7 @@ def test_looking_at_the_queue_is_not_a_hit():
     serve(sched, worker, shared + [1], "a", overlap=False)
     for _ in range(5):  # lpm orders the waiting queue by matching it against the tree
         sched.policy.order([make_req("x", shared + [9])])
-    assert sched.host.stats.backups == 0
+    assert sched.tiers.host.stats.backups == 0
 
 
 @pytest.mark.parametrize("policy", ["write_through", "write_back"])
@@ -148,7 +148,7 @@ def test_losing_the_host_tier_keeps_serving_from_the_device():
     assert sched.cache.host_size() > 0
     sched.detach_host()
     sched.check_invariants()
-    assert sched.cache.host_size() == 0 and sched.host is None
+    assert sched.cache.host_size() == 0 and sched.tiers.host is None
     again = serve(sched, worker, prompts[0], "again", overlap=True)
     assert again.cached_host_tokens == 0
     sched.attach_host(spec())  # cachectl is back: a fresh, empty host pool
@@ -165,7 +165,7 @@ def test_flush_empties_both_tiers():
     assert sched.flush_cache()
     sched.check_invariants()
     assert sched.cache.total_size() == 0 and sched.cache.host_size() == 0
-    assert sched.host.allocator.available() == HOST
+    assert sched.tiers.host.allocator.available() == HOST
 
 
 def test_the_first_step_carries_the_host_pool_and_only_the_first():

@@ -167,7 +167,7 @@ def storage_engine(
         )
         try:
             # The host tier opens (and connects to storage) on the engine's loop, soon.
-            wait_for(lambda: on_loop(engine, lambda s: s.host is not None), "no host tier")
+            wait_for(lambda: on_loop(engine, lambda s: s.tiers.host is not None), "no host tier")
         except BaseException:
             engine.shutdown()
             raise
@@ -198,10 +198,10 @@ def wait_for(condition: Callable[[], bool], what: str, timeout: float = 15.0) ->
 
 def quiet(sched: Scheduler) -> bool:
     """No step, backup, store or prefetch of the storage tier is left to finish."""
-    tier = sched.storage
+    tier = sched.tiers.storage
     return (
         not sched.has_work()
-        and (sched.host is None or not sched.host.allocator.busy)
+        and (sched.tiers.host is None or not sched.tiers.host.allocator.busy)
         and (tier is None or (not tier._ops and not tier.stores and not tier.prefetches))
     )
 

@@ -244,7 +244,7 @@ def test_jump_forward_tokens_are_fed_once_in_order(overlap: bool, page_size: int
     for r, p in zip(reqs, ps, strict=True):
         assert r.output_ids == reference_output(p, r.params.max_new_tokens, jump=jump)
         assert r.finish is not None and r.finish.kind is FinishKind.LENGTH
-    assert sched.num_forced_tokens > 30
+    assert sched.constraints.forced_tokens > 30
     assert sched.held_slots() == 0
     assert not worker.reqs and not worker.jumped
     # Fewer steps than without jumping: each forced run of three costs one step (two with

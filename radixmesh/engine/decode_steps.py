@@ -1,16 +1,16 @@
-"""The decode half of building a step: every running request's next token, packed where it
-can be (StepBatch.decode_rows), drafted where speculation says, and room made for it by
-evicting, retracting or cutting short when the pool is full."""
+"""The decode half of a step: every running request's next token, packed where it can be
+(StepBatch.decode_rows), drafted where speculation says, and room made for it by evicting,
+retracting or cutting short when the pool is full; and the packed decodes' tokens folded
+back into their requests."""
 
 from __future__ import annotations
 
 from collections import deque
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from radixmesh.core.finish import FinishKind, FinishReason
-from radixmesh.core.step import StepEntry
-from radixmesh.engine.kv_allocator import KVAllocator
-from radixmesh.engine.radix_cache import RadixCache
+from radixmesh.core.step import StepEntry, StepResult
+from radixmesh.engine.kv_holdings import KVHoldings
 from radixmesh.engine.request import Req
 from radixmesh.engine.scheduler_config import SchedulerConfig
 from radixmesh.engine.speculation import Draft, NoSpeculation
@@ -19,35 +19,47 @@ if TYPE_CHECKING:
     from radixmesh.engine.scheduler import ScheduledBatch
 
 
-class DecodeSteps:
-    """Scheduler's decode scheduling, apart from the rest of the step (see scheduler.py)."""
+class DecodeQueues(Protocol):
+    """What the decode steps need of the scheduler: its running requests, and what it does
+    when one cannot go on or has its token."""
 
-    # What Scheduler provides.
-    config: SchedulerConfig
-    page: int
-    cache: RadixCache
-    allocator: KVAllocator
-    speculation: NoSpeculation
     running: list[Req]
-    num_retractions: int
 
-    if TYPE_CHECKING:
-        def _grow(self, req: Req, n: int) -> list[int] | None: ...
-        def _retract(self, req: Req) -> None: ...
-        def _finish(self, req: Req, reason: FinishReason) -> None: ...
+    def retract_for_room(self, req: Req) -> None: ...
 
-    def _schedule_decodes(self, batch: ScheduledBatch) -> None:
+    def finish(self, req: Req, reason: FinishReason) -> None: ...
+
+    def changed(self, req: Req) -> None: ...
+
+    def settled(self, req: Req) -> None: ...
+
+
+class Decodes:
+    """The decode half of every step and of its result, a collaborator of the Scheduler:
+    its requests through `queues`, their slots through `kv`."""
+
+    def __init__(self, config: SchedulerConfig, kv: KVHoldings, speculation: NoSpeculation,
+                 queues: DecodeQueues) -> None:
+        self.config = config
+        self.kv = kv
+        self.page = kv.page
+        self.speculation = speculation
+        self.queues = queues
+
+    def schedule(self, batch: ScheduledBatch) -> None:
+        """Every running request's next token into `batch`, room made where it lacks."""
         spare = self._decode_pages()
         try:
             self._decode_each(batch, spare)
         finally:
             if spare:  # taken for requests that did not decode (retracted, finishing)
-                self.allocator.free(spare)
+                self.kv.allocator.free(spare)
 
     def _decode_each(self, batch: ScheduledBatch, spare: deque[int]) -> None:
+        running = self.queues.running
         i = 0
-        while i < len(self.running):
-            req = self.running[i]
+        while i < len(running):
+            req = running[i]
             if req.remaining_new_tokens() <= 0 or len(req.slots) >= self.config.context_length:
                 i += 1  # its last token is in flight; the result will finish it
                 continue
@@ -72,22 +84,21 @@ class DecodeSteps:
                     i += 1
                     continue
             if slots is None:
-                slots = self._grow(req, max(len(unfed), 1))
-            if slots is None and self.cache.pending_backups():
+                slots = self.kv.grow(req, max(len(unfed), 1))
+            if slots is None and self.kv.cache.pending_backups():
                 # Backups pin device slots (and every prefix above them) for a step or two:
                 # wait for them rather than retract or cut a request short.
                 i += 1
                 continue
-            if slots is None and len(self.running) == 1:
+            if slots is None and len(running) == 1:
                 # Alone and still out of room: it could never be readmitted either.
-                self._finish(
+                self.queues.finish(
                     req, FinishReason(FinishKind.LENGTH, len(req.output_ids), "KV pool full")
                 )
                 break
             if slots is None:
-                victim = self.running[-1]
-                self.num_retractions += 1
-                self._retract(victim)
+                victim = running[-1]
+                self.queues.retract_for_room(victim)
                 if victim is req:
                     break
                 continue
@@ -116,8 +127,8 @@ class DecodeSteps:
             req.remaining_new_tokens() - 1,  # the step adds a token of its own
             self.config.context_length - len(req.slots) - 1,
         )
-        draft = self.speculation.draft(req, limit, len(self.running))
-        slots = None if draft is None else self._grow(req, 1 + len(draft.tokens))
+        draft = self.speculation.draft(req, limit, len(self.queues.running))
+        slots = None if draft is None else self.kv.grow(req, 1 + len(draft.tokens))
         return (draft, slots) if slots is not None else (None, None)
 
     def _decode_pages(self) -> deque[int]:
@@ -125,12 +136,13 @@ class DecodeSteps:
         free ones in one go; more come one at a time, with eviction, if these run out."""
         page = self.page
         if page == 1:
-            need = len(self.running)
+            need = len(self.queues.running)
         else:
-            need = sum(1 for r in self.running if len(r.slots) % page == 0
+            need = sum(1 for r in self.queues.running if len(r.slots) % page == 0
                        or len(r.slots) <= r.cached_len)
-        take = min(need, self.allocator.available() // page)
-        fresh = self.allocator.alloc(take * page) if take else None
+        allocator = self.kv.allocator
+        take = min(need, allocator.available() // page)
+        fresh = allocator.alloc(take * page) if take else None
         return deque(fresh[::page] if fresh else ())
 
     def _next_slot(self, req: Req, spare: deque[int]) -> int | None:
@@ -146,3 +158,18 @@ class DecodeSteps:
             return None
         slots.append(slot)
         return slot
+
+    def fold(self, decodes: list[Req], result: StepResult) -> None:
+        """Fold in the packed decodes' tokens: no logprobs, drafts or forced tokens there."""
+        eos, context = self.config.eos_token_ids, self.config.context_length
+        queues = self.queues
+        for req, token in zip(decodes, result.decode_tokens, strict=True):
+            req.pending -= 1
+            if req.finish is not None:
+                queues.settled(req)
+                continue  # a step run ahead past the finish; its token is dropped
+            req.output_ids.append(token)
+            queues.changed(req)
+            reason = req.stop_reason(token, eos, context)
+            if reason is not None:
+                queues.finish(req, reason)

@@ -19,17 +19,15 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from radixmesh.core.finish import FinishKind, FinishReason
 from radixmesh.core.step import KVExpect, KVSend, SendOutcome, StepBatch, kv_key
 from radixmesh.engine.request import Req
 
 if TYPE_CHECKING:
-    from radixmesh.engine.kv_allocator import KVAllocator
-    from radixmesh.engine.radix_cache import RadixCache
+    from radixmesh.engine.kv_holdings import KVHoldings
     from radixmesh.engine.scheduler_config import SchedulerConfig
-    from radixmesh.engine.tree_node import TreeNode
 
 
 def handoff_key(rid: str, decode_engine: str) -> str:
@@ -248,79 +246,83 @@ class Disaggregation:
 HANDED_BACK = FinishReason(FinishKind.ABORT, message="handed to its decode engine")
 
 
-class TransferSteps:
-    """The scheduler's own steps of disaggregation (a base of Scheduler, whose state these
-    read and change: the cache, the allocator, the queues, the Disaggregation)."""
+class RequestQueues(Protocol):
+    """What the transfer steps need of the scheduler: its requests and queues, ending a
+    request, and the two notes a step carries out (new output, a worker to forget)."""
 
-    # What Scheduler provides.
-    config: SchedulerConfig
-    page: int
-    cache: RadixCache
-    allocator: KVAllocator
-    disagg: Disaggregation
+    requests: dict[str, Req]
     running: list[Req]
     waiting: list[Req]
-    requests: dict[str, Req]
-    _locked: dict[str, TreeNode]
-    _release: list[str]
-    _updated: dict[str, Req]
 
-    if TYPE_CHECKING:
-        def _alloc(self, num_slots: int) -> list[int] | None: ...
-        def _release_kv(self, req: Req) -> None: ...
-        def _finish(self, req: Req, reason: FinishReason) -> None: ...
+    def finish(self, req: Req, reason: FinishReason) -> None: ...
 
-    def _reserve_transfers(self) -> None:
+    def changed(self, req: Req) -> None: ...
+
+    def release_on_worker(self, rid: str) -> None: ...
+
+
+class Transfers:
+    """The scheduler's own steps of disaggregation, a collaborator it holds: these act on
+    its requests through `queues` and on their slots through `kv`."""
+
+    def __init__(self, config: SchedulerConfig, kv: KVHoldings, disagg: Disaggregation,
+                 queues: RequestQueues) -> None:
+        self.config = config
+        self.kv = kv
+        self.disagg = disagg
+        self.queues = queues
+
+    def reserve(self) -> None:
         """Decode side: set slots aside for the prompts whose KV comes from prefill engines,
         oldest first, while there is room beside what running requests will need; fall back
         to prefilling here those whose KV is overdue."""
         for req in self.disagg.expired():
-            self._fall_back(req, f"no KV from {req.transfer.prefill_engine} within "
+            self.fall_back(req, f"no KV from {req.transfer.prefill_engine} within "
                                  f"{self.disagg.timeout_s:g} s")  # type: ignore[union-attr]
         if not self.disagg.reserving:
             return
         # What the requests running, waiting and waiting for KV will still need: set aside
         # no more than leaves them room to decode.
-        ahead = [*self.running, *self.waiting, *self.disagg.awaiting.values()]
+        q = self.queues
+        ahead = [*q.running, *q.waiting, *self.disagg.awaiting.values()]
         remaining = sum(r.remaining_new_tokens() for r in ahead)
         for req in list(self.disagg.reserving):
-            match = self.cache.match_prefix(req.input_ids, req.namespace)
+            match = self.kv.cache.match_prefix(req.input_ids, req.namespace)
             start = len(match.slots)
-            need = -(-(len(req.input_ids) - start) // self.page) * self.page
+            need = -(-(len(req.input_ids) - start) // self.kv.page) * self.kv.page
             remaining += req.remaining_new_tokens()
             reserve = self.config.decode_reserve_ratio * remaining
-            room = self.allocator.available() + self.cache.evictable_size()
+            room = self.kv.allocator.available() + self.kv.cache.evictable_size()
             if ahead and room < need + reserve:
                 return
             ahead.append(req)
-            self.cache.lock(match.node)
-            fresh = self._alloc(need) if need else []
+            self.kv.cache.lock(match.node)
+            fresh = self.kv.alloc(need) if need else []
             if fresh is None:
-                self.cache.unlock(match.node)
+                self.kv.cache.unlock(match.node)
                 return
             slots = fresh[: len(req.input_ids) - start]
-            req.slots, req.cached_len = list(match.slots) + slots, start
-            self._locked[req.rid] = match.node
+            self.kv.hold(req, list(match.slots) + slots, start, match.node)
             req.cached_tokens = start
             self.disagg.reserved(req, start, slots)
 
-    def commit_transfer(self, rid: str, committed: Committed) -> None:
+    def commit(self, rid: str, committed: Committed) -> None:
         """Decode side: a prefill engine handed back `rid` (its KV arrived, or did not)."""
-        req = self.requests.get(rid)
+        req = self.queues.requests.get(rid)
         if req is None or req.finish is not None or rid not in self.disagg.awaiting:
             return
         if committed.error:
-            self._fall_back(req, committed.error)
+            self.fall_back(req, committed.error)
             return
         transfer = req.transfer
         assert transfer is not None
         del self.disagg.awaiting[rid]
         transfer.bytes, transfer.ms = committed.bytes, committed.ms
-        self._release.append(rid)  # the worker takes no more KV for it
+        self.queues.release_on_worker(rid)  # the worker takes no more KV for it
         # The prompt joins the tree (the partial last page is computed again at admission),
         # the most recently used prefix there: admission finds it before eviction reaches
         # it, and a pool too full to keep it meanwhile costs a recompute, never a stall.
-        self._release_kv(req)
+        self.kv.release(req)
         req.output_ids = list(committed.output_ids)
         if req.logprobs.return_logprob:
             req.output_logprobs = list(committed.output_logprobs)
@@ -328,40 +330,35 @@ class TransferSteps:
             req.input_logprobs = list(committed.input_logprobs)
             req.input_top_logprobs = list(committed.input_top_logprobs)
         req.admitted = True  # its prompt logprobs are in
-        self._updated[rid] = req
+        self.queues.changed(req)
         if committed.finish is not None:
-            self._finish(req, committed.finish)
+            self.queues.finish(req, committed.finish)
         else:
-            self.waiting.append(req)
+            self.queues.waiting.append(req)
 
     def lose_prefill_engine(self, engine_id: str) -> None:
         """Decode side: `engine_id` went away; prefill here what waited for it."""
         for req in self.disagg.from_engine(engine_id):
-            self._fall_back(req, f"prefill engine {engine_id} went away")
+            self.fall_back(req, f"prefill engine {engine_id} went away")
 
-    def _fall_back(self, req: Req, why: str) -> None:
+    def fall_back(self, req: Req, why: str) -> None:
         """Decode side: give up on `req`'s KV transfer and prefill it here."""
-        self._drop_reservation(req, why)
-        self.waiting.append(req)
+        self.drop_reservation(req, why)
+        self.queues.waiting.append(req)
 
-    def _drop_reservation(self, req: Req, why: str) -> None:
+    def drop_reservation(self, req: Req, why: str) -> None:
         """Free the slots set aside for `req`'s KV (never cached: what they hold is not
         known to be whole) and tell its worker and prefill engine."""
         reserved = req.rid in self.disagg.awaiting
         self.disagg.cancel(req, why)
         if not reserved:
             return
-        self._release.append(req.rid)
-        fresh = req.slots[req.cached_len :]
-        if fresh:
-            self.allocator.free(fresh)
-        locked = self._locked.pop(req.rid, None)
-        if locked is not None:
-            self.cache.unlock(locked)
-        req.slots, req.cached_len, req.cached_tokens = [], 0, 0
+        self.queues.release_on_worker(req.rid)
+        self.kv.unhold(req)
+        req.cached_tokens = 0
 
-    def _hand_back(self, req: Req) -> None:
+    def hand_back(self, req: Req) -> None:
         """Prefill side: `req`'s KV is sent (or failed to) and its first token is in: it
         ends here (its prompt stays cached) and the service hands it to its decode engine."""
         assert req.handoff is not None
-        self._finish(req, req.handoff.finish or HANDED_BACK)
+        self.queues.finish(req, req.handoff.finish or HANDED_BACK)

@@ -62,10 +62,10 @@ class HostLink:
     def report(self, scheduler: Scheduler) -> None:
         """Queue the host slots the scheduler took and freed since the last call, for the
         owner, and start the storage tier's calls (call between steps)."""
-        if scheduler.host is not None:
-            for change in scheduler.host.take_changes():
+        if scheduler.tiers.host is not None:
+            for change in scheduler.tiers.host.take_changes():
                 self._changes.put_nowait(change)
-        tier = scheduler.storage
+        tier = scheduler.tiers.storage
         if tier is None or not self.attached:
             return
         calls = [self._store(tier, op) for op in tier.stores]
@@ -153,7 +153,7 @@ class HostLink:
 
     def _back(self, tier: StorageTier, change: Callable[[Scheduler], None]) -> None:
         """Apply a storage reply to the scheduler, unless the tier was replaced since."""
-        self.loop.apply(lambda sched: change(sched) if sched.storage is tier else None)
+        self.loop.apply(lambda sched: change(sched) if sched.tiers.storage is tier else None)
 
     async def _store(self, tier: StorageTier, op: StoreOp) -> None:
         try:

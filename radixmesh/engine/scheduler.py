@@ -9,19 +9,17 @@ from radixmesh.core.finish import FinishKind, FinishReason
 from radixmesh.core.hicache import HostPoolSpec
 from radixmesh.core.step import EntryResult, StepBatch, StepEntry, StepResult
 from radixmesh.engine.constraints import Constraints
-from radixmesh.engine.decode_steps import DecodeSteps
-from radixmesh.engine.disaggregation import Disaggregation, TransferSteps
-from radixmesh.engine.host_tier import HostTier
+from radixmesh.engine.decode_steps import Decodes
+from radixmesh.engine.disaggregation import Disaggregation, Transfers
 from radixmesh.engine.kv_allocator import KVAllocator
+from radixmesh.engine.kv_holdings import KVHoldings
 from radixmesh.engine.priority import Capacity, KVRoom, make_priority
 from radixmesh.engine.radix_cache import RadixCache
 from radixmesh.engine.request import Req
 from radixmesh.engine.schedule_policy import SchedulePolicy, match_key
 from radixmesh.engine.scheduler_config import SchedulerConfig
 from radixmesh.engine.speculation import make_speculation, tree_depth
-from radixmesh.engine.storage_tier import StorageTier
 from radixmesh.engine.tiering import NoTiers, attached_tiers
-from radixmesh.engine.tree_node import TreeNode
 
 
 @dataclass
@@ -39,10 +37,11 @@ class ScheduledBatch:
         return [*self.decodes, *self.reqs]
 
 
-class Scheduler(TransferSteps, DecodeSteps):
-    """Owns the radix cache, the slot allocator and every request's place in line; the
-    tiers behind the device pool and the constraints are collaborators it calls (the
-    steps of prefill/decode disaggregation are TransferSteps', its decodes DecodeSteps')."""
+class Scheduler:
+    """Owns every request's place in line and the step it is in; collaborators hold the
+    rest: what requests hold in the pool and the radix tree (KVHoldings), the tiers behind
+    the device pool, the constraints, the steps of prefill/decode disaggregation
+    (Transfers), the decode half of each step and result (Decodes)."""
 
     def __init__(self, config: SchedulerConfig) -> None:
         if config.num_slots % config.page_size:
@@ -72,14 +71,14 @@ class Scheduler(TransferSteps, DecodeSteps):
         self.allocator = KVAllocator(config.num_slots, config.page_size)
         self.cache = RadixCache(self.allocator, config.page_size, config.eviction_policy,
                                 protected_ratio=config.slru_protected_ratio)
+        self.kv = KVHoldings(self.allocator, self.cache, config.page_size)
         self.policy = SchedulePolicy(config.schedule_policy, self.cache)
         self.waiting: list[Req] = []
         self.running: list[Req] = []  # decoding, oldest first
         self.chunked: Req | None = None  # prompt partly prefilled, continued first next step
         self.requests: dict[str, Req] = {}
-        # The tree node each request's cached prefix is locked by (rid -> its last node).
-        self._locked: dict[str, TreeNode] = {}
-        self.tiers: NoTiers = NoTiers()  # the host and storage tiers, while attached
+        self.transfers = Transfers(config, self.kv, self.disagg, self)
+        self.decodes = Decodes(config, self.kv, self.speculation, self)
         self._host_pool: HostPoolSpec | None = None  # to send with the next step
         self._release: list[str] = []
         self._free_rows: list[int] = []  # rows of the worker's request table, given back
@@ -91,19 +90,9 @@ class Scheduler(TransferSteps, DecodeSteps):
         self._step = 0
 
     @property
-    def host(self) -> HostTier | None:
-        """The host KV tier, while attached."""
-        return self.tiers.host
-
-    @property
-    def storage(self) -> StorageTier | None:
-        """The storage tier behind the host tier, if the host pool names one."""
-        return self.tiers.storage
-
-    @property
-    def num_forced_tokens(self) -> int:
-        """Output tokens appended by jump-forward."""
-        return self.constraints.forced_tokens
+    def tiers(self) -> NoTiers:
+        """The host and storage tiers, while attached (KVHoldings keeps them informed)."""
+        return self.kv.tiers
 
     # ---- requests in and out -------------------------------------------------------
 
@@ -139,7 +128,7 @@ class Scheduler(TransferSteps, DecodeSteps):
         req = self.requests.get(rid)
         if req is None or req.finish is not None:
             return False
-        self._finish(req, reason or FinishReason(FinishKind.ABORT, message="aborted"))
+        self.finish(req, reason or FinishReason(FinishKind.ABORT, message="aborted"))
         return True
 
     def drain_updates(self) -> list[Req]:
@@ -179,7 +168,7 @@ class Scheduler(TransferSteps, DecodeSteps):
             "num_retractions": self.num_retractions,
             **self.priority.stats(),
             "steps": self._step,
-            "forced_tokens": self.num_forced_tokens,
+            "forced_tokens": self.constraints.forced_tokens,
             **self.speculation.stats.report(),
             **self.tiers.stats(self.cache),
         }
@@ -189,19 +178,19 @@ class Scheduler(TransferSteps, DecodeSteps):
     def attach_host(self, spec: HostPoolSpec) -> None:
         """A host pool to back the device pool, from the next step on (a new one replaces
         the last, whose contents are forgotten)."""
-        self.tiers = attached_tiers(self.cache, spec, self.config)
+        self.kv.tiers = attached_tiers(self.cache, spec, self.config)
         self._host_pool = spec
 
     def detach_host(self) -> None:
         """The host pool is gone: serve from the device tier alone."""
         self.cache.drop_host()
-        self.tiers = NoTiers()
+        self.kv.tiers = NoTiers()
         self._host_pool = None
 
     def flush_cache(self) -> bool:
         """Drop every cached prefix; only possible while no request holds any."""
         if (self.running or self.chunked or any(r.slots for r in self.waiting)
-                or self._locked):
+                or self.kv.locked):
             return False
         self.cache.reset()
         self.tiers.take_copies()  # unsent backups of what the flush dropped
@@ -213,9 +202,9 @@ class Scheduler(TransferSteps, DecodeSteps):
         """The next step's batch: every decoding request, then prefill under the budget."""
         batch = ScheduledBatch(StepBatch(self._step + 1))
         self._preempt()
-        self._schedule_decodes(batch)
+        self.decodes.schedule(batch)
         self._schedule_prefills(batch)
-        self._reserve_transfers()  # room for later work, after what can run now
+        self.transfers.reserve()  # room for later work, after what can run now
         step = batch.batch
         # Taken last: a request retracted by this very step may be readmitted by it too,
         # and the runner forgets before it admits.
@@ -274,7 +263,8 @@ class Scheduler(TransferSteps, DecodeSteps):
             return  # the prompt being prefilled in chunks takes this step's admission
         c = self.config
         free = Capacity(c.max_running_requests - len(self.running), c.chunked_prefill_size)
-        room = KVRoom(self.cache, self.allocator, self.page, c.decode_reserve_ratio, self._locked)
+        room = KVRoom(self.cache, self.allocator, self.page, c.decode_reserve_ratio,
+                      self.kv.locked)
         for victim in self.priority.victims(self.waiting, self.running, self._ready, free, room):
             self._retract(victim)
 
@@ -287,7 +277,7 @@ class Scheduler(TransferSteps, DecodeSteps):
             # Loading beats recomputing whenever there is room: a copy per token, not a
             # forward pass. Room frees up as running requests finish and backups land, so
             # wait for it rather than recompute; alone, recompute in chunks.
-            fresh = self._alloc(match.host_len)
+            fresh = self.kv.alloc(match.host_len)
             if fresh is None and (self.running or self.cache.pending_backups()):
                 self.cache.unlock(node)
                 return 0
@@ -308,14 +298,12 @@ class Scheduler(TransferSteps, DecodeSteps):
             self.cache.unlock(node)
             return 0
         cached = len(prefix)
-        req.slots, req.cached_len, self._locked[req.rid] = prefix, cached, node
+        self.kv.hold(req, prefix, cached, node)
         req.row = self._free_rows.pop() if self._free_rows else self._next_row()
         new_request = req.new_request(cached)
         used = self._extend(batch, req, budget)
         if not used:
-            self.cache.unlock(node)
-            req.slots, req.cached_len = [], 0
-            del self._locked[req.rid]
+            self.kv.unhold(req)
             self._free_rows.append(req.row)
             req.row = -1
             return 0
@@ -334,7 +322,7 @@ class Scheduler(TransferSteps, DecodeSteps):
         """Schedule a request's next prompt chunk; returns its length (0: no room, nothing done)."""
         start = len(req.slots)
         chunk = min(req.num_tokens - start, budget)
-        slots = self._grow(req, chunk)
+        slots = self.kv.grow(req, chunk)
         if slots is None:
             return 0
         done = start + chunk == req.num_tokens
@@ -342,7 +330,7 @@ class Scheduler(TransferSteps, DecodeSteps):
             StepEntry(req.rid, req.tokens[start : start + chunk], slots, done)
         )
         batch.reqs.append(req)
-        self._cache_progress(req)
+        self.kv.cache_progress(req)
         if done:
             self.chunked = None
             req.pending += 1
@@ -354,77 +342,31 @@ class Scheduler(TransferSteps, DecodeSteps):
             self.chunked = req
         return chunk
 
-    # ---- KV slots --------------------------------------------------------------------
+    # ---- leaving and ending ------------------------------------------------------------
 
-    def _grow(self, req: Req, n: int) -> list[int] | None:
-        """Give a request n more slots, filling its partial last page first; None if full."""
-        have = len(req.slots)
-        room = (-have) % self.page if have > req.cached_len else 0
-        take = min(n, room)
-        new = [req.slots[-1] + 1 + i for i in range(take)]
-        rest = n - take
-        if rest:
-            fresh = self._alloc(-(-rest // self.page) * self.page)
-            if fresh is None:
-                return None
-            new.extend(fresh[:rest])
-        req.slots.extend(new)
-        return new
-
-    def _alloc(self, num_slots: int) -> list[int] | None:
-        """Fresh device slots of whole pages, evicting cached prefixes if needed."""
-        fresh = self.allocator.alloc(num_slots)
-        if fresh is None:
-            self.cache.evict(num_slots - self.allocator.available(), self.tiers.keep_on_evict)
-            fresh = self.allocator.alloc(num_slots)
-        return fresh
-
-    def _cache_progress(self, req: Req) -> None:
-        """Publish a request's page-aligned progress in the tree so others can share it.
-
-        The worker runs batches in order and writes every new K/V of a step before any
-        attention reads the pool, so slots scheduled now are safe to match from now on."""
-        aligned = len(req.slots) - len(req.slots) % self.page
-        if aligned <= req.cached_len:
-            return
-        tokens = req.tokens[:aligned]
-        cached = self.cache.insert(tokens, req.slots[:aligned], req.namespace, req.priority)
-        # Another request cached part of this continuation first: the tree keeps its copy
-        # and ours stays private to this request until it finishes.
-        req.orphans.extend(req.slots[req.cached_len : cached])
-        match = self.cache.match_prefix(tokens, req.namespace, count_hit=False)
-        self.tiers.cached(match.node)
-        self.cache.lock(match.node)
-        previous = self._locked.get(req.rid)
-        if previous is not None:
-            self.cache.unlock(previous)
-        self._locked[req.rid], req.cached_len = match.node, aligned
-
-    def _release_kv(self, req: Req) -> None:
-        """Hand a request's computed tokens to the tree and free the slots the tree declines."""
-        # Slots past the tokens are a verify's still in flight: none of them is kept.
-        n = min(len(req.slots), req.num_tokens)
-        aligned = n - n % self.page
-        tokens = req.tokens[:aligned]
-        cached = self.cache.insert(tokens, req.slots[:aligned], req.namespace, req.priority)
-        self.allocator.free(req.slots[req.cached_len : cached] + req.slots[aligned:] + req.orphans)
-        if aligned:
-            self.tiers.cached_prefix(tokens, req.namespace)
-        locked = self._locked.pop(req.rid, None)
-        if locked is not None:
-            self.cache.unlock(locked)
-        req.slots, req.cached_len, req.orphans = [], 0, []
+    def retract_for_room(self, req: Req) -> None:
+        """Retract a running request to make room for the others' decodes (counted)."""
+        self.num_retractions += 1
+        self._retract(req)
 
     def _retract(self, req: Req) -> None:
         """Send a running request back to the queue; its progress stays as a cached prefix."""
         self.running.remove(req)
-        self._release_kv(req)
+        self.kv.release(req)
         self._forget_on_worker(req)
         self.waiting.append(req)
 
+    def changed(self, req: Req) -> None:
+        """Its output or its finish changed: the next drain_updates has it."""
+        self._updated[req.rid] = req
+
+    def release_on_worker(self, rid: str) -> None:
+        """The worker forgets the request's state with the next step."""
+        self._release.append(rid)
+
     def _forget_on_worker(self, req: Req) -> None:
         if req.on_worker:
-            self._release.append(req.rid)
+            self.release_on_worker(req.rid)
             req.on_worker = False
             self._free_rows.append(req.row)  # reused no earlier than the step releasing it
             req.row = -1
@@ -433,7 +375,8 @@ class Scheduler(TransferSteps, DecodeSteps):
         self._rows += 1
         return self._rows - 1
 
-    def _finish(self, req: Req, reason: FinishReason) -> None:
+    def finish(self, req: Req, reason: FinishReason) -> None:
+        """End a request with `reason`, wherever it is."""
         req.finish = reason
         self.tiers.forget(req)
         self.speculation.forget(req)
@@ -444,15 +387,15 @@ class Scheduler(TransferSteps, DecodeSteps):
         if req in self.waiting:
             self.waiting.remove(req)
         if self.disagg.waits_for_kv(req):
-            self._drop_reservation(req, reason.message or "the request ended")
+            self.transfers.drop_reservation(req, reason.message or "the request ended")
         # A worker still sending its KV reads its slots: released when the send is over.
-        if self.disagg.release_now(req) and (req.slots or req.rid in self._locked):
-            self._release_kv(req)
+        if self.disagg.release_now(req) and (req.slots or req.rid in self.kv.locked):
+            self.kv.release(req)
         self._forget_on_worker(req)
-        self._updated[req.rid] = req
-        self._forget_if_settled(req)
+        self.changed(req)
+        self.settled(req)
 
-    def _forget_if_settled(self, req: Req) -> None:
+    def settled(self, req: Req) -> None:
         """Drop a finished request once no step of it is still in flight and no worker
         reads its slots."""
         if not req.pending and not self.disagg.reading(req):
@@ -465,13 +408,13 @@ class Scheduler(TransferSteps, DecodeSteps):
         self.tiers.done(result.copies_done)
         for req in self.disagg.sent(result.sends_done):
             if req.finish is None:
-                self._hand_back(req)
+                self.transfers.hand_back(req)
             else:  # ended while its KV was sent: its slots are free to go now
-                self._release_kv(req)
-                self._forget_if_settled(req)
+                self.kv.release(req)
+                self.settled(req)
         self._compiles_ended(result)
         self.speculation.stepped(batch.batch, result.forward_ms)
-        self._decoded(batch.decodes, result)
+        self.decodes.fold(batch.decodes, result)
         for req, entry, out in zip(batch.reqs, batch.batch.entries, result.results, strict=True):
             if out.input_logprobs:
                 req.input_logprobs.extend(out.input_logprobs)
@@ -480,10 +423,10 @@ class Scheduler(TransferSteps, DecodeSteps):
                 continue
             req.pending -= 1
             if req.finish is not None:
-                self._forget_if_settled(req)
+                self.settled(req)
                 continue  # a step run ahead past the finish; its token is dropped
             if req.params.max_new_tokens == 0:  # prefill only: the sampled token is not wanted
-                self._finish(req, FinishReason(FinishKind.LENGTH, 0))
+                self.finish(req, FinishReason(FinishKind.LENGTH, 0))
                 continue
             reason = None
             if entry.draft:
@@ -499,24 +442,9 @@ class Scheduler(TransferSteps, DecodeSteps):
                 reason = self.constraints.jump_forward(req, out.forced_ids, self._check_finish)
             if req.handoff is not None:
                 if self.disagg.sampled(req, reason):
-                    self._hand_back(req)
+                    self.transfers.hand_back(req)
             elif reason is not None:
-                self._finish(req, reason)
-
-    def _decoded(self, decodes: list[Req], result: StepResult) -> None:
-        """Fold in the packed decodes' tokens: no logprobs, drafts or forced tokens there."""
-        eos, context = self.config.eos_token_ids, self.config.context_length
-        updated = self._updated
-        for req, token in zip(decodes, result.decode_tokens, strict=True):
-            req.pending -= 1
-            if req.finish is not None:
-                self._forget_if_settled(req)
-                continue  # a step run ahead past the finish; its token is dropped
-            req.output_ids.append(token)
-            updated[req.rid] = req
-            reason = req.stop_reason(token, eos, context)
-            if reason is not None:
-                self._finish(req, reason)
+                self.finish(req, reason)
 
     def _emit(
         self, req: Req, token: int, logprob: float, top: list[tuple[int, float]]
@@ -535,19 +463,14 @@ class Scheduler(TransferSteps, DecodeSteps):
         req.spec_verify_ct += 1
         req.spec_accepted_tokens += accepted
         self.speculation.verified(req, drafted, tree_depth(entry.draft_parents), accepted)
-        if not req.slots:  # retracted while the verify ran: its slots are released
-            return
-        keep = len(req.slots) - (drafted - accepted)
-        whole = -(-keep // self.page) * self.page  # the first slot past keep's page
-        if whole < len(req.slots):
-            self.allocator.free(req.slots[whole:])
-        del req.slots[keep:]
+        if req.slots:  # else retracted while the verify ran: its slots are released
+            self.kv.trim(req, len(req.slots) - (drafted - accepted))
 
     def _compiles_ended(self, result: StepResult) -> None:
         self.constraints.ended(result.grammars_ready, result.grammars_failed)
         for grammar, error in result.grammars_failed:
             for req in [r for r in self.waiting if r.params.grammar == grammar]:
-                self._finish(req, FinishReason(FinishKind.ABORT, message=error, status=400))
+                self.finish(req, FinishReason(FinishKind.ABORT, message=error, status=400))
 
     def _check_finish(self, req: Req, token: int) -> FinishReason | None:
         return req.stop_reason(token, self.config.eos_token_ids, self.config.context_length)
@@ -556,23 +479,10 @@ class Scheduler(TransferSteps, DecodeSteps):
 
     def held_slots(self) -> int:
         """Slots owned by requests (not the tree, not free)."""
-        held = 0
-        for req in self.requests.values():
-            own = req.slots[req.cached_len :]
-            held += len({s // self.page for s in own}) * self.page + len(req.orphans)
-        return held
+        return self.kv.held_slots(self.requests.values())
 
     def check_invariants(self) -> None:
         """free + cached + held == pool; evictable + protected == cached; tree consistent;
         no request keeps a slot past its tokens once its steps are back (a rejected draft's)."""
-        self.cache.check_invariants()
-        for req in self.running:
-            assert req.pending or len(req.slots) <= req.num_tokens, (
-                f"{req.rid} holds {len(req.slots)} slots for {req.num_tokens} tokens"
-            )
-        total = self.allocator.available() + self.cache.total_size() + self.held_slots()
-        assert total == self.config.num_slots, (
-            f"slot leak: free {self.allocator.available()} + cached {self.cache.total_size()}"
-            f" + held {self.held_slots()} != pool {self.config.num_slots}"
-        )
+        self.kv.check_invariants(self.requests.values(), self.running, self.config.num_slots)
         self.tiers.check_invariants(self.cache)

@@ -371,8 +371,8 @@ class SchedulerMetrics:
         CACHE_TOKENS.labels(**labels, tier=DEVICE_TIER).set(sched.cache.total_size())
         NUM_RETRACTED.labels(**labels).inc(sched.num_retractions - self._retractions)
         self._retractions = sched.num_retractions
-        FORCED_TOKENS.labels(**labels).inc(sched.num_forced_tokens - self._forced)
-        self._forced = sched.num_forced_tokens
+        FORCED_TOKENS.labels(**labels).inc(sched.constraints.forced_tokens - self._forced)
+        self._forced = sched.constraints.forced_tokens
         spec = sched.speculation.stats
         SPEC_VERIFY_STEPS.labels(**labels).inc(spec.verify_steps - self._spec.verify_steps)
         SPEC_ACCEPTED_TOKENS.labels(**labels).inc(spec.accepted_tokens - self._spec.accepted_tokens)
@@ -391,7 +391,7 @@ class SchedulerMetrics:
         self._host_lost = lost
 
     def _host_state(self, sched: Scheduler) -> None:
-        labels, host = self._labels, sched.host
+        labels, host = self._labels, sched.tiers.host
         CACHE_TOKENS.labels(**labels, tier=HOST_TIER).set(sched.cache.host_size())
         HOST_PENDING.labels(**labels).set(sched.cache.pending_backups())
         if host is None:
@@ -406,7 +406,7 @@ class SchedulerMetrics:
             HOST_COPY_BYTES.labels(**labels, direction=direction).inc(tokens * self.token_bytes)
         HOST_SKIPPED.labels(**labels).inc(now.backups_skipped - before.backups_skipped)
         self._host_copied = dataclasses.replace(now)
-        storage = sched.storage
+        storage = sched.tiers.storage
         if storage is None:
             self._storage_counted = (0, 0)
             return

@@ -313,7 +313,7 @@ class SchedulerService:
         committed = committed_from_proto(commit)
         self.metrics.transfer_received(commit.transfer_tokens, commit.transfer_bytes,
                                        commit.transfer_ms, bool(commit.error))
-        self.loop.apply(lambda s: s.commit_transfer(commit.rid, committed))
+        self.loop.apply(lambda s: s.transfers.commit(commit.rid, committed))
 
     async def _on_peer(self, msg: Msg) -> None:
         """Every engine's heartbeat: a prefill engine that is down or restarted sends no
@@ -329,7 +329,7 @@ class SchedulerService:
 
     def _peer_lost(self, engine_id: str) -> None:
         assert self.loop is not None
-        self.loop.apply(lambda s: s.lose_prefill_engine(engine_id))
+        self.loop.apply(lambda s: s.transfers.lose_prefill_engine(engine_id))
 
     async def _on_abort(self, msg: Msg) -> None:
         assert self.loop is not None
