@@ -38,6 +38,7 @@ PROTOBUF_MODULES = {
     "radixmesh.proto.convert",
     "radixmesh.services.scheduler.mesh_io",
     "radixmesh.services.scheduler.server",
+    "radixmesh.services.scheduler.handoffs",
     "radixmesh.services.scheduler.worker_client",
     "radixmesh.services.scheduler.cachectl_client",
     "radixmesh.services.worker.server",

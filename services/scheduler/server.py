@@ -24,7 +24,6 @@ from radixmesh.core.model_info import model_shape
 from radixmesh.core.service_settings import SchedulerServiceConfig
 from radixmesh.core.step import StepResult
 from radixmesh.core.tokenizer import Tokenizer
-from radixmesh.engine.disaggregation import handoff_key
 from radixmesh.engine.host_link import HostLink
 from radixmesh.engine.loop import EngineLoop, ExecutorLost
 from radixmesh.engine.request import Req
@@ -36,13 +35,11 @@ from radixmesh.mesh.service import StatusServer, connect_bus
 from radixmesh.proto import mesh_pb2 as mpb
 from radixmesh.proto import worker_pb2 as wpb
 from radixmesh.services.scheduler.cachectl_client import CachectlClient
+from radixmesh.services.scheduler.handoffs import Handoffs
 from radixmesh.services.scheduler.mesh_io import (
     StepMessage,
     UpdateBuilder,
     abort_reason,
-    commit_to_proto,
-    committed_from_proto,
-    handoff_request,
     request_from_proto,
 )
 from radixmesh.services.scheduler.metrics import SchedulerMetrics
@@ -53,9 +50,6 @@ log = logging.getLogger("radixmesh.scheduler")
 
 HEARTBEAT_S = 0.5
 WORKER_PING_S = 1.0  # how often the workers are asked whether they are there
-# A prefill engine silent this long (or restarted) sends no more KV: what waits for it is
-# prefilled on this decode engine instead.
-PEER_TIMEOUT_S = 3.0
 
 
 class SchedulerService:
@@ -73,8 +67,8 @@ class SchedulerService:
         self.loop: EngineLoop | None = None
         self.host_link: HostLink | None = None
         self.info: wpb.WorkerInfo | None = None
+        self.handoffs: Handoffs | None = None  # disaggregation's messages, once started
         self._refused: list[mpb.TokenUpdate] = []  # published with the next step
-        self._refused_commits: list[tuple[str, mpb.KVCommit]] = []  # handoffs refused
         self._down = False  # lost its workers; waiting for them to come back
         self._instance = secrets.token_hex(8)
         self._started = time.monotonic()
@@ -82,11 +76,6 @@ class SchedulerService:
         self._claim: Claim | None = None  # the worker group found on NATS, if not configured
         self._keeping: asyncio.Task[None] | None = None
         self._status = StatusServer(config.host, config.metrics_port, self._health)
-        # Disaggregation, decode side: requests to send on to their prefill engines (the
-        # message and its trace headers), and when each engine was last heard (and which
-        # process it was).
-        self._handoffs: dict[str, tuple[mpb.EngineRequest, dict[str, str] | None]] = {}
-        self._peers: dict[str, tuple[float, str]] = {}
 
     # ---- lifecycle --------------------------------------------------------------------
 
@@ -114,9 +103,13 @@ class SchedulerService:
             self.scheduler, self, self, not self.config.disable_overlap_schedule, self._scheduled,
             self._workers_lost,
         )
+        nc = self._nc
+        self.handoffs = Handoffs(
+            self.engine_id, self.config.disaggregation_transfer_backend, nc, self.loop,
+            self._info, lambda: self.workers.addrs, self.metrics, self.traces,
+        )
         await self._start_host_tier()
         self.metrics.start(served_name(model_path), self.info.num_slots)
-        nc = self._nc
         await nc.subscribe(
             subjects.engine_generate(self.engine_id),
             queue=subjects.engine_queue(self.engine_id),
@@ -124,8 +117,8 @@ class SchedulerService:
         )
         await nc.subscribe(subjects.engine_abort(self.engine_id), cb=self._on_abort)
         await nc.subscribe(subjects.engine_control(self.engine_id), cb=self._on_control)
-        await nc.subscribe(subjects.engine_kv(self.engine_id), cb=self._on_commit)
-        await nc.subscribe(subjects.ENGINES, cb=self._on_peer)
+        await nc.subscribe(subjects.engine_kv(self.engine_id), cb=self.handoffs.on_commit)
+        await nc.subscribe(subjects.ENGINES, cb=self.handoffs.on_peer)
         log.info(
             "scheduler %s ready: %d KV slots, context %d, workers %s, disaggregation %s "
             "(KV by %s), /metrics on %s:%d",
@@ -133,6 +126,10 @@ class SchedulerService:
             self.workers.addrs, self.config.disaggregation_mode,
             self.config.disaggregation_transfer_backend, self.config.host, self._status.port,
         )
+
+    def _info(self) -> wpb.WorkerInfo:
+        assert self.info is not None
+        return self.info
 
     async def _connect_workers(self) -> wpb.WorkerInfo:
         """The configured workers once they answer; without any configured, the first
@@ -266,7 +263,7 @@ class SchedulerService:
     # ---- NATS callbacks: hand work to the engine loop ------------------------------------
 
     async def _on_request(self, msg: Msg) -> None:
-        assert self.loop is not None
+        assert self.loop is not None and self.handoffs is not None
         request = mpb.EngineRequest.FromString(msg.data)
         down = f"engine {self.engine_id} is down (lost its workers)" if self._down else ""
         try:
@@ -289,47 +286,11 @@ class SchedulerService:
             await self._nc.publish(target, payload)
             return
         self.traces.received(req, msg.headers)
-        if req.handoff is not None:
-            req.handoff.backend = self._transfer_backend(req.handoff.dest_host)
-        else:
+        self.handoffs.arrived(req, request, msg.headers)
+        if req.handoff is None:
             self.updates.register(req, request)
-        if req.transfer is not None:
-            self._handoffs[req.rid] = (request, msg.headers)
         self.metrics.queued(req)
         self.loop.add(req)
-
-    def _transfer_backend(self, dest_host: str) -> str:
-        """How this engine's workers send KV to workers on `dest_host`."""
-        backend = self.config.disaggregation_transfer_backend
-        if backend == "auto":
-            assert self.info is not None
-            return "shm" if dest_host and dest_host == self.info.host_id else "grpc"
-        return backend
-
-    async def _on_commit(self, msg: Msg) -> None:
-        """A prefill engine handed a request back (its KV is here, or is not coming)."""
-        assert self.loop is not None
-        commit = mpb.KVCommit.FromString(msg.data)
-        committed = committed_from_proto(commit)
-        self.metrics.transfer_received(commit.transfer_tokens, commit.transfer_bytes,
-                                       commit.transfer_ms, bool(commit.error))
-        self.loop.apply(lambda s: s.transfers.commit(commit.rid, committed))
-
-    async def _on_peer(self, msg: Msg) -> None:
-        """Every engine's heartbeat: a prefill engine that is down or restarted sends no
-        more KV (one that falls silent is noticed by the heartbeat loop)."""
-        assert self.loop is not None
-        status = mpb.EngineStatus.FromString(msg.data)
-        if status.engine_id == self.engine_id:
-            return
-        known = self._peers.get(status.engine_id)
-        if status.down or (known is not None and known[1] != status.instance):
-            self._peer_lost(status.engine_id)
-        self._peers[status.engine_id] = (time.monotonic(), status.instance)
-
-    def _peer_lost(self, engine_id: str) -> None:
-        assert self.loop is not None
-        self.loop.apply(lambda s: s.transfers.lose_prefill_engine(engine_id))
 
     async def _on_abort(self, msg: Msg) -> None:
         assert self.loop is not None
@@ -384,8 +345,8 @@ class SchedulerService:
         message = str(error)
         trace = self.traces.sent(req.rid, 0, FinishReason(FinishKind.ABORT, message=message), 0)
         if req.handoff is not None:  # its decode engine prefills it instead
-            self._refused_commits.append((req.handoff.decode_engine, mpb.KVCommit(
-                rid=req.rid, prefill_engine=self.engine_id, error=message)))
+            assert self.handoffs is not None
+            self.handoffs.refused(req, message)
             return
         update = self.updates.refusal(req, message, trace)
         if update is not None:
@@ -393,28 +354,22 @@ class SchedulerService:
 
     async def publish(self, updated: list[Req]) -> None:
         """Every request's news as one TokenStep; finished sequences to the routers."""
-        sched = self.scheduler
-        assert sched is not None and self._nc is not None
+        sched, handoffs = self.scheduler, self.handoffs
+        assert sched is not None and handoffs is not None and self._nc is not None
         step = StepMessage(self.engine_id, self._refused)
         self._refused = []
         cached = mpb.CacheEvent(engine_id=self.engine_id)
-        commits, self._refused_commits = self._refused_commits, []
         for req in updated:
             if req.finish is not None:
                 self.metrics.ended(req.rid)
             if req.handoff is not None:  # a prefill engine's request goes back to its decode engine
                 if req.finish is None:
                     continue  # its first token is in; its KV is still on its way
-                commit = commit_to_proto(req, self.engine_id)
-                self.traces.handed(req, commit.transfer_tokens, commit.transfer_bytes,
-                                   commit.transfer_ms, commit.error)
-                self.metrics.transfer_sent(commit.transfer_tokens, commit.transfer_bytes,
-                                           commit.transfer_ms, bool(commit.error))
-                commits.append((req.handoff.decode_engine, commit))
+                handoffs.handed(req)
                 cached.inserted.add(cache_salt=req.namespace or "", token_ids=req.input_ids)
                 continue
             if req.finish is not None:
-                self._handoffs.pop(req.rid, None)
+                handoffs.ended(req)
             trace = self.traces.sent(req.rid, len(req.output_ids), req.finish, req.cached_tokens)
             sent = self.updates.add(step, req, trace, self._down)
             if sent is None:
@@ -433,7 +388,7 @@ class SchedulerService:
         # Before publishing: once a client has its answer, the gauges already show it.
         self.metrics.state(sched)
         try:
-            await self._send_handoffs(sched, commits)
+            await handoffs.send(sched)
             if step:
                 await self._nc.publish(subjects.DETOK, step.to_proto().SerializeToString())
             if cached.inserted:
@@ -442,29 +397,6 @@ class SchedulerService:
                 )
         except NatsError as exc:  # NATS away too long: the tokenizers end those requests
             log.warning("engine %s: output not sent (%s)", self.engine_id, exc)
-
-    async def _send_handoffs(self, sched: Scheduler, commits: list[tuple[str, mpb.KVCommit]]
-                             ) -> None:
-        """Disaggregation's messages of this step: requests on to their prefill engines
-        (now that the step telling the workers to expect their KV is on its way), aborts
-        to prefill engines, commits back to decode engines."""
-        assert self._nc is not None and self.info is not None
-        for r in sched.disagg.take_reservations():
-            held = self._handoffs.get(r.req.rid)
-            transfer = r.req.transfer
-            if held is None or transfer is None:
-                continue
-            request, headers = held
-            payload = handoff_request(request, self.engine_id, r.start, r.dest_slots,
-                                      r.key, self.workers.addrs, self.info.host_id)
-            await self._nc.publish(subjects.engine_generate(transfer.prefill_engine), payload,
-                                   headers=headers)
-        for rid, engine_id in sched.disagg.take_cancelled():
-            self.metrics.transfer_fallback()
-            abort = mpb.AbortRequest(rid=handoff_key(rid, self.engine_id))
-            await self._nc.publish(subjects.engine_abort(engine_id), abort.SerializeToString())
-        for engine_id, commit in commits:
-            await self._nc.publish(subjects.engine_kv(engine_id), commit.SerializeToString())
 
     # ---- status ------------------------------------------------------------------------
 
@@ -488,14 +420,8 @@ class SchedulerService:
     async def _heartbeat_loop(self) -> None:
         while True:
             self._publish_status()
-            now = time.monotonic()
-            for engine_id, (seen, _) in list(self._peers.items()):
-                if now - seen > PEER_TIMEOUT_S:
-                    del self._peers[engine_id]
-                    self._peer_lost(engine_id)
-            if self.scheduler is not None and self.loop is not None \
-                    and self.scheduler.disagg.awaiting:
-                self.loop.wake()  # transfers that time out need a step to notice
+            if self.scheduler is not None and self.handoffs is not None:
+                self.handoffs.expire(self.scheduler)
             await asyncio.sleep(HEARTBEAT_S)
 
     def _publish_status(self) -> None:
