@@ -9,7 +9,8 @@ constrained to one call's JSON (no parser needed). `auto` with a parser: the mod
 text and calls in its own format; once it opens a call, the rest of that call is constrained
 to the tool's schema (a structural tag), so a started call is always valid. `auto` without a
 parser, or `none`: text. A reasoning model thinks first, unconstrained; any constraint
-applies to the answer after its thinking."""
+applies to the answer after its thinking. The messages themselves are reduced to what a
+chat template renders (`chat_messages`)."""
 
 from __future__ import annotations
 
@@ -331,3 +332,84 @@ def _text(body: Json) -> str:
     if not isinstance(body, dict) or not isinstance(body.get("text"), str):
         raise RequestError("the body must be a JSON object with a string text", "text")
     return body["text"]
+
+
+# ---- chat messages, reduced to what a chat template renders ----------------------------------
+
+# The roles a message may have, as the chat template knows them (a developer is a system).
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
+          "tool": "tool"}
+
+
+def chat_messages(raw: Any) -> list[dict[str, Any]]:
+    """Check `messages` and return them as {"role", "content"} dicts with text content, plus
+    an assistant turn's tool_calls (arguments as objects, as chat templates read them)."""
+    if not isinstance(raw, list):
+        raise RequestError(f"messages must be a list of messages, got {raw!r}", "messages")
+    if not raw:
+        raise RequestError("messages must not be empty", "messages")
+    return [_message(i, message) for i, message in enumerate(raw)]
+
+
+def _message(i: int, message: Any) -> dict[str, Any]:
+    where = f"messages[{i}]"
+    if not isinstance(message, dict):
+        raise RequestError(f"{where} must be an object, got {message!r}", where)
+    role = message.get("role")
+    if not isinstance(role, str) or role not in _ROLES:
+        raise RequestError(
+            f"{where}.role must be one of {', '.join(_ROLES)}; got {role!r}", f"{where}.role"
+        )
+    out: dict[str, Any] = {"role": _ROLES[role],
+                           "content": _content(message.get("content"), role, where)}
+    if role == "assistant" and message.get("tool_calls") is not None:
+        out["tool_calls"] = _tool_calls(message["tool_calls"], f"{where}.tool_calls")
+    if role == "tool" and message.get("tool_call_id") is not None:
+        out["tool_call_id"] = message["tool_call_id"]
+    return out
+
+
+def _tool_calls(raw: Any, where: str) -> list[dict[str, Any]]:
+    """An earlier assistant turn's tool calls, their JSON arguments read into objects."""
+    calls = []
+    for call in raw if isinstance(raw, list) else [None]:
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise RequestError(f"{where} must be a list of {{'type': 'function', 'function': "
+                              f"{{'name', 'arguments'}}}} calls, got {raw!r}", where)
+        try:
+            arguments = json.loads(function.get("arguments") or "{}")
+        except (TypeError, ValueError):
+            raise RequestError(f"{where}: the arguments of {function['name']!r} must be JSON "
+                              f"text, got {function.get('arguments')!r}", where) from None
+        calls.append({"id": call.get("id"), "type": "function",
+                      "function": {"name": function["name"], "arguments": arguments}})
+    return calls
+
+
+def _content(content: Any, role: str, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    # An assistant turn that only called tools has null content.
+    if content is None and role == "assistant":
+        return ""
+    if not isinstance(content, list):
+        raise RequestError(
+            f"{where}.content must be a string or a list of text parts, got {content!r}",
+            f"{where}.content",
+        )
+    texts = []
+    for part in content:
+        if not (
+            isinstance(part, dict)
+            and part.get("type") == "text"
+            and isinstance(part.get("text"), str)
+        ):
+            raise RequestError(
+                f"{where}.content: only text parts ({{'type': 'text', 'text': ...}}) are "
+                f"supported, got {part!r}",
+                f"{where}.content",
+            )
+        texts.append(part["text"])
+    # Parts are separate blocks to the client; a newline keeps their words apart.
+    return "\n".join(texts)

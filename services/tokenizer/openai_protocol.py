@@ -26,7 +26,7 @@ from radixmesh.core.request import (
 )
 from radixmesh.core.sampling_params import LogprobRequest, SamplingParams
 from radixmesh.core.tokenizer import Tokenizer
-from radixmesh.services.tokenizer.chat_answer import AnswerShape, chat_setup
+from radixmesh.services.tokenizer.chat_answer import AnswerShape, chat_messages, chat_setup
 
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_N = 128
@@ -37,8 +37,6 @@ _CHAT_UNSUPPORTED = ("functions",)
 _PROMPT_SHAPES = "a string, a list of strings, a list of token ids or a list of token id lists"
 # OpenAI's newer "developer" role is its name for the system prompt; a "tool" message carries
 # a tool's result back.
-_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
-          "tool": "tool"}
 # SGLang's sampling fields, accepted as they are (SamplingParams checks them).
 _PASSTHROUGH = (
     "top_k",
@@ -175,8 +173,8 @@ def parse_chat(
     if top_logprobs and not want_logprobs:
         raise OpenAIError("top_logprobs requires logprobs to be true", "top_logprobs")
     n = _n(body)
-    messages = _chat_messages(body.get("messages"))
     try:
+        messages = chat_messages(body.get("messages"))
         setup = chat_setup(body, model.tool_call_parser, model.reasoning_parser)
     except RequestError as exc:
         raise OpenAIError(str(exc), exc.field) from None
@@ -347,83 +345,6 @@ def _samples(request_id: str, prompts: list[GenerationRequest], n: int
         for sample in range(n):
             requests.append(nth_sample(prompt, f"{request_id}-{len(requests)}", sample))
     return requests
-
-
-# ---- chat messages, reduced to what a chat template renders ----------------------------------
-
-
-def _chat_messages(raw: Any) -> list[dict[str, Any]]:
-    """Check `messages` and return them as {"role", "content"} dicts with text content, plus
-    an assistant turn's tool_calls (arguments as objects, as chat templates read them)."""
-    if not isinstance(raw, list):
-        raise OpenAIError(f"messages must be a list of messages, got {raw!r}", "messages")
-    if not raw:
-        raise OpenAIError("messages must not be empty", "messages")
-    return [_message(i, message) for i, message in enumerate(raw)]
-
-
-def _message(i: int, message: Any) -> dict[str, Any]:
-    where = f"messages[{i}]"
-    if not isinstance(message, dict):
-        raise OpenAIError(f"{where} must be an object, got {message!r}", where)
-    role = message.get("role")
-    if not isinstance(role, str) or role not in _ROLES:
-        raise OpenAIError(
-            f"{where}.role must be one of {', '.join(_ROLES)}; got {role!r}", f"{where}.role"
-        )
-    out: dict[str, Any] = {"role": _ROLES[role],
-                           "content": _content(message.get("content"), role, where)}
-    if role == "assistant" and message.get("tool_calls") is not None:
-        out["tool_calls"] = _tool_calls(message["tool_calls"], f"{where}.tool_calls")
-    if role == "tool" and message.get("tool_call_id") is not None:
-        out["tool_call_id"] = message["tool_call_id"]
-    return out
-
-
-def _tool_calls(raw: Any, where: str) -> list[dict[str, Any]]:
-    """An earlier assistant turn's tool calls, their JSON arguments read into objects."""
-    calls = []
-    for call in raw if isinstance(raw, list) else [None]:
-        function = call.get("function") if isinstance(call, dict) else None
-        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-            raise OpenAIError(f"{where} must be a list of {{'type': 'function', 'function': "
-                              f"{{'name', 'arguments'}}}} calls, got {raw!r}", where)
-        try:
-            arguments = json.loads(function.get("arguments") or "{}")
-        except (TypeError, ValueError):
-            raise OpenAIError(f"{where}: the arguments of {function['name']!r} must be JSON "
-                              f"text, got {function.get('arguments')!r}", where) from None
-        calls.append({"id": call.get("id"), "type": "function",
-                      "function": {"name": function["name"], "arguments": arguments}})
-    return calls
-
-
-def _content(content: Any, role: str, where: str) -> str:
-    if isinstance(content, str):
-        return content
-    # An assistant turn that only called tools has null content.
-    if content is None and role == "assistant":
-        return ""
-    if not isinstance(content, list):
-        raise OpenAIError(
-            f"{where}.content must be a string or a list of text parts, got {content!r}",
-            f"{where}.content",
-        )
-    texts = []
-    for part in content:
-        if not (
-            isinstance(part, dict)
-            and part.get("type") == "text"
-            and isinstance(part.get("text"), str)
-        ):
-            raise OpenAIError(
-                f"{where}.content: only text parts ({{'type': 'text', 'text': ...}}) are "
-                f"supported, got {part!r}",
-                f"{where}.content",
-            )
-        texts.append(part["text"])
-    # Parts are separate blocks to the client; a newline keeps their words apart.
-    return "\n".join(texts)
 
 
 # ---- sampling fields (OpenAI's and SGLang's extras) ------------------------------------------
