@@ -21,7 +21,7 @@ from prometheus_client import start_http_server
 
 from radixmesh.core.bus import bus_redacted
 from radixmesh.core.flags import Settings, secrets_env, shared_values, to_flags
-from radixmesh.core.hicache import shm_root
+from radixmesh.core.hicache import HiCacheSettings, HiCacheStorageSettings, shm_root
 from radixmesh.core.model_files import resolve_model_path
 from radixmesh.core.service_settings import (
     CachectlConfig,
@@ -40,8 +40,6 @@ from radixmesh.core.service_settings import (
 from radixmesh.core.settings import (
     DecodingSettings,
     DeviceSettings,
-    HiCacheSettings,
-    HiCacheStorageSettings,
     KVSettings,
     ModelSettings,
     ScheduleSettings,

@@ -12,10 +12,10 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from radixmesh.core.flags import Settings, setting
+from radixmesh.core.hicache import HiCacheStorageSettings
 from radixmesh.core.reasoning import REASONING_PARSERS
 from radixmesh.core.settings import (
     GrammarSettings,
-    HiCacheStorageSettings,
     ModelSettings,
     PageSettings,
     ReplicaSettings,

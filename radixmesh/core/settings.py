@@ -1,7 +1,7 @@
 """The engine's settings, each declared once (see `radixmesh.core.flags`): the model, its
-device and KV pool, decoding, scheduling, the host and storage tiers, and `EngineArgs`, every
-knob of the in-process Engine. The services' and the mesh's own settings are in
-`radixmesh.core.service_settings`."""
+device and KV pool, decoding, scheduling, and `EngineArgs`, every knob of the in-process
+Engine. The host and storage tiers' groups are with their contract (`radixmesh.core.hicache`),
+the services' and the mesh's own settings in `radixmesh.core.service_settings`."""
 
 from __future__ import annotations
 
@@ -9,13 +9,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from radixmesh.core.flags import Settings, setting
-from radixmesh.core.hicache import (
-    LAYOUTS,
-    PREFETCH_POLICIES,
-    STORAGE_BACKENDS,
-    WRITE_POLICIES,
-    storage_config,
-)
+from radixmesh.core.hicache import HiCacheSettings, HiCacheStorageSettings
 
 DTYPES = ("bfloat16", "float32")
 QUANTIZATIONS = ("auto", "gguf", "bf16", "q8_0")
@@ -363,120 +357,6 @@ class SpeculativeSettings(Settings):
 
 
 @dataclass(frozen=True, kw_only=True)
-class HiCacheSettings(Settings):
-    """The hierarchical KV cache: a host (L2) tier behind the device pool (SGLang's names)."""
-
-    TITLE: ClassVar[str] = "hierarchical cache"
-
-    enable_hierarchical_cache: bool = setting(
-        False,
-        help="keep KV evicted from the device pool in a host-memory tier (owned by cachectl) "
-        "and load it back instead of recomputing the prefix",
-    )
-    hicache_ratio: float = setting(
-        2.0,
-        minimum=1.0,
-        help="size of the host tier as a multiple of the device KV pool",
-    )
-    hicache_size: float = setting(
-        0.0,
-        minimum=0.0,
-        help="size of the host tier in GB, overriding hicache_ratio; 0: use hicache_ratio",
-    )
-    hicache_write_policy: str = setting(
-        "write_through",
-        choices=WRITE_POLICIES,
-        help="when device KV is copied to the host tier: write_through (as soon as it is "
-        "cached), write_through_selective (once hicache_write_through_threshold admissions "
-        "hit it) or write_back (when it is evicted from the device pool)",
-    )
-    hicache_write_through_threshold: int = setting(
-        2,
-        minimum=1,
-        help="admissions that must hit a cached prefix before write_through_selective "
-        "copies it to the host tier",
-    )
-    hicache_mem_layout: str = setting(
-        "layer_first",
-        choices=LAYOUTS,
-        help="host tier layout: layer_first (each layer's slots contiguous) or page_first "
-        "(each page's layers contiguous)",
-    )
-    hicache_storage_page_size: int = setting(
-        64,
-        minimum=1,
-        help="tokens per storage-tier page, the unit written to and read from storage (a "
-        "multiple of page_size)",
-    )
-    hicache_storage_prefetch_policy: str = setting(
-        "timeout",
-        choices=PREFETCH_POLICIES,
-        help="how long a request whose prefix storage holds waits for it: best_effort (until "
-        "it would run anyway: on an idle engine, not at all), wait_complete (until every "
-        "page arrived) or timeout (the same, but no longer than "
-        "hicache_storage_prefetch_timeout)",
-    )
-    hicache_storage_prefetch_timeout: float = setting(
-        2.0,
-        minimum=0.0,
-        help="seconds a request waits for its storage pages under the timeout prefetch policy",
-    )
-    hicache_storage_prefetch_threshold: int = setting(
-        256,
-        minimum=1,
-        help="tokens that storage must hold beyond a request's device and host hit before "
-        "they are fetched rather than recomputed",
-    )
-
-    def cross_check(self) -> None:
-        super().cross_check()
-        page_size = getattr(self, "page_size", 1)
-        if self.hicache_storage_page_size % page_size:
-            raise ValueError(
-                f"hicache_storage_page_size must be a multiple of page_size {page_size}, "
-                f"got {self.hicache_storage_page_size}"
-            )
-
-
-@dataclass(frozen=True, kw_only=True)
-class HiCacheStorageSettings(Settings):
-    """The storage (L3) tier behind the host tier, which cachectl reads and writes."""
-
-    TITLE: ClassVar[str] = "hierarchical cache storage"
-
-    hicache_storage_backend: str | None = setting(
-        None,
-        choices=STORAGE_BACKENDS,
-        help="storage tier behind the host tier, shared by every engine that uses the same "
-        "one and kept across restarts: file, redis or nats (the mesh's JetStream object "
-        "store); empty: none",
-    )
-    hicache_storage_backend_extra_config: str = setting(
-        "",
-        help='the storage backend\'s settings as JSON: {"path": DIR} for file (default: '
-        'radixmesh/hicache in the user\'s cache directory), {"url": "redis://HOST:PORT/DB"} '
-        'for redis, {"bucket": NAME} for nats (and "url" for a NATS server other than the '
-        "mesh's)",
-    )
-
-    def cross_check(self) -> None:
-        super().cross_check()
-        storage_config(
-            self.hicache_storage_backend or "", self.hicache_storage_backend_extra_config
-        )
-
-    @property
-    def storage_config(self) -> dict[str, str]:
-        """The backend's extra config, defaults filled in."""
-        return storage_config(
-            self.hicache_storage_backend or "", self.hicache_storage_backend_extra_config
-        )
-
-
-
-
-
-@dataclass(frozen=True, kw_only=True)
 class EngineSettings(Settings):
     """What only the in-process Engine has."""
 
@@ -488,11 +368,6 @@ class EngineSettings(Settings):
         "runs; empty: a random one per run",
     )
     show_progress: bool = setting(True, help="show a progress bar while the weights load")
-
-
-
-
-
 
 
 @dataclass(frozen=True, kw_only=True)

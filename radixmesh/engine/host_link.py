@@ -14,8 +14,7 @@ import contextlib
 import logging
 from collections.abc import Callable
 
-from radixmesh.core.hicache import HostTierClient, KVGeometry, host_pool_slots
-from radixmesh.core.settings import HiCacheSettings
+from radixmesh.core.hicache import HiCacheSettings, HostTierClient, KVGeometry, host_pool_slots
 from radixmesh.engine.loop import EngineLoop
 from radixmesh.engine.scheduler import Scheduler
 from radixmesh.engine.storage_tier import PrefetchOp, QueryOp, StorageTier, StoreOp
