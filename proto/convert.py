@@ -30,8 +30,9 @@ from radixmesh.proto import mesh_pb2 as mpb
 from radixmesh.proto import worker_pb2 as wpb
 
 # The sampling parameters the engine needs, named alike on both sides; stop strings stay
-# with the detokenizer, max_new_tokens with the scheduler.
+# with the detokenizer.
 _SAMPLING_FIELDS = (
+    "max_new_tokens",
     "temperature",
     "top_p",
     "top_k",
@@ -74,13 +75,14 @@ def sampling_to_proto(p: SamplingParams, seed: int) -> wpb.SamplingParams:
                               logit_bias=p.logit_bias, **fields, **grammar)
 
 
-def sampling_from_proto(p: wpb.SamplingParams, max_new_tokens: int) -> SamplingParams:
-    """The other side of sampling_to_proto; the seed is `p.seed`."""
+def sampling_from_proto(p: wpb.SamplingParams) -> SamplingParams:
+    """The other side of sampling_to_proto; the seed is `p.seed`. The front door checked
+    them: they are not checked again."""
     fields = {name: getattr(p, name) for name in _SAMPLING_FIELDS}
     grammar = {name: getattr(p, name) or None for name in GRAMMAR_KINDS}
-    return SamplingParams(
-        max_new_tokens=max_new_tokens, stop_token_ids=list(p.stop_token_ids), seed=p.seed,
-        logit_bias=dict(p.logit_bias), **fields, **grammar,
+    return SamplingParams.checked(
+        stop_token_ids=list(p.stop_token_ids), seed=p.seed, logit_bias=dict(p.logit_bias),
+        **fields, **grammar,
     )
 
 
@@ -180,8 +182,7 @@ def batch_to_proto(batch: StepBatch) -> wpb.StepBatch:
 
 
 def batch_from_proto(msg: wpb.StepBatch) -> StepBatch:
-    """The worker's side of batch_to_proto. The runner needs no max_new_tokens (the
-    scheduler ends requests); at least min_new_tokens keeps the params valid."""
+    """The worker's side of batch_to_proto."""
     return StepBatch(
         msg.step,
         [
@@ -191,7 +192,7 @@ def batch_from_proto(msg: wpb.StepBatch) -> StepBatch:
                 list(n.prefix_ids),
                 list(n.prefix_slots),
                 n.prompt_len,
-                sampling_from_proto(n.sampling, max(n.sampling.min_new_tokens, 1)),
+                sampling_from_proto(n.sampling),
                 n.sampling.seed,
                 LogprobRequest(n.return_logprob, n.top_logprobs_num, n.logprob_start_len),
             )

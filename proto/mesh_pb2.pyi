@@ -24,11 +24,10 @@ class DetokSpec(_message.Message):
     def __init__(self, stop: _Optional[_Iterable[str]] = ..., no_stop_trim: _Optional[bool] = ..., skip_special_tokens: _Optional[bool] = ..., min_new_tokens: _Optional[int] = ..., prompt_tail: _Optional[_Iterable[int]] = ..., spaces_between_special_tokens: _Optional[bool] = ...) -> None: ...
 
 class EngineRequest(_message.Message):
-    __slots__ = ("rid", "input_ids", "sampling", "max_new_tokens", "cache_salt", "priority", "return_logprob", "top_logprobs_num", "logprob_start_len", "reply_to", "detok", "detok_context", "prefill_engine", "handoff")
+    __slots__ = ("rid", "input_ids", "sampling", "cache_salt", "priority", "return_logprob", "top_logprobs_num", "logprob_start_len", "reply_to", "detok", "detok_context", "prefill_engine", "handoff")
     RID_FIELD_NUMBER: _ClassVar[int]
     INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
-    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     RETURN_LOGPROB_FIELD_NUMBER: _ClassVar[int]
@@ -42,7 +41,6 @@ class EngineRequest(_message.Message):
     rid: str
     input_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _worker_pb2.SamplingParams
-    max_new_tokens: int
     cache_salt: str
     priority: int
     return_logprob: bool
@@ -53,7 +51,7 @@ class EngineRequest(_message.Message):
     detok_context: int
     prefill_engine: str
     handoff: KVHandoff
-    def __init__(self, rid: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_worker_pb2.SamplingParams, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., cache_salt: _Optional[str] = ..., priority: _Optional[int] = ..., return_logprob: _Optional[bool] = ..., top_logprobs_num: _Optional[int] = ..., logprob_start_len: _Optional[int] = ..., reply_to: _Optional[str] = ..., detok: _Optional[_Union[DetokSpec, _Mapping]] = ..., detok_context: _Optional[int] = ..., prefill_engine: _Optional[str] = ..., handoff: _Optional[_Union[KVHandoff, _Mapping]] = ...) -> None: ...
+    def __init__(self, rid: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_worker_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., priority: _Optional[int] = ..., return_logprob: _Optional[bool] = ..., top_logprobs_num: _Optional[int] = ..., logprob_start_len: _Optional[int] = ..., reply_to: _Optional[str] = ..., detok: _Optional[_Union[DetokSpec, _Mapping]] = ..., detok_context: _Optional[int] = ..., prefill_engine: _Optional[str] = ..., handoff: _Optional[_Union[KVHandoff, _Mapping]] = ...) -> None: ...
 
 class KVHandoff(_message.Message):
     __slots__ = ("decode_engine", "start", "dest_slots", "dest_workers", "dest_host", "key")

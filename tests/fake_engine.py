@@ -231,7 +231,7 @@ class FakeEngine:
 
     def _chunks(self, request: mpb.EngineRequest) -> list[mpb.TextChunk]:
         ids = list(request.input_ids)
-        out = echo_ids(ids, request.max_new_tokens)
+        out = echo_ids(ids, request.sampling.max_new_tokens)
         cached = self._cached(ids)
         common = {"rid": request.rid, "prompt_tokens": len(ids), "cached_tokens": cached,
                   "cached_host_tokens": host_part(cached)}
@@ -246,7 +246,7 @@ class FakeEngine:
                 if request.top_logprobs_num:
                     chunk.logprobs.output_top.append(_top(t, request.top_logprobs_num))
             self._add_input_logprobs(request, chunks)
-        limit = request.max_new_tokens
+        limit = request.sampling.max_new_tokens
         chunks[-1].finish.CopyFrom(mpb.Finish(kind="length", token_id=limit))
         if self.extra_finish:
             late = mpb.TextChunk(seq=len(chunks), text="LATE", **common)

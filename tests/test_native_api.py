@@ -175,7 +175,7 @@ async def test_n_samples_of_one_prompt_answer_a_list(stack):
     assert all(b["meta_info"]["finish_reason"] == {"type": "length", "length": 2} for b in body)
     # The prompt is prefilled once, generating nothing, before the samples start.
     prefill, *samples = engine.requests
-    assert prefill.rid == "q_prefix" and prefill.max_new_tokens == 0
+    assert prefill.rid == "q_prefix" and prefill.sampling.max_new_tokens == 0
     assert [r.rid for r in samples] == ["q_0", "q_1", "q_2"]
     assert len({r.sampling.seed for r in samples}) == 3
     engine.requests.clear()
@@ -233,9 +233,9 @@ async def test_default_max_new_tokens_shrinks_to_fit_the_context(stack):
     engine = await stack.add_engine()
     status, body = await stack.post("/generate", {"input_ids": [1] * (CONTEXT - 10)})
     assert status == 200
-    assert engine.requests[0].max_new_tokens == 10
+    assert engine.requests[0].sampling.max_new_tokens == 10
     status, _ = await stack.post("/generate", {"input_ids": [1] * 10})
-    assert engine.requests[1].max_new_tokens == 128
+    assert engine.requests[1].sampling.max_new_tokens == 128
 
 
 async def test_generate_stream_sends_cumulative_events_then_done(stack):

@@ -94,7 +94,7 @@ async def test_single_request_round_trip(mesh):
     sent = engine.requests[0]
     assert sent.rid == request.rid and list(sent.input_ids) == prompt
     assert sent.reply_to == f"rm.tokenizer.{mesh.client.replica_id}.out"
-    assert sent.max_new_tokens == 3
+    assert sent.sampling.max_new_tokens == 3
     assert sent.sampling.temperature == 0.5 and 0 <= sent.sampling.seed < 2**63
     assert list(sent.detok.stop) == ["xy"] and list(sent.detok.prompt_tail) == [6, 7, 8, 9]
     assert sent.detok.skip_special_tokens and sent.detok_context == detok_context_size(["xy"])

@@ -4,7 +4,7 @@ the logprobs it wants back."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
 _INT_FIELDS = ("max_new_tokens", "min_new_tokens", "top_k")
@@ -70,6 +70,19 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         self.validate()
+
+    @classmethod
+    def checked(cls, **values: Any) -> SamplingParams:
+        """Params a front door already checked, rebuilt on the far side of a hop: taken as
+        they are, not checked again (fields not given keep their defaults)."""
+        params = cls.__new__(cls)
+        for f in fields(cls):
+            if f.name in values:
+                value = values[f.name]
+            else:
+                value = f.default_factory() if f.default is MISSING else f.default
+            object.__setattr__(params, f.name, value)
+        return params
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SamplingParams:

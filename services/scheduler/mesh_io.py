@@ -26,7 +26,7 @@ def request_from_proto(msg: mpb.EngineRequest) -> Req:
     req = Req(
         rid=msg.rid,
         input_ids=list(msg.input_ids),
-        params=sampling_from_proto(msg.sampling, msg.max_new_tokens),
+        params=sampling_from_proto(msg.sampling),
         seed=msg.sampling.seed,
         namespace=msg.cache_salt or None,
         priority=msg.priority,

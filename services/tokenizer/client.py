@@ -268,7 +268,6 @@ class MeshClient:
             rid=request.rid,
             input_ids=request.input_ids,
             sampling=sampling_to_proto(params, seed),
-            max_new_tokens=params.max_new_tokens,
             cache_salt=request.cache_salt or "",
             priority=request.priority,
             return_logprob=lp.return_logprob,
