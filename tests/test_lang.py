@@ -261,7 +261,7 @@ TIME = {"type": "function", "function": {"name": "get_time", "parameters": {}}}
 
 @pytest.fixture
 def stub_parsers(monkeypatch) -> list[tuple[str, dict, str | None]]:
-    """A stand-in for radixmesh.core.tool_parsers that reads `<call>name {json}</call>`;
+    """A stand-in for radixmesh.core.tool_formats that reads `<call>name {json}</call>`;
     it records what tool_constraint was asked."""
     asked: list[tuple[str, dict, str | None]] = []
 
@@ -283,7 +283,7 @@ def stub_parsers(monkeypatch) -> list[tuple[str, dict, str | None]]:
 
     module = types.SimpleNamespace(tool_parser=lambda kind, tools: Parser(tools),
                                    tool_constraint=tool_constraint)
-    monkeypatch.setitem(sys.modules, "radixmesh.core.tool_parsers", module)
+    monkeypatch.setitem(sys.modules, "radixmesh.core.tool_formats", module)
     return asked
 
 
@@ -321,10 +321,10 @@ def test_gen_with_tools_splits_content_and_calls(stub_parsers):
 
 
 def test_gen_reads_calls_with_the_servers_qwen25_parser(monkeypatch):
-    from radixmesh.core import tool_parsers
+    from radixmesh.core import tool_formats, tool_parsers
 
     # Only the parser is under test: auto asks for no constraint.
-    monkeypatch.setattr(tool_parsers, "tool_constraint", lambda kind, tools, choice: None,
+    monkeypatch.setattr(tool_formats, "tool_constraint", lambda kind, tools, choice: None,
                         raising=False)
 
     class Qwen(Scripted):

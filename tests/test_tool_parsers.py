@@ -10,13 +10,8 @@ import json
 
 import pytest
 
-from radixmesh.core.tool_parsers import (
-    TOOL_PARSERS,
-    Qwen25ToolParser,
-    ToolCall,
-    ToolCallDelta,
-    tool_parser,
-)
+from radixmesh.core.tool_formats import TOOL_PARSERS, Qwen25ToolParser, tool_parser
+from radixmesh.core.tool_parsers import ToolCall, ToolCallDelta
 
 TOOLS = {
     "get_weather": {

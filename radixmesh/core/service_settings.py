@@ -21,7 +21,7 @@ from radixmesh.core.settings import (
     ReplicaSettings,
     RunnerSettings,
 )
-from radixmesh.core.tool_parsers import TOOL_PARSERS
+from radixmesh.core.tool_formats import TOOL_PARSERS
 
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
 TRANSFER_BACKENDS = ("auto", "grpc", "shm")

@@ -1,10 +1,11 @@
 """Tool-call parsers: the function calls an open model wrote into its answer, in the formats
 of SGLang's `--tool-call-parser` (qwen25/qwen, llama3, mistral, pythonic). Pure text.
 
-Each format recognises one *unit* of call text (a `<tool_call>` block, a `[TOOL_CALLS]` array,
-a `;`-separated run of Llama JSON objects, a Python list of calls) and reports its calls as far
-as they have arrived; one driver turns the reports into content and calls, for a whole answer
-(`parse`) or incrementally (`feed` ... `finish`).
+Each format (radixmesh.core.tool_formats) recognises one *unit* of call text (a `<tool_call>`
+block, a `[TOOL_CALLS]` array, a `;`-separated run of Llama JSON objects, a Python list of
+calls) and reports its calls as far as they have arrived (`Call`, `Unit`); this module's
+driver turns the reports into content and calls, for a whole answer (`parse`) or
+incrementally (`feed` ... `finish`).
 
 - A call counts only if its text parses, names a function of `tools` and its arguments (a
   JSON object) validate against that function's schema; otherwise its text stays content.
@@ -29,7 +30,6 @@ Streaming cannot take back what it emitted:
 
 from __future__ import annotations
 
-import ast
 import copy
 import json
 import re
@@ -38,7 +38,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from radixmesh.core.grammar import schema_validator, tool_calls_tag
+from radixmesh.core.grammar import schema_validator
 
 if TYPE_CHECKING:
     from jsonschema.protocols import Validator
@@ -69,60 +69,25 @@ class ParsedDelta:
     calls: list[ToolCallDelta]
 
 
-_INVALID = object()  # arguments that did not parse
+INVALID = object()  # arguments that did not parse
 _WAIT, _REJECT, _DONE = "wait", "reject", "done"
 # A JSON call whose name comes first can be committed before its arguments arrive.
 _HEADER = re.compile(
     r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\{)'
 )
-_IDENTIFIER = re.compile(r"[A-Za-z_]\w*")
-_MISTRAL_NAME = re.compile(r"[\w.\-]+")
-_MISTRAL_ARGS = "[ARGS]"
-_QWEN_END = "</tool_call>"
 
 
-def _skip_space(text: str, at: int) -> int:
+def skip_space(text: str, at: int) -> int:
     while at < len(text) and text[at].isspace():
         at += 1
     return at
 
 
-def _loads(text: str) -> Any:
+def loads(text: str) -> Any:
     try:
         return json.loads(text)
     except ValueError:
-        return _INVALID
-
-
-def _json_value(value: Any) -> Any:
-    """A Python literal as JSON data (tuples become lists); TypeError for anything else."""
-    if value is None or isinstance(value, bool | int | float | str):
-        return value
-    if isinstance(value, list | tuple):
-        return [_json_value(item) for item in value]
-    if isinstance(value, dict) and all(isinstance(key, str) for key in value):
-        return {key: _json_value(item) for key, item in value.items()}
-    raise TypeError(f"{type(value).__name__} is not JSON")
-
-
-def _python_arguments(source: str) -> Any:
-    """The keyword arguments of one Python call `f(a=1, b="x")` as a dict, read with `ast`
-    (never evaluated); _INVALID for positional arguments or values that aren't literals."""
-    try:
-        node = ast.parse(source, mode="eval").body
-    except (SyntaxError, ValueError, RecursionError):
-        return _INVALID
-    if not isinstance(node, ast.Call) or node.args:
-        return _INVALID
-    arguments: dict[str, Any] = {}
-    for keyword in node.keywords:
-        if keyword.arg is None:
-            return _INVALID
-        try:
-            arguments[keyword.arg] = _json_value(ast.literal_eval(keyword.value))
-        except (ValueError, TypeError, SyntaxError, RecursionError):
-            return _INVALID
-    return arguments
+        return INVALID
 
 
 class _Span:
@@ -157,7 +122,7 @@ class _Span:
 
 
 @dataclass
-class _Call:
+class Call:
     """One call's text inside a unit, as far as it has arrived (offsets into the unit)."""
 
     start: int
@@ -165,14 +130,14 @@ class _Call:
     args_start: int | None = None  # set when the raw arguments can stream before the call ends
     args_end: int | None = None
     end: int | None = None  # set once the call's text is complete
-    arguments: Any = _INVALID  # the parsed arguments, once complete
+    arguments: Any = INVALID  # the parsed arguments, once complete
 
 
 @dataclass
-class _Unit:
+class Unit:
     """The calls of a unit so far; `end` is None while more text could still extend it."""
 
-    calls: list[_Call]
+    calls: list[Call]
     end: int | None
 
 
@@ -221,7 +186,7 @@ class ToolParser(ABC):
         return None
 
     @abstractmethod
-    def _scan(self, text: str, final: bool) -> _Unit | None:
+    def _scan(self, text: str, final: bool) -> Unit | None:
         """The unit that `text` starts with, or None when no call starts there. With `final`
         no more text comes, so the unit's end is known."""
 
@@ -274,7 +239,7 @@ class ToolParser(ABC):
                 self._consume(1)
         return ParsedDelta("".join(self._content), self._deltas)
 
-    def _run(self, unit: _Unit, final: bool) -> str:
+    def _run(self, unit: Unit, final: bool) -> str:
         """Emit what the active unit's calls have decided; consume the unit once it ends."""
         text = self._buffer
         while self._done < len(unit.calls):
@@ -305,7 +270,7 @@ class ToolParser(ABC):
         self._consume(len(text) if unit.end is None else unit.end)
         return _DONE
 
-    def _verdict(self, call: _Call) -> bool | None:
+    def _verdict(self, call: Call) -> bool | None:
         """Whether `call` is a call; None while that is not known yet."""
         if self._eager and call.args_start is not None:
             return call.name in self._validators
@@ -318,7 +283,7 @@ class ToolParser(ABC):
             and validator.is_valid(call.arguments)
         )
 
-    def _name(self, call: _Call) -> None:
+    def _name(self, call: Call) -> None:
         assert call.name is not None  # a call judged valid has a name
         if self._eager and call.args_start is not None:
             self._deltas.append(ToolCallDelta(self._count, call.name, ""))
@@ -362,195 +327,53 @@ class ToolParser(ABC):
         text: str,
         at: int,
         final: bool,
-        element: Callable[[str, int], _Call | None],
+        element: Callable[[str, int], Call | None],
         separator: str,
         close: str,
-    ) -> _Unit | None:
+    ) -> Unit | None:
         """Calls read by `element`, split by `separator`, up to `close` (both may be empty).
         Text that does not continue the sequence ends the unit after its last call."""
-        calls: list[_Call] = []
+        calls: list[Call] = []
         while True:
-            at = _skip_space(text, at)
+            at = skip_space(text, at)
             if at == len(text) and not final:
-                return _Unit(calls, None)
+                return Unit(calls, None)
             call = element(text, at)
             if call is None:
                 break
             calls.append(call)
             if call.end is None:
-                return _Unit(calls, len(text) if final else None)
-            at = _skip_space(text, call.end)
+                return Unit(calls, len(text) if final else None)
+            at = skip_space(text, call.end)
             if close and text.startswith(close, at):
-                return _Unit(calls, at + len(close))
+                return Unit(calls, at + len(close))
             if separator and text.startswith(separator, at):
                 at += len(separator)
                 continue
             marks = [mark for mark in (close, separator) if mark]
             if not final and any(mark.startswith(text[at : at + len(mark)]) for mark in marks):
-                return _Unit(calls, None)
-            return _Unit(calls, call.end)
-        return _Unit(calls, calls[-1].end) if calls else None
+                return Unit(calls, None)
+            return Unit(calls, call.end)
+        return Unit(calls, calls[-1].end) if calls else None
 
-    def _json_call(self, text: str, at: int) -> _Call | None:
+    def _json_call(self, text: str, at: int) -> Call | None:
         """A `{"name": ..., "arguments"|"parameters": {...}}` object starting at `at`."""
         if not text.startswith("{", at):
             return None
-        first = _skip_space(text, at + 1)
+        first = skip_space(text, at + 1)
         if first < len(text) and text[first] not in '"}':
             return None
-        call = _Call(at)
+        call = Call(at)
         header = _HEADER.match(text, at)
-        name = _loads(header.group(1)) if header else None
+        name = loads(header.group(1)) if header else None
         if header and isinstance(name, str):
             call.name, call.args_start = name, header.end()
             call.args_end = self._span(text, header.end())
         call.end = self._span(text, at)
         if call.end is not None:
-            whole = _loads(text[at : call.end])
+            whole = loads(text[at : call.end])
             if isinstance(whole, dict) and isinstance(whole.get("name"), str):
                 call.name = whole["name"]
                 # A function without parameters may be called without an arguments key.
                 call.arguments = whole.get("arguments", whole.get("parameters", {}))
         return call
-
-
-class Qwen25ToolParser(ToolParser):
-    """Qwen2.5 / Qwen3 / Hermes: `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`
-    blocks anywhere in the answer."""
-
-    name = "qwen25"
-    trigger = _opener = "<tool_call>"
-
-    @classmethod
-    def structure(cls, name: str) -> tuple[str, str] | None:
-        return f'<tool_call>\n{{"name": {json.dumps(name)}, "arguments": ', "}\n</tool_call>"
-
-    def _scan(self, text: str, final: bool) -> _Unit | None:
-        # A missing end tag at the end of the answer is forgiven: a stop string may have cut it.
-        return self._sequence(text, len(self._opener), final, self._json_call, "", _QWEN_END)
-
-
-class Llama3ToolParser(ToolParser):
-    """Llama 3.x JSON calls: optional `<|python_tag|>`, then `{"name": ..., "parameters": {...}}`
-    objects separated by `;`. Without the tag the answer must start with the object."""
-
-    name = "llama3"
-    trigger = _opener = "<|python_tag|>"
-
-    @classmethod
-    def structure(cls, name: str) -> tuple[str, str] | None:
-        return f'<|python_tag|>{{"name": {json.dumps(name)}, "parameters": ', "}"
-
-    def _find(self, text: str, fresh: bool) -> int | None:
-        first = _skip_space(text, 0)
-        if fresh and text.startswith("{", first):
-            return first
-        return super()._find(text, fresh)
-
-    def _scan(self, text: str, final: bool) -> _Unit | None:
-        start = len(self._opener) if text.startswith(self._opener) else 0
-        return self._sequence(text, start, final, self._json_call, ";", "")
-
-
-class MistralToolParser(ToolParser):
-    """Mistral: `[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]`, or the newer
-    `[TOOL_CALLS]name[ARGS]{...}` with one marker per call; text before it is content."""
-
-    name = "mistral"
-    trigger = _opener = "[TOOL_CALLS]"
-
-    @classmethod
-    def structure(cls, name: str) -> tuple[str, str] | None:
-        return f'[TOOL_CALLS] [{{"name": {json.dumps(name)}, "arguments": ', "}]"
-
-    def _scan(self, text: str, final: bool) -> _Unit | None:
-        at = _skip_space(text, len(self._opener))
-        if at == len(text):
-            return None if final else _Unit([], None)
-        if text[at] == "[":
-            return self._sequence(text, at + 1, final, self._json_call, ",", "]")
-        return self._sequence(text, at, final, self._named_call, "", "")
-
-    def _named_call(self, text: str, at: int) -> _Call | None:
-        name = _MISTRAL_NAME.match(text, at)
-        if name is None:
-            return None
-        tail = text[name.end() : name.end() + len(_MISTRAL_ARGS)]
-        if tail != _MISTRAL_ARGS:
-            return _Call(at) if _MISTRAL_ARGS.startswith(tail) else None
-        args_start = _skip_space(text, name.end() + len(_MISTRAL_ARGS))
-        if args_start == len(text):
-            return _Call(at)
-        if text[args_start] != "{":
-            return None
-        end = self._span(text, args_start)
-        call = _Call(at, name.group(), args_start=args_start, args_end=end, end=end)
-        if end is not None:
-            call.arguments = _loads(text[args_start:end])
-        return call
-
-
-class PythonicToolParser(ToolParser):
-    """Python call syntax with literal keyword arguments, `[f(a=1, b="x"), g()]`, anywhere in
-    the answer (Llama 3.2+ templates, ToolACE)."""
-
-    name = "pythonic"
-    trigger = None
-    _opener = "["
-
-    def _scan(self, text: str, final: bool) -> _Unit | None:
-        return self._sequence(text, 1, final, self._python_call, ",", "]")
-
-    def _python_call(self, text: str, at: int) -> _Call | None:
-        identifier = _IDENTIFIER.match(text, at)
-        if identifier is None:
-            return None
-        if identifier.end() == len(text):
-            return _Call(at)
-        if text[identifier.end()] != "(":
-            return None
-        call = _Call(at, identifier.group(), end=self._span(text, identifier.end(), "'\""))
-        if call.end is not None:
-            call.arguments = _python_arguments(text[at : call.end])
-        return call
-
-
-TOOL_PARSERS: dict[str, type[ToolParser]] = {
-    "qwen25": Qwen25ToolParser,
-    "qwen": Qwen25ToolParser,
-    "llama3": Llama3ToolParser,
-    "mistral": MistralToolParser,
-    "pythonic": PythonicToolParser,
-}
-
-
-def tool_parser(kind: str, tools: Mapping[str, Mapping[str, Any]]) -> ToolParser:
-    """A parser for one answer in the format `kind` (a `--tool-call-parser` name)."""
-    return _parser_class(kind)(tools)
-
-
-def _parser_class(kind: str) -> type[ToolParser]:
-    parser = TOOL_PARSERS.get(kind)
-    if parser is None:
-        raise ValueError(
-            f"unknown tool-call parser {kind!r}: expected one of {', '.join(sorted(TOOL_PARSERS))}"
-        )
-    return parser
-
-
-def tool_constraint(kind: str, tools: Mapping[str, Mapping[str, Any]], choice: str | None,
-                    single: bool = False) -> tuple[str, str] | None:
-    """The output constraint (a structural tag) that holds every call the model opens in the
-    format `kind` to one of `tools` (name -> parameters schema) and its schema. `choice`:
-    None lets the model call as it likes (tool_choice auto), "" requires a call to any of
-    them, a name a call to that one; `single`: nothing follows the first call. None where
-    the format cannot be constrained that way (pythonic)."""
-    parser = _parser_class(kind)
-    names = list(tools) if not choice else [choice]
-    calls = []
-    for name in names:
-        wrap = parser.structure(name)
-        if wrap is None or parser.trigger is None:
-            return None
-        calls.append((wrap[0], tools[name], wrap[1]))
-    return tool_calls_tag(parser.trigger, calls, required=choice is not None, single=single)

@@ -21,7 +21,7 @@ def tool_params(params: dict[str, Any], tools: Tools | None) -> dict[str, Any]:
     function) the model must call."""
     if tools is None:
         return params
-    from radixmesh.core.tool_parsers import tool_constraint
+    from radixmesh.core.tool_formats import tool_constraint
 
     required = tools.required()
     constraint = tool_constraint(tools.parser, tools.schemas(), required)
@@ -39,7 +39,7 @@ def read_calls(text: str, tools: Tools | None) -> tuple[str, list[ToolCall]]:
     """The text around the tool calls in `text`, and the calls."""
     if tools is None:
         return text, []
-    from radixmesh.core.tool_parsers import tool_parser
+    from radixmesh.core.tool_formats import tool_parser
 
     content, calls = tool_parser(tools.parser, tools.schemas()).parse(text)
     return content, list(calls)

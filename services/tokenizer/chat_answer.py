@@ -23,13 +23,8 @@ from radixmesh.core import grammar
 from radixmesh.core.reasoning import ReasoningParser, check_kind, thinking_enabled
 from radixmesh.core.request import RequestError
 from radixmesh.core.sampling_params import GRAMMAR_KINDS
-from radixmesh.core.tool_parsers import (
-    ParsedDelta,
-    ToolCall,
-    ToolParser,
-    tool_constraint,
-    tool_parser,
-)
+from radixmesh.core.tool_formats import tool_constraint, tool_parser
+from radixmesh.core.tool_parsers import ParsedDelta, ToolCall, ToolParser
 
 Json = dict[str, Any]
 # A function declared without parameters takes none (OpenAI: "omitting parameters defines a
