@@ -243,7 +243,7 @@ def engine_request(rid: str, prompt: list[int], max_new: int = 8, prefill: str =
     with `logprobs`, those of the output and the whole prompt with two alternatives)."""
     sampling = SamplingParams(max_new_tokens=max_new, temperature=0, **params)
     return mpb.EngineRequest(rid=rid, input_ids=prompt, sampling=sampling_to_proto(sampling, 0),
-                             max_new_tokens=max_new, prefill_engine=prefill,
+                             prefill_engine=prefill,
                              return_logprob=logprobs, top_logprobs_num=2 if logprobs else 0,
                              logprob_start_len=0 if logprobs else -1)
 

@@ -78,10 +78,8 @@ async def mesh(nats_url: str, overlap: bool = True) -> AsyncIterator[tuple[Sched
 
 
 def request(rid: str, prompt: list[int], max_new: int, **kw: object) -> bytes:
-    msg = mpb.EngineRequest(
-        rid=rid, input_ids=prompt, max_new_tokens=max_new, reply_to=REPLY, detok_context=3,
-        **kw,
-    )
+    msg = mpb.EngineRequest(rid=rid, input_ids=prompt, reply_to=REPLY, detok_context=3, **kw)
+    msg.sampling.max_new_tokens = max_new
     msg.sampling.temperature = 0
     msg.sampling.top_p = 1
     msg.sampling.ignore_eos = True
