@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import multiprocessing
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -299,7 +300,8 @@ def test_the_wire_format_round_trips(tmp_path) -> None:
         host_pool=spec,
     )
     back = batch_from_proto(wpb.StepBatch.FromString(batch_to_proto(batch).SerializeToString()))
-    assert back.new_requests[0].params.max_new_tokens == 1  # the runner's placeholder
+    # The sampling parameters come back whole (max_new_tokens included), with the seed.
+    assert back.new_requests[0].params == replace(GREEDY, seed=42)
     back.new_requests[0].params = GREEDY
     assert back == batch
     plain = StepBatch(8, entries=[StepEntry("r", [], [8], True)])

@@ -21,8 +21,8 @@ from radixmesh.proto.convert import finish_from_proto, finish_to_proto, sampling
 
 
 def request_from_proto(msg: mpb.EngineRequest) -> Req:
-    """The scheduler's request; ValueError when its sampling parameters are invalid, or
-    its handoff is for other tokens."""
+    """The scheduler's request (its sampling parameters as the front door checked them);
+    ValueError when its handoff is for other tokens."""
     req = Req(
         rid=msg.rid,
         input_ids=list(msg.input_ids),
