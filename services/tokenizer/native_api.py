@@ -91,11 +91,11 @@ class NativeApi:
 
     # ---- /generate -----------------------------------------------------------------------
 
-    async def generate(self, request: web.Request) -> web.StreamResponse:
+    async def generate(self, http: web.Request) -> web.StreamResponse:
         """Run one prompt or a batch; stream SSE events or answer once at the end."""
         started = time.monotonic()
         try:
-            body = json.loads(await request.read())
+            body = json.loads(await http.read())
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             return error_response(f"the body is not valid JSON: {exc}")
         try:
@@ -117,7 +117,7 @@ class NativeApi:
             except GenerationError as exc:
                 return error_response(str(exc), exc.status, exc.headers)
         if parsed.stream:
-            return await self._stream(request, parsed, jobs, outputs)
+            return await self._stream(http, parsed, jobs, outputs)
         return await self._answer(parsed, jobs, outputs)
 
     def _prepare(self, item: GeneratePrompt) -> GenerationRequest:
@@ -176,7 +176,7 @@ class NativeApi:
 
     async def _stream(
         self,
-        request: web.Request,
+        http: web.Request,
         parsed: GenerateCall,
         jobs: list[GenerationRequest],
         outputs: list[NativeOutput],
@@ -202,7 +202,7 @@ class NativeApi:
                         running -= 1
                 if response is None:
                     response = web.StreamResponse(headers=_SSE_HEADERS)
-                    await response.prepare(request)
+                    await response.prepare(http)
                 if not running:
                     events.append(SSE_DONE)
                 await response.write(b"".join(events))
@@ -328,9 +328,9 @@ def error_response(message: str, status: int = 400, headers: dict[str, str] | No
 def _parse_route(parse: Callable[[Any], dict[str, Any]]
                  ) -> Callable[[web.Request], Awaitable[web.Response]]:
     """A route answering `parse(body)` (SGLang's /parse_function_call, /separate_reasoning)."""
-    async def route(request: web.Request) -> web.Response:
+    async def route(http: web.Request) -> web.Response:
         try:
-            return web.json_response(parse(json.loads(await request.read())))
+            return web.json_response(parse(json.loads(await http.read())))
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             return error_response(f"the body is not valid JSON: {exc}")
         except RequestError as exc:

@@ -89,21 +89,21 @@ class OpenAIRoutes:
         """GET /v1/models: the one served model."""
         return web.json_response({"object": "list", "data": [self._model_card()]})
 
-    async def model(self, request: web.Request) -> web.Response:
+    async def model(self, http: web.Request) -> web.Response:
         """GET /v1/models/{model}."""
-        name = request.match_info["model"]
+        name = http.match_info["model"]
         if name != self.client.model_name:
             message = f"the model {name!r} does not exist; this server serves "
             return error_response(f"{message}{self.client.model_name!r}", 404, "model")
         return web.json_response(self._model_card())
 
-    async def completions(self, request: web.Request) -> web.StreamResponse:
+    async def completions(self, http: web.Request) -> web.StreamResponse:
         """POST /v1/completions."""
-        return await self._serve(request, parse_completion, CompletionResponse, "cmpl")
+        return await self._serve(http, parse_completion, CompletionResponse, "cmpl")
 
-    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+    async def chat_completions(self, http: web.Request) -> web.StreamResponse:
         """POST /v1/chat/completions."""
-        return await self._serve(request, parse_chat, ChatResponse, "chatcmpl")
+        return await self._serve(http, parse_chat, ChatResponse, "chatcmpl")
 
     def _model_card(self) -> dict[str, Any]:
         return {
@@ -122,14 +122,14 @@ class OpenAIRoutes:
 
     async def _serve(
         self,
-        request: web.Request,
+        http: web.Request,
         parse: Parser,
         builder_type: type[ResponseBuilder],
         id_prefix: str,
     ) -> web.StreamResponse:
         tokenizer = self.client.tokenizer
         try:
-            body = parse_body(await request.read())
+            body = parse_body(await http.read())
             with tokenize_span() as tokenized:
                 parsed = parse(body, tokenizer, self._served_model(),
                                f"{id_prefix}-{uuid.uuid4().hex}")
@@ -140,10 +140,10 @@ class OpenAIRoutes:
             return error_response(exc.text or "the request body is too large", exc.status)
         builder = builder_type(parsed, self.client.model_name, int(time.time()), tokenizer)
         async with GenerationFanout(self.client, parsed.requests) as fanout:
-            watcher = asyncio.create_task(_watch_client(request, fanout))
+            watcher = asyncio.create_task(_watch_client(http, fanout))
             try:
                 if parsed.stream:
-                    return await _stream(request, fanout, builder)
+                    return await _stream(http, fanout, builder)
                 return await _complete(fanout, builder)
             except GenerationError as exc:
                 # A constraint the engine refused came from response_format when there is one.
@@ -167,14 +167,14 @@ async def _complete(fanout: GenerationFanout, builder: ResponseBuilder) -> web.R
 
 
 async def _stream(
-    request: web.Request, fanout: GenerationFanout, builder: ResponseBuilder
+    http: web.Request, fanout: GenerationFanout, builder: ResponseBuilder
 ) -> web.StreamResponse:
     # Wait for the first output before answering, so a request the mesh refuses at once
     # still gets a plain error with its status.
     first = await anext(fanout, None)
     head = builder.start_chunks() + (builder.delta_chunks(*first) if first else [])
     response = web.StreamResponse(headers=_SSE_HEADERS)
-    await response.prepare(request)
+    await response.prepare(http)
     try:
         await response.write(_events(head))
         tail = await _relay(response, fanout, builder)
@@ -206,12 +206,12 @@ def _events(events: list[dict[str, Any]]) -> bytes:
     return b"".join(sse_event(e) for e in events)
 
 
-async def _watch_client(request: web.Request, fanout: GenerationFanout) -> None:
+async def _watch_client(http: web.Request, fanout: GenerationFanout) -> None:
     """Tell the fanout when the client's connection closes."""
     # aiohttp cancels a handler whose client left only when the server enables handler
     # cancellation, and offers nothing to await otherwise, so the transport is polled; while
     # tokens flow, a failed write notices sooner.
-    while request.transport is not None and not request.transport.is_closing():
+    while http.transport is not None and not http.transport.is_closing():
         await asyncio.sleep(_CLIENT_POLL_S)
     fanout.client_gone()
 

@@ -166,11 +166,11 @@ class ModelRunner:
             if gone is not None and self._by_row.get(gone.row) is gone:
                 del self._by_row[gone.row]
         for spec in batch.new_requests:
-            req = RequestState(spec, is_plain(spec.params) and not spec.logprobs.return_logprob)
+            state = RequestState(spec, is_plain(spec.params) and not spec.logprobs.return_logprob)
             with current(self.device):
                 self.table.admit(spec.row, spec.prefix_ids, spec.prefix_slots)
-            self.sampler.row_sampling.set(spec.row, spec.params, spec.seed, req.plain)
-            self.requests[spec.rid] = self._by_row[spec.row] = req
+            self.sampler.row_sampling.set(spec.row, spec.params, spec.seed, state.plain)
+            self.requests[spec.rid] = self._by_row[spec.row] = state
         result = StepResult(batch.step)
         if self._is_sampler():
             self._compile_asked(batch, result)
@@ -195,17 +195,17 @@ class ModelRunner:
         feeds_last: list[tuple[int, int]] = []  # (index in ids, table row) of each -1
         first = step.num_decodes
         for i, entry in enumerate(batch.entries):
-            req = self.requests[entry.rid]
-            if req.jumped and not entry.input_ids and entry.sample:
+            state = self.requests[entry.rid]
+            if state.jumped and not entry.input_ids and entry.sample:
                 step.void.add(i)
-            req.jumped = False
+            state.jumped = False
             new_ids = entry.input_ids or [-1]
             fed = entry.slots[: len(new_ids)] if entry.draft else entry.slots
             if not entry.input_ids:
-                feeds_last.append((len(ids), req.row))
-            fed_ids = new_ids if entry.input_ids else table.last[req.row : req.row + 1]
-            start = table.append(req.row, fed_ids, fed)
-            step.reqs.append(req)
+                feeds_last.append((len(ids), state.row))
+            fed_ids = new_ids if entry.input_ids else table.last[state.row : state.row + 1]
+            start = table.append(state.row, fed_ids, fed)
+            step.states.append(state)
             step.q_starts.append(first + len(ids))
             step.q_lens.append(len(new_ids))
             ids.extend(new_ids)
@@ -213,9 +213,9 @@ class ModelRunner:
             slots.extend(fed)
             if entry.draft:
                 # Rank 0 alone holds the grammar: under TP every rank computes every node.
-                matcher = self.sampler.matcher(req) if self.tp is None else None
+                matcher = self.sampler.matcher(state) if self.tp is None else None
                 keep = grammar_allows(entry, matcher)
-                step.trees[i] = draft_rows(entry, keep, table.row_slots(req.row).long(), ids,
+                step.trees[i] = draft_rows(entry, keep, table.row_slots(state.row).long(), ids,
                                            positions, slots, nodes, first)
         input_ids, input_positions, meta = self._inputs(step, ids, feeds_last, positions, slots,
                                                         nodes, _ints(batch.decode_slots))
@@ -233,9 +233,9 @@ class ModelRunner:
             self.sampler.follow(self.tp, step, sampling, batch.entries, outs, result)
             return None
         for i, out in enumerate(outs):
-            req = step.reqs[i]
-            if req.spec.logprobs.return_logprob and req.spec.logprobs.logprob_start_len >= 0:
-                self.sampler.input_logprobs(req, step.q_starts[i], step.q_lens[i], hidden, out)
+            state = step.states[i]
+            if state.spec.logprobs.return_logprob and state.spec.logprobs.logprob_start_len >= 0:
+                self.sampler.input_logprobs(state, step.q_starts[i], step.q_lens[i], hidden, out)
         return self.sampler.sample(step, sampling, batch.entries, hidden, outs, result)
 
     def _inputs(
@@ -255,11 +255,11 @@ class ModelRunner:
         step.device_rows = rows_at
         if rows.numel():
             table.write_decodes(rows_at, positions_at, slots_at)
-        if not step.reqs:  # plain decodes only: a handful of tensor ops whatever the batch
+        if not step.states:  # plain decodes only: a handful of tensor ops whatever the batch
             index = table.index(rows_at, int(decode_lens.max()))
             meta = AttentionMetadata.decodes(slots_at, decode_lens, index, lens_at)
             return table.last.index_select(0, rows_at), positions_at, meta
-        entry_rows = torch.tensor([r.row for r in step.reqs], dtype=torch.long)
+        entry_rows = torch.tensor([r.row for r in step.states], dtype=torch.long)
         seq_rows = torch.cat([rows, entry_rows])
         entry_ids = torch.tensor(ids, dtype=torch.long, device=device)
         if feeds_last:  # entries that feed their last sampled token

@@ -147,9 +147,9 @@ class RowParams(NamedTuple):
     uniform: torch.Tensor  # float32: this step's draw
 
     @classmethod
-    def of(cls, reqs: Sequence[RequestSampler], vocab: int, device: torch.device) -> RowParams:
+    def of(cls, samplers: Sequence[RequestSampler], vocab: int, device: torch.device) -> RowParams:
         """The parameters of per-request samplers, this step's draws included."""
-        p = [r.params for r in reqs]
+        p = [r.params for r in samplers]
 
         def floats(values: list[float]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.float32, device=device)
@@ -159,7 +159,7 @@ class RowParams(NamedTuple):
             torch.tensor([top_k_of(q, vocab) for q in p], device=device),
             floats([q.top_p for q in p]),
             floats([q.min_p for q in p]),
-            floats([r.uniform() for r in reqs]),
+            floats([r.uniform() for r in samplers]),
         )
 
     def select(self, rows: torch.Tensor) -> RowParams:
@@ -176,47 +176,47 @@ class SampleOutput(NamedTuple):
 
 def sample(
     logits: torch.Tensor,
-    reqs: Sequence[RequestSampler],
+    samplers: Sequence[RequestSampler],
     top_logprobs_nums: Sequence[int] | None = None,
     vocab_mask: torch.Tensor | None = None,
     with_logprobs: bool = True,
 ) -> SampleOutput:
-    """Pick one token per row of `logits` [B, V], row i following `reqs[i]`.
+    """Pick one token per row of `logits` [B, V], row i following `samplers[i]`.
 
     With `with_logprobs=False` the logprobs list is empty (saves a pass over the vocab)."""
-    if logits.dim() != 2 or logits.shape[0] != len(reqs):
-        raise ValueError(f"logits must be [{len(reqs)}, V], got {list(logits.shape)}")
-    if top_logprobs_nums is not None and len(top_logprobs_nums) != len(reqs):
+    if logits.dim() != 2 or logits.shape[0] != len(samplers):
+        raise ValueError(f"logits must be [{len(samplers)}, V], got {list(logits.shape)}")
+    if top_logprobs_nums is not None and len(top_logprobs_nums) != len(samplers):
         raise ValueError("top_logprobs_nums must have one entry per row")
-    x = _adjusted_logits(logits, reqs, vocab_mask)
-    if not with_logprobs and all(r.params.is_greedy for r in reqs):
-        return SampleOutput(argmax_rows(x).tolist(), [], [[] for _ in reqs])
+    x = _adjusted_logits(logits, samplers, vocab_mask)
+    if not with_logprobs and all(r.params.is_greedy for r in samplers):
+        return SampleOutput(argmax_rows(x).tolist(), [], [[] for _ in samplers])
     lse = torch.logsumexp(x, dim=-1)
     bad = (~torch.isfinite(lse)).nonzero().flatten().tolist()
     if bad:
         raise ValueError(f"logits rows {bad} have no allowed finite token")
-    tokens = _choose(x, reqs)
+    tokens = _choose(x, samplers)
     chosen = x.gather(1, tokens[:, None]).squeeze(1) - lse
-    top = _top_logprobs(x, lse, top_logprobs_nums or [0] * len(reqs))
+    top = _top_logprobs(x, lse, top_logprobs_nums or [0] * len(samplers))
     return SampleOutput(tokens.tolist(), chosen.tolist(), top)
 
 
 def _adjusted_logits(
-    logits: torch.Tensor, reqs: Sequence[RequestSampler], vocab_mask: torch.Tensor | None
+    logits: torch.Tensor, samplers: Sequence[RequestSampler], vocab_mask: torch.Tensor | None
 ) -> torch.Tensor:
     """Float32 logits after logit_bias, penalties, min_new_tokens and the vocab mask; never
     edits the input. The bias comes first, so greedy picks see it and nothing it raises
     escapes a mask."""
-    biased = [i for i, r in enumerate(reqs) if r.bias_ids.numel()]
-    penalised = [i for i, r in enumerate(reqs) if r.history is not None]
-    blocked = [i for i, r in enumerate(reqs) if r.blocks_end]
+    biased = [i for i, r in enumerate(samplers) if r.bias_ids.numel()]
+    penalised = [i for i, r in enumerate(samplers) if r.history is not None]
+    blocked = [i for i, r in enumerate(samplers) if r.blocks_end]
     x = logits.to(torch.float32, copy=bool(biased or penalised or blocked))
     if biased:
-        _add_bias(x, reqs, biased)
+        _add_bias(x, samplers, biased)
     if penalised:
-        _penalise(x, reqs, penalised)
+        _penalise(x, samplers, penalised)
     if blocked:
-        ends = [reqs[i].end_ids for i in blocked]
+        ends = [samplers[i].end_ids for i in blocked]
         rows = torch.cat([torch.full_like(e, i) for i, e in zip(blocked, ends, strict=True)])
         x[rows.to(x.device), torch.cat(ends).to(x.device)] = float("-inf")
     if vocab_mask is not None:
@@ -224,19 +224,19 @@ def _adjusted_logits(
     return x
 
 
-def _add_bias(x: torch.Tensor, reqs: Sequence[RequestSampler], rows: list[int]) -> None:
+def _add_bias(x: torch.Tensor, samplers: Sequence[RequestSampler], rows: list[int]) -> None:
     """Add each of `rows`' logit_bias to its logits in place."""
-    ids = [reqs[i].bias_ids for i in rows]
+    ids = [samplers[i].bias_ids for i in rows]
     owner = torch.cat([torch.full_like(t, i) for i, t in zip(rows, ids, strict=True)])
-    values = torch.cat([reqs[i].bias_values for i in rows])
+    values = torch.cat([samplers[i].bias_values for i in rows])
     x.index_put_((owner.to(x.device), torch.cat(ids).to(x.device)), values.to(x.device),
                  accumulate=True)
 
 
-def _penalise(x: torch.Tensor, reqs: Sequence[RequestSampler], rows: list[int]) -> None:
+def _penalise(x: torch.Tensor, samplers: Sequence[RequestSampler], rows: list[int]) -> None:
     """Penalise `rows` of `x` in place: frequency/presence (OpenAI), then repetition (CTRL)."""
-    histories = [h for i in rows if (h := reqs[i].history) is not None]
-    params = [reqs[i].params for i in rows]
+    histories = [h for i in rows if (h := samplers[i].history) is not None]
+    params = [samplers[i].params for i in rows]
     ids = torch.cat([h.ids for h in histories]).to(x.device)
     counts = torch.cat([h.counts for h in histories]).to(x.device)
     sizes = torch.tensor([h.ids.numel() for h in histories], device=x.device)
@@ -260,12 +260,12 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     return native.argmax(x) if native.argmax_supported(x) else x.argmax(dim=-1)
 
 
-def _choose(x: torch.Tensor, reqs: Sequence[RequestSampler]) -> torch.Tensor:
+def _choose(x: torch.Tensor, samplers: Sequence[RequestSampler]) -> torch.Tensor:
     """Argmax for greedy rows, a seeded draw for the rest."""
-    greedy = torch.tensor([r.params.is_greedy for r in reqs])
+    greedy = torch.tensor([r.params.is_greedy for r in samplers])
     if bool(greedy.all()):
         return argmax_rows(x)
-    return choose(x, greedy, RowParams.of(reqs, x.shape[1], x.device))
+    return choose(x, greedy, RowParams.of(samplers, x.shape[1], x.device))
 
 
 def choose(x: torch.Tensor, greedy: torch.Tensor, params: RowParams) -> torch.Tensor:

@@ -56,7 +56,7 @@ class StepLayout:
     each entry's fed tokens, then the draft nodes' rows."""
 
     decode_rows: torch.Tensor  # [D] table rows (host)
-    reqs: list[RequestState]  # per entry
+    states: list[RequestState]  # per entry
     q_starts: list[int]  # per entry: its first token's row in the step
     q_lens: list[int]  # per entry: tokens it feeds
     trees: dict[int, dict[int, int]]  # entries with a draft -> its nodes' rows
@@ -106,16 +106,16 @@ class StepSampler:
         returns what reads its tokens into `result` later (the copy is queued behind the
         step's work), so that the next step can be launched first."""
         picked = [i for i in sampling if i not in step.void]
-        plain = [i for i in picked if i not in step.trees and step.reqs[i].plain]
-        special = [i for i in picked if i not in step.trees and not step.reqs[i].plain]
+        plain = [i for i in picked if i not in step.trees and step.states[i].plain]
+        special = [i for i in picked if i not in step.trees and not step.states[i].plain]
         for i in plain:
-            self._start_sampling(step.reqs[i])
+            self._start_sampling(step.states[i])
         rows = step.decode_rows
         n = rows.numel()
         decode_plain = self.row_sampling.plain.index_select(0, rows)
         # None: every decode is plain (the usual step: no per-request work at all).
         plain_decodes = None if bool(decode_plain.all()) else decode_plain.nonzero().flatten()
-        if not step.reqs and plain_decodes is None:  # the usual step: every row samples
+        if not step.states and plain_decodes is None:  # the usual step: every row samples
             hidden_rows, table_rows = None, rows
         else:
             hidden_rows = torch.cat([
@@ -124,7 +124,7 @@ class StepSampler:
             ])
             table_rows = torch.cat([
                 rows if plain_decodes is None else rows[plain_decodes],
-                torch.tensor([step.reqs[i].row for i in plain], dtype=torch.long),
+                torch.tensor([step.states[i].row for i in plain], dtype=torch.long),
             ])
         tokens = torch.empty(0, dtype=torch.long)
         if table_rows.numel():
@@ -135,7 +135,7 @@ class StepSampler:
             if on_device is None:
                 on_device = table_rows.to(self.device)
             self.table.last.index_copy_(0, on_device, tokens.to(self.device))
-            if not step.reqs and plain_decodes is None and self.tp is None:
+            if not step.states and plain_decodes is None and self.tp is None:
                 return TokenRead(tokens, result)
         picked_tokens = tokens.tolist()  # the step's one device-to-host copy of plain tokens
         decoded = picked_tokens[: len(picked_tokens) - len(plain)]
@@ -147,21 +147,21 @@ class StepSampler:
             for j, token in zip(plain_decodes.tolist(), decoded, strict=True):
                 merged[j] = token
             extra = [EntryResult("") for _ in others]
-            reqs = [self.by_row[int(rows[j])] for j in others]
-            for j, token in zip(others, self._sample_rows(reqs, others, hidden, extra),
+            states = [self.by_row[int(rows[j])] for j in others]
+            for j, token in zip(others, self._sample_rows(states, others, hidden, extra),
                                 strict=True):
                 merged[j] = token
             decoded = merged
         result.decode_tokens = int_array(decoded)
-        self._sample_rows([step.reqs[i] for i in special], [step.last_row(i) for i in special],
+        self._sample_rows([step.states[i] for i in special], [step.last_row(i) for i in special],
                           hidden, [outs[i] for i in special])
         drafted = [i for i in picked if i in step.trees]
         paths = self._verify(drafted, entries, step, hidden, outs)
         for i in drafted:
-            req = step.reqs[i]
-            self.table.last[req.row] = outs[i].token_id
+            state = step.states[i]
+            self.table.last[state.row] = outs[i].token_id
             accepted, kept = keep_path(self.pool, entries[i], paths[i])
-            self.table.append(req.row, accepted, kept)
+            self.table.append(state.row, accepted, kept)
         if self.tp is not None:
             flat = list(decoded)
             for i in sampling:
@@ -172,12 +172,12 @@ class StepSampler:
             self.tp.broadcast_tokens(flat)
         return None
 
-    def _start_sampling(self, req: RequestState) -> None:
+    def _start_sampling(self, state: RequestState) -> None:
         """A plain request's first sample since its admission: its draws so far are its
         output so far (a retracted request's, readmitted), which its penalties count."""
-        if not req.sampled:
-            req.sampled = True
-            row, n = req.row, req.spec.prompt_len
+        if not state.sampled:
+            state.sampled = True
+            row, n = state.row, state.spec.prompt_len
             drawn = int(self.table.lens[row]) - n
             if bool(self.row_sampling.penalised[row]):  # its tokens, from the device
                 self.row_sampling.start(row, drawn, self.table.row_tokens(row, 0, n),
@@ -187,33 +187,33 @@ class StepSampler:
 
     def _sample_rows(
         self,
-        reqs: list[RequestState],
+        states: list[RequestState],
         hidden_rows: list[int],
         hidden: torch.Tensor,
         outs: list[EntryResult],
     ) -> list[int]:
         """Sample requests that are not plain one by one (penalties, bias, a grammar,
         logprobs): each from its own sampler, under its grammar's mask."""
-        if not reqs:
+        if not states:
             return []
         logits = self.model.logits(hidden[torch.tensor(hidden_rows, device=hidden.device)])
-        samplers = [self._sampler(req) for req in reqs]
-        wants = [req.spec.logprobs for req in reqs]
+        samplers = [self._sampler(state) for state in states]
+        wants = [state.spec.logprobs for state in states]
         top_n = [w.top_logprobs_num if w.return_logprob else 0 for w in wants]
         with_logprobs = any(w.return_logprob for w in wants)
         logits = _for_sampling(logits, samplers, with_logprobs)
-        matchers = [self.matcher(req) for req in reqs]
+        matchers = [self.matcher(state) for state in states]
         apply_masks(logits, matchers)
         sampled = sample(logits, samplers, top_n, with_logprobs=with_logprobs)
         tokens = sampled.token_ids
-        for j, req in enumerate(reqs):
+        for j, state in enumerate(states):
             token, out = tokens[j], outs[j]
-            self.table.last[req.row] = out.token_id = token
+            self.table.last[state.row] = out.token_id = token
             samplers[j].record(token)
             if wants[j].return_logprob:
                 out.logprob = sampled.logprobs[j]
                 out.top_logprobs = sampled.top_logprobs[j]
-            self._advance_grammar(req, matchers[j], token, wants[j], out)
+            self._advance_grammar(state, matchers[j], token, wants[j], out)
         return tokens
 
     def _verify(
@@ -232,7 +232,7 @@ class StepSampler:
         drafts. Returns each entry's accepted draft nodes."""
         if not drafted:
             return {}
-        reqs, trees = step.reqs, step.trees
+        states, trees = step.states, step.trees
         row_of: dict[tuple[int, int], int] = {}  # (entry, node; -1 the fed token) -> logits row
         rows: list[int] = []
         for i in drafted:
@@ -242,9 +242,9 @@ class StepSampler:
                 row_of[i, node] = len(rows)
                 rows.append(row)
         logits = self.model.logits(hidden[torch.tensor(rows, device=hidden.device)])
-        samplers = {i: self._sampler(reqs[i]) for i in drafted}
-        matchers = {i: self.matcher(reqs[i]) for i in drafted}
-        wants = {i: reqs[i].spec.logprobs for i in drafted}
+        samplers = {i: self._sampler(states[i]) for i in drafted}
+        matchers = {i: self.matcher(states[i]) for i in drafted}
+        wants = {i: states[i].spec.logprobs for i in drafted}
         logits = _for_sampling(logits, list(samplers.values()),
                                any(w.return_logprob for w in wants.values()))
         kids = {i: children(entries[i], trees[i]) for i in drafted}
@@ -262,7 +262,7 @@ class StepSampler:
             for j, i in enumerate(walking):
                 token, out = sampled.token_ids[j], outs[i]
                 samplers[i].record(token)
-                forced = self._advance_grammar(reqs[i], matchers[i], token, wants[i], out)
+                forced = self._advance_grammar(states[i], matchers[i], token, wants[i], out)
                 nodes = forced_path(kids[i], at[i], [token, *out.forced_ids])
                 if nodes is None:
                     out.token_id = token
@@ -276,20 +276,20 @@ class StepSampler:
                     out.accepted_logprobs.append(sampled.logprobs[j])
                     out.accepted_top_logprobs.append(sampled.top_logprobs[j])
                 if forced:
-                    out.forced_ids, reqs[i].jumped = [], False
+                    out.forced_ids, states[i].jumped = [], False
                 paths[i] += nodes
                 at[i] = nodes[-1]
                 still.append(i)
             walking = still
         for i in drafted:
-            if reqs[i].plain:  # its draws and penalties are counted by its row
-                self.row_sampling.drawn[reqs[i].row] = samplers[i].num_output
-                self.row_sampling.record(reqs[i].row, [*outs[i].accepted_ids,
+            if states[i].plain:  # its draws and penalties are counted by its row
+                self.row_sampling.drawn[states[i].row] = samplers[i].num_output
+                self.row_sampling.record(states[i].row, [*outs[i].accepted_ids,
                                                        outs[i].token_id])
         return paths
 
     def _advance_grammar(
-        self, req: RequestState, matcher: Matcher | None, token: int, wants: LogprobRequest,
+        self, state: RequestState, matcher: Matcher | None, token: int, wants: LogprobRequest,
         out: EntryResult,
     ) -> bool:
         """Feed a sampled token to the request's grammar; True when the grammar forces
@@ -297,15 +297,15 @@ class StepSampler:
         if matcher is None:
             return False
         if not matcher.accept(token):
-            log.warning("request %s: token %d is outside its grammar", req.spec.rid, token)
+            log.warning("request %s: token %d is outside its grammar", state.spec.rid, token)
             return False
         if wants.return_logprob:  # a forced token has no logprob to report
             return False
         out.forced_ids = self._grammars().forced_tokens(matcher, token)
         for forced in out.forced_ids:
-            self._sampler(req).record(forced)
-        req.jumped = bool(out.forced_ids)
-        return req.jumped
+            self._sampler(state).record(forced)
+        state.jumped = bool(out.forced_ids)
+        return state.jumped
 
     def follow(
         self,
@@ -331,7 +331,7 @@ class StepSampler:
             result.decode_tokens = int_array(flat[:n])
         at = n
         for i in sampling:
-            token, entry, req = flat[at], entries[i], step.reqs[i]
+            token, entry, state = flat[at], entries[i], step.states[i]
             path = [k for k in flat[at + 1 : at + 1 + len(entry.draft)] if k >= 0]
             at += 1 + len(entry.draft)
             if token < 0:
@@ -339,68 +339,68 @@ class StepSampler:
             outs[i].token_id = token
             if entry.draft:
                 outs[i].accepted_ids, kept = keep_path(self.pool, entry, path)
-                self.table.append(req.row, outs[i].accepted_ids, kept)
-            self.table.last[req.row] = token
+                self.table.append(state.row, outs[i].accepted_ids, kept)
+            self.table.last[state.row] = token
 
     def _grammars(self) -> Grammars:
         if self.grammars is None:
             raise ValueError("this worker was not given a vocabulary for constrained decoding")
         return self.grammars
 
-    def matcher(self, req: RequestState) -> Matcher | None:
+    def matcher(self, state: RequestState) -> Matcher | None:
         """The request's grammar matcher, made at its first sample and brought up to date
         with any output it had before (a retracted request's)."""
-        constraint = req.spec.params.grammar
+        constraint = state.spec.params.grammar
         if constraint is None:
             return None
-        if req.matcher is None:
-            req.matcher = self._grammars().matcher(constraint)
-            for token in self.table.row_tokens(req.row, req.spec.prompt_len):
-                req.matcher.accept(token)
+        if state.matcher is None:
+            state.matcher = self._grammars().matcher(constraint)
+            for token in self.table.row_tokens(state.row, state.spec.prompt_len):
+                state.matcher.accept(token)
         # Ended (its stop token accepted): a step the scheduler ran ahead past the finish
         # samples freely; that token is dropped.
-        return None if req.matcher.ended else req.matcher
+        return None if state.matcher.ended else state.matcher
 
-    def _sampler(self, req: RequestState) -> RequestSampler:
+    def _sampler(self, state: RequestState) -> RequestSampler:
         """The request's sampler: kept for a request that is not plain; for a plain one,
         made at its count of draws (verifying drafts, which walks request by request)."""
-        if req.sampler is None or req.plain:
-            spec = req.spec
+        if state.sampler is None or state.plain:
+            spec = state.spec
             sampler = RequestSampler(
                 spec.params,
-                self.table.row_tokens(req.row, 0, spec.prompt_len),
+                self.table.row_tokens(state.row, 0, spec.prompt_len),
                 self.config.vocab_size,
                 seed=spec.seed,
                 eos_token_ids=self.config.eos_token_ids,
             )
-            if sampler.history is not None or not req.plain:
-                for token in self.table.row_tokens(req.row, spec.prompt_len):
+            if sampler.history is not None or not state.plain:
+                for token in self.table.row_tokens(state.row, spec.prompt_len):
                     sampler.record(token)
-            if req.plain:
-                self._start_sampling(req)
-                sampler.num_output = int(self.row_sampling.drawn[req.row])
+            if state.plain:
+                self._start_sampling(state)
+                sampler.num_output = int(self.row_sampling.drawn[state.row])
                 return sampler
-            req.sampler = sampler
-        return req.sampler
+            state.sampler = sampler
+        return state.sampler
 
     def input_logprobs(
-        self, req: RequestState, q_start: int, q_len: int, hidden: torch.Tensor,
+        self, state: RequestState, q_start: int, q_len: int, hidden: torch.Tensor,
         out: EntryResult,
     ) -> None:
         """Logprobs of the prompt tokens this chunk (q_len tokens from step row q_start)
         holds, from logprob_start_len on."""
-        spec = req.spec
+        spec = state.spec
         start_len = spec.logprobs.logprob_start_len
-        end = int(self.table.lens[req.row])
+        end = int(self.table.lens[state.row])
         first = end - q_len  # prompt position of the chunk's first token
-        carry, req.carry_logprobs = req.carry_logprobs, None
+        carry, state.carry_logprobs = state.carry_logprobs, None
         last_row = hidden[q_start + q_len - 1 : q_start + q_len]
         if start_len <= end < spec.prompt_len:
-            req.carry_logprobs = torch.log_softmax(self.model.logits(last_row), dim=-1)[0]
+            state.carry_logprobs = torch.log_softmax(self.model.logits(last_row), dim=-1)[0]
         lo, hi = max(start_len, first), min(spec.prompt_len, end)
         if lo >= hi:
             return
-        ids = self.table.row_tokens(req.row, 0, hi)
+        ids = self.table.row_tokens(state.row, 0, hi)
         out.input_logprobs_start = lo
         top_n = spec.logprobs.top_logprobs_num
         if lo == first:
