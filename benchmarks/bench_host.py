@@ -13,6 +13,9 @@ time. Printed per batch size: the step time, the model's share of it, the host t
 request per step and the output tokens per second. The targets of the host-path work: at
 most 10 us of host time per request per step at batch 256, a batch-1 step at most 0.4 ms.
 
+Then the scheduler's own pass alone, without a model: schedule() and process_result() for
+a batch of plain decodes, per request per step, at page sizes 1 and 16.
+
 With --mesh, the same model behind `radixmesh up` (every service its own process) serves
 `--streams` concurrent streaming /generate calls, against the in-process Engine running the
 same prompts as one batch, in the same run: output tok/s on both sides (prefill included,
@@ -187,6 +190,41 @@ def mesh_main(args: argparse.Namespace) -> None:
                                          "cpu_us_per_token": cpu, "rss_mib": rss}, indent=2))
 
 
+def scheduler_pass(batch: int, page: int, steps: int = 200) -> float:
+    """Seconds per request per decode step of the scheduler's pass alone: schedule(), then
+    process_result() with the step before's tokens (as with overlap), then drain_updates()."""
+    from radixmesh.core.sampling_params import SamplingParams
+    from radixmesh.core.step import EntryResult, StepResult, int_array
+    from radixmesh.engine.request import Req
+    from radixmesh.engine.scheduler import ScheduledBatch, Scheduler
+    from radixmesh.engine.scheduler_config import SchedulerConfig
+
+    def result(b: ScheduledBatch) -> StepResult:
+        out = StepResult(b.batch.step, decode_tokens=int_array([7] * len(b.batch.decode_rows)))
+        out.results = [EntryResult("", token_id=7 if e.sample else -1) for e in b.batch.entries]
+        return out
+
+    slots = -(-batch * (PROMPT + steps + 16) // page) * page
+    sched = Scheduler(SchedulerConfig(num_slots=slots, page_size=page, eos_token_ids=(2,),
+                                      max_running_requests=batch))
+    for r, ids in enumerate(prompts(batch)):
+        sched.add_request(Req(rid=f"r{r}", input_ids=ids, seed=0,
+                              params=SamplingParams(max_new_tokens=steps + 8, ignore_eos=True)))
+    while sched.waiting:
+        b = sched.schedule()
+        assert b is not None
+        sched.process_result(b, result(b))
+    last = sched.schedule()
+    began = time.perf_counter()
+    for _ in range(steps):
+        b = sched.schedule()
+        assert last is not None and b is not None
+        sched.process_result(last, result(last))
+        sched.drain_updates()
+        last = b
+    return (time.perf_counter() - began) / steps / batch
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batches", default="1,64,256")
@@ -247,6 +285,14 @@ def main() -> None:
     for r in rows:
         print(f"{r['batch']:>6} {r['step_ms']:>9.3f} {r['model_ms']:>9.3f} "
               f"{r['host_us_per_request_step']:>17.1f} {r['out_tok_s']:>10.0f}")
+    print("the scheduler's pass alone (no model), us per request per step:")
+    for page in (1, 16):
+        figures = [statistics.median(scheduler_pass(b, page) for _ in range(args.repeats))
+                   for b in batches]
+        print(f"  page {page:>2}: " + ", ".join(
+            f"batch {b} {f * 1e6:.2f}" for b, f in zip(batches, figures, strict=True)))
+        rows.append({"scheduler_pass_page": page, **{
+            f"batch_{b}_us": f * 1e6 for b, f in zip(batches, figures, strict=True)}})
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
 

@@ -188,6 +188,40 @@ def test_stop_token_and_min_new_tokens() -> None:
     assert r.finish is not None and r.finish.kind is FinishKind.STOP and r.finish.matched == stop
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_each_way_a_decode_ends_in_one_batch(overlap: bool) -> None:
+    """Plain decodes are folded a batch at a time: each request still ends by its own rule
+    (the engine's stop id, its ignore_eos, its stop_token_ids, min_new_tokens, max_new_tokens
+    or the context length), with exactly the tokens up to the one that ended it."""
+    prompt = [3, 1, 4]
+    ref = reference_output(prompt, 12)
+    eos, own, late = ref[2], ref[4], ref[1]
+    assert len({eos, own, late}) == 3 and ref.index(late) < ref.index(eos) < ref.index(own)
+    cfg = SchedulerConfig(num_slots=512, eos_token_ids=(eos,), context_length=len(prompt) + 6)
+    sched, worker = Scheduler(cfg), FakeWorker(512)
+    cases = {
+        "eos": (SamplingParams(max_new_tokens=10), ref[:3], FinishKind.STOP, eos),
+        "ignore_eos": (SamplingParams(max_new_tokens=5, ignore_eos=True), ref[:5],
+                       FinishKind.LENGTH, 5),
+        "own": (SamplingParams(max_new_tokens=10, ignore_eos=True, stop_token_ids=[own]),
+                ref[:5], FinishKind.STOP, own),
+        "min_new": (SamplingParams(max_new_tokens=10, stop_token_ids=[late], min_new_tokens=2),
+                    ref[:3], FinishKind.STOP, eos),
+        "context": (SamplingParams(max_new_tokens=10, ignore_eos=True), ref[:6],
+                    FinishKind.LENGTH, 6),
+    }
+    reqs = {rid: Req(rid=rid, input_ids=list(prompt), params=params, seed=0)
+            for rid, (params, *_) in cases.items()}
+    for req in reqs.values():
+        sched.add_request(req)
+    run(sched, worker, overlap=overlap)
+    for rid, (_, output, kind, matched) in cases.items():
+        req = reqs[rid]
+        assert req.output_ids == output, rid
+        assert req.finish is not None and (req.finish.kind, req.finish.matched) == (kind, matched)
+    assert not sched.requests and sched.held_slots() == 0
+
+
 def test_rejects_prompts_that_can_never_run() -> None:
     sched = Scheduler(SchedulerConfig(num_slots=64, context_length=32))
     with pytest.raises(ValueError, match="context length"):

@@ -31,6 +31,8 @@ class DecodeQueues(Protocol):
 
     def changed(self, req: Req) -> None: ...
 
+    def changed_all(self, reqs: list[Req]) -> None: ...
+
     def settled(self, req: Req) -> None: ...
 
 
@@ -57,12 +59,34 @@ class Decodes:
 
     def _decode_each(self, batch: ScheduledBatch, spare: deque[int]) -> None:
         running = self.queues.running
+        context, page, drafting = self.config.context_length, self.page, self.speculation.drafting
+        rows, decode_slots, decodes = (batch.batch.decode_rows, batch.batch.decode_slots,
+                                       batch.decodes)
         i = 0
         while i < len(running):
             req = running[i]
-            if req.remaining_new_tokens() <= 0 or len(req.slots) >= self.config.context_length:
+            held = req.slots
+            have = len(held)
+            if (req.params.max_new_tokens - len(req.output_ids) - req.pending <= 0
+                    or have >= context):
                 i += 1  # its last token is in flight; the result will finish it
                 continue
+            if req.packs and not drafting and not req.jumped:
+                # The usual decode: its slot in its partial last page, or a spare fresh one.
+                if have % page and have > req.cached_len:
+                    slot = held[-1] + 1
+                elif spare:
+                    slot = spare.popleft()
+                else:
+                    slot = -1
+                if slot >= 0:
+                    held.append(slot)
+                    rows.append(req.row)
+                    decode_slots.append(slot)
+                    decodes.append(req)
+                    req.pending += 1
+                    i += 1
+                    continue
             draft: Draft | None = None
             slots: list[int] | None = None
             if not req.jumped and self.speculation.drafts(req):
@@ -76,10 +100,10 @@ class Decodes:
             unfed = req.tokens[len(req.slots) :] if req.jumped else []
             if draft is None and not unfed and req.packs:
                 slot = self._next_slot(req, spare)
-                if slot is not None:  # the usual decode: packed, its slot at hand
-                    batch.batch.decode_rows.append(req.row)
-                    batch.batch.decode_slots.append(slot)
-                    batch.decodes.append(req)
+                if slot is not None:  # packed, its slot at hand
+                    rows.append(req.row)
+                    decode_slots.append(slot)
+                    decodes.append(req)
                     req.pending += 1
                     i += 1
                     continue
@@ -103,9 +127,9 @@ class Decodes:
                     break
                 continue
             if draft is None and not unfed and req.packs:
-                batch.batch.decode_rows.append(req.row)
-                batch.batch.decode_slots.append(slots[0])
-                batch.decodes.append(req)
+                rows.append(req.row)
+                decode_slots.append(slots[0])
+                decodes.append(req)
                 req.pending += 1
                 i += 1
                 continue
@@ -163,13 +187,20 @@ class Decodes:
         """Fold in the packed decodes' tokens: no logprobs, drafts or forced tokens there."""
         eos, context = self.config.eos_token_ids, self.config.context_length
         queues = self.queues
+        folded = []
         for req, token in zip(decodes, result.decode_tokens, strict=True):
             req.pending -= 1
             if req.finish is not None:
                 queues.settled(req)
                 continue  # a step run ahead past the finish; its token is dropped
-            req.output_ids.append(token)
-            queues.changed(req)
-            reason = req.stop_reason(token, eos, context)
-            if reason is not None:
-                queues.finish(req, reason)
+            output = req.output_ids
+            output.append(token)
+            folded.append(req)
+            p = req.params
+            # Req.stop_reason only where the token may end it: a stop id, or a length limit.
+            if (token in eos or token in p.stop_token_ids or len(output) >= p.max_new_tokens
+                    or len(req.input_ids) + len(output) >= context):
+                reason = req.stop_reason(token, eos, context)
+                if reason is not None:
+                    queues.finish(req, reason)
+        queues.changed_all(folded)

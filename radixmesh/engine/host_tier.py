@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 
 from radixmesh.core.step import KVCopy
@@ -53,7 +53,7 @@ class _TrackedAllocator(KVAllocator):
             self.changes.append((True, slots))
         return slots
 
-    def free(self, slots: Iterable[int]) -> None:
+    def free(self, slots: Collection[int]) -> None:
         freed = []
         for slot in slots:
             if slot in self.busy:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Collection
 
 
 class KVAllocator:
@@ -42,9 +42,10 @@ class KVAllocator:
         num_pages = num_slots // self.page_size
         if num_pages > len(self._free_pages):
             return None
-        pages = [self._free_pages.popleft() for _ in range(num_pages)]
+        free, is_free = self._free_pages, self._is_free
+        pages = [free.popleft() for _ in range(num_pages)]
         for page in pages:
-            self._is_free[page] = 0
+            is_free[page] = 0
         if self.page_size == 1:
             return pages
         slots: list[int] = []
@@ -53,20 +54,29 @@ class KVAllocator:
             slots.extend(range(start, start + self.page_size))
         return slots
 
-    def free(self, slots: Iterable[int]) -> None:
+    def free(self, slots: Collection[int]) -> None:
         """Frees every page any of the slots belongs to; all or nothing on error."""
+        page_size = self.page_size
         # Insertion-ordered dict: dedups a page's several slots and keeps the reuse order stable.
-        pages: dict[int, None] = {}
+        pages = dict.fromkeys(slots if page_size == 1 else [s // page_size for s in slots])
+        if not pages:
+            return
+        is_free = self._is_free
+        if (min(pages) < 0 or max(pages) >= self._num_pages
+                or any(map(is_free.__getitem__, pages))):
+            self._refuse(slots)
+        for page in pages:
+            is_free[page] = 1
+        self._free_pages.extend(pages)
+
+    def _refuse(self, slots: Collection[int]) -> None:
+        """Raise for the first slot `free` may not free: outside the pool, or free already."""
         for slot in slots:
             if not 0 <= slot < self.num_slots:
                 raise ValueError(f"slot {slot} is outside the pool of {self.num_slots} slots")
             page = slot // self.page_size
             if self._is_free[page]:
                 raise ValueError(f"double free: slot {slot} (page {page}) is already free")
-            pages[page] = None
-        for page in pages:
-            self._is_free[page] = 1
-        self._free_pages.extend(pages)
 
     def reset(self) -> None:
         """Marks every page free again."""

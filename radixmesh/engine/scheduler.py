@@ -360,6 +360,10 @@ class Scheduler:
         """Its output or its finish changed: the next drain_updates has it."""
         self._updated[req.rid] = req
 
+    def changed_all(self, reqs: list[Req]) -> None:
+        """`changed` for each of them."""
+        self._updated.update({req.rid: req for req in reqs})
+
     def release_on_worker(self, rid: str) -> None:
         """The worker forgets the request's state with the next step."""
         self._release.append(rid)

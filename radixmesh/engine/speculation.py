@@ -263,6 +263,8 @@ class SpeculationStats:
 class NoSpeculation:
     """Speculation off: no request ever drafts."""
 
+    drafting = False  # whether any request may draft
+
     def __init__(self) -> None:
         self.stats = SpeculationStats()
 
@@ -292,6 +294,8 @@ class NoSpeculation:
 
 class NgramSpeculation(NoSpeculation):
     """Drafts from an NgramStore, adapting each request's draft size to how its drafts fare."""
+
+    drafting = True
 
     def __init__(self, settings: SpeculativeSettings) -> None:
         super().__init__()
