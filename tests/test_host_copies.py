@@ -40,7 +40,7 @@ from radixmesh.proto.convert import (
     result_from_proto,
     result_to_proto,
 )
-from radixmesh.services.scheduler.worker_client import BackupTally, WorkerClient
+from radixmesh.services.scheduler.worker_link import BackupTally, WorkerClient
 
 GREEDY = SamplingParams(temperature=0)
 PROMPT = [(13 * i + 7) % 250 for i in range(12)]

@@ -13,7 +13,8 @@ from collections.abc import Callable, Iterator, Sequence
 
 from radixmesh.engine.eviction import DEFAULT_PROTECTED_RATIO, eviction_policy
 from radixmesh.engine.kv_allocator import KVAllocator
-from radixmesh.engine.tree_node import ChildKey, MatchResult, TreeNode
+from radixmesh.engine.radix_invariants import Books, check_tree
+from radixmesh.engine.tree_node import ChildKey, MatchResult, TreeNode, child_key
 
 
 class RadixCache:
@@ -114,8 +115,8 @@ class RadixCache:
             path.append(child)
         self._eviction.accessed(path, False)
         if start < end:
-            child_key = self._child_key(tokens, start)
-            self._add_leaf(node, child_key, tokens[start:], new_slots[start:], now, priority)
+            filed = child_key(tokens, start, self.page_size)
+            self._add_leaf(node, filed, tokens[start:], new_slots[start:], now, priority)
         return start if adopted is None else adopted
 
     # ---- locking ---------------------------------------------------------------------------
@@ -276,7 +277,7 @@ class RadixCache:
         leaf = TreeNode(tokens[at:], None, node, self._next_created, self._clock(), 0)
         self._next_created += 1
         leaf.host_slots = list(host_slots[at - start :])
-        node.children[self._child_key(tokens, at)] = leaf
+        node.children[child_key(tokens, at, self.page_size)] = leaf
         self._host_nodes[leaf] = None
         self._host_size += len(leaf.host_slots)
         return list(host_slots[: at - start])
@@ -323,99 +324,11 @@ class RadixCache:
 
     def check_invariants(self) -> None:
         """Walks every tree and raises AssertionError on the first broken invariant."""
-        evictable = protected = host = 0
-        owned: set[int] = set()
-        host_owned: set[int] = set()
-        leaves: set[TreeNode] = set()
-        host_nodes: set[TreeNode] = set()
-        nodes: list[TreeNode] = []
-        for namespace, root in self._roots.items():
-            _require(
-                root.parent is None and not root.key and not root.slots and root.lock_ref == 0,
-                f"root of namespace {namespace!r} is not an empty unlocked root",
-            )
-            stack = [root]
-            while stack:
-                node = stack.pop()
-                for child_key, child in node.children.items():
-                    where = f"{child} in namespace {namespace!r}"
-                    self._check_node(node, child_key, child, where)
-                    nodes.append(child)
-                    if child.slots is not None:
-                        _require(
-                            owned.isdisjoint(child.slots), f"{where}: a slot is owned twice"
-                        )
-                        owned.update(child.slots)
-                        if child.lock_ref:
-                            protected += len(child.key)
-                        else:
-                            evictable += len(child.key)
-                        if self._is_evictable_leaf(child):
-                            leaves.add(child)
-                    if child.host_slots is not None:
-                        _require(
-                            host_owned.isdisjoint(child.host_slots),
-                            f"{where}: a host slot is owned twice",
-                        )
-                        host_owned.update(child.host_slots)
-                        host += len(child.host_slots)
-                        host_nodes.add(child)
-                    stack.append(child)
-        _require(
-            evictable == self._evictable,
-            f"evictable counter {self._evictable} but the walk finds {evictable}",
-        )
-        _require(
-            protected == self._protected,
-            f"protected counter {self._protected} but the walk finds {protected}",
-        )
-        _require(host == self._host_size, f"host counter {self._host_size} but walk {host}")
-        _require(
-            leaves == set(self._evictable_leaves),
-            "the evictable leaf set does not match the tree",
-        )
-        _require(host_nodes == set(self._host_nodes), "the host node set does not match")
-        pending = {n for nodes in self._backups.values() for n in nodes}
-        _require(
-            pending == {n for n in host_nodes if n.backup},
-            "the running backups do not match the nodes that wait for one",
-        )
-        self._eviction.check(nodes)
-
-    def _check_node(
-        self, parent: TreeNode, child_key: ChildKey, child: TreeNode, where: str
-    ) -> None:
-        _require(child.parent is parent, f"{where}: parent link is broken")
-        _require(child.depth == parent.depth + len(parent.key), f"{where}: wrong depth")
-        _require(bool(child.key), f"{where}: empty non-root node")
-        _require(
-            child.slots is not None or child.host_slots is not None, f"{where}: in no tier"
-        )
-        for tier in (child.slots, child.host_slots):
-            _require(
-                tier is None or len(tier) == len(child.key),
-                f"{where}: {len(child.key)} tokens but {tier and len(tier)} slots",
-            )
-            _require(tier is None or len(set(tier)) == len(tier), f"{where}: a slot twice")
-        _require(
-            child.slots is None or parent.parent is None or parent.slots is not None,
-            f"{where}: on the device under a parent that is not",
-        )
-        _require(child.backup == 0 or child.host_slots is not None, f"{where}: backup to nowhere")
-        _require(
-            len(child.key) % self.page_size == 0,
-            f"{where}: edge is not whole pages of {self.page_size}",
-        )
-        _require(
-            child_key == self._child_key(child.key, 0),
-            f"{where}: filed under child key {child_key!r}",
-        )
-        _require(child.lock_ref >= 0, f"{where}: negative lock_ref")
-        _require(child.lock_ref == 0 or child.slots is not None, f"{where}: locked off-device")
-        _require(
-            parent.parent is None or parent.lock_ref >= child.lock_ref,
-            f"{where}: lock_ref above its parent's {parent.lock_ref}",
-        )
+        backups = [node for nodes in self._backups.values() for node in nodes]
+        self._eviction.check(check_tree(Books(
+            self._roots, self.page_size, self._evictable, self._protected, self._host_size,
+            self._evictable_leaves, self._host_nodes, backups,
+        )))
 
     # ---- internals -----------------------------------------------------------------------
 
@@ -425,7 +338,7 @@ class RadixCache:
         yields each node reached with the position its edge starts at."""
         start = 0
         while start < end:
-            child = node.children.get(self._child_key(tokens, start))
+            child = node.children.get(child_key(tokens, start, self.page_size))
             if child is None:
                 return
             matched = self._common_length(child.key, tokens, start, end)
@@ -440,11 +353,6 @@ class RadixCache:
         if root is None:
             root = self._roots[namespace] = TreeNode([], [], None, -1, self._clock())
         return root
-
-    def _child_key(self, tokens: list[int], start: int) -> ChildKey:
-        if self.page_size == 1:
-            return tokens[start]
-        return tuple(tokens[start : start + self.page_size])
 
     def _common_length(self, edge: list[int], tokens: list[int], start: int, end: int) -> int:
         """Page-aligned length of the common prefix of edge and tokens[start:end]."""
@@ -480,8 +388,8 @@ class RadixCache:
         upper.backup = node.backup
         if node.backup:
             self._backups[node.backup].add(upper)
-        upper.children[self._child_key(node.key, at)] = node
-        parent.children[self._child_key(node.key, 0)] = upper
+        upper.children[child_key(node.key, at, self.page_size)] = node
+        parent.children[child_key(node.key, 0, self.page_size)] = upper
         node.key = node.key[at:]
         node.depth += at
         if node.slots is not None:
@@ -493,7 +401,7 @@ class RadixCache:
     def _add_leaf(
         self,
         parent: TreeNode,
-        child_key: ChildKey,
+        filed: ChildKey,
         key: list[int],
         slots: list[int],
         now: float,
@@ -501,7 +409,7 @@ class RadixCache:
     ) -> None:
         leaf = TreeNode(key, slots, parent, self._next_created, now, priority)
         self._next_created += 1
-        parent.children[child_key] = leaf
+        parent.children[filed] = leaf
         self._evictable += len(key)
         self._eviction.cached(leaf)
         self._refresh_leaf(leaf)
@@ -545,7 +453,7 @@ class RadixCache:
         self.allocator.free([s for n in subtree if n.slots is not None for s in n.slots])
         if self.host is not None:
             self.host.free([s for n in subtree if n.host_slots is not None for s in n.host_slots])
-        del parent.children[self._child_key(node.key, 0)]
+        del parent.children[child_key(node.key, 0, self.page_size)]
         for n in subtree:
             if n.slots is not None:
                 assert n.lock_ref == 0, f"{n} is locked"
@@ -558,17 +466,8 @@ class RadixCache:
             n.parent = None
         self._refresh_leaf(parent)
 
-    def _is_evictable_leaf(self, node: TreeNode) -> bool:
-        return (
-            node.parent is not None
-            and node.slots is not None
-            and node.lock_ref == 0
-            and node.backup == 0
-            and all(c.slots is None for c in node.children.values())
-        )
-
     def _refresh_leaf(self, node: TreeNode) -> None:
-        if self._is_evictable_leaf(node):
+        if node.evictable_leaf:
             self._evictable_leaves[node] = None
         else:
             self._evictable_leaves.pop(node, None)
@@ -593,8 +492,3 @@ class RadixCache:
         if node.parent is None and node.key:
             raise ValueError(f"{node} was evicted or reset out of the cache")
 
-
-def _require(condition: bool, message: str) -> None:
-    # Not `assert`: the checks must still run under python -O.
-    if not condition:
-        raise AssertionError(message)

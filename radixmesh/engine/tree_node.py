@@ -9,6 +9,13 @@ from typing import NamedTuple
 ChildKey = int | tuple[int, ...]
 
 
+def child_key(tokens: list[int], start: int, page_size: int) -> ChildKey:
+    """The key a parent files the edge starting at tokens[start] under."""
+    if page_size == 1:
+        return tokens[start]
+    return tuple(tokens[start : start + page_size])
+
+
 class TreeNode:
     """One edge of the tree: its tokens, their KV slots, and eviction bookkeeping."""
 
@@ -56,6 +63,18 @@ class TreeNode:
         # 1: protected) and its last use in the policy's ticks.
         self.segment = 0
         self.stamp = 0
+
+    @property
+    def evictable_leaf(self) -> bool:
+        """Whether device eviction may take it: in the tree, on the device, unlocked, no
+        backup running and no child on the device."""
+        return (
+            self.parent is not None
+            and self.slots is not None
+            and self.lock_ref == 0
+            and self.backup == 0
+            and all(c.slots is None for c in self.children.values())
+        )
 
     def __repr__(self) -> str:
         shown = f"{self.key[:8]}..." if len(self.key) > 8 else f"{self.key}"

@@ -60,13 +60,13 @@ class Handoffs:
             return "shm" if dest_host and dest_host == self.info().host_id else "grpc"
         return self.transfer_backend
 
-    def arrived(self, req: Req, request: mpb.EngineRequest, headers: Headers) -> None:
+    def arrived(self, req: Req, engine_request: mpb.EngineRequest, headers: Headers) -> None:
         """A request has come in: a prefill engine's learns how to send its KV; a decode
         engine's waits to be sent on to its prefill engine."""
         if req.handoff is not None:
             req.handoff.backend = self.backend(req.handoff.dest_host)
         if req.transfer is not None:
-            self._waiting[req.rid] = (request, headers)
+            self._waiting[req.rid] = (engine_request, headers)
 
     def ended(self, req: Req) -> None:
         """A decode engine's request finished: it is not sent on any more."""
@@ -97,8 +97,8 @@ class Handoffs:
             transfer = r.req.transfer
             if held is None or transfer is None:
                 continue
-            request, headers = held
-            payload = handoff_request(request, self.engine_id, r.start, r.dest_slots, r.key,
+            engine_request, headers = held
+            payload = handoff_request(engine_request, self.engine_id, r.start, r.dest_slots, r.key,
                                       self.worker_addrs(), self.info().host_id)
             await self.nc.publish(subjects.engine_generate(transfer.prefill_engine), payload,
                                   headers=headers)
