@@ -149,6 +149,7 @@ def batch_to_proto(batch: StepBatch) -> wpb.StepBatch:
                 return_logprob=n.logprobs.return_logprob,
                 top_logprobs_num=n.logprobs.top_logprobs_num,
                 logprob_start_len=n.logprobs.logprob_start_len,
+                lora=n.lora,
             )
             for n in batch.new_requests
         ],
@@ -195,6 +196,7 @@ def batch_from_proto(msg: wpb.StepBatch) -> StepBatch:
                 sampling_from_proto(n.sampling),
                 n.sampling.seed,
                 LogprobRequest(n.return_logprob, n.top_logprobs_num, n.logprob_start_len),
+                n.lora,
             )
             for n in msg.new_requests
         ],

@@ -13,7 +13,7 @@ import threading
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 from radixmesh.core.finish import FinishKind, FinishReason
@@ -97,13 +97,14 @@ class Engine:
         # ops starts a second OpenMP team, and the two slow each other down by ~1.5x.
         self._torch = ThreadPoolExecutor(1, thread_name_prefix="radixmesh-worker")
         self.runner = self._torch.submit(load_runner, a, progress=a.show_progress,
-                                         max_running_requests=a.max_running_requests).result()
+                                         max_running_requests=a.max_running_requests,
+                                         lora=a).result()
         # The tokenizer from the snapshot the weights came from (a hub repo resolved once).
         path = self.model_path = self.runner.model_path
         assert path is not None
         self.tokenizer = Tokenizer.from_path(str(path))
         self.model_config = loaded = self.runner.config
-        self.scheduler = Scheduler(
+        self.scheduler = Scheduler(replace(
             SchedulerConfig.from_settings(
                 a,
                 a.page_size,
@@ -111,10 +112,13 @@ class Engine:
                 loaded.max_position_embeddings,
                 [*loaded.eos_token_ids, *self.tokenizer.eos_token_ids],
                 model_fingerprint(path) if a.enable_hierarchical_cache else "",
-            )
-        )
+            ),
+            max_loras_per_batch=a.max_loras_per_batch,
+        ))
         self.context_length = self.scheduler.config.context_length
-        self.limits = ModelLimits(self.context_length, loaded.vocab_size, a.grammar_backend)
+        lora = self.runner.lora
+        self.limits = ModelLimits(self.context_length, loaded.vocab_size, a.grammar_backend,
+                                  lora_names=frozenset(lora.adapters) if lora else frozenset())
         self._rng = random.Random(a.random_seed)
         self._streams = _Streams(self.scheduler)
         self.loop = EngineLoop(
@@ -152,8 +156,11 @@ class Engine:
         priority: int = 0,
         rid: str | list[str] | None = None,
         stream: bool = False,
+        lora_path: str | list[str | None] | None = None,
     ) -> dict[str, Any] | list[dict[str, Any]] | Iterator[dict[str, Any]]:
-        """Run one prompt (a dict back) or a list of prompts as one batch (a list back)."""
+        """Run one prompt (a dict back) or a list of prompts as one batch (a list back);
+        `lora_path` names the LoRA adapter each runs with (one for all, or one per prompt;
+        None: the base model)."""
         batched = isinstance(prompt, list) or (
             isinstance(input_ids, list) and bool(input_ids) and isinstance(input_ids[0], list)
         )
@@ -164,14 +171,17 @@ class Engine:
             else [sampling_params] * len(prompts)
         )
         rids = rid if isinstance(rid, list) else [rid] * len(prompts)
-        if len(params) != len(prompts) or len(rids) != len(prompts):
-            raise ValueError("sampling_params and rid lists must match the number of prompts")
+        adapters = lora_path if isinstance(lora_path, list) else [lora_path] * len(prompts)
+        if len(params) != len(prompts) or len(rids) != len(prompts) or len(adapters) != len(
+                prompts):
+            raise ValueError("sampling_params, rid and lora_path lists must match the number "
+                             "of prompts")
         if stream and batched:
             raise ValueError("stream=True takes a single prompt")
         logprobs = LogprobRequest(return_logprob, top_logprobs_num, logprob_start_len)
         reqs = [
-            self._make_req(p, sp, logprobs, cache_salt, priority, r)
-            for p, sp, r in zip(prompts, params, rids, strict=True)
+            self._make_req(p, sp, logprobs, cache_salt, priority, r, lora)
+            for p, sp, r, lora in zip(prompts, params, rids, adapters, strict=True)
         ]
         streams = [self._submit(req, stream) for req in reqs]
         if stream:
@@ -232,6 +242,7 @@ class Engine:
         cache_salt: str | None,
         priority: int,
         rid: str | None,
+        lora_path: str | None = None,
     ) -> Req:
         """The engine's request, checked as every front door of the mesh checks it."""
         if isinstance(prompt, str):
@@ -239,7 +250,7 @@ class Engine:
         else:
             ids, names = list(prompt), FieldNames()
         request = build_request(self.limits, rid or uuid.uuid4().hex, ids, sampling, logprobs,
-                                cache_salt, priority, names)
+                                cache_salt, priority, names, lora_path)
         seed = request.params.seed
         return Req.from_request(request, self._rng.getrandbits(63) if seed is None else seed)
 

@@ -296,6 +296,8 @@ BAD_VALUES: dict[str, list[Any]] = {
     "speculative_ngram_capacity": [10],
     "tool_call_parser": ["hermes", "QWEN25"],
     "reasoning_parser": ["deepseek"],
+    "max_loras_per_batch": [0],
+    "max_lora_rank": [-1],
 }
 
 

@@ -38,6 +38,7 @@ class ModelLimits:
     # False where the engine compiles each constraint and refuses a bad one itself (a front
     # door that loads no grammar library): only its form is checked here.
     compile_grammars: bool = True
+    lora_names: frozenset[str] = frozenset()  # the LoRA adapters served
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,7 @@ class GenerationRequest:
     logprobs: LogprobRequest = field(default_factory=LogprobRequest)
     cache_salt: str | None = None
     priority: int = 0
+    lora_path: str | None = None  # the LoRA adapter it runs with; None: the base model
 
 
 def is_int(value: object) -> bool:
@@ -77,6 +79,7 @@ def build_request(
     cache_salt: str | None = None,
     priority: int = 0,
     names: FieldNames = FieldNames(),
+    lora_path: str | None = None,
 ) -> GenerationRequest:
     """The one check of a request: its prompt ids, its sampling dict (SGLang's names; a
     missing max_new_tokens shrinks to what fits), the logprobs it wants and its length
@@ -98,7 +101,24 @@ def build_request(
     if limits.context_length:
         _check_length(len(input_ids), params.max_new_tokens, limits.context_length, names)
     wanted = _logprob_request(logprobs or LogprobRequest(), len(input_ids))
-    return GenerationRequest(rid, list(input_ids), params, wanted, cache_salt, priority)
+    _check_lora(lora_path, limits.lora_names)
+    return GenerationRequest(rid, list(input_ids), params, wanted, cache_salt, priority,
+                             lora_path)
+
+
+def _check_lora(lora_path: object, served: frozenset[str]) -> None:
+    """An adapter the engine serves, or None."""
+    if lora_path is None:
+        return
+    if not isinstance(lora_path, str):
+        raise RequestError(f"lora_path must be an adapter's name, got {lora_path!r}",
+                           "lora_path")
+    if not served:
+        raise RequestError(f"lora_path {lora_path!r}: this server has no LoRA adapters "
+                           "(enable_lora with lora_paths)", "lora_path")
+    if lora_path not in served:
+        raise RequestError(f"lora_path: unknown LoRA adapter {lora_path!r}; served: "
+                           f"{', '.join(sorted(served))}", "lora_path")
 
 
 def nth_sample(request: GenerationRequest, rid: str, index: int) -> GenerationRequest:

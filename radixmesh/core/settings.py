@@ -371,6 +371,37 @@ class EngineSettings(Settings):
 
 
 @dataclass(frozen=True, kw_only=True)
+class LoraSettings(Settings):
+    """LoRA adapters served over the base model (SGLang's flags)."""
+
+    TITLE: ClassVar[str] = "LoRA adapters"
+
+    enable_lora: bool = setting(
+        False, help="serve LoRA adapters (lora_paths) over the base model, mixed in a batch"
+    )
+    lora_paths: str | None = setting(
+        None,
+        help="the adapters, NAME=PATH[,NAME=PATH...] (a bare PATH is named after its folder): "
+        "each a PEFT folder (adapter_config.json + adapter_model.safetensors), requested by "
+        "NAME as lora_path",
+    )
+    max_loras_per_batch: int = setting(
+        8, minimum=1, help="adapters one step may mix: device slots for them; requests for "
+        "another adapter wait until one is free"
+    )
+    max_lora_rank: int = setting(
+        0, minimum=0, help="the largest rank an adapter may have (its slots' size); 0: the "
+        "largest of lora_paths'"
+    )
+    lora_target_modules: str | None = setting(
+        None,
+        help="the projections adapters may target, comma-separated among q_proj, k_proj, "
+        "v_proj, o_proj, gate_proj, up_proj, down_proj (or all); empty: what lora_paths' "
+        "target",
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
 class NativeKernelSettings(Settings):
     """The native CPU kernels, read from the environment by whatever process loads them
     (`radixmesh.kernels.native`)."""
@@ -407,5 +438,6 @@ class ReplicaSettings(SpeculativeSettings, HiCacheSettings, ScheduleSettings):
 
 
 @dataclass(frozen=True, kw_only=True)
-class EngineArgs(EngineSettings, ReplicaSettings, HiCacheStorageSettings, RunnerSettings):
+class EngineArgs(EngineSettings, LoraSettings, ReplicaSettings, HiCacheStorageSettings,
+                 RunnerSettings):
     """Every knob of the in-process Engine (names follow SGLang's server args)."""

@@ -39,6 +39,7 @@ class NewRequest:
     params: SamplingParams
     seed: int
     logprobs: LogprobRequest = field(default_factory=LogprobRequest)
+    lora: str = ""  # the LoRA adapter it runs with; empty: the base model
 
 
 @dataclass(slots=True)

@@ -20,6 +20,14 @@ if TYPE_CHECKING:
 _arrivals = itertools.count()
 
 
+def cache_namespace(cache_salt: str | None, lora: str | None) -> str | None:
+    """The radix tree a request's prefix lives in: its cache_salt's, apart for each LoRA
+    adapter (the same tokens under another adapter have other KV)."""
+    if not lora:
+        return cache_salt
+    return f"{cache_salt or ''}\x00lora:{lora}"
+
+
 @dataclass(eq=False)
 class Req:
     """A tokenized request as the scheduler tracks it."""
@@ -28,8 +36,9 @@ class Req:
     input_ids: list[int]
     params: SamplingParams
     seed: int
-    namespace: str | None = None
+    namespace: str | None = None  # radix tree (cache_salt, and its LoRA adapter's name)
     priority: int = 0
+    lora: str = ""  # the LoRA adapter it runs with; empty: the base model
     logprobs: LogprobRequest = field(default_factory=LogprobRequest)
     arrival: int = field(default_factory=lambda: next(_arrivals))
     output_ids: list[int] = field(default_factory=list)
@@ -70,9 +79,10 @@ class Req:
             input_ids=request.input_ids,
             params=request.params,
             seed=seed,
-            namespace=request.cache_salt,
+            namespace=cache_namespace(request.cache_salt, request.lora_path),
             priority=request.priority,
             logprobs=request.logprobs,
+            lora=request.lora_path or "",
         )
 
     @property
@@ -104,6 +114,7 @@ class Req:
             self.params,
             self.seed,
             logprobs,
+            self.lora,
         )
 
     @cached_property

@@ -241,7 +241,7 @@ class Scheduler:
         for req in self.priority.order(self.waiting, self.policy.order):
             if budget <= 0 or len(self.running) >= self.config.max_running_requests:
                 break
-            if not self._ready(req):
+            if not self._ready(req) or not self._lora_fits(req):
                 continue
             used = self._admit(batch, req, budget)
             if not used:
@@ -255,6 +255,14 @@ class Scheduler:
         mid-step), its constraint compiled, its prefix not on its way from storage."""
         return not req.pending and self.constraints.ready(req) and (
             req.admitted or not self.tiers.waits(req))
+
+    def _lora_fits(self, req: Req) -> bool:
+        """Whether its LoRA adapter, if any, can run beside the running requests': theirs, or
+        one more while the runner has a slot free (max_loras_per_batch)."""
+        if not req.lora:
+            return True
+        held = {r.lora for r in self.running if r.lora}
+        return req.lora in held or len(held) < self.config.max_loras_per_batch
 
     def _preempt(self) -> None:
         """Retract the running requests that more important waiting ones displace (priority

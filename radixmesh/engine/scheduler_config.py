@@ -40,6 +40,8 @@ class SchedulerConfig:
     enable_priority_scheduling: bool = False
     low_priority_values_first: bool = False
     preemption_threshold: int = 10
+    # LoRA: adapters the running requests may use at once (the runner's device slots).
+    max_loras_per_batch: int = 8
 
     @classmethod
     def from_settings(

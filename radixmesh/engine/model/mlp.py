@@ -3,12 +3,17 @@ sparse one (moe.py)."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 
 from radixmesh.engine.model.linear import Linear, Weight
 from radixmesh.engine.model.parallel import TensorParallel, row_parallel
 from radixmesh.kernels import native
+
+if TYPE_CHECKING:
+    from radixmesh.engine.model.lora import LoraBatch
 
 
 def silu_mul(x: torch.Tensor) -> torch.Tensor:
@@ -46,5 +51,14 @@ class GatedMLP:
         self.down = row_parallel(down, tp)
         self.act = ACTIVATIONS[hidden_act]
 
-    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        return self.down(self.act(self.gate_up(x)), residual=residual)
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None,
+                 lora: LoraBatch | None = None, layer: int = 0) -> torch.Tensor:
+        """The MLP of `x`, plus `residual`; `lora`: the step's adapters, of layer `layer`."""
+        if lora is None:
+            return self.down(self.act(self.gate_up(x)), residual=residual)
+        gate_up = self.gate_up(x)
+        lora.add(layer, "gate_up", x, gate_up)
+        act = self.act(gate_up)
+        out = self.down(act, residual=residual)
+        lora.add(layer, "down", act, out)
+        return out

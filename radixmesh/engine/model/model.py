@@ -4,6 +4,7 @@ mixture-of-experts Qwen3-MoE and Mixtral) over a slot-indexed KV pool."""
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +20,9 @@ from radixmesh.engine.model.rope import RotaryEmbedding, RotaryStep
 from radixmesh.kernels import native
 from radixmesh.kernels.native_layer import LayerStack, SparseLayer
 from radixmesh.kernels.native_quant import QuantizedWeight
+
+if TYPE_CHECKING:
+    from radixmesh.engine.model.lora import LoraBatch
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -112,10 +116,13 @@ class DecoderLayer:
         rope: RotaryStep,
         attn: AttentionBackend,
         pool: KVPool,
+        lora: LoraBatch | None = None,
     ) -> torch.Tensor:
         cfg = self.cfg
         x = rms_norm(hidden, self.input_norm, cfg.rms_norm_eps)
         qkv = self.qkv(x)
+        if lora is not None:
+            lora.add(layer, "qkv", x, qkv)
         qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         qk = qk.view(-1, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
         v = v.reshape(-1, cfg.num_kv_heads, cfg.head_dim)
@@ -134,10 +141,16 @@ class DecoderLayer:
         eps = cfg.rms_norm_eps
         if self.mlp_norms is None:
             hidden = self.o(out, residual=hidden)
-            return self.mlp(rms_norm(hidden, self.post_norm, eps), hidden)
+            if lora is not None:
+                lora.add(layer, "o", out, hidden)
+            return self.mlp(rms_norm(hidden, self.post_norm, eps), hidden, lora, layer)
         pre, post = self.mlp_norms
-        hidden = hidden + rms_norm(self.o(out), self.post_norm, eps)
-        return hidden + rms_norm(self.mlp(rms_norm(hidden, pre, eps)), post, eps)
+        attended = self.o(out)
+        if lora is not None:
+            lora.add(layer, "o", out, attended)
+        hidden = hidden + rms_norm(attended, self.post_norm, eps)
+        return hidden + rms_norm(self.mlp(rms_norm(hidden, pre, eps), None, lora, layer), post,
+                                 eps)
 
 
 class CausalLM:
@@ -185,15 +198,18 @@ class CausalLM:
         positions: torch.Tensor,
         attn: AttentionBackend,
         pool: KVPool,
+        lora: LoraBatch | None = None,
     ) -> torch.Tensor:
-        """Token ids [T] at positions [T] -> final hidden states [T, hidden]."""
+        """Token ids [T] at positions [T] -> final hidden states [T, hidden], each token's
+        LoRA adapter (`lora`, if any) added to the projections it targets."""
         if isinstance(self.embed, QuantizedWeight):
             hidden = self.embed.rows(input_ids, self.dtype)
         else:
             hidden = self.embed[input_ids]
         if self.cfg.embed_scale != 1.0:
             hidden = hidden * torch.tensor(self.cfg.embed_scale, dtype=hidden.dtype)
-        if self.native_layers is not None and (plan := attn.native_plan()) is not None:
+        if (self.native_layers is not None and lora is None
+                and (plan := attn.native_plan()) is not None):
             self.native_layers.forward(
                 hidden, pool.k, pool.v, positions, self.rope.cos, self.rope.sin,
                 plan.out_slots, plan.runs, plan.scale,
@@ -203,7 +219,8 @@ class CausalLM:
             local = rope if self.local_rope is None else RotaryStep(self.local_rope, positions)
             windows = self.cfg.layer_windows
             for i, layer in enumerate(self.layers):
-                hidden = layer(i, hidden, local if windows and windows[i] else rope, attn, pool)
+                hidden = layer(i, hidden, local if windows and windows[i] else rope, attn, pool,
+                               lora)
         return rms_norm(hidden, self.norm, self.cfg.rms_norm_eps)
 
     def _native_layers(self, tp: TensorParallel | None) -> LayerStack | None:

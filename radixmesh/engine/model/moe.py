@@ -127,8 +127,10 @@ class SparseMoE:
             self.native = ExpertWeights.of(weights)
         self.top_k, self.renormalize, self.tp = top_k, renormalize, tp
 
-    def __call__(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """x [T, hidden] (post-attention-normed), residual [T, hidden] -> the layer's output."""
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor, lora: object = None,
+                 layer: int = 0) -> torch.Tensor:
+        """x [T, hidden] (post-attention-normed), residual [T, hidden] -> the layer's output.
+        The experts take no LoRA adapter (one that targets them is refused at load)."""
         if self.native is not None and x.dtype == torch.bfloat16:
             # Routed and run natively, as the native whole layers (cpu/layer.cpp) do.
             experts, weights = moe_route(x, self.router, self.top_k, self.renormalize)

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from radixmesh.core.model_files import resolve_model_path
-from radixmesh.core.settings import RunnerSettings
+from radixmesh.core.settings import LoraSettings, RunnerSettings
 from radixmesh.core.step import (
     EntryResult,
     StepBatch,
@@ -35,6 +35,14 @@ from radixmesh.engine.model.grammar_mask import Grammars, Vocabulary
 from radixmesh.engine.model.host_copies import HostCopier
 from radixmesh.engine.model.kv_pool import KVPool
 from radixmesh.engine.model.launch import PendingStep
+from radixmesh.engine.model.lora import (
+    TARGETS,
+    LoraBatch,
+    LoraError,
+    LoraPool,
+    load_adapter,
+    parse_lora_paths,
+)
 from radixmesh.engine.model.memory import keep_freed_memory, release_free_memory
 from radixmesh.engine.model.model import CausalLM
 from radixmesh.engine.model.model_config import ModelConfig
@@ -114,6 +122,9 @@ class ModelRunner:
         self.table = ReqTable(self.device)
         self.sampler = StepSampler(self.model, self.pool, self.table, config, tp, self.device,
                                    self._by_row)
+        # LoRA adapters (load_runner attaches them): each table row's slot, -1 for none.
+        self.lora: LoraPool | None = None
+        self._lora_rows = torch.full((64,), -1, dtype=torch.long)
         # How load_runner loaded the weights (see DeviceSettings.quantization), and from
         # where (a hub repo resolved to its snapshot).
         self.quantization = "bf16"
@@ -161,11 +172,19 @@ class ModelRunner:
         if batch.step == 1:  # a scheduler (re)started: what the one before sent is gone
             self.requests.clear()
             self._by_row.clear()
+            self._lora_rows.fill_(-1)
+            if self.lora is not None:
+                self.lora.reset()
         for rid in batch.release:
             gone = self.requests.pop(rid, None)
             if gone is not None and self._by_row.get(gone.row) is gone:
                 del self._by_row[gone.row]
+            if gone is not None and gone.spec.lora and self.lora is not None:
+                self.lora.release(int(self._lora_rows[gone.row]))
+                self._lora_rows[gone.row] = -1
         for spec in batch.new_requests:
+            if spec.lora:
+                self._take_lora(spec.row, spec.lora)
             state = RequestState(spec, is_plain(spec.params) and not spec.logprobs.return_logprob)
             with current(self.device):
                 self.table.admit(spec.row, spec.prefix_ids, spec.prefix_slots)
@@ -184,6 +203,29 @@ class ModelRunner:
         result.forward_ms = (time.perf_counter() - began) * 1e3
         return PendingStep(result, read)
 
+    def _take_lora(self, row: int, name: str) -> None:
+        """Row `row`'s request runs with adapter `name`: a slot holds it from now on."""
+        if self.lora is None:
+            raise ValueError(f"LoRA adapter {name!r} asked of a worker that serves none")
+        if row >= self._lora_rows.numel():
+            grown = torch.full((max(2 * self._lora_rows.numel(), row + 1),), -1,
+                               dtype=torch.long)
+            grown[: self._lora_rows.numel()] = self._lora_rows
+            self._lora_rows = grown
+        self._lora_rows[row] = self.lora.acquire(name)
+
+    def _lora_batch(self, rows: torch.Tensor, entry_tokens: list[tuple[int, int]]
+                    ) -> LoraBatch | None:
+        """The step's adapters, from each token's row: the decodes' `rows`, then each
+        entry's (row, tokens) in order; None when no request has one."""
+        if self.lora is None or not self.lora.in_use():
+            return None
+        slots = self._lora_rows
+        entry_rows = torch.tensor([r for r, _ in entry_tokens], dtype=torch.long)
+        counts = torch.tensor([n for _, n in entry_tokens], dtype=torch.long)
+        token_slots = torch.cat([slots[rows], slots[entry_rows].repeat_interleave(counts)])
+        return self.lora.batch(token_slots)
+
     def _run(self, batch: StepBatch, result: StepResult) -> TokenRead | None:
         table = self.table
         decode_rows = _ints(batch.decode_rows).long()
@@ -193,9 +235,11 @@ class ModelRunner:
         slots: list[int] = []
         nodes: list[SeqSpan] = []  # draft nodes: each a sequence of its own
         feeds_last: list[tuple[int, int]] = []  # (index in ids, table row) of each -1
+        entry_tokens: list[tuple[int, int]] = []  # each entry's row and tokens in the step
         first = step.num_decodes
         for i, entry in enumerate(batch.entries):
             state = self.requests[entry.rid]
+            before = len(ids)
             if state.jumped and not entry.input_ids and entry.sample:
                 step.void.add(i)
             state.jumped = False
@@ -217,14 +261,17 @@ class ModelRunner:
                 keep = grammar_allows(entry, matcher)
                 step.trees[i] = draft_rows(entry, keep, table.row_slots(state.row).long(), ids,
                                            positions, slots, nodes, first)
+            entry_tokens.append((state.row, len(ids) - before))
         input_ids, input_positions, meta = self._inputs(step, ids, feeds_last, positions, slots,
                                                         nodes, _ints(batch.decode_slots))
-        if self.graphs is not None and self.graphs.fits(meta):
+        lora = self._lora_batch(decode_rows, entry_tokens)
+        if self.graphs is not None and lora is None and self.graphs.fits(meta):
             hidden = self.graphs.run(input_ids, input_positions, meta)
             self.graph_steps += 1
         else:
             self.attention.prepare(meta)
-            hidden = self.model.forward(input_ids, input_positions, self.attention, self.pool)
+            hidden = self.model.forward(input_ids, input_positions, self.attention, self.pool,
+                                        lora)
         outs = result.results = [EntryResult(e.rid) for e in batch.entries]
         # Every rank broadcasts a token per plain decode and per sampling entry, void ones
         # included (as -1), and after a draft's token the accepted path (see _follow).
@@ -329,11 +376,13 @@ def load_runner(
     dist_init_addr: str | None = None,
     progress: bool = False,
     max_running_requests: int = 0,
+    lora: LoraSettings | None = None,
 ) -> ModelRunner:
     """Load the model onto its device, joining the tensor-parallel group and keeping this
     rank's shards when tp_size > 1 (CUDA graphs up to the engine's `max_running_requests`
-    unless the settings say; 0: not known here). Call it on the thread that will run every
-    step: CUDA's current device and OpenMP's team are per thread."""
+    unless the settings say; 0: not known here), with the LoRA adapters `lora` enables.
+    Call it on the thread that will run every step: CUDA's current device and OpenMP's
+    team are per thread."""
     where = resolve_device(settings.device, tp_rank)
     if where.type == "cuda":
         torch.cuda.set_device(where)
@@ -360,6 +409,10 @@ def load_runner(
         page_size=settings.page_size,
         cuda_graph_max_bs=settings.graph_batch_limit(max_running_requests),
     )
+    if lora is not None and lora.enable_lora:
+        if tp is not None:
+            raise ValueError("enable_lora does not run with tensor parallelism (tp_size > 1) yet")
+        runner.lora = lora_pool(lora, loaded.config, DTYPES[settings.dtype], where)
     runner.quantization = loaded.quantization
     runner.model_path = model_path
     stop_ids = loaded.config.eos_token_ids
@@ -372,6 +425,29 @@ def load_runner(
             jump_forward=not settings.disable_jump_forward,
         )
     return runner
+
+
+def lora_pool(settings: LoraSettings, config: ModelConfig, dtype: torch.dtype,
+              device: torch.device) -> LoraPool:
+    """The adapters of `settings` loaded and checked against the model, in their pool."""
+    paths = parse_lora_paths(settings.lora_paths)
+    if not paths:
+        raise LoraError("enable_lora needs lora_paths: NAME=PATH[,NAME=PATH...]")
+    adapters = {name: load_adapter(name, path, config) for name, path in paths.items()}
+    allowed = settings.lora_target_modules
+    if allowed and allowed != "all":
+        targets = {t.strip() for t in allowed.split(",") if t.strip()}
+        unknown = targets - set(TARGETS)
+        if unknown:
+            raise LoraError(f"lora_target_modules: unknown {sorted(unknown)}; choose among "
+                            f"{', '.join(TARGETS)}")
+        for adapter in adapters.values():
+            if adapter.targets - targets:
+                raise LoraError(f"LoRA adapter {adapter.name!r} targets "
+                                f"{sorted(adapter.targets - targets)}, outside "
+                                f"lora_target_modules")
+    return LoraPool(adapters, config, settings.max_loras_per_batch, settings.max_lora_rank,
+                    dtype, device)
 
 
 def _vocabulary(model_path: str | None, vocab_size: int, stop_ids: Sequence[int]) -> Vocabulary:

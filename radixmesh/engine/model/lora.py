@@ -1,0 +1,264 @@
+"""LoRA adapters over one base model: loaded from PEFT's format, held in host memory, and
+a fixed pool of device slots that a step's adapters are copied into; each step adds every
+row's `B_i (A_i x)` to the projections its adapter targets, one pass per adapter in the
+step (never per request).
+
+An adapter is `adapter_config.json` + `adapter_model.safetensors`, as PEFT saves it. Its
+`lora_alpha` (or its `alpha_pattern` entry), its ranks (each module's own) and `use_rslora`
+(alpha / sqrt(r) instead of alpha / r) are honoured; what is not supported (DoRA, LoRA on
+the embeddings or the LM head, trained biases, modules saved whole, expert layers) is
+refused by name when it loads."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from radixmesh.engine.model.model_config import ModelConfig
+
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# The model's fused projections, and the targets side by side in each one's output.
+FUSED = {
+    "qkv": ("q_proj", "k_proj", "v_proj"),
+    "o": ("o_proj",),
+    "gate_up": ("gate_proj", "up_proj"),
+    "down": ("down_proj",),
+}
+_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+
+
+class LoraError(ValueError):
+    """An adapter that cannot be served, or a request for one that is not loaded."""
+
+
+def parse_lora_paths(text: str | None) -> dict[str, str]:
+    """`NAME=PATH[,NAME=PATH...]` (a bare PATH is named after its folder) as {name: path}."""
+    paths: dict[str, str] = {}
+    for item in (text or "").split(","):
+        item = item.strip()
+        if not item:
+            continue
+        name, eq, path = item.partition("=")
+        if not eq:
+            name, path = Path(item).name, item
+        name, path = name.strip(), path.strip()
+        if not name or not path:
+            raise LoraError(f"lora_paths: expected NAME=PATH, got {item!r}")
+        if name in paths:
+            raise LoraError(f"lora_paths: adapter {name!r} is named twice")
+        paths[name] = path
+    return paths
+
+
+def target_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+    """Each target's (in, out) features in the base model."""
+    hidden, inter = cfg.hidden_size, cfg.intermediate_size
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    return {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv),
+            "o_proj": (q, hidden), "gate_proj": (hidden, inter), "up_proj": (hidden, inter),
+            "down_proj": (inter, hidden)}
+
+
+@dataclass
+class LoraAdapter:
+    """One adapter in host memory: per (layer, target) its A [r, in] and its B [out, r]
+    already scaled, in float32."""
+
+    name: str
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+
+    @property
+    def rank(self) -> int:
+        return max(a.shape[0] for a, _ in self.weights.values())
+
+    @property
+    def targets(self) -> set[str]:
+        return {target for _, target in self.weights}
+
+
+def load_adapter(name: str, path: str | Path, cfg: ModelConfig) -> LoraAdapter:
+    """An adapter from a PEFT folder, checked against the base model `cfg`."""
+    folder = Path(path).expanduser()
+    try:
+        config = json.loads((folder / "adapter_config.json").read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise LoraError(f"LoRA adapter {name!r}: cannot read adapter_config.json in "
+                        f"{folder} ({exc})") from None
+    refused = [
+        (config.get("use_dora"), "DoRA (use_dora)"),
+        (config.get("bias", "none") not in (None, "none"),
+         f"trained biases (bias={config.get('bias')!r})"),
+        (config.get("modules_to_save"), "modules saved whole (modules_to_save)"),
+        (config.get("fan_in_fan_out"), "fan_in_fan_out weights"),
+    ]
+    for bad, what in refused:
+        if bad:
+            raise LoraError(f"LoRA adapter {name!r}: {what} is not supported")
+    file = folder / "adapter_model.safetensors"
+    if not file.is_file():
+        raise LoraError(f"LoRA adapter {name!r}: no adapter_model.safetensors in {folder}")
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(file))
+    halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        match = _KEY.search(key)
+        if match is None or match[2] not in TARGETS:
+            what = ("embedding or LM head LoRA" if "embed" in key or "lm_head" in key
+                    else "a module other than q/k/v/o_proj and gate/up/down_proj")
+            raise LoraError(f"LoRA adapter {name!r}: {key} is {what}, which is not supported")
+        layer, target = int(match[1]), match[2]
+        if layer >= cfg.num_layers:
+            raise LoraError(f"LoRA adapter {name!r}: {key} is past the model's "
+                            f"{cfg.num_layers} layers")
+        if target in FUSED["gate_up"] + FUSED["down"] and layer in cfg.sparse_layers:
+            raise LoraError(f"LoRA adapter {name!r}: {key} targets a mixture-of-experts "
+                            "layer's MLP, which is not supported")
+        halves.setdefault((layer, target), {})[match[3]] = tensor
+    shapes = target_shapes(cfg)
+    weights = {}
+    for (layer, target), pair in sorted(halves.items()):
+        a, b = pair.get("A"), pair.get("B")
+        where = f"LoRA adapter {name!r}, layer {layer} {target}"
+        if a is None or b is None:
+            raise LoraError(f"{where}: lora_A and lora_B must both be present")
+        fan_in, fan_out = shapes[target]
+        if (a.dim() != 2 or b.dim() != 2 or a.shape[1] != fan_in or b.shape[0] != fan_out
+                or a.shape[0] != b.shape[1]):
+            raise LoraError(f"{where}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do "
+                            f"not fit a {fan_in} -> {fan_out} projection")
+        rank = a.shape[0]
+        alpha = _pattern(config.get("alpha_pattern"), layer, target, config.get("lora_alpha", 8))
+        scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+        weights[(layer, target)] = (a.float(), b.float() * scale)
+    if not weights:
+        raise LoraError(f"LoRA adapter {name!r}: {file} holds no LoRA weights")
+    return LoraAdapter(name, weights)
+
+
+def _pattern(patterns: dict[str, float] | None, layer: int, target: str, default: float
+             ) -> float:
+    """A per-module value of PEFT's alpha_pattern: its key names the module by a suffix of
+    its full name (or a regular expression matching such a suffix)."""
+    block = "mlp" if target in ("gate_proj", "up_proj", "down_proj") else "self_attn"
+    name = f"model.layers.{layer}.{block}.{target}"
+    for key, value in (patterns or {}).items():
+        if re.fullmatch(rf"(.*\.)?{key}", name):
+            return float(value)
+    return float(default)
+
+
+class LoraPool:
+    """Every loaded adapter in host memory, and `slots` device slots holding the ones a
+    step uses: per (layer, target) A [slots, rank, in] and B [slots, out, rank], zero
+    past an adapter's own rank and for targets it leaves alone. A slot is taken for an
+    adapter when a request for it is admitted and given back when the last one leaves;
+    an adapter stays in its slot until the slot is needed again (least recently used
+    first)."""
+
+    def __init__(self, adapters: dict[str, LoraAdapter], cfg: ModelConfig, slots: int,
+                 max_rank: int, dtype: torch.dtype, device: torch.device) -> None:
+        if slots < 1:
+            raise LoraError(f"max_loras_per_batch must be at least 1, got {slots}")
+        self.adapters = adapters
+        self.device = device
+        self.rank = max_rank or max((a.rank for a in adapters.values()), default=1)
+        for adapter in adapters.values():
+            if adapter.rank > self.rank:
+                raise LoraError(f"LoRA adapter {adapter.name!r} has rank {adapter.rank}, "
+                                f"above max_lora_rank {self.rank}")
+        shapes = target_shapes(cfg)
+        targets = {t for a in adapters.values() for t in a.targets}
+        self.a: dict[tuple[int, str], torch.Tensor] = {}
+        self.b: dict[tuple[int, str], torch.Tensor] = {}
+        for layer in range(cfg.num_layers):
+            for target in sorted(targets):
+                fan_in, fan_out = shapes[target]
+                self.a[(layer, target)] = torch.zeros(slots, self.rank, fan_in, dtype=dtype,
+                                                      device=device)
+                self.b[(layer, target)] = torch.zeros(slots, fan_out, self.rank, dtype=dtype,
+                                                      device=device)
+        # Where each target's output sits in its fused projection's: (target, start, width).
+        self.columns: dict[str, list[tuple[str, int, int]]] = {}
+        for fused, parts in FUSED.items():
+            start = 0
+            for target in parts:
+                width = shapes[target][1]
+                self.columns.setdefault(fused, []).append((target, start, width))
+                start += width
+        self._held: list[str | None] = [None] * slots  # the adapter in each slot
+        self._users = [0] * slots  # requests using each slot
+        self._recent: OrderedDict[int, None] = OrderedDict((s, None) for s in range(slots))
+
+    def acquire(self, name: str) -> int:
+        """The slot holding adapter `name` for one more request, copied in if need be."""
+        if name not in self.adapters:
+            raise LoraError(f"LoRA adapter {name!r} is not loaded")
+        slot = next((s for s, held in enumerate(self._held) if held == name), None)
+        if slot is None:
+            slot = next((s for s in self._recent if not self._users[s]), None)
+            if slot is None:
+                raise LoraError(f"no LoRA slot is free for {name!r}: every one of the "
+                                f"{len(self._held)} is in use")
+            self._copy_in(slot, self.adapters[name])
+            self._held[slot] = name
+        self._users[slot] += 1
+        self._recent.move_to_end(slot)
+        return slot
+
+    def release(self, slot: int) -> None:
+        """A request using `slot` has left."""
+        self._users[slot] -= 1
+
+    def reset(self) -> None:
+        """No request uses any slot (the scheduler started over); adapters stay in them."""
+        self._users = [0] * len(self._users)
+
+    def in_use(self) -> bool:
+        """Whether any request runs with an adapter."""
+        return any(self._users)
+
+    def _copy_in(self, slot: int, adapter: LoraAdapter) -> None:
+        for key, a in self.a.items():
+            a[slot].zero_()
+            self.b[key][slot].zero_()
+            held = adapter.weights.get(key)
+            if held is not None:
+                rank = held[0].shape[0]
+                a[slot, :rank].copy_(held[0])
+                self.b[key][slot, :, :rank].copy_(held[1])
+
+    def batch(self, token_slots: torch.Tensor) -> LoraBatch | None:
+        """The step's adapters from each token's slot (-1: none); None when no token has
+        one."""
+        used = torch.unique(token_slots).tolist()
+        groups = [(s, (token_slots == s).nonzero().flatten()) for s in used if s >= 0]
+        return LoraBatch(self, groups) if groups else None
+
+
+class LoraBatch:
+    """One step's adapters: each slot used and its tokens' rows in the step."""
+
+    def __init__(self, pool: LoraPool, groups: list[tuple[int, torch.Tensor]]) -> None:
+        self.pool = pool
+        self.groups = [(slot, rows.to(pool.device)) for slot, rows in groups]
+
+    def add(self, layer: int, fused: str, x: torch.Tensor, out: torch.Tensor) -> None:
+        """out += B (A x) for each adapter's rows, in the columns of each target of the
+        fused projection `fused` that the pool holds (x: its input, out: its output)."""
+        pool = self.pool
+        for target, start, width in pool.columns[fused]:
+            a = pool.a.get((layer, target))
+            if a is None:
+                continue
+            b = pool.b[(layer, target)]
+            columns = out[:, start : start + width]
+            for slot, rows in self.groups:
+                delta = (x.index_select(0, rows) @ a[slot].T) @ b[slot].T
+                columns.index_add_(0, rows, delta.to(out.dtype))

@@ -1,0 +1,217 @@
+"""LoRA adapters served over one base model: each request's output equals the adapter
+merged into the weights, adapters and the base mixed in one batch, the prefix cache kept
+apart per adapter, and what cannot be served refused by name."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from tiny_model import (
+    HEAD_DIM,
+    HEADS,
+    HIDDEN,
+    INTERMEDIATE,
+    KV_HEADS,
+    LAYERS,
+    VOCAB,
+    save_tiny_model,
+    save_word_tokenizer,
+)
+
+from radixmesh.api import Engine
+from radixmesh.engine.model.lora import LoraError, load_adapter, parse_lora_paths
+from radixmesh.engine.model.model_config import ModelConfig
+
+SHAPES = {"q_proj": (HIDDEN, HEADS * HEAD_DIM), "k_proj": (HIDDEN, KV_HEADS * HEAD_DIM),
+          "v_proj": (HIDDEN, KV_HEADS * HEAD_DIM), "o_proj": (HEADS * HEAD_DIM, HIDDEN),
+          "gate_proj": (HIDDEN, INTERMEDIATE), "up_proj": (HIDDEN, INTERMEDIATE),
+          "down_proj": (INTERMEDIATE, HIDDEN)}
+# Each adapter: its config and, per target, its rank. "beta" has ranks of its own per
+# module, rsLoRA scaling and an alpha of its own for up_proj.
+ADAPTERS = {
+    "alpha": ({"r": 4, "lora_alpha": 8}, {"q_proj": 4, "v_proj": 4, "o_proj": 4,
+                                           "gate_proj": 4, "down_proj": 4}),
+    "beta": ({"r": 8, "lora_alpha": 16, "use_rslora": True, "alpha_pattern": {"up_proj": 4},
+              "rank_pattern": {"k_proj": 2}}, {"k_proj": 2, "up_proj": 8}),
+}
+PROMPTS = [[(5 * i + 3 * k + 1) % (VOCAB - 1) for i in range(10)] for k in range(3)]
+GREEDY = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
+
+
+def _block(target: str) -> str:
+    return "mlp" if target in ("gate_proj", "up_proj", "down_proj") else "self_attn"
+
+
+def _scale(config: dict, target: str, rank: int) -> float:
+    alpha = config.get("alpha_pattern", {}).get(target, config["lora_alpha"])
+    return alpha / rank ** 0.5 if config.get("use_rslora") else alpha / rank
+
+
+def save_adapter(path: Path, config: dict, ranks: dict[str, int], seed: int) -> Path:
+    """A PEFT adapter folder with random A and B (B is trained away from zero)."""
+    path.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(LAYERS):
+        for target, rank in ranks.items():
+            fan_in, fan_out = SHAPES[target]
+            key = f"base_model.model.model.layers.{layer}.{_block(target)}.{target}"
+            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, fan_in, generator=g) * 0.3
+            tensors[f"{key}.lora_B.weight"] = torch.randn(fan_out, rank, generator=g) * 0.3
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    (path / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "target_modules": sorted(ranks), "bias": "none", **config}))
+    return path
+
+
+def save_merged(base: Path, adapter: Path, config: dict, path: Path) -> Path:
+    """The base model with the adapter merged into its weights: W + scale * B @ A."""
+    path.mkdir(parents=True, exist_ok=True)
+    weights = load_file(str(base / "model.safetensors"))
+    lora = load_file(str(adapter / "adapter_model.safetensors"))
+    for key, a in lora.items():
+        if ".lora_A." not in key:
+            continue
+        b = lora[key.replace(".lora_A.", ".lora_B.")]
+        target = key.split(".")[-3]
+        name = key.removeprefix("base_model.model.").replace(".lora_A.weight", ".weight")
+        weights[name] = weights[name] + _scale(config, target, a.shape[0]) * (b @ a)
+    save_file(weights, str(path / "model.safetensors"))
+    (path / "config.json").write_text((base / "config.json").read_text())
+    save_word_tokenizer(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("lora")
+    base = save_tiny_model(root / "base")
+    save_word_tokenizer(base)
+    out = {"base": base}
+    for seed, (name, (config, ranks)) in enumerate(ADAPTERS.items()):
+        out[name] = save_adapter(root / name, config, ranks, seed + 1)
+        out[f"merged-{name}"] = save_merged(base, out[name], config, root / f"merged-{name}")
+    return out
+
+
+def _engine(path: Path, **kwargs: object) -> Engine:
+    return Engine(str(path), dtype="float32", max_total_tokens=2048, show_progress=False,
+                  **kwargs)
+
+
+@pytest.fixture(scope="module")
+def references(models: dict[str, Path]) -> dict[str | None, list[list[int]]]:
+    """Each prompt's greedy output under each adapter merged (None: the base model)."""
+    out: dict[str | None, list[list[int]]] = {}
+    for name, path in [(None, models["base"]), *((n, models[f"merged-{n}"]) for n in ADAPTERS)]:
+        with _engine(path) as engine:
+            results = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)
+        out[name] = [r["output_ids"] for r in results]
+    return out
+
+
+@pytest.fixture(scope="module")
+def lora_engine(models: dict[str, Path]) -> Iterator[Engine]:
+    paths = ",".join(f"{name}={models[name]}" for name in ADAPTERS)
+    with _engine(models["base"], enable_lora=True, lora_paths=paths) as engine:
+        yield engine
+
+
+def test_each_adapter_gives_what_its_merged_weights_give(lora_engine: Engine, references):
+    assert references["alpha"] != references[None] and references["beta"] != references[None]
+    for name in [None, *ADAPTERS]:
+        results = lora_engine.generate(input_ids=PROMPTS, sampling_params=GREEDY,
+                                       lora_path=name)
+        assert [r["output_ids"] for r in results] == references[name], name
+
+
+def test_adapters_and_the_base_mix_in_one_batch(lora_engine: Engine, references):
+    lora_engine.flush_cache()
+    adapters = ["alpha", "beta", None, "beta", "alpha", None]
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(adapters))]
+    results = lora_engine.generate(input_ids=prompts, sampling_params=GREEDY,
+                                   lora_path=adapters)
+    for i, (name, result) in enumerate(zip(adapters, results, strict=True)):
+        assert result["output_ids"] == references[name][i % len(PROMPTS)], (i, name)
+
+
+def test_one_slot_runs_the_adapters_one_after_another(models, references):
+    paths = ",".join(f"{name}={models[name]}" for name in ADAPTERS)
+    with _engine(models["base"], enable_lora=True, lora_paths=paths,
+                 max_loras_per_batch=1) as engine:
+        adapters = ["alpha", "beta", "alpha", None, "beta"]
+        results = engine.generate(input_ids=[PROMPTS[0]] * len(adapters),
+                                  sampling_params=GREEDY, lora_path=adapters)
+        assert [r["output_ids"] for r in results] == [references[n][0] for n in adapters]
+        engine.scheduler.check_invariants()
+
+
+def test_a_prefix_is_never_shared_across_adapters(lora_engine: Engine):
+    lora_engine.flush_cache()
+    prompt = PROMPTS[1]
+
+    def cached(name: str | None) -> int:
+        out = lora_engine.generate(input_ids=prompt, sampling_params=GREEDY, lora_path=name)
+        return out["meta_info"]["cached_tokens"]
+
+    assert cached("alpha") == 0
+    assert cached("beta") == 0
+    assert cached(None) == 0
+    assert cached("alpha") == len(prompt) - 1
+    assert cached("beta") == len(prompt) - 1
+
+
+def test_requests_for_adapters_that_are_not_served_are_refused(lora_engine: Engine, models):
+    with pytest.raises(ValueError, match="unknown LoRA adapter 'gamma'; served: alpha, beta"):
+        lora_engine.generate(input_ids=PROMPTS[0], sampling_params=GREEDY, lora_path="gamma")
+    with pytest.raises(ValueError, match="lora_path must be an adapter's name"):
+        lora_engine.generate(input_ids=PROMPTS[0], sampling_params=GREEDY, lora_path=3)
+    with _engine(models["base"]) as plain, pytest.raises(
+            ValueError, match="this server has no LoRA adapters"):
+        plain.generate(input_ids=PROMPTS[0], sampling_params=GREEDY, lora_path="alpha")
+    # Nothing leaked: the engine still serves.
+    out = lora_engine.generate(input_ids=PROMPTS[0], sampling_params=GREEDY, lora_path="alpha")
+    assert len(out["output_ids"]) == GREEDY["max_new_tokens"]
+
+
+def _config() -> ModelConfig:
+    return ModelConfig(architecture="llama", vocab_size=VOCAB, hidden_size=HIDDEN,
+                       intermediate_size=INTERMEDIATE, num_layers=LAYERS, num_heads=HEADS,
+                       num_kv_heads=KV_HEADS, head_dim=HEAD_DIM)
+
+
+@pytest.mark.parametrize(("change", "refusal"), [
+    ({"use_dora": True}, "DoRA"),
+    ({"bias": "all"}, "trained biases"),
+    ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
+])
+def test_what_cannot_be_served_is_refused_at_load(tmp_path: Path, change: dict, refusal: str):
+    folder = save_adapter(tmp_path / "a", {"r": 2, "lora_alpha": 4, **change}, {"q_proj": 2}, 0)
+    with pytest.raises(LoraError, match=refusal):
+        load_adapter("a", folder, _config())
+
+
+def test_lora_on_the_lm_head_or_a_wrong_shape_is_refused(tmp_path: Path):
+    folder = save_adapter(tmp_path / "a", {"r": 2, "lora_alpha": 4}, {"q_proj": 2}, 0)
+    tensors = load_file(str(folder / "adapter_model.safetensors"))
+    head = {**tensors, "base_model.model.lm_head.lora_A.weight": torch.zeros(2, HIDDEN)}
+    save_file(head, str(folder / "adapter_model.safetensors"))
+    with pytest.raises(LoraError, match="LM head"):
+        load_adapter("a", folder, _config())
+    key = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+    save_file({**tensors, key: torch.zeros(2, HIDDEN + 1)},
+              str(folder / "adapter_model.safetensors"))
+    with pytest.raises(LoraError, match="layer 0 q_proj: lora_A"):
+        load_adapter("a", folder, _config())
+
+
+def test_lora_paths_name_each_adapter():
+    assert parse_lora_paths("a=/x/one, b=/y") == {"a": "/x/one", "b": "/y"}
+    assert parse_lora_paths("/x/sql-writer") == {"sql-writer": "/x/sql-writer"}
+    with pytest.raises(LoraError, match="named twice"):
+        parse_lora_paths("a=/x,a=/y")
