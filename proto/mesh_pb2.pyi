@@ -24,7 +24,7 @@ class DetokSpec(_message.Message):
     def __init__(self, stop: _Optional[_Iterable[str]] = ..., no_stop_trim: _Optional[bool] = ..., skip_special_tokens: _Optional[bool] = ..., min_new_tokens: _Optional[int] = ..., prompt_tail: _Optional[_Iterable[int]] = ..., spaces_between_special_tokens: _Optional[bool] = ...) -> None: ...
 
 class EngineRequest(_message.Message):
-    __slots__ = ("rid", "input_ids", "sampling", "cache_salt", "priority", "return_logprob", "top_logprobs_num", "logprob_start_len", "reply_to", "detok", "detok_context", "prefill_engine", "handoff")
+    __slots__ = ("rid", "input_ids", "sampling", "cache_salt", "priority", "return_logprob", "top_logprobs_num", "logprob_start_len", "reply_to", "detok", "detok_context", "prefill_engine", "handoff", "lora_path")
     RID_FIELD_NUMBER: _ClassVar[int]
     INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -38,6 +38,7 @@ class EngineRequest(_message.Message):
     DETOK_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     PREFILL_ENGINE_FIELD_NUMBER: _ClassVar[int]
     HANDOFF_FIELD_NUMBER: _ClassVar[int]
+    LORA_PATH_FIELD_NUMBER: _ClassVar[int]
     rid: str
     input_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _worker_pb2.SamplingParams
@@ -51,7 +52,8 @@ class EngineRequest(_message.Message):
     detok_context: int
     prefill_engine: str
     handoff: KVHandoff
-    def __init__(self, rid: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_worker_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., priority: _Optional[int] = ..., return_logprob: _Optional[bool] = ..., top_logprobs_num: _Optional[int] = ..., logprob_start_len: _Optional[int] = ..., reply_to: _Optional[str] = ..., detok: _Optional[_Union[DetokSpec, _Mapping]] = ..., detok_context: _Optional[int] = ..., prefill_engine: _Optional[str] = ..., handoff: _Optional[_Union[KVHandoff, _Mapping]] = ...) -> None: ...
+    lora_path: str
+    def __init__(self, rid: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_worker_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., priority: _Optional[int] = ..., return_logprob: _Optional[bool] = ..., top_logprobs_num: _Optional[int] = ..., logprob_start_len: _Optional[int] = ..., reply_to: _Optional[str] = ..., detok: _Optional[_Union[DetokSpec, _Mapping]] = ..., detok_context: _Optional[int] = ..., prefill_engine: _Optional[str] = ..., handoff: _Optional[_Union[KVHandoff, _Mapping]] = ..., lora_path: _Optional[str] = ...) -> None: ...
 
 class KVHandoff(_message.Message):
     __slots__ = ("decode_engine", "start", "dest_slots", "dest_workers", "dest_host", "key")
@@ -278,7 +280,7 @@ class TextChunks(_message.Message):
     def __init__(self, chunks: _Optional[_Iterable[_Union[TextChunk, _Mapping]]] = ..., packed: _Optional[_Union[PackedChunks, _Mapping]] = ...) -> None: ...
 
 class EngineStatus(_message.Message):
-    __slots__ = ("engine_id", "running", "waiting", "num_slots", "free_slots", "cached_tokens", "context_length", "vocab_size", "model_path", "uptime_s", "down", "instance", "architecture", "num_experts", "num_experts_per_tok", "role")
+    __slots__ = ("engine_id", "running", "waiting", "num_slots", "free_slots", "cached_tokens", "context_length", "vocab_size", "model_path", "uptime_s", "down", "instance", "architecture", "num_experts", "num_experts_per_tok", "role", "lora_names")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -295,6 +297,7 @@ class EngineStatus(_message.Message):
     NUM_EXPERTS_FIELD_NUMBER: _ClassVar[int]
     NUM_EXPERTS_PER_TOK_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAMES_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     running: int
     waiting: int
@@ -311,7 +314,8 @@ class EngineStatus(_message.Message):
     num_experts: int
     num_experts_per_tok: int
     role: str
-    def __init__(self, engine_id: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., num_slots: _Optional[int] = ..., free_slots: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., model_path: _Optional[str] = ..., uptime_s: _Optional[float] = ..., down: _Optional[bool] = ..., instance: _Optional[str] = ..., architecture: _Optional[str] = ..., num_experts: _Optional[int] = ..., num_experts_per_tok: _Optional[int] = ..., role: _Optional[str] = ...) -> None: ...
+    lora_names: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, engine_id: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., num_slots: _Optional[int] = ..., free_slots: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., model_path: _Optional[str] = ..., uptime_s: _Optional[float] = ..., down: _Optional[bool] = ..., instance: _Optional[str] = ..., architecture: _Optional[str] = ..., num_experts: _Optional[int] = ..., num_experts_per_tok: _Optional[int] = ..., role: _Optional[str] = ..., lora_names: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class CacheEvent(_message.Message):
     __slots__ = ("engine_id", "inserted", "flushed")

@@ -113,12 +113,12 @@ class Engine:
                 [*loaded.eos_token_ids, *self.tokenizer.eos_token_ids],
                 model_fingerprint(path) if a.enable_hierarchical_cache else "",
             ),
+            lora_names=frozenset(self.runner.lora.adapters) if self.runner.lora else frozenset(),
             max_loras_per_batch=a.max_loras_per_batch,
         ))
         self.context_length = self.scheduler.config.context_length
-        lora = self.runner.lora
         self.limits = ModelLimits(self.context_length, loaded.vocab_size, a.grammar_backend,
-                                  lora_names=frozenset(lora.adapters) if lora else frozenset())
+                                  lora_names=self.scheduler.config.lora_names)
         self._rng = random.Random(a.random_seed)
         self._streams = _Streams(self.scheduler)
         self.loop = EngineLoop(
@@ -205,7 +205,7 @@ class Engine:
         architecture and experts."""
         path = self.model_path
         return model_info(str(path), served_name(path), model_shape(self.model_config),
-                          self.tokenizer)
+                          self.tokenizer, self.scheduler.config.lora_names)
 
     def server_info(self) -> dict[str, Any]:
         """Pool and cache occupancy, read consistently between steps, how the weights are
@@ -216,6 +216,7 @@ class Engine:
             **done.result(),
             "quantization": self.runner.quantization,
             **model_shape(self.model_config),
+            "lora_adapters": sorted(self.scheduler.config.lora_names),
         }
 
     def shutdown(self) -> None:

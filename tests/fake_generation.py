@@ -56,6 +56,10 @@ class FakeGenerationClient:
         return self._context_length
 
     @property
+    def lora_names(self) -> frozenset[str]:
+        return frozenset()
+
+    @property
     def vocab_size(self) -> int:
         return self.tokenizer.vocab_size
 

@@ -215,3 +215,17 @@ def test_lora_paths_name_each_adapter():
     assert parse_lora_paths("/x/sql-writer") == {"sql-writer": "/x/sql-writer"}
     with pytest.raises(LoraError, match="named twice"):
         parse_lora_paths("a=/x,a=/y")
+
+
+def test_an_engine_refuses_an_adapter_its_runners_do_not_serve():
+    """What a scheduler takes from the mesh is checked against its workers' adapters too."""
+    from radixmesh.core.sampling_params import SamplingParams
+    from radixmesh.engine.request import Req
+    from radixmesh.engine.scheduler import Scheduler
+    from radixmesh.engine.scheduler_config import SchedulerConfig
+
+    sched = Scheduler(SchedulerConfig(num_slots=256, lora_names=frozenset({"alpha"})))
+    sched.add_request(Req("ok", [1, 2], SamplingParams(), 0, lora="alpha"))
+    with pytest.raises(ValueError, match="does not serve LoRA adapter 'beta'"):
+        sched.add_request(Req("no", [1, 2], SamplingParams(), 0, lora="beta"))
+    assert list(sched.requests) == ["ok"]

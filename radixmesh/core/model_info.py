@@ -3,6 +3,7 @@ tokenizer's HTTP API and the in-process Engine."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -20,10 +21,11 @@ def model_shape(source: object) -> dict[str, Any]:
 
 
 def model_info(model_path: str, served_model_name: str, shape: dict[str, Any],
-               tokenizer: Tokenizer) -> dict[str, Any]:
+               tokenizer: Tokenizer, lora_adapters: Iterable[str] = ()) -> dict[str, Any]:
     """The /get_model_info answer: SGLang's keys (what its frontend reads to pick a chat
-    template), the model's shape, then its chat template and the tokens the template
-    reads, so that radixmesh.lang renders role messages exactly as chat requests are."""
+    template), the model's shape and its LoRA adapters, then its chat template and the
+    tokens the template reads, so that radixmesh.lang renders role messages exactly as chat
+    requests are."""
     return {
         "model_path": model_path,
         "tokenizer_path": model_path,
@@ -31,6 +33,7 @@ def model_info(model_path: str, served_model_name: str, shape: dict[str, Any],
         "is_generation": True,
         "preferred_sampling_params": None,
         **shape,
+        "lora_adapters": sorted(lora_adapters),
         "chat_template": tokenizer.chat_template,
         "bos_token": tokenizer.bos_token,
         "eos_token": tokenizer.eos_token,

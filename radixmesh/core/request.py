@@ -65,6 +65,14 @@ class GenerationRequest:
     lora_path: str | None = None  # the LoRA adapter it runs with; None: the base model
 
 
+def cache_namespace(cache_salt: str | None, lora_path: str | None) -> str | None:
+    """The prefix cache a request's prompt lives in: its cache_salt's, apart for each LoRA
+    adapter (the same tokens under another adapter have other KV)."""
+    if not lora_path:
+        return cache_salt
+    return f"{cache_salt or ''}\x00lora:{lora_path}"
+
+
 def is_int(value: object) -> bool:
     """True for JSON integers (bool is an int subclass in Python, not in JSON)."""
     return isinstance(value, int) and not isinstance(value, bool)

@@ -16,6 +16,7 @@ from radixmesh.core.hicache import HiCacheStorageSettings
 from radixmesh.core.reasoning import REASONING_PARSERS
 from radixmesh.core.settings import (
     GrammarSettings,
+    LoraSettings,
     ModelSettings,
     PageSettings,
     ReplicaSettings,
@@ -418,7 +419,7 @@ class DetokenizerSettings(Settings):
 
 @dataclass(frozen=True, kw_only=True)
 class WorkerConfig(StatusSettings, NatsSettings, ServiceSettings, RoleSettings, WorkerSettings,
-                   RunnerSettings):
+                   LoraSettings, RunnerSettings):
     """One worker rank: loads the model, holds the KV pool, runs Forward over gRPC."""
 
 @dataclass(frozen=True, kw_only=True)

@@ -9,7 +9,7 @@ from functools import cached_property
 from typing import TYPE_CHECKING
 
 from radixmesh.core.finish import FinishKind, FinishReason
-from radixmesh.core.request import GenerationRequest
+from radixmesh.core.request import GenerationRequest, cache_namespace
 from radixmesh.core.sampling_params import LogprobRequest, SamplingParams
 from radixmesh.core.step import NewRequest
 
@@ -18,14 +18,6 @@ if TYPE_CHECKING:
     from radixmesh.engine.storage_tier import PrefetchOutcome
 
 _arrivals = itertools.count()
-
-
-def cache_namespace(cache_salt: str | None, lora: str | None) -> str | None:
-    """The radix tree a request's prefix lives in: its cache_salt's, apart for each LoRA
-    adapter (the same tokens under another adapter have other KV)."""
-    if not lora:
-        return cache_salt
-    return f"{cache_salt or ''}\x00lora:{lora}"
 
 
 @dataclass(eq=False)

@@ -109,6 +109,8 @@ class Scheduler:
             )
         if len(req.input_ids) + 1 > self.config.num_slots - self.page:
             raise ValueError(f"prompt of {len(req.input_ids)} tokens exceeds the KV pool")
+        if req.lora and req.lora not in self.config.lora_names:
+            raise ValueError(f"lora_path: this engine does not serve LoRA adapter {req.lora!r}")
         handoff = req.handoff
         if handoff is not None and len(handoff.dest_slots) != len(req.input_ids) - handoff.start:
             raise ValueError(

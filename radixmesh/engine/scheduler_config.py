@@ -40,7 +40,9 @@ class SchedulerConfig:
     enable_priority_scheduling: bool = False
     low_priority_values_first: bool = False
     preemption_threshold: int = 10
-    # LoRA: adapters the running requests may use at once (the runner's device slots).
+    # LoRA: the adapters the runners serve, and how many the running requests may use at
+    # once (the runners' device slots).
+    lora_names: frozenset[str] = frozenset()
     max_loras_per_batch: int = 8
 
     @classmethod

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from radixmesh.core.finish import FinishKind, FinishReason
+from radixmesh.core.request import cache_namespace
 from radixmesh.core.sampling_params import LogprobRequest
 from radixmesh.core.step import TopLogprobs, int_array, kv_key
 from radixmesh.engine.disaggregation import Committed, Handoff, Transfer, handoff_key
@@ -28,9 +29,10 @@ def request_from_proto(msg: mpb.EngineRequest) -> Req:
         input_ids=list(msg.input_ids),
         params=sampling_from_proto(msg.sampling),
         seed=msg.sampling.seed,
-        namespace=msg.cache_salt or None,
+        namespace=cache_namespace(msg.cache_salt or None, msg.lora_path),
         priority=msg.priority,
         logprobs=LogprobRequest(msg.return_logprob, msg.top_logprobs_num, msg.logprob_start_len),
+        lora=msg.lora_path,
     )
     if msg.prefill_engine:
         req.transfer = Transfer(msg.prefill_engine)

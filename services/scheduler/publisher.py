@@ -137,6 +137,7 @@ class Publisher:
             down=self.link.down,
             instance=self._instance,
             role=self.role,
+            lora_names=info.lora_names,
             **model_shape(info),
         )
         asyncio.ensure_future(self.nc.publish(subjects.ENGINES, status.SerializeToString()))

@@ -79,6 +79,8 @@ class SchedulerService:
                 model_fingerprint(model_path) if self.config.enable_hierarchical_cache else "",
             ),
             transfer_timeout=self.config.disaggregation_timeout,
+            lora_names=frozenset(info.lora_names),
+            max_loras_per_batch=info.max_loras_per_batch or SchedulerConfig.max_loras_per_batch,
         ))
         self.publisher = Publisher(self.engine_id, self.config.disaggregation_mode, nc,
                                    self.scheduler, self.link, self.metrics, self.traces)

@@ -165,6 +165,11 @@ class MeshClient:
         return self.engines.vocab_size or self.tokenizer.vocab_size
 
     @property
+    def lora_names(self) -> frozenset[str]:
+        """The LoRA adapters the engines serve."""
+        return self.engines.lora_names
+
+    @property
     def in_flight(self) -> int:
         """Requests sent to engines and not finished."""
         return len(self._in_flight)
@@ -269,6 +274,7 @@ class MeshClient:
             input_ids=request.input_ids,
             sampling=sampling_to_proto(params, seed),
             cache_salt=request.cache_salt or "",
+            lora_path=request.lora_path or "",
             priority=request.priority,
             return_logprob=lp.return_logprob,
             top_logprobs_num=lp.top_logprobs_num,
@@ -444,5 +450,6 @@ class MeshClient:
 
 def _status_from_proto(msg: mpb.EngineStatus) -> EngineStatus:
     """An engine's heartbeat as the registry keeps it."""
-    return EngineStatus(**{f.name: getattr(msg, f.name)
-                           for f in dataclasses.fields(EngineStatus)})
+    status = EngineStatus(**{f.name: getattr(msg, f.name)
+                             for f in dataclasses.fields(EngineStatus)})
+    return dataclasses.replace(status, lora_names=tuple(msg.lora_names))

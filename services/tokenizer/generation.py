@@ -98,6 +98,10 @@ class GenerationClient(Protocol):
     def vocab_size(self) -> int:
         """Vocabulary size of the served model."""
 
+    @property
+    def lora_names(self) -> frozenset[str]:
+        """The LoRA adapters served, by name."""
+
 
     def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
         """Run a request; closing the iterator (or cancelling its task) early aborts it
@@ -108,4 +112,4 @@ class GenerationClient(Protocol):
 def model_limits(client: GenerationClient) -> ModelLimits:
     """What the client's requests are checked against (build_request)."""
     return ModelLimits(client.context_length, client.vocab_size, client.grammar_backend,
-                       compile_grammars=False)
+                       compile_grammars=False, lora_names=client.lora_names)

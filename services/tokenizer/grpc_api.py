@@ -151,6 +151,7 @@ class GenerateService(ggrpc.GenerateServicer):
             request.cache_salt or None,
             request.priority,
             FieldNames(prompt=field),
+            request.lora_path or None,
         )
 
 

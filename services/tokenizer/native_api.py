@@ -128,7 +128,8 @@ class NativeApi:
         logprobs = LogprobRequest(item.return_logprob, item.top_logprobs_num,
                                   item.logprob_start_len)
         return build_request(model_limits(self.client), item.rid, ids, item.sampling, logprobs,
-                             item.cache_salt, item.priority, FieldNames(prompt=field))
+                             item.cache_salt, item.priority, FieldNames(prompt=field),
+                             item.lora_path)
 
     async def _cache_prompts(self, prompts: list[GenerationRequest]) -> None:
         """Prefill each prompt once, generating nothing, before its samples start: they
@@ -252,7 +253,7 @@ class NativeApi:
         client = self.client
         return web.json_response(
             model_info(self.model_path, client.model_name, client.engines.model_shape,
-                       client.tokenizer)
+                       client.tokenizer, client.lora_names)
         )
 
     async def server_info(self, _: web.Request) -> web.Response:
@@ -264,6 +265,7 @@ class NativeApi:
                 "served_model_name": client.model_name,
                 "context_length": client.context_length,
                 **client.engines.model_shape,
+                "lora_adapters": sorted(client.lora_names),
                 "engines": client.engines.ids,
                 "internal_states": await client.engine_infos(),
             },

@@ -36,7 +36,6 @@ def _empty(value: object) -> bool:
 
 # Top-level fields SGLang clients may send, and the values that ask for nothing.
 _NEUTRAL_FIELDS: dict[str, Callable[[Any], bool]] = {
-    "lora_path": _empty,
     "image_data": _empty,
     "video_data": _empty,
     "audio_data": _empty,
@@ -59,7 +58,7 @@ _NEUTRAL_SAMPLING: dict[str, Callable[[Any], bool]] = {
 }
 MAX_N = 128  # samples per prompt (sampling_params.n), as the OpenAI routes allow
 _PER_ITEM = ("sampling_params", "return_logprob", "logprob_start_len", "top_logprobs_num",
-             "rid", "cache_salt", "priority")
+             "rid", "cache_salt", "priority", "lora_path")
 _FIELDS = {"text", "input_ids", "stream", "return_text_in_logprobs", *_PER_ITEM}
 
 
@@ -76,6 +75,7 @@ class GeneratePrompt:
     rid: str
     cache_salt: str | None
     priority: int
+    lora_path: str | None = None  # the LoRA adapter it runs with
 
 
 @dataclass(frozen=True)
@@ -127,6 +127,7 @@ def parse_generate(body: Any) -> GenerateCall:
                 rid=_str(raw["rid"], "rid") or uuid.uuid4().hex,
                 cache_salt=_str(raw["cache_salt"], "cache_salt"),
                 priority=_int(raw["priority"], "priority", 0),
+                lora_path=_str(raw["lora_path"], "lora_path"),
             )
         )
     rids = [item.rid for item in items]

@@ -86,16 +86,18 @@ class OpenAIRoutes:
         self._parsers = (tool_call_parser, reasoning_parser)
 
     async def models(self, _: web.Request) -> web.Response:
-        """GET /v1/models: the one served model."""
-        return web.json_response({"object": "list", "data": [self._model_card()]})
+        """GET /v1/models: the served model, then each LoRA adapter over it."""
+        cards = [self._model_card(), *map(self._model_card, sorted(self.client.lora_names))]
+        return web.json_response({"object": "list", "data": cards})
 
     async def model(self, http: web.Request) -> web.Response:
-        """GET /v1/models/{model}."""
+        """GET /v1/models/{model}: the served model, or a LoRA adapter over it."""
         name = http.match_info["model"]
-        if name != self.client.model_name:
-            message = f"the model {name!r} does not exist; this server serves "
-            return error_response(f"{message}{self.client.model_name!r}", 404, "model")
-        return web.json_response(self._model_card())
+        try:
+            adapter = self._served_model().adapter(name)
+        except OpenAIError as exc:
+            return error_response(str(exc), 404, "model")
+        return web.json_response(self._model_card(adapter))
 
     async def completions(self, http: web.Request) -> web.StreamResponse:
         """POST /v1/completions."""
@@ -105,20 +107,23 @@ class OpenAIRoutes:
         """POST /v1/chat/completions."""
         return await self._serve(http, parse_chat, ChatResponse, "chatcmpl")
 
-    def _model_card(self) -> dict[str, Any]:
-        return {
-            "id": self.client.model_name,
+    def _model_card(self, adapter: str | None = None) -> dict[str, Any]:
+        """The model's card, or (`adapter`) a LoRA adapter's, its base as its parent."""
+        base = self.client.model_name
+        card = {
+            "id": adapter or base,
             "object": "model",
             "created": self.created,
             "owned_by": "radixmesh",
             "max_model_len": self.client.context_length or None,
         }
+        return card if adapter is None else {**card, "parent": base, "root": base}
 
     def _served_model(self) -> ServedModel:
         client = self.client
         vocab_size = client.vocab_size or client.tokenizer.vocab_size
         return ServedModel(client.model_name, client.context_length, vocab_size,
-                           client.grammar_backend, *self._parsers)
+                           client.grammar_backend, *self._parsers, client.lora_names)
 
     async def _serve(
         self,
@@ -138,7 +143,8 @@ class OpenAIRoutes:
             return error_response(exc.message, exc.status, exc.param)
         except web.HTTPRequestEntityTooLarge as exc:
             return error_response(exc.text or "the request body is too large", exc.status)
-        builder = builder_type(parsed, self.client.model_name, int(time.time()), tokenizer)
+        builder = builder_type(parsed, parsed.model or self.client.model_name, int(time.time()),
+                               tokenizer)
         async with GenerationFanout(self.client, parsed.requests) as fanout:
             watcher = asyncio.create_task(_watch_client(http, fanout))
             try:

@@ -99,11 +99,28 @@ class ServedModel(NamedTuple):
     grammar_backend: str = "xgrammar"  # "none": constraints are refused
     tool_call_parser: str | None = None  # how the model writes tool calls; None: unparsed
     reasoning_parser: str | None = None  # how the model marks its thinking; None: unparsed
+    lora_names: frozenset[str] = frozenset()  # LoRA adapters a request's model may name
 
     @property
     def limits(self) -> ModelLimits:
         return ModelLimits(self.context_length, self.vocab_size, self.grammar_backend,
-                           compile_grammars=False)
+                           compile_grammars=False, lora_names=self.lora_names)
+
+    def adapter(self, name: str | None) -> str | None:
+        """The LoRA adapter a request's `model` names ("NAME" or "BASE:NAME"), None for the
+        base model; OpenAIError for a model not served."""
+        if name is None or name == self.name:
+            return None
+        base, colon, adapter = name.rpartition(":")
+        if name in self.lora_names:
+            return name
+        if colon and base == self.name and adapter in self.lora_names:
+            return adapter
+        served = repr(self.name)
+        if self.lora_names:
+            served += f" and its LoRA adapters {', '.join(sorted(self.lora_names))}"
+        raise OpenAIError(f"the model {name!r} does not exist; this server serves {served}",
+                          "model")
 
 
 @dataclass(frozen=True)
@@ -118,6 +135,7 @@ class OpenAIRequest:
     top_logprobs: int | None  # alternatives per token; None when logprobs are not wanted
     echo: list[str] = dataclasses.field(default_factory=list)  # per prompt, when echoing
     answer: AnswerShape = AnswerShape()  # chat: how the answer splits into message fields
+    model: str = ""  # what the answers name as their model (the request's); empty: the base
 
 
 def parse_body(raw: bytes) -> dict[str, Any]:
@@ -160,6 +178,7 @@ def parse_completion(
         include_usage=include_usage,
         top_logprobs=top_logprobs,
         echo=[_prompt_text(tokenizer, ids, text) for ids, text in prompts] if echo else [],
+        model=_get_str(body, "model") or "",
     )
 
 
@@ -204,6 +223,7 @@ def parse_chat(
         include_usage=include_usage,
         top_logprobs=top,
         answer=setup.shape,
+        model=_get_str(body, "model") or "",
     )
 
 
@@ -211,11 +231,7 @@ def _check_common(body: dict[str, Any], model: ServedModel, unsupported: tuple[s
                   ) -> tuple[bool, bool]:
     """The fields both routes share: model, user, those refused, response_format; returns
     whether to stream, and whether to end the stream with a usage chunk."""
-    name = _get_str(body, "model")
-    if name is not None and name != model.name:
-        raise OpenAIError(
-            f"the model {name!r} does not exist; this server serves {model.name!r}", "model"
-        )
+    model.adapter(_get_str(body, "model"))
     _get_str(body, "user")
     for field in unsupported:
         if body.get(field) not in (None, "", [], {}):
@@ -332,7 +348,7 @@ def _build(
     priority = _get_int(body, "priority") or 0
     try:
         return build_request(model.limits, request_id, ids, sampling, logprobs, cache_salt,
-                             priority, names)
+                             priority, names, model.adapter(_get_str(body, "model")))
     except RequestError as exc:
         raise OpenAIError(str(exc), exc.field) from None
 

@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 from opentelemetry.trace import Span, SpanKind, get_current_span
 
-from radixmesh.core.request import GenerationRequest
+from radixmesh.core.request import GenerationRequest, cache_namespace
 from radixmesh.core.tokenizer import Tokenizer
 from radixmesh.services.tokenizer.generation import GenerationChunk
 from radixmesh.services.tokenizer.router import Route, Router
@@ -62,11 +62,11 @@ class RequestTrace:
     def route(self, router: Router, request: GenerationRequest) -> Route:
         """Pick the request's engine inside a "route" span; LookupError when none is up."""
         if self._span is None:
-            return router.route(request.input_ids, request.cache_salt or "")
+            return router.route(request.input_ids, _namespace(request))
         span = start_span("route", self._span, {
             attr.RID: self.rid, attr.ROUTE_ENGINES: len(router.engine_ids)})
         try:
-            route = router.route(request.input_ids, request.cache_salt or "")
+            route = router.route(request.input_ids, _namespace(request))
         except LookupError:
             end_span(span, error="no engine is available")
             raise
@@ -116,3 +116,6 @@ class RequestTrace:
         end_span(self._span, error=error)
 
 
+def _namespace(request: GenerationRequest) -> str:
+    """The engines' prefix cache the request's prompt is looked up in."""
+    return cache_namespace(request.cache_salt, request.lora_path) or ""

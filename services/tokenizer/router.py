@@ -296,6 +296,7 @@ class EngineStatus:
     architecture: str = ""  # the model family ("llama", "qwen3_moe", ...)
     num_experts: int = 0  # experts per sparse layer (0: a dense model)
     num_experts_per_tok: int = 0
+    lora_names: tuple[str, ...] = ()  # the LoRA adapters it serves
 
 
 @dataclass
@@ -359,6 +360,11 @@ class EngineRegistry:
     def vocab_size(self) -> int:
         """The vocabulary size engines report (0 when none does)."""
         return next((e.status.vocab_size for e in self._engines.values() if e.status.vocab_size), 0)
+
+    @property
+    def lora_names(self) -> frozenset[str]:
+        """The LoRA adapters the engines serve."""
+        return frozenset(name for e in self._engines.values() for name in e.status.lora_names)
 
     @property
     def model_shape(self) -> dict[str, Any]:

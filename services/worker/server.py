@@ -94,6 +94,8 @@ def worker_info(runner: ModelRunner, config: WorkerConfig) -> wpb.WorkerInfo:
         head_dim=model.head_dim,
         quantization=runner.quantization,
         host_id=host_id(),
+        lora_names=sorted(runner.lora.adapters) if runner.lora else [],
+        max_loras_per_batch=runner.lora.slots if runner.lora else 0,
         **model_shape(model),
     )
 
@@ -180,7 +182,7 @@ class WorkerService(wgrpc.WorkerServicer):
     def _load(self) -> ModelRunner:
         """Load (and, with tp_size > 1, join the group and shard) on the torch thread."""
         c = self.config
-        runner = load_runner(c, c.tp_rank, c.tp_size, c.dist_init_addr)
+        runner = load_runner(c, c.tp_rank, c.tp_size, c.dist_init_addr, lora=c)
         log.info(
             "rank %d on %s: %s attention, CUDA graphs for decode batches up to %d, "
             "native CPU kernels %s",

@@ -192,6 +192,7 @@ class LoraPool:
                 width = shapes[target][1]
                 self.columns.setdefault(fused, []).append((target, start, width))
                 start += width
+        self.slots = slots
         self._held: list[str | None] = [None] * slots  # the adapter in each slot
         self._users = [0] * slots  # requests using each slot
         self._recent: OrderedDict[int, None] = OrderedDict((s, None) for s in range(slots))
