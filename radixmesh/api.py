@@ -194,6 +194,25 @@ class Engine:
         with self._open():
             self.loop.abort(rid)
 
+    def load_lora_adapter(self, lora_name: str, lora_path: str) -> None:
+        """Serve the PEFT adapter at `lora_path` as `lora_name` from now on (enable_lora);
+        ValueError naming what is wrong with it."""
+        self._torch.submit(self.runner.load_lora, lora_name, lora_path).result()
+        with self._open():
+            done = self.loop.call(lambda s: s.serve_lora(lora_name))
+        done.result()
+        self.limits = replace(self.limits, lora_names=self.limits.lora_names | {lora_name})
+
+    def unload_lora_adapter(self, lora_name: str) -> None:
+        """Stop serving adapter `lora_name`; ValueError while a request uses it."""
+        if lora_name not in self.limits.lora_names:
+            raise ValueError(f"LoRA adapter {lora_name!r} is not loaded")
+        with self._open():
+            done = self.loop.call(lambda s: s.stop_lora(lora_name))
+        done.result()
+        self.limits = replace(self.limits, lora_names=self.limits.lora_names - {lora_name})
+        self._torch.submit(self.runner.unload_lora, lora_name).result()
+
     def flush_cache(self) -> bool:
         """Drop every cached prefix (only while idle)."""
         with self._open():
@@ -205,7 +224,7 @@ class Engine:
         architecture and experts."""
         path = self.model_path
         return model_info(str(path), served_name(path), model_shape(self.model_config),
-                          self.tokenizer, self.scheduler.config.lora_names)
+                          self.tokenizer, self.limits.lora_names)
 
     def server_info(self) -> dict[str, Any]:
         """Pool and cache occupancy, read consistently between steps, how the weights are
@@ -216,7 +235,7 @@ class Engine:
             **done.result(),
             "quantization": self.runner.quantization,
             **model_shape(self.model_config),
-            "lora_adapters": sorted(self.scheduler.config.lora_names),
+            "lora_adapters": sorted(self.limits.lora_names),
         }
 
     def shutdown(self) -> None:

@@ -172,7 +172,7 @@ def test_requests_for_adapters_that_are_not_served_are_refused(lora_engine: Engi
     with pytest.raises(ValueError, match="lora_path must be an adapter's name"):
         lora_engine.generate(input_ids=PROMPTS[0], sampling_params=GREEDY, lora_path=3)
     with _engine(models["base"]) as plain, pytest.raises(
-            ValueError, match="this server has no LoRA adapters"):
+            ValueError, match="unknown LoRA adapter 'alpha'; this server serves none"):
         plain.generate(input_ids=PROMPTS[0], sampling_params=GREEDY, lora_path="alpha")
     # Nothing leaked: the engine still serves.
     out = lora_engine.generate(input_ids=PROMPTS[0], sampling_params=GREEDY, lora_path="alpha")
@@ -229,3 +229,42 @@ def test_an_engine_refuses_an_adapter_its_runners_do_not_serve():
     with pytest.raises(ValueError, match="does not serve LoRA adapter 'beta'"):
         sched.add_request(Req("no", [1, 2], SamplingParams(), 0, lora="beta"))
     assert list(sched.requests) == ["ok"]
+
+
+def test_adapters_load_and_unload_while_serving(models, references):
+    with _engine(models["base"], enable_lora=True, max_lora_rank=8, lora_target_modules="all",
+                 max_loaded_loras=1) as engine:
+        assert engine.server_info()["lora_adapters"] == []
+        engine.load_lora_adapter("alpha", str(models["alpha"]))
+        out = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY, lora_path="alpha")
+        assert [o["output_ids"] for o in out] == references["alpha"]
+        with pytest.raises(ValueError, match=r"max_loaded_loras \(1\)"):
+            engine.load_lora_adapter("beta", str(models["beta"]))
+        # A request running with it holds it: unloading is refused until it is done.
+        stream = engine.generate(input_ids=PROMPTS[0], lora_path="alpha", stream=True,
+                                 sampling_params={**GREEDY, "max_new_tokens": 64})
+        next(stream)
+        with pytest.raises(ValueError, match="in use by 1 request"):
+            engine.unload_lora_adapter("alpha")
+        for _ in stream:
+            pass
+        engine.unload_lora_adapter("alpha")
+        with pytest.raises(ValueError, match="unknown LoRA adapter 'alpha'"):
+            engine.generate(input_ids=PROMPTS[0], sampling_params=GREEDY, lora_path="alpha")
+        engine.load_lora_adapter("beta", str(models["beta"]))
+        out = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY, lora_path="beta")
+        assert [o["output_ids"] for o in out] == references["beta"]
+        assert engine.model_info()["lora_adapters"] == ["beta"]
+        engine.scheduler.check_invariants()
+
+
+def test_an_adapter_must_fit_the_slots_it_was_started_with(models):
+    with _engine(models["base"], enable_lora=True, max_lora_rank=4,
+                 lora_target_modules="q_proj,v_proj,o_proj,gate_proj,down_proj") as engine:
+        with pytest.raises(ValueError, match="rank 8, above max_lora_rank 4"):
+            engine.load_lora_adapter("beta", str(models["beta"]))
+        engine.load_lora_adapter("alpha", str(models["alpha"]))
+        with pytest.raises(ValueError, match="already loaded"):
+            engine.load_lora_adapter("alpha", str(models["alpha"]))
+    with pytest.raises(ValueError, match="needs max_lora_rank and lora_target_modules"):
+        _engine(models["base"], enable_lora=True)

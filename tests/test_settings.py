@@ -298,6 +298,7 @@ BAD_VALUES: dict[str, list[Any]] = {
     "reasoning_parser": ["deepseek"],
     "max_loras_per_batch": [0],
     "max_lora_rank": [-1],
+    "max_loaded_loras": [0],
 }
 
 

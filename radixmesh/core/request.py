@@ -121,12 +121,10 @@ def _check_lora(lora_path: object, served: frozenset[str]) -> None:
     if not isinstance(lora_path, str):
         raise RequestError(f"lora_path must be an adapter's name, got {lora_path!r}",
                            "lora_path")
-    if not served:
-        raise RequestError(f"lora_path {lora_path!r}: this server has no LoRA adapters "
-                           "(enable_lora with lora_paths)", "lora_path")
     if lora_path not in served:
-        raise RequestError(f"lora_path: unknown LoRA adapter {lora_path!r}; served: "
-                           f"{', '.join(sorted(served))}", "lora_path")
+        listed = f"served: {', '.join(sorted(served))}" if served else "this server serves none"
+        raise RequestError(f"lora_path: unknown LoRA adapter {lora_path!r}; {listed}",
+                           "lora_path")
 
 
 def nth_sample(request: GenerationRequest, rid: str, index: int) -> GenerationRequest:

@@ -393,6 +393,10 @@ class LoraSettings(Settings):
         0, minimum=0, help="the largest rank an adapter may have (its slots' size); 0: the "
         "largest of lora_paths'"
     )
+    max_loaded_loras: int | None = setting(
+        None, minimum=1, help="adapters held in host memory at once (loaded at start or by "
+        "/load_lora_adapter); empty: no limit"
+    )
     lora_target_modules: str | None = setting(
         None,
         help="the projections adapters may target, comma-separated among q_proj, k_proj, "

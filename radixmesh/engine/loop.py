@@ -15,12 +15,14 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Future
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from radixmesh.core.finish import FinishKind, FinishReason
 from radixmesh.core.step import StepResult
 from radixmesh.engine.request import Req
 from radixmesh.engine.scheduler import ScheduledBatch, Scheduler
+
+T = TypeVar("T")
 
 
 class Executor(Protocol):
@@ -95,11 +97,17 @@ class EngineLoop:
 
     def flush(self) -> Future[bool]:
         """Drop every cached prefix; False while requests hold any."""
-        return self._call("flush")
+        return self.call(Scheduler.flush_cache)
 
     def info(self) -> Future[dict[str, int]]:
         """Pool, cache and queue occupancy, read between steps."""
-        return self._call("info")
+        return self.call(Scheduler.stats)
+
+    def call(self, ask: Callable[[Scheduler], T]) -> Future[T]:
+        """`ask(scheduler)` run between steps: its result, or what it raised."""
+        done: Future[T] = Future()
+        self._post("call", (ask, done))
+        return done
 
     def lose(self, lost: ExecutorLost) -> None:
         """The model runners are gone, noticed between steps: start over as if a step had
@@ -121,13 +129,8 @@ class EngineLoop:
             kind, payload = self._inbox.popleft()
             if kind == "add":
                 self.sink.refuse(payload, error)
-            elif kind in ("flush", "info"):
-                payload.set_exception(error)
-
-    def _call(self, kind: str) -> Future[Any]:
-        done: Future[Any] = Future()
-        self._post(kind, done)
-        return done
+            elif kind == "call":
+                payload[1].set_exception(error)
 
     def _post(self, kind: str, payload: Any) -> None:
         self._inbox.append((kind, payload))
@@ -156,10 +159,12 @@ class EngineLoop:
                 sched.abort(*payload)
             elif kind == "apply":
                 payload(sched)
-            elif kind == "flush":
-                payload.set_result(sched.flush_cache())
-            elif kind == "info":
-                payload.set_result(sched.stats())
+            elif kind == "call":
+                ask, done = payload
+                try:
+                    done.set_result(ask(sched))
+                except Exception as exc:
+                    done.set_exception(exc)
             elif kind == "lost":
                 raise payload
 

@@ -53,6 +53,7 @@ class Scheduler:
         self.speculation = make_speculation(config.speculative)
         self.priority = make_priority(config)
         self.disagg = Disaggregation(config.transfer_timeout)
+        self.lora_names = set(config.lora_names)  # the LoRA adapters the runners serve
         self.reset()
 
     def lose_all(self, reason: FinishReason) -> list[Req]:
@@ -109,7 +110,7 @@ class Scheduler:
             )
         if len(req.input_ids) + 1 > self.config.num_slots - self.page:
             raise ValueError(f"prompt of {len(req.input_ids)} tokens exceeds the KV pool")
-        if req.lora and req.lora not in self.config.lora_names:
+        if req.lora and req.lora not in self.lora_names:
             raise ValueError(f"lora_path: this engine does not serve LoRA adapter {req.lora!r}")
         handoff = req.handoff
         if handoff is not None and len(handoff.dest_slots) != len(req.input_ids) - handoff.start:
@@ -124,6 +125,18 @@ class Scheduler:
             self.waiting.append(req)
         self.tiers.ask(req)
         self.constraints.ask(req)
+
+    def serve_lora(self, name: str) -> None:
+        """The runners serve LoRA adapter `name` from now on."""
+        self.lora_names.add(name)
+
+    def stop_lora(self, name: str) -> None:
+        """Take no more requests for adapter `name`; ValueError (nothing changed) while a
+        request uses it."""
+        users = sum(1 for r in self.requests.values() if r.lora == name and r.finish is None)
+        if users:
+            raise ValueError(f"LoRA adapter {name!r} is in use by {users} request(s)")
+        self.lora_names.discard(name)
 
     def abort(self, rid: str, reason: FinishReason | None = None) -> bool:
         """Finish a request wherever it is; False if it is unknown or already finished."""

@@ -163,22 +163,23 @@ class LoraPool:
     first)."""
 
     def __init__(self, adapters: dict[str, LoraAdapter], cfg: ModelConfig, slots: int,
-                 max_rank: int, dtype: torch.dtype, device: torch.device) -> None:
+                 max_rank: int, dtype: torch.dtype, device: torch.device,
+                 targets: set[str] | None = None, max_loaded: int | None = None) -> None:
         if slots < 1:
             raise LoraError(f"max_loras_per_batch must be at least 1, got {slots}")
-        self.adapters = adapters
+        if not adapters and not (max_rank and targets):
+            raise LoraError("enable_lora without lora_paths needs max_lora_rank and "
+                            "lora_target_modules, which size the adapters' slots")
+        self.adapters: dict[str, LoraAdapter] = {}
         self.device = device
-        self.rank = max_rank or max((a.rank for a in adapters.values()), default=1)
-        for adapter in adapters.values():
-            if adapter.rank > self.rank:
-                raise LoraError(f"LoRA adapter {adapter.name!r} has rank {adapter.rank}, "
-                                f"above max_lora_rank {self.rank}")
+        self.max_loaded = max_loaded
+        self.rank = max_rank or max(a.rank for a in adapters.values())
+        self.targets = targets or {t for a in adapters.values() for t in a.targets}
         shapes = target_shapes(cfg)
-        targets = {t for a in adapters.values() for t in a.targets}
         self.a: dict[tuple[int, str], torch.Tensor] = {}
         self.b: dict[tuple[int, str], torch.Tensor] = {}
         for layer in range(cfg.num_layers):
-            for target in sorted(targets):
+            for target in sorted(self.targets):
                 fan_in, fan_out = shapes[target]
                 self.a[(layer, target)] = torch.zeros(slots, self.rank, fan_in, dtype=dtype,
                                                       device=device)
@@ -196,6 +197,34 @@ class LoraPool:
         self._held: list[str | None] = [None] * slots  # the adapter in each slot
         self._users = [0] * slots  # requests using each slot
         self._recent: OrderedDict[int, None] = OrderedDict((s, None) for s in range(slots))
+        for adapter in adapters.values():
+            self.add(adapter)
+
+    def add(self, adapter: LoraAdapter) -> None:
+        """Serve `adapter` from now on (in host memory until a request needs it)."""
+        name = adapter.name
+        if name in self.adapters:
+            raise LoraError(f"LoRA adapter {name!r} is already loaded")
+        if self.max_loaded is not None and len(self.adapters) >= self.max_loaded:
+            raise LoraError(f"LoRA adapter {name!r}: max_loaded_loras ({self.max_loaded}) "
+                            "adapters are loaded; unload one first")
+        if adapter.rank > self.rank:
+            raise LoraError(f"LoRA adapter {name!r} has rank {adapter.rank}, above "
+                            f"max_lora_rank {self.rank}")
+        if adapter.targets - self.targets:
+            raise LoraError(f"LoRA adapter {name!r} targets "
+                            f"{', '.join(sorted(adapter.targets - self.targets))}, which the "
+                            f"adapters' slots were not made for (lora_target_modules)")
+        self.adapters[name] = adapter
+
+    def remove(self, name: str) -> None:
+        """Stop serving adapter `name`. Requests still running with it keep its slot, which
+        is reused only once they have left."""
+        if self.adapters.pop(name, None) is None:
+            raise LoraError(f"LoRA adapter {name!r} is not loaded")
+        for slot, held in enumerate(self._held):
+            if held == name:
+                self._held[slot] = None
 
     def acquire(self, name: str) -> int:
         """The slot holding adapter `name` for one more request, copied in if need be."""

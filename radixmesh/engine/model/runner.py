@@ -203,6 +203,18 @@ class ModelRunner:
         result.forward_ms = (time.perf_counter() - began) * 1e3
         return PendingStep(result, read)
 
+    def load_lora(self, name: str, path: str) -> None:
+        """Serve the PEFT adapter at `path` as `name` from the next step on."""
+        if self.lora is None:
+            raise LoraError("this engine was started without enable_lora")
+        self.lora.add(load_adapter(name, path, self.config))
+
+    def unload_lora(self, name: str) -> None:
+        """Stop serving adapter `name` (requests running with it finish with it)."""
+        if self.lora is None:
+            raise LoraError("this engine was started without enable_lora")
+        self.lora.remove(name)
+
     def _take_lora(self, row: int, name: str) -> None:
         """Row `row`'s request runs with adapter `name`: a slot holds it from now on."""
         if self.lora is None:
@@ -431,23 +443,17 @@ def lora_pool(settings: LoraSettings, config: ModelConfig, dtype: torch.dtype,
               device: torch.device) -> LoraPool:
     """The adapters of `settings` loaded and checked against the model, in their pool."""
     paths = parse_lora_paths(settings.lora_paths)
-    if not paths:
-        raise LoraError("enable_lora needs lora_paths: NAME=PATH[,NAME=PATH...]")
     adapters = {name: load_adapter(name, path, config) for name, path in paths.items()}
     allowed = settings.lora_target_modules
-    if allowed and allowed != "all":
-        targets = {t.strip() for t in allowed.split(",") if t.strip()}
-        unknown = targets - set(TARGETS)
-        if unknown:
-            raise LoraError(f"lora_target_modules: unknown {sorted(unknown)}; choose among "
-                            f"{', '.join(TARGETS)}")
-        for adapter in adapters.values():
-            if adapter.targets - targets:
-                raise LoraError(f"LoRA adapter {adapter.name!r} targets "
-                                f"{sorted(adapter.targets - targets)}, outside "
-                                f"lora_target_modules")
+    targets = None
+    if allowed:
+        targets = set(TARGETS) if allowed == "all" else {
+            t.strip() for t in allowed.split(",") if t.strip()}
+        if targets - set(TARGETS):
+            raise LoraError(f"lora_target_modules: unknown {sorted(targets - set(TARGETS))}; "
+                            f"choose among {', '.join(TARGETS)} or all")
     return LoraPool(adapters, config, settings.max_loras_per_batch, settings.max_lora_rank,
-                    dtype, device)
+                    dtype, device, targets, settings.max_loaded_loras)
 
 
 def _vocabulary(model_path: str | None, vocab_size: int, stop_ids: Sequence[int]) -> Vocabulary:
