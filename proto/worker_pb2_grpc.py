@@ -49,6 +49,16 @@ class WorkerStub:
                 request_serializer=radixmesh_dot_proto_dot_worker__pb2.KVPages.SerializeToString,
                 response_deserializer=radixmesh_dot_proto_dot_worker__pb2.KVPagesAck.FromString,
                 _registered_method=True)
+        self.LoadLora = channel.unary_unary(
+                '/radixmesh.worker.Worker/LoadLora',
+                request_serializer=radixmesh_dot_proto_dot_worker__pb2.LoraAdapter.SerializeToString,
+                response_deserializer=radixmesh_dot_proto_dot_worker__pb2.WorkerInfo.FromString,
+                _registered_method=True)
+        self.UnloadLora = channel.unary_unary(
+                '/radixmesh.worker.Worker/UnloadLora',
+                request_serializer=radixmesh_dot_proto_dot_worker__pb2.LoraAdapter.SerializeToString,
+                response_deserializer=radixmesh_dot_proto_dot_worker__pb2.WorkerInfo.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -76,6 +86,20 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLora(self, request, context):
+        """LoRA: serve the PEFT adapter at `path` as `name` from the next step on, or stop
+        serving adapter `name`; the worker's info (its adapters) back.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLora(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -93,6 +117,16 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.PutKV,
                     request_deserializer=radixmesh_dot_proto_dot_worker__pb2.KVPages.FromString,
                     response_serializer=radixmesh_dot_proto_dot_worker__pb2.KVPagesAck.SerializeToString,
+            ),
+            'LoadLora': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLora,
+                    request_deserializer=radixmesh_dot_proto_dot_worker__pb2.LoraAdapter.FromString,
+                    response_serializer=radixmesh_dot_proto_dot_worker__pb2.WorkerInfo.SerializeToString,
+            ),
+            'UnloadLora': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLora,
+                    request_deserializer=radixmesh_dot_proto_dot_worker__pb2.LoraAdapter.FromString,
+                    response_serializer=radixmesh_dot_proto_dot_worker__pb2.WorkerInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -176,6 +210,60 @@ class Worker:
             '/radixmesh.worker.Worker/PutKV',
             radixmesh_dot_proto_dot_worker__pb2.KVPages.SerializeToString,
             radixmesh_dot_proto_dot_worker__pb2.KVPagesAck.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLora(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/radixmesh.worker.Worker/LoadLora',
+            radixmesh_dot_proto_dot_worker__pb2.LoraAdapter.SerializeToString,
+            radixmesh_dot_proto_dot_worker__pb2.WorkerInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLora(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/radixmesh.worker.Worker/UnloadLora',
+            radixmesh_dot_proto_dot_worker__pb2.LoraAdapter.SerializeToString,
+            radixmesh_dot_proto_dot_worker__pb2.WorkerInfo.FromString,
             options,
             channel_credentials,
             insecure,

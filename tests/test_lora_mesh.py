@@ -147,3 +147,28 @@ def test_unknown_adapters_are_refused_by_every_door(client):
     ok = client.post("/generate", json={"text": "Hi", "sampling_params": GREEDY,
                                         "lora_path": "poet"})
     assert ok.status_code == 200
+
+
+def test_adapters_load_and_unload_through_http(client, engine, lora_paths, tmp_path):
+    path = save_adapter(tmp_path / "critic", ("q_proj", "up_proj"), seed=7)
+    loaded = client.post("/load_lora_adapter", json={"lora_name": "critic",
+                                                     "lora_path": str(path)})
+    assert loaded.status_code == 200, loaded.text
+    assert loaded.json()["loaded_adapters"] == ["coder", "critic", "poet"]
+    engine.load_lora_adapter("critic", str(path))
+    expected = engine.generate(PROMPTS[0], GREEDY, lora_path="critic")["output_ids"]
+    out = client.post("/generate", json={"text": PROMPTS[0], "sampling_params": GREEDY,
+                                         "lora_path": "critic"})
+    assert out.status_code == 200 and out.json()["output_ids"] == expected
+    again = client.post("/load_lora_adapter", json={"lora_name": "critic",
+                                                    "lora_path": str(path)})
+    assert again.status_code == 400 and "already loaded" in again.json()["error_message"]
+    missing = client.post("/load_lora_adapter", json={"lora_name": "x", "lora_path": "/nope"})
+    assert missing.status_code == 400 and "adapter_config.json" in missing.json()[
+        "error_message"]
+    assert client.post("/load_lora_adapter", json={"lora_name": "x"}).status_code == 400
+    gone = client.post("/unload_lora_adapter", json={"lora_name": "critic"})
+    assert gone.status_code == 200 and gone.json()["loaded_adapters"] == ["coder", "poet"]
+    refused = client.post("/generate", json={"text": "Hi", "lora_path": "critic"})
+    assert refused.status_code == 400 and "unknown LoRA adapter 'critic'" in refused.text
+    assert [m["id"] for m in client.get("/v1/models").json()["data"]][1:] == ["coder", "poet"]

@@ -229,14 +229,34 @@ class SchedulerService:
         self.loop.abort(abort.rid, reason)
 
     async def _on_control(self, msg: Msg) -> None:
-        op = json.loads(msg.data or b"{}").get("op")
+        ask = json.loads(msg.data or b"{}")
+        op = ask.get("op")
         if op == "flush":
             reply = {"success": await self._flush()}
         elif op == "info":
             reply = await self._server_info()
+        elif op in ("load_lora", "unload_lora"):
+            reply = await self._lora(op == "load_lora", str(ask.get("lora_name") or ""),
+                                     str(ask.get("lora_path") or ""))
         else:
             reply = {"error": f"unknown op {op!r}"}
         await msg.respond(json.dumps(reply).encode())
+
+    async def _lora(self, load: bool, name: str, path: str) -> dict[str, Any]:
+        """Load a LoRA adapter on every worker rank and then take requests for it; or take
+        no more requests for one (refused while a request uses it) and then unload it."""
+        assert self.loop is not None
+        try:
+            if load:
+                self.link.info = await self.link.client.lora(True, name, path)
+                await asyncio.wrap_future(self.loop.call(lambda s: s.serve_lora(name)))
+            else:
+                await asyncio.wrap_future(self.loop.call(lambda s: s.stop_lora(name)))
+                self.link.info = await self.link.client.lora(False, name)
+        except ValueError as exc:
+            return {"success": False, "error": str(exc)}
+        self._status()
+        return {"success": True, "lora_names": list(self.link.worker_info().lora_names)}
 
     async def _flush(self) -> bool:
         assert self.loop is not None and self.publisher is not None

@@ -123,6 +123,19 @@ class WorkerClient:
         result.copies_done = self._backups.add([list(r.copies_done) for r in results])
         return result
 
+    async def lora(self, load: bool, name: str, path: str = "") -> wpb.WorkerInfo:
+        """Load (or unload) a LoRA adapter on every rank: rank 0's info after; ValueError
+        with the worker's reason when a rank refuses."""
+        adapter = wpb.LoraAdapter(name=name, path=path)
+        try:
+            infos = await asyncio.gather(*((s.LoadLora if load else s.UnloadLora)(adapter)
+                                           for s in self._stubs))
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() != grpc.StatusCode.INVALID_ARGUMENT:
+                raise
+            raise ValueError(exc.details()) from None
+        return infos[0]
+
     async def close(self) -> None:
         await asyncio.gather(*(c.close() for c in self._channels))
 

@@ -309,14 +309,34 @@ class MeshClient:
 
     # ---- control -------------------------------------------------------------------------
 
-    async def control(self, engine_id: str, op: str) -> dict[str, Any]:
+    async def control(self, engine_id: str, op: str, **fields: str) -> dict[str, Any]:
         """One JSON request/reply with an engine's scheduler."""
         reply = await self._nc.request(
             subjects.engine_control(engine_id),
-            json.dumps({"op": op}).encode(),
+            json.dumps({"op": op, **fields}).encode(),
             timeout=self._control_timeout_s,
         )
         return json.loads(reply.data)
+
+    async def change_lora(self, load: bool, lora_name: str, lora_path: str = "") -> str:
+        """Load (or unload) a LoRA adapter on every engine; the first engine's reason when
+        one refuses ("" when all did it). Requests may name it as soon as this returns."""
+        ids = self.engines.ids
+        if not ids:
+            return "no engine is available"
+        op = "load_lora" if load else "unload_lora"
+        replies = await asyncio.gather(
+            *(self.control(e, op, lora_name=lora_name, lora_path=lora_path) for e in ids),
+            return_exceptions=True)
+        error = ""
+        for engine_id, reply in zip(ids, replies, strict=True):
+            if isinstance(reply, dict) and reply.get("success"):
+                self.engines.served(engine_id, reply.get("lora_names", []))
+            else:
+                why = reply.get("error") if isinstance(reply, dict) else repr(reply)
+                log.warning("engine %s did not %s %r: %s", engine_id, op, lora_name, why)
+                error = error or f"engine {engine_id}: {why}"
+        return error
 
     async def flush_cache(self) -> bool:
         """Ask every engine to drop its prefix cache; True when all did."""

@@ -85,6 +85,8 @@ class NativeApi:
         router.add_get("/health_generate", self.health_generate)
         router.add_route("GET", "/flush_cache", self.flush_cache)
         router.add_route("POST", "/flush_cache", self.flush_cache)
+        router.add_post("/load_lora_adapter", self.load_lora_adapter)
+        router.add_post("/unload_lora_adapter", self.unload_lora_adapter)
         router.add_get("/metrics", metrics_response)
         router.add_post("/parse_function_call", _parse_route(parse_function_call))
         router.add_post("/separate_reasoning", _parse_route(separate_reasoning))
@@ -306,6 +308,30 @@ class NativeApi:
         if await self.client.flush_cache():
             return web.Response(text="Cache flushed.\n")
         return error_response("an engine did not flush its cache (requests still running?)")
+
+    async def load_lora_adapter(self, http: web.Request) -> web.Response:
+        """SGLang's {"lora_name", "lora_path"}: every engine serves that PEFT adapter."""
+        return await self._change_lora(http, load=True)
+
+    async def unload_lora_adapter(self, http: web.Request) -> web.Response:
+        """SGLang's {"lora_name"}: no engine serves it any more (refused while in use)."""
+        return await self._change_lora(http, load=False)
+
+    async def _change_lora(self, http: web.Request, load: bool) -> web.Response:
+        try:
+            body = json.loads(await http.read())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            return error_response(f"the body is not valid JSON: {exc}")
+        fields = ("lora_name", "lora_path") if load else ("lora_name",)
+        if not isinstance(body, dict):
+            return error_response("the body must be a JSON object")
+        for name in fields:
+            if not isinstance(body.get(name), str) or not body[name]:
+                return error_response(f"{name} must be a non-empty string")
+        error = await self.client.change_lora(load, *(body[name] for name in fields))
+        answer = {"success": not error, "error_message": error,
+                  "loaded_adapters": sorted(self.client.lora_names)}
+        return web.json_response(answer, status=400 if error else 200)
 
 
 async def _cancel(tasks: list[asyncio.Task[None]]) -> None:

@@ -12,7 +12,7 @@ import itertools
 import time
 from array import array
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
 from radixmesh.core.model_info import MODEL_SHAPE, model_shape
@@ -360,6 +360,12 @@ class EngineRegistry:
     def vocab_size(self) -> int:
         """The vocabulary size engines report (0 when none does)."""
         return next((e.status.vocab_size for e in self._engines.values() if e.status.vocab_size), 0)
+
+    def served(self, engine_id: str, lora_names: Sequence[str]) -> None:
+        """The LoRA adapters an engine serves now (it said so before its next heartbeat)."""
+        entry = self._engines.get(engine_id)
+        if entry is not None:
+            entry.status = replace(entry.status, lora_names=tuple(lora_names))
 
     @property
     def lora_names(self) -> frozenset[str]:
