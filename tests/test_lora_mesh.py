@@ -16,6 +16,7 @@ import torch
 from process_helpers import running_mesh
 from safetensors.torch import save_file
 
+from radixmesh import lang
 from radixmesh.api import Engine
 from radixmesh.launcher import Mesh
 from radixmesh.proto import generate_pb2 as gpb
@@ -172,3 +173,18 @@ def test_adapters_load_and_unload_through_http(client, engine, lora_paths, tmp_p
     refused = client.post("/generate", json={"text": "Hi", "lora_path": "critic"})
     assert refused.status_code == 400 and "unknown LoRA adapter 'critic'" in refused.text
     assert [m["id"] for m in client.get("/v1/models").json()["data"]][1:] == ["coder", "poet"]
+
+
+@lang.function
+def capital(s: lang.State) -> None:
+    s += PROMPTS[0]
+    s += lang.gen("answer", max_tokens=12, temperature=0)
+
+
+def test_a_program_runs_with_its_backends_adapter(mesh, engine):
+    expected = engine.generate(PROMPTS[0], GREEDY, lora_path="coder")["text"]
+    assert expected != engine.generate(PROMPTS[0], GREEDY)["text"]
+    for backend in (lang.EngineBackend(engine, lora_path="coder"),
+                    lang.HttpBackend(mesh.url, lora_path="coder"),
+                    lang.GrpcBackend(mesh.grpc_addrs[0], lora_path="coder")):
+        assert capital.run(backend)["answer"] == expected, type(backend).__name__

@@ -48,18 +48,19 @@ class Backend(Protocol):
 
 
 class EngineBackend:
-    """An in-process Engine."""
+    """An in-process Engine; every request runs with LoRA adapter `lora_path`, if given."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, lora_path: str | None = None) -> None:
         self.engine = engine
+        self.lora_path = lora_path
 
     def generate(self, texts: list[str], params: list[dict[str, Any]], **extra: Any
                  ) -> list[Answer]:
-        outs = self.engine.generate(texts, params, **extra)
+        outs = self.engine.generate(texts, params, lora_path=self.lora_path, **extra)
         return [(o["text"], o["meta_info"]) for o in outs]
 
     def stream(self, text: str, params: dict[str, Any]) -> Iterator[Chunk]:
-        for chunk in self.engine.generate(text, params, stream=True):
+        for chunk in self.engine.generate(text, params, stream=True, lora_path=self.lora_path):
             yield chunk["text"], chunk["meta_info"]
 
     def chat_template(self) -> ChatTemplate:
@@ -68,10 +69,13 @@ class EngineBackend:
 
 class HttpBackend:
     """A running mesh, through its native /generate; roles use the template its
-    /get_model_info serves (or `chat_template`, for a server that serves none)."""
+    /get_model_info serves (or `chat_template`, for a server that serves none). Every
+    request runs with LoRA adapter `lora_path`, if given."""
 
     def __init__(self, url: str, timeout: float = 300.0, api_key: str = "",
-                 chat_template: ChatTemplate | None = None) -> None:
+                 chat_template: ChatTemplate | None = None, lora_path: str | None = None
+                 ) -> None:
+        self._lora = {"lora_path": lora_path} if lora_path else {}
         self.url = url.rstrip("/")
         self.timeout = timeout
         self.api_key = api_key
@@ -82,14 +86,15 @@ class HttpBackend:
 
     def generate(self, texts: list[str], params: list[dict[str, Any]], **extra: Any
                  ) -> list[Answer]:
-        body = {"text": texts, "sampling_params": params, **extra}
+        body = {"text": texts, "sampling_params": params, **self._lora, **extra}
         with self._post(body) as reply:
             outs = json.loads(reply.read())
         return [(o["text"], o["meta_info"]) for o in outs]
 
     def stream(self, text: str, params: dict[str, Any]) -> Iterator[Chunk]:
         seen = 0
-        with self._post({"text": text, "sampling_params": params, "stream": True}) as reply:
+        with self._post({"text": text, "sampling_params": params, "stream": True,
+                         **self._lora}) as reply:
             for raw in reply:
                 line = raw.decode().strip()
                 if not line.startswith("data: ") or line == "data: [DONE]":
@@ -118,10 +123,13 @@ class HttpBackend:
 class GrpcBackend:
     """A running mesh, through its public gRPC Generate (`target` is host:port). That
     API only generates: roles need `chat_template` (ChatTemplate.from_server(http_url) or
-    ChatTemplate.from_model(path))."""
+    ChatTemplate.from_model(path)). Every request runs with LoRA adapter `lora_path`, if
+    given."""
 
     def __init__(self, target: str, timeout: float = 300.0, api_key: str = "",
-                 chat_template: ChatTemplate | None = None) -> None:
+                 chat_template: ChatTemplate | None = None, lora_path: str | None = None
+                 ) -> None:
+        self.lora_path = lora_path or ""
         self.target = target
         self.timeout = timeout
         self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
@@ -161,6 +169,7 @@ class GrpcBackend:
         request = gpb.GenerateRequest(
             text=text, sampling_params=gpb.ClientSamplingParams(**params),
             return_logprob=return_logprob, logprob_start_len=logprob_start_len,
+            lora_path=self.lora_path,
         )
         return self._stub.Generate(request, timeout=self.timeout, metadata=self._metadata)
 
