@@ -204,3 +204,22 @@ def test_the_engine_runs_a_gguf_repo_as_it_runs_the_file(cache):
             outputs.append(engine.generate("The capital of France is", greedy)["output_ids"])
     assert len(outputs[0]) == 6
     assert outputs[1] == outputs[0]
+
+
+def test_a_lora_adapter_repo_is_fetched_through_the_same_cache(cache, tmp_path):
+    from test_lora import _config, save_adapter
+
+    from radixmesh.core.model_files import resolve_adapter_path
+    from radixmesh.engine.model.lora import load_adapter
+
+    local = save_adapter(tmp_path / "local", {"r": 2, "lora_alpha": 4}, {"q_proj": 2}, 0)
+    snapshot = cache_commit(cache, "test-org/tiny-lora", {
+        "adapter_config.json": local / "adapter_config.json",
+        "adapter_model.safetensors": local / "adapter_model.safetensors",
+        "README.md": b"not fetched",
+    })
+    assert resolve_adapter_path("test-org/tiny-lora") == snapshot
+    assert load_adapter("tiny", "test-org/tiny-lora", _config()).targets == {"q_proj"}
+    assert resolve_adapter_path(str(local)) == local
+    with pytest.raises(FileNotFoundError, match="test-org/other-lora"):
+        resolve_adapter_path("test-org/other-lora")

@@ -64,6 +64,17 @@ def resolve_model_path(path: str | None, revision: str | None = None) -> Path:
     raise FileNotFoundError(f"model path not found: {p}")
 
 
+def resolve_adapter_path(path: str) -> Path:
+    """A LoRA adapter's folder: a local directory, else ORG/NAME, a hub repo fetched into
+    the Hugging Face cache as models are (see `model_hub.fetch_adapter`)."""
+    p = Path(path).expanduser()
+    if p.is_dir() or _HUB_MODEL.fullmatch(path) is None or ":" in path:
+        return p
+    from radixmesh.core.model_hub import fetch_adapter
+
+    return fetch_adapter(path)
+
+
 def served_name(model_path: Path) -> str:
     """The name clients use for a model: its GGUF file's or directory's name, no extension;
     for a snapshot directory of the Hugging Face cache (models--ORG--NAME/snapshots/COMMIT),

@@ -29,6 +29,10 @@ HF_FILES = frozenset({
 })
 
 
+# What a PEFT LoRA adapter is made of.
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+
+
 class Listing(NamedTuple):
     """A repo's files at the commit a revision names; `cached`: read from the cache, the hub
     being out of reach, so nothing else is asked of it."""
@@ -68,6 +72,22 @@ def fetch_model(repo_id: str, select: str = "", revision: str | None = None) -> 
         raise FileNotFoundError(f"{label}: the repo has no such branch, tag or commit") from exc
     except EntryNotFoundError as exc:
         raise FileNotFoundError(f"{label}: {exc}") from exc
+
+
+def fetch_adapter(repo_id: str, revision: str | None = None) -> Path:
+    """The snapshot directory of the PEFT adapter repo `repo_id` (its adapter_config.json
+    and adapter_model.safetensors), fetched into the cache unless it is there; the cache
+    alone answers when the hub cannot be reached."""
+    label = f"Hugging Face repo {repo_id} (revision {revision or constants.DEFAULT_REVISION})"
+    try:
+        listing = _listing(label, repo_id, revision)
+        return Path(snapshot_download(repo_id, revision=listing.commit,
+                                      allow_patterns=list(ADAPTER_FILES),
+                                      local_files_only=listing.cached))
+    except LocalEntryNotFoundError as exc:
+        raise _not_cached(label, exc.__cause__ or exc) from exc
+    except (RepositoryNotFoundError, RevisionNotFoundError) as exc:
+        raise FileNotFoundError(f"{label}: no such adapter repo or revision") from exc
 
 
 def _listing(label: str, repo_id: str, revision: str | None) -> Listing:

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from radixmesh.core.model_files import resolve_adapter_path
 from radixmesh.engine.model.model_config import ModelConfig
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -83,8 +84,12 @@ class LoraAdapter:
 
 
 def load_adapter(name: str, path: str | Path, cfg: ModelConfig) -> LoraAdapter:
-    """An adapter from a PEFT folder, checked against the base model `cfg`."""
-    folder = Path(path).expanduser()
+    """An adapter from a PEFT folder (or a Hugging Face repo of one), checked against the
+    base model `cfg`."""
+    try:
+        folder = resolve_adapter_path(str(path))
+    except (OSError, ValueError) as exc:
+        raise LoraError(f"LoRA adapter {name!r}: {exc}") from None
     try:
         config = json.loads((folder / "adapter_config.json").read_text())
     except (OSError, json.JSONDecodeError) as exc:
