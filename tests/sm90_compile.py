@@ -79,6 +79,7 @@ def main() -> None:
     from radixmesh.kernels.extend_attention import extend_attention
     from radixmesh.kernels.fused_moe import fused_moe
     from radixmesh.kernels.kv_store import store_kv
+    from radixmesh.kernels.lora import lora_add
     from radixmesh.kernels.rms_norm import fused_add_rms_norm, rms_norm
     from radixmesh.kernels.rotary import rotary_embedding
     from radixmesh.kernels.token_bitmask import apply_token_bitmask_
@@ -116,6 +117,10 @@ def main() -> None:
     for neox in (True, False):
         rotary_embedding(torch.zeros(4, 24, 128, dtype=bf16), _ints(4), table, table, neox)
     silu_and_mul(torch.zeros(4, 2 * 3072, dtype=bf16))
+    # LoRA over a Llama-1B projection: 4 slots of rank 16, a q|k|v output's q columns.
+    qkv = torch.zeros(4, 3072, dtype=bf16)
+    lora_add(torch.zeros(4, 2048, dtype=bf16), torch.zeros(4, 16, 2048, dtype=bf16),
+             torch.zeros(4, 2048, 16, dtype=bf16), _ints(4), qkv[:, :2048])
     apply_token_bitmask_(torch.zeros(4, 151936), _ints(4, 4748))
 
 

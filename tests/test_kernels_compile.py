@@ -32,6 +32,8 @@ def test_all_kernels_compile_for_sm90():
         "_silu_and_mul_kernel",
         "_bitmask_kernel",
         "_grouped_gemm_kernel",
+        "_lora_shrink_kernel",
+        "_lora_expand_kernel",
     }
     assert all(r["shared_bytes"] <= SM90_SHARED_BYTES for r in reports)
     # bf16 attention runs its matrix products on tensor cores; float32 stays IEEE (no TF32)
@@ -42,3 +44,5 @@ def test_all_kernels_compile_for_sm90():
     # so do the fused MoE's grouped GEMMs
     moe = [r for r in reports if r["kernel"] == "_grouped_gemm_kernel"]
     assert sorted(r["tensor_cores"] for r in moe) == [False, False, True, True]
+    lora = [r for r in reports if r["kernel"].startswith("_lora")]
+    assert [r["tensor_cores"] for r in lora] == [True, True]

@@ -31,6 +31,7 @@ FUSED = {
     "gate_up": ("gate_proj", "up_proj"),
     "down": ("down_proj",),
 }
+KERNEL_BLOCK_M = 16  # tokens per block of the segmented kernels
 _KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 
 
@@ -177,6 +178,8 @@ class LoraPool:
                             "lora_target_modules, which size the adapters' slots")
         self.adapters: dict[str, LoraAdapter] = {}
         self.device = device
+        # Whether steps run the Triton kernels (on a GPU) or a torch pass per adapter.
+        self.kernels = device.type == "cuda"
         self.max_loaded = max_loaded
         self.rank = max_rank or max(a.rank for a in adapters.values())
         self.targets = targets or {t for a in adapters.values() for t in a.targets}
@@ -270,19 +273,27 @@ class LoraPool:
                 self.b[key][slot, :, :rank].copy_(held[1])
 
     def batch(self, token_slots: torch.Tensor) -> LoraBatch | None:
-        """The step's adapters from each token's slot (-1: none); None when no token has
-        one."""
-        used = torch.unique(token_slots).tolist()
-        groups = [(s, (token_slots == s).nonzero().flatten()) for s in used if s >= 0]
-        return LoraBatch(self, groups) if groups else None
+        """The step's adapters from each token's slot (-1: none, a host tensor); None when
+        no token has one."""
+        return LoraBatch(self, token_slots) if bool((token_slots >= 0).any()) else None
 
 
 class LoraBatch:
-    """One step's adapters: each slot used and its tokens' rows in the step."""
+    """One step's adapters, from each token's slot: on a GPU the tokens sorted by adapter
+    for the segmented kernels (radixmesh.kernels.lora), else each adapter's rows for one
+    torch pass per adapter."""
 
-    def __init__(self, pool: LoraPool, groups: list[tuple[int, torch.Tensor]]) -> None:
+    def __init__(self, pool: LoraPool, token_slots: torch.Tensor) -> None:
         self.pool = pool
-        self.groups = [(slot, rows.to(pool.device)) for slot, rows in groups]
+        self.token_slots = token_slots.to(pool.device)
+        self.groups: list[tuple[int, torch.Tensor]] = []
+        if pool.kernels:
+            from radixmesh.kernels.lora import align_tokens
+
+            self.aligned = align_tokens(self.token_slots, pool.slots, KERNEL_BLOCK_M)
+        else:
+            used = [s for s in torch.unique(token_slots).tolist() if s >= 0]
+            self.groups = [(s, (self.token_slots == s).nonzero().flatten()) for s in used]
 
     def add(self, layer: int, fused: str, x: torch.Tensor, out: torch.Tensor) -> None:
         """out += B (A x) for each adapter's rows, in the columns of each target of the
@@ -294,6 +305,11 @@ class LoraBatch:
                 continue
             b = pool.b[(layer, target)]
             columns = out[:, start : start + width]
+            if pool.kernels:
+                from radixmesh.kernels.lora import lora_add
+
+                lora_add(x, a, b, self.token_slots, columns, self.aligned, KERNEL_BLOCK_M)
+                continue
             for slot, rows in self.groups:
                 delta = (x.index_select(0, rows) @ a[slot].T) @ b[slot].T
                 columns.index_add_(0, rows, delta.to(out.dtype))
