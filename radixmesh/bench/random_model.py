@@ -1,5 +1,7 @@
 """A Llama-shaped model with random weights and a word-level tokenizer ("t0 t1 ..."), written
-as a Hugging Face directory the engine loads: what the host-path and GPU benchmarks serve."""
+as a Hugging Face directory the engine loads: what the host-path and GPU benchmarks serve;
+and random LoRA adapters in PEFT's format for any model (`python -m
+radixmesh.bench.random_model lora PATH`)."""
 
 from __future__ import annotations
 
@@ -72,3 +74,62 @@ def write_random_llama(path: Path, shape: LlamaShape, dtype: torch.dtype = torch
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer.save(str(path / "tokenizer.json"))
     return sum(w.numel() * w.element_size() for w in weights.values())
+
+
+def write_random_lora(path: Path, model_path: str | None = None, rank: int = 8,
+                      targets: tuple[str, ...] = ("q_proj", "v_proj"), seed: int = 0,
+                      scale: float = 0.04) -> Path:
+    """A PEFT LoRA adapter with random A and B (N(0, scale^2)) for the model at `model_path`
+    (None: the bundled one), rank `rank` on each of `targets` in every layer: for trying the
+    LoRA routes and benchmarking them without a trained adapter."""
+    from safetensors.torch import save_file
+
+    from radixmesh.core.model_files import is_gguf, resolve_model_path
+    from radixmesh.engine.model.lora import target_shapes
+    from radixmesh.engine.model.model_config import ModelConfig
+
+    source = resolve_model_path(model_path)
+    if is_gguf(source):
+        from radixmesh.core.gguf import read_gguf
+        from radixmesh.engine.model.weights_gguf import config_from_gguf
+
+        config = config_from_gguf(read_gguf(source, tensors=False))
+    else:
+        config = ModelConfig.from_hf_dict(json.loads((source / "config.json").read_text()))
+    shapes = target_shapes(config)
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(config.num_layers):
+        for target in targets:
+            fan_in, fan_out = shapes[target]
+            block = "mlp" if target in ("gate_proj", "up_proj", "down_proj") else "self_attn"
+            key = f"base_model.model.model.layers.{layer}.{block}.{target}"
+            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, fan_in, generator=g) * scale
+            tensors[f"{key}.lora_B.weight"] = torch.randn(fan_out, rank, generator=g) * scale
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    (path / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(targets),
+        "bias": "none"}))
+    return path
+
+
+def main() -> None:
+    """python -m radixmesh.bench.random_model lora PATH [--model M] [--rank R] [--seed S]"""
+    import argparse
+
+    parser = argparse.ArgumentParser(description="write a random LoRA adapter (PEFT format)")
+    parser.add_argument("what", choices=["lora"])
+    parser.add_argument("path", type=Path)
+    parser.add_argument("--model", default=None, help="its base model (default: the bundled one)")
+    parser.add_argument("--rank", type=int, default=8)
+    parser.add_argument("--targets", default="q_proj,v_proj")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    written = write_random_lora(args.path, args.model, args.rank,
+                                tuple(args.targets.split(",")), args.seed)
+    print(written)
+
+
+if __name__ == "__main__":
+    main()
