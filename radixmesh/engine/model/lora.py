@@ -162,11 +162,16 @@ def _pattern(patterns: dict[str, float] | None, layer: int, target: str, default
 
 class LoraPool:
     """Every loaded adapter in host memory, and `slots` device slots holding the ones a
-    step uses: per (layer, target) A [slots, rank, in] and B [slots, out, rank], zero
-    past an adapter's own rank and for targets it leaves alone. A slot is taken for an
-    adapter when a request for it is admitted and given back when the last one leaves;
-    an adapter stays in its slot until the slot is needed again (least recently used
-    first)."""
+    step uses. Per layer and fused projection (q|k|v, o, gate|up, down) the targets of it
+    that adapters may have share one A [slots, n * rank, in] (their A's stacked: one shrink
+    for all of them) and one B [slots, out, n * rank] (block-diagonal: each target's B at
+    its own columns of the fused output, so one expand writes them all); zero past an
+    adapter's own rank and for targets it leaves alone. On the CPU they are float32 (torch's
+    bfloat16 products of these thin shapes are 2-4x slower), on a GPU the model's dtype.
+
+    A slot is taken for an adapter when a request for it is admitted and given back when
+    the last one leaves; an adapter stays in its slot until the slot is needed again (least
+    recently used first)."""
 
     def __init__(self, adapters: dict[str, LoraAdapter], cfg: ModelConfig, slots: int,
                  max_rank: int, dtype: torch.dtype, device: torch.device,
@@ -184,23 +189,28 @@ class LoraPool:
         self.rank = max_rank or max(a.rank for a in adapters.values())
         self.targets = targets or {t for a in adapters.values() for t in a.targets}
         shapes = target_shapes(cfg)
+        if device.type == "cpu":
+            dtype = torch.float32
+        # Each target's place: its fused projection, its A rows' start, its output columns.
+        self.places: dict[str, tuple[str, int, int, int]] = {}
         self.a: dict[tuple[int, str], torch.Tensor] = {}
         self.b: dict[tuple[int, str], torch.Tensor] = {}
-        for layer in range(cfg.num_layers):
-            for target in sorted(self.targets):
-                fan_in, fan_out = shapes[target]
-                self.a[(layer, target)] = torch.zeros(slots, self.rank, fan_in, dtype=dtype,
-                                                      device=device)
-                self.b[(layer, target)] = torch.zeros(slots, fan_out, self.rank, dtype=dtype,
-                                                      device=device)
-        # Where each target's output sits in its fused projection's: (target, start, width).
-        self.columns: dict[str, list[tuple[str, int, int]]] = {}
         for fused, parts in FUSED.items():
-            start = 0
+            held = [t for t in parts if t in self.targets]
+            if not held:
+                continue
+            column = 0
             for target in parts:
-                width = shapes[target][1]
-                self.columns.setdefault(fused, []).append((target, start, width))
-                start += width
+                if target in held:
+                    self.places[target] = (fused, held.index(target) * self.rank, column,
+                                           shapes[target][1])
+                column += shapes[target][1]
+            fan_in = shapes[parts[0]][0]
+            for layer in range(cfg.num_layers):
+                self.a[(layer, fused)] = torch.zeros(slots, len(held) * self.rank, fan_in,
+                                                     dtype=dtype, device=device)
+                self.b[(layer, fused)] = torch.zeros(slots, column, len(held) * self.rank,
+                                                     dtype=dtype, device=device)
         self.slots = slots
         self._held: list[str | None] = [None] * slots  # the adapter in each slot
         self._users = [0] * slots  # requests using each slot
@@ -266,11 +276,11 @@ class LoraPool:
         for key, a in self.a.items():
             a[slot].zero_()
             self.b[key][slot].zero_()
-            held = adapter.weights.get(key)
-            if held is not None:
-                rank = held[0].shape[0]
-                a[slot, :rank].copy_(held[0])
-                self.b[key][slot, :, :rank].copy_(held[1])
+        for (layer, target), (a, b) in adapter.weights.items():
+            fused, row, column, width = self.places[target]
+            rank = a.shape[0]
+            self.a[(layer, fused)][slot, row : row + rank].copy_(a)
+            self.b[(layer, fused)][slot, column : column + width, row : row + rank].copy_(b)
 
     def batch(self, token_slots: torch.Tensor) -> LoraBatch | None:
         """The step's adapters from each token's slot (-1: none, a host tensor); None when
@@ -296,20 +306,23 @@ class LoraBatch:
             self.groups = [(s, (self.token_slots == s).nonzero().flatten()) for s in used]
 
     def add(self, layer: int, fused: str, x: torch.Tensor, out: torch.Tensor) -> None:
-        """out += B (A x) for each adapter's rows, in the columns of each target of the
-        fused projection `fused` that the pool holds (x: its input, out: its output)."""
+        """out += B (A x) for each adapter's rows, over the fused projection `fused` (x:
+        its input, out: its output)."""
         pool = self.pool
-        for target, start, width in pool.columns[fused]:
-            a = pool.a.get((layer, target))
-            if a is None:
-                continue
-            b = pool.b[(layer, target)]
-            columns = out[:, start : start + width]
-            if pool.kernels:
-                from radixmesh.kernels.lora import lora_add
+        a = pool.a.get((layer, fused))
+        if a is None:
+            return
+        b = pool.b[(layer, fused)]
+        if pool.kernels:
+            from radixmesh.kernels.lora import lora_add
 
-                lora_add(x, a, b, self.token_slots, columns, self.aligned, KERNEL_BLOCK_M)
-                continue
-            for slot, rows in self.groups:
-                delta = (x.index_select(0, rows) @ a[slot].T) @ b[slot].T
-                columns.index_add_(0, rows, delta.to(out.dtype))
+            lora_add(x, a, b, self.token_slots, out, self.aligned, KERNEL_BLOCK_M)
+            return
+        x = x.to(a.dtype)
+        if len(self.groups) == 1 and self.groups[0][1].numel() == x.shape[0]:
+            slot = self.groups[0][0]  # one adapter for every token: no gather, no scatter
+            out += ((x @ a[slot].T) @ b[slot].T).to(out.dtype)
+            return
+        for slot, rows in self.groups:
+            delta = (x.index_select(0, rows) @ a[slot].T) @ b[slot].T
+            out.index_add_(0, rows, delta.to(out.dtype))
