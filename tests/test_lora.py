@@ -149,6 +149,14 @@ def test_one_slot_runs_the_adapters_one_after_another(models, references):
                                   sampling_params=GREEDY, lora_path=adapters)
         assert [r["output_ids"] for r in results] == [references[n][0] for n in adapters]
         engine.scheduler.check_invariants()
+        pool = engine.runner.lora
+        assert pool.slot_loads >= 2 and pool.slot_evictions == pool.slot_loads - 1
+        engine.generate(input_ids=PROMPTS[0], sampling_params=GREEDY, lora_path="beta")
+        loads, evictions = pool.slot_loads, pool.slot_evictions
+        # One slot: another adapter puts the one in it out; the same one again costs nothing.
+        for name in ("alpha", "alpha", "beta"):
+            engine.generate(input_ids=PROMPTS[0], sampling_params=GREEDY, lora_path=name)
+        assert (pool.slot_loads - loads, pool.slot_evictions - evictions) == (2, 2)
 
 
 def test_a_prefix_is_never_shared_across_adapters(lora_engine: Engine):
@@ -268,3 +276,36 @@ def test_an_adapter_must_fit_the_slots_it_was_started_with(models):
             engine.load_lora_adapter("alpha", str(models["alpha"]))
     with pytest.raises(ValueError, match="needs max_lora_rank and lora_target_modules"):
         _engine(models["base"], enable_lora=True)
+
+
+def test_requests_slot_loads_and_evictions_are_counted():
+    """The scheduler service counts each adapter's requests (a capped label); a worker its
+    pool's slot loads and evictions."""
+    from prometheus_client import REGISTRY
+
+    from radixmesh.core.sampling_params import SamplingParams
+    from radixmesh.engine.request import Req
+    from radixmesh.services.scheduler.metrics import SchedulerMetrics
+    from radixmesh.services.worker.metrics import WorkerMetrics
+
+    metrics = SchedulerMetrics("lora-e0")
+    for i, name in enumerate(["poet", "poet", "coder", ""]):
+        metrics.queued(Req(f"r{i}", [1], SamplingParams(), 0, lora=name))
+
+    def value(name: str, **labels: str) -> float | None:
+        return REGISTRY.get_sample_value(name, labels)
+
+    engine = {"model_name": "", "engine_id": "lora-e0"}
+    assert value("radixmesh:lora_requests_total", **engine, adapter="poet") == 2
+    assert value("radixmesh:lora_requests_total", **engine, adapter="coder") == 1
+
+    class Pool:
+        slot_loads, slot_evictions = 3, 1
+
+    worker = WorkerMetrics(tp_rank=7)
+    worker.lora(Pool())  # type: ignore[arg-type]
+    Pool.slot_loads = 5
+    worker.lora(Pool())  # type: ignore[arg-type]
+    rank = {"model_name": "", "tp_rank": "7"}
+    assert value("radixmesh:worker_lora_slot_loads_total", **rank) == 5
+    assert value("radixmesh:worker_lora_slot_evictions_total", **rank) == 1

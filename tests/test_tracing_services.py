@@ -351,3 +351,18 @@ def test_detokenize_spans_cover_first_last_and_stopped_updates():
     assert detok["b"].attributes[attr.STOP_MATCHED] is True
     assert detok["c"].attributes[attr.FINISH] == "length"
     assert _remote(abort_parent) == _ids(detok["b"])
+
+
+def test_a_requests_lora_adapter_is_on_its_spans():
+    with traced() as exported:
+        request = GenerationRequest("t", [1, 2, 3], SamplingParams(), lora_path="poet")
+        RequestTrace(request).end()
+        traces = RequestTraces("e0")
+        traces.received(Req("t", [1, 2, 3], SamplingParams(), 0, lora="poet"), None)
+        traces.received(Req("u", [1, 2, 3], SamplingParams(), 0), None)
+        traces.sent("t", 0, FinishReason(FinishKind.ABORT), 0)
+        traces.sent("u", 0, FinishReason(FinishKind.ABORT), 0)
+        spans = exported.get_finished_spans()
+    assert one(spans, "generate").attributes[attr.LORA] == "poet"
+    roots = {s.attributes[attr.RID]: s for s in by_name(spans, "engine request")}
+    assert roots["t"].attributes[attr.LORA] == "poet" and attr.LORA not in roots["u"].attributes

@@ -18,6 +18,7 @@ PROMPT_TOKENS = "radixmesh.prompt_tokens"
 CACHED_TOKENS = "radixmesh.cached_tokens"
 COMPLETION_TOKENS = "radixmesh.completion_tokens"
 MAX_NEW_TOKENS = "radixmesh.max_new_tokens"
+LORA = "radixmesh.lora"  # the LoRA adapter a request runs with
 FINISH = "radixmesh.finish"
 FINISH_MESSAGE = "radixmesh.finish_message"
 ROUTE_MATCHED = "radixmesh.route.matched_tokens"

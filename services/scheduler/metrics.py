@@ -118,6 +118,12 @@ QUEUE_SECONDS = Histogram(
     _PRIORITY,
     buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 120),
 )
+LORA_REQUESTS = Counter(
+    "radixmesh:lora_requests_total",
+    "Requests that arrived for a LoRA adapter, by adapter (the first MAX_PRIORITY_LABELS "
+    "names an engine sees; later ones share 'other')",
+    (*_ENGINE, "adapter"),
+)
 CACHE_TOKENS = Gauge(
     "radixmesh:scheduler_cache_tokens", "Tokens held in the prefix cache, by tier", _TIERED
 )
@@ -233,18 +239,18 @@ class ThroughputMeter:
 
 
 class PriorityLabels:
-    """A priority value's label: the value itself for the first `limit` distinct values,
-    then OTHER_PRIORITY, so that clients choosing priorities freely cannot grow the series
-    without bound."""
+    """A label value chosen by clients (a priority, a LoRA adapter's name): the value itself
+    for the first `limit` distinct values, then OTHER_PRIORITY, so that clients choosing
+    freely cannot grow the series without bound."""
 
     def __init__(self, limit: int = MAX_PRIORITY_LABELS) -> None:
         self._limit = limit
-        self._seen: set[int] = set()
+        self._seen: set[int | str] = set()
 
-    def __call__(self, priority: int) -> str:
-        if priority not in self._seen and len(self._seen) < self._limit:
-            self._seen.add(priority)
-        return str(priority) if priority in self._seen else OTHER_PRIORITY
+    def __call__(self, value: int | str) -> str:
+        if value not in self._seen and len(self._seen) < self._limit:
+            self._seen.add(value)
+        return str(value) if value in self._seen else OTHER_PRIORITY
 
 
 class SchedulerMetrics:
@@ -264,6 +270,7 @@ class SchedulerMetrics:
         self._new_tokens = 0  # generated since the last state(): counted there, once a step
         self.token_bytes = 0  # of one token's KV: what a host copy moves per token
         self._priority = PriorityLabels()
+        self._adapter = PriorityLabels()
         self._preempted: dict[int, int] = {}  # preemptions counted so far, by priority
         # Requests not admitted yet: when each arrived, and its priority.
         self._queued: dict[str, tuple[float, int]] = {}
@@ -281,6 +288,8 @@ class SchedulerMetrics:
     def queued(self, req: Req) -> None:
         """A request arrived and waits for its first admission."""
         self._queued[req.rid] = (self._clock(), req.priority)
+        if req.lora:
+            LORA_REQUESTS.labels(**self._labels, adapter=self._adapter(req.lora)).inc()
 
     def admitted(self, batch: ScheduledBatch) -> None:
         """A step was scheduled: the time in the queue of each request it admits first."""

@@ -66,6 +66,7 @@ class RequestTraces:
             attr.ENGINE_ID: self.engine_id,
             attr.PROMPT_TOKENS: len(req.input_ids),
             attr.MAX_NEW_TOKENS: req.params.max_new_tokens,
+            **({attr.LORA: req.lora} if req.lora else {}),
         }, kind=SpanKind.CONSUMER)
         assert root is not None
         queue = start_span("queue wait", root, {attr.RID: req.rid})

@@ -55,6 +55,7 @@ class RequestTrace:
             attr.RID: request.rid,
             attr.PROMPT_TOKENS: len(request.input_ids),
             attr.MAX_NEW_TOKENS: request.params.max_new_tokens,
+            **({attr.LORA: request.lora_path} if request.lora_path else {}),
         }, kind=SpanKind.PRODUCER)
         if self._span is not None:
             attr.tag_rid(get_current_span(), request.rid)  # the HTTP or gRPC call's span

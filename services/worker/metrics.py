@@ -4,9 +4,14 @@ SGLang has no worker of its own, so every name carries `radixmesh:worker_`."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from prometheus_client import Counter, Gauge, Histogram
 
 from radixmesh.core.step import StepBatch
+
+if TYPE_CHECKING:
+    from radixmesh.engine.model.lora import LoraPool
 
 _RANK = ("model_name", "tp_rank")
 _SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
@@ -28,6 +33,17 @@ KV_RECEIVED_BYTES = Counter(
     "Bytes of prompt KV written into this rank's pool by prefill engines (disaggregation)",
     _RANK,
 )
+LORA_SLOT_LOADS = Counter(
+    "radixmesh:worker_lora_slot_loads_total",
+    "LoRA adapters copied from host memory into a device slot for a request",
+    _RANK,
+)
+LORA_SLOT_EVICTIONS = Counter(
+    "radixmesh:worker_lora_slot_evictions_total",
+    "LoRA adapters put out of their device slot to make room for another (least recently "
+    "used first)",
+    _RANK,
+)
 KV_POOL_TOKENS = Gauge(
     "radixmesh:worker_kv_pool_tokens", "Token slots in this rank's KV pool", _RANK
 )
@@ -43,6 +59,7 @@ class WorkerMetrics:
 
     def __init__(self, tp_rank: int) -> None:
         self._labels = {"model_name": "", "tp_rank": str(tp_rank)}
+        self._lora_counted = (0, 0)  # slot loads and evictions counted so far
 
     def loaded(self, model_name: str, num_slots: int) -> None:
         """Bind the model's name and show the pool's size."""
@@ -55,6 +72,13 @@ class WorkerMetrics:
         if batch.num_requests:
             BATCH_TOKENS.labels(**self._labels).observe(batch_tokens(batch))
             BATCH_REQS.labels(**self._labels).observe(batch.num_requests)
+
+    def lora(self, pool: LoraPool) -> None:
+        """The LoRA pool's slot loads and evictions since the last call."""
+        loads, evictions = self._lora_counted
+        LORA_SLOT_LOADS.labels(**self._labels).inc(pool.slot_loads - loads)
+        LORA_SLOT_EVICTIONS.labels(**self._labels).inc(pool.slot_evictions - evictions)
+        self._lora_counted = (pool.slot_loads, pool.slot_evictions)
 
     def received(self, nbytes: int) -> None:
         """A prefill engine's KV written into this rank's pool."""

@@ -256,6 +256,8 @@ class WorkerService(wgrpc.WorkerServicer):
             await sender.wait(0.05)  # an idle step waits a little for a send to end
         result.sends_done = sender.finished()
         self.metrics.forward(batch, result.forward_ms)
+        if self.runner is not None and self.runner.lora is not None:
+            self.metrics.lora(self.runner.lora)
         note_forward(batch, result, self.config.tp_rank, rids)
         return result_to_proto(result)
 

@@ -212,6 +212,8 @@ class LoraPool:
                 self.b[(layer, fused)] = torch.zeros(slots, column, len(held) * self.rank,
                                                      dtype=dtype, device=device)
         self.slots = slots
+        self.slot_loads = 0  # adapters copied into a slot, ever
+        self.slot_evictions = 0  # adapters put out of their slot for another, ever
         self._held: list[str | None] = [None] * slots  # the adapter in each slot
         self._users = [0] * slots  # requests using each slot
         self._recent: OrderedDict[int, None] = OrderedDict((s, None) for s in range(slots))
@@ -254,8 +256,10 @@ class LoraPool:
             if slot is None:
                 raise LoraError(f"no LoRA slot is free for {name!r}: every one of the "
                                 f"{len(self._held)} is in use")
+            self.slot_evictions += self._held[slot] is not None
             self._copy_in(slot, self.adapters[name])
             self._held[slot] = name
+            self.slot_loads += 1
         self._users[slot] += 1
         self._recent.move_to_end(slot)
         return slot
