@@ -48,6 +48,34 @@ class SparseLayer(NamedTuple):
     experts: ExpertWeights
 
 
+class _LoraBlock(ctypes.Structure):
+    _fields_ = [(name, _INT) for name in ("column", "width", "row", "rank")]
+
+
+class _LoraProj(ctypes.Structure):
+    _fields_ = [("a", _PTR), ("b", _PTR), ("r", _INT), ("blocks", _PTR), ("num_blocks", _INT)]
+
+
+class _LoraLayer(ctypes.Structure):
+    _fields_ = [*((name, _LoraProj) for name in _PROJECTIONS),
+                ("order", _PTR), ("count", _INT), ("slots", _PTR)]
+
+
+# A fused projection's LoRA adapters: A [slots, r, in] and B [slots, out, r] in float32, and
+# its blocks (column, width, row, rank): a target's output columns and its rows of A x.
+LoraProjection = tuple[torch.Tensor, torch.Tensor, list[tuple[int, int, int, int]]]
+
+
+class LoraArgs(NamedTuple):
+    """A step's LoRA adapters as the native layers take them (cpu/lora.cpp): per layer, its
+    fused projections' adapters (those no adapter targets left out); each token's slot
+    (int32, -1: none) and the tokens that have one, sorted by slot (int32)."""
+
+    layers: list[dict[str, LoraProjection]]
+    slots: torch.Tensor
+    order: torch.Tensor
+
+
 class _LayerShape(ctypes.Structure):
     _fields_ = [
         *((name, _INT) for name in ("hidden", "heads", "kv_heads", "head_dim", "intermediate")),
@@ -108,6 +136,10 @@ class LayerStack:
                     fields[name] = None if value is None else value.data_ptr()
             self._weights.append(_LayerWeights(**fields))
         self._shape = (hidden, heads, kv_heads, head_dim, intermediate, eps)
+        # The LoRA pool's projections as structs, made once: (its layers' list, the structs,
+        # the block arrays they point into).
+        self._lora: tuple[object, list[dict[str, _LoraProj]], list[ctypes.Array[_LoraBlock]]
+                          ] | None = None
         # Multiply-adds of one token through one layer's projections.
         self._layer_work = (hidden * (heads + kv_heads) * head_dim * 2
                             + 3 * hidden * intermediate)
@@ -142,10 +174,12 @@ class LayerStack:
         out_slots: torch.Tensor,
         runs: Sequence[tuple[int, int, torch.Tensor, int, torch.Tensor]],
         scale: float,
+        lora: LoraArgs | None = None,
     ) -> None:
         """Run every layer over hidden [T, hidden] (updated in place): token t writes its K/V
         at out_slots[t]; runs (first, count, index, width, lens) cover every token once, token
-        first+i attending to index[i * width, :lens[i]] (see cpu/layer.cpp)."""
+        first+i attending to index[i * width, :lens[i]] (see cpu/layer.cpp); each token's LoRA
+        adapter (`lora`) added to the projections it targets."""
         lib = _layer_library()
         assert hidden.is_contiguous() and hidden.dtype == torch.bfloat16
         tokens = hidden.shape[0]
@@ -171,9 +205,31 @@ class LayerStack:
             ctypes.addressof(table), len(runs), scratch.data_ptr(),
             threads_for(tokens * self._layer_work + keys * self._shape[1] * self._shape[3]),
         )
-        for weights, k, v in zip(self._weights, k_pools, v_pools, strict=True):
+        adapters = [None] * len(self._weights) if lora is None else self._lora_layers(lora)
+        for weights, k, v, adapter in zip(self._weights, k_pools, v_pools, adapters, strict=True):
             lib.decoder_layer_bf16(hidden.data_ptr(), k.data_ptr(), v.data_ptr(),
-                                   ctypes.byref(weights), ctypes.byref(shape), ctypes.byref(step))
+                                   ctypes.byref(weights), ctypes.byref(shape), ctypes.byref(step),
+                                   None if adapter is None else ctypes.byref(adapter))
+
+    def _lora_layers(self, lora: LoraArgs) -> list[_LoraLayer]:
+        """Each layer's LoRA struct for this step (the projections' made once per pool)."""
+        if self._lora is None or self._lora[0] is not lora.layers:
+            keep: list[ctypes.Array[_LoraBlock]] = []
+            layers = []
+            for projections in lora.layers:
+                structs = {}
+                for name, (a, b, blocks) in projections.items():
+                    assert a.dtype == b.dtype == torch.float32 and a.is_contiguous()
+                    table = (_LoraBlock * len(blocks))(*(_LoraBlock(*blk) for blk in blocks))
+                    keep.append(table)
+                    structs[name] = _LoraProj(a.data_ptr(), b.data_ptr(), a.shape[1],
+                                              ctypes.addressof(table), len(blocks))
+                layers.append(structs)
+            self._lora = (lora.layers, layers, keep)
+        slots, order = lora.slots, lora.order
+        assert slots.dtype == order.dtype == torch.int32
+        return [_LoraLayer(**structs, order=order.data_ptr(), count=order.numel(),
+                           slots=slots.data_ptr()) for structs in self._lora[1]]
 
 
 @functools.cache
@@ -183,7 +239,8 @@ def _layer_library() -> ctypes.CDLL:
     lib.decoder_layer_scratch.argtypes = [ctypes.POINTER(_LayerShape), _INT]
     lib.decoder_layer_scratch.restype = ctypes.c_int64
     lib.decoder_layer_bf16.argtypes = [_PTR] * 3 + [
-        ctypes.POINTER(_LayerWeights), ctypes.POINTER(_LayerShape), ctypes.POINTER(_Step)
+        ctypes.POINTER(_LayerWeights), ctypes.POINTER(_LayerShape), ctypes.POINTER(_Step),
+        ctypes.POINTER(_LoraLayer),
     ]
     lib.decoder_layer_bf16.restype = None
     return lib

@@ -282,3 +282,19 @@ def test_pd_engines_scale(pd_services, tmp_path):
     command = " ".join(line.lstrip("# ").rstrip("\\ ") for line in header.splitlines())
     assert "docker compose --profile pd up " + " ".join(
         f"--scale {n}={c}" for n, c in counts.items()) in " ".join(command.split())
+
+
+def test_workers_take_lora_adapters_from_the_hosts_environment(monkeypatch):
+    from radixmesh.core.flags import from_environment
+    from radixmesh.core.service_settings import WorkerConfig
+
+    off = render()["services"]["worker"]["environment"]
+    monkeypatch.setenv("RADIXMESH_ENABLE_LORA", "true")
+    monkeypatch.setenv("RADIXMESH_LORA_PATHS", "poet=org/poet-lora")
+    on = render()["services"]["worker"]["environment"]
+    for env, enabled, paths in [(off, False, None), (on, True, "poet=org/poet-lora")]:
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        config = from_environment(WorkerConfig)
+        assert (config.enable_lora, config.lora_paths, config.max_loras_per_batch) == (
+            enabled, paths, 8)

@@ -309,3 +309,32 @@ def test_requests_slot_loads_and_evictions_are_counted():
     rank = {"model_name": "", "tp_rank": "7"}
     assert value("radixmesh:worker_lora_slot_loads_total", **rank) == 5
     assert value("radixmesh:worker_lora_slot_evictions_total", **rank) == 1
+
+
+@pytest.mark.parametrize("quantization", ["bf16", "q8_0"])
+def test_the_native_layers_add_adapters_as_the_python_layers_do(models, quantization):
+    """bfloat16 serving runs whole layers natively (cpu/layer.cpp), LoRA included
+    (cpu/lora.cpp): the same tokens and, to bf16 noise, the same logprobs as the Python
+    layers' torch path, a mixed batch's adapters each where it belongs."""
+    with Engine(str(models["base"]), dtype="bfloat16", quantization=quantization,
+                enable_lora=True, lora_paths=f"alpha={models['alpha']},beta={models['beta']}",
+                max_total_tokens=2048, show_progress=False) as engine:
+        if engine.runner.model.native_layers is None:
+            pytest.skip("the native CPU layers do not run on this CPU")
+        adapters = ["alpha", None, "beta", "alpha"]
+        prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(adapters))]
+
+        def run() -> list[dict]:
+            engine.flush_cache()
+            return engine.generate(input_ids=prompts, sampling_params=GREEDY,
+                                   lora_path=adapters, return_logprob=True)
+
+        native = run()
+        engine.runner.model.native_layers = None
+        python = run()
+    for ours, theirs in zip(native, python, strict=True):
+        assert ours["output_ids"] == theirs["output_ids"]
+        torch.testing.assert_close(
+            [lp for lp, _, _ in ours["meta_info"]["output_token_logprobs"]],
+            [lp for lp, _, _ in theirs["meta_info"]["output_token_logprobs"]],
+            atol=0.05, rtol=0)

@@ -18,6 +18,22 @@ struct QuantWeight {
   int half_scales;
 };
 
+// LoRA (cpu/lora.cpp): a fused projection's adapters in float32, a [slots, r, k] and
+// b [slots, n, r]; each block maps a target's output columns [column, column + width) to
+// its rows [row, row + rank) of h = A x.
+struct LoraBlock {
+  int column, width, row, rank;
+};
+struct LoraProj {
+  const float* a;  // or null: no adapter targets this projection
+  const float* b;
+  int r;
+  const LoraBlock* blocks;
+  int num_blocks;
+};
+
+void lora_add_bf16(const LoraProj* p, const int32_t* order, int count, const int32_t* slots,
+                   const uint16_t* x, int k, uint16_t* out, int n, int threads);
 void rms_norm_bf16(const uint16_t* x, const uint16_t* w, uint16_t* out, int rows, int dim,
                    float eps, int threads);
 void gemm_bf16(const uint16_t* x, const uint16_t* wp, const uint16_t* bias,

@@ -59,6 +59,15 @@ struct AttentionRun {
   const int64_t* lens;
 };
 
+// A step's LoRA adapters for one layer (cpu/lora.cpp): each token's slot (-1: none), the
+// tokens that have one sorted by slot, and the layer's four fused projections' adapters.
+struct LoraLayer {
+  LoraProj qkv, o, gate_up, down;
+  const int32_t* order;
+  int count;
+  const int32_t* slots;
+};
+
 struct Step {
   int tokens;
   const int64_t* positions;  // [T]
@@ -123,7 +132,8 @@ int64_t decoder_layer_scratch(const LayerShape* s, int tokens) {
 
 // hidden [T, hidden] is updated in place; k_pool/v_pool are this layer's [slots, Hkv, D].
 void decoder_layer_bf16(uint16_t* hidden, uint16_t* k_pool, uint16_t* v_pool,
-                        const LayerWeights* w, const LayerShape* s, const Step* step) {
+                        const LayerWeights* w, const LayerShape* s, const Step* step,
+                        const LoraLayer* lora) {
   const int t = step->tokens, h = s->hidden, d = s->head_dim, th = step->threads;
   const int q_size = s->heads * d, kv_size = s->kv_heads * d;
   const int qkv_size = q_size + 2 * kv_size;
@@ -137,6 +147,9 @@ void decoder_layer_bf16(uint16_t* hidden, uint16_t* k_pool, uint16_t* v_pool,
 
   rms_norm_bf16(hidden, w->input_norm, x, t, h, s->eps, th);
   linear(w->qkv, x, w->qkv_bias, nullptr, qkv, t, qkv_size, h, qbuf, th);
+  if (lora != nullptr) {
+    lora_add_bf16(&lora->qkv, lora->order, lora->count, lora->slots, x, h, qkv, qkv_size, th);
+  }
   if (w->q_norm != nullptr) {  // each head of q and of k normed on its own, before RoPE
     for (int i = 0; i < t; ++i) {
       uint16_t* row = qkv + static_cast<int64_t>(i) * qkv_size;
@@ -160,14 +173,25 @@ void decoder_layer_bf16(uint16_t* hidden, uint16_t* k_pool, uint16_t* v_pool,
                           run.width, s->heads, s->kv_heads, d, s->scale, th);
   }
   linear(w->o, att, nullptr, hidden, hidden, t, h, q_size, qbuf, th);  // + residual, in place
+  if (lora != nullptr) {
+    lora_add_bf16(&lora->o, lora->order, lora->count, lora->slots, att, q_size, hidden, h, th);
+  }
   rms_norm_bf16(hidden, w->post_norm, x, t, h, s->eps, th);
   if (w->experts != nullptr) {
     sparse_mlp(*w->experts, x, hidden, t, h, th);
     return;
   }
   linear(w->gate_up, x, nullptr, nullptr, gate_up, t, 2 * s->intermediate, h, qbuf, th);
+  if (lora != nullptr) {
+    lora_add_bf16(&lora->gate_up, lora->order, lora->count, lora->slots, x, h, gate_up,
+                  2 * s->intermediate, th);
+  }
   silu_mul_bf16_rows(gate_up, act, t, s->intermediate, th);
   linear(w->down, act, nullptr, hidden, hidden, t, h, s->intermediate, qbuf, th);
+  if (lora != nullptr) {
+    lora_add_bf16(&lora->down, lora->order, lora->count, lora->slots, act, s->intermediate,
+                  hidden, h, th);
+  }
 }
 
 }  // extern "C"

@@ -22,6 +22,7 @@ import torch
 
 from radixmesh.core.model_files import resolve_adapter_path
 from radixmesh.engine.model.model_config import ModelConfig
+from radixmesh.kernels.native_layer import LoraArgs, LoraProjection
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # The model's fused projections, and the targets side by side in each one's output.
@@ -211,6 +212,15 @@ class LoraPool:
                                                      dtype=dtype, device=device)
                 self.b[(layer, fused)] = torch.zeros(slots, column, len(held) * self.rank,
                                                      dtype=dtype, device=device)
+        # The same tensors as the native layers take them (kernels/native_layer.LoraArgs).
+        blocks = {fused: [] for fused in FUSED}
+        for fused, row, column, width in self.places.values():
+            blocks[fused].append((column, width, row, self.rank))
+        self.native_layers: list[dict[str, LoraProjection]] = [
+            {fused: (self.a[(layer, fused)], self.b[(layer, fused)], blocks[fused])
+             for fused in FUSED if (layer, fused) in self.a}
+            for layer in range(cfg.num_layers)
+        ]
         self.slots = slots
         self.slot_loads = 0  # adapters copied into a slot, ever
         self.slot_evictions = 0  # adapters put out of their slot for another, ever
@@ -308,6 +318,12 @@ class LoraBatch:
         else:
             used = [s for s in torch.unique(token_slots).tolist() if s >= 0]
             self.groups = [(s, (self.token_slots == s).nonzero().flatten()) for s in used]
+
+    def native_args(self) -> LoraArgs:
+        """The step's adapters as the native CPU layers take them."""
+        slots = self.token_slots.to(torch.int32)
+        order = torch.argsort(slots, stable=True)[int((slots < 0).sum()):].to(torch.int32)
+        return LoraArgs(self.pool.native_layers, slots, order)
 
     def add(self, layer: int, fused: str, x: torch.Tensor, out: torch.Tensor) -> None:
         """out += B (A x) for each adapter's rows, over the fused projection `fused` (x:

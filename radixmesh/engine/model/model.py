@@ -208,11 +208,12 @@ class CausalLM:
             hidden = self.embed[input_ids]
         if self.cfg.embed_scale != 1.0:
             hidden = hidden * torch.tensor(self.cfg.embed_scale, dtype=hidden.dtype)
-        if (self.native_layers is not None and lora is None
+        if (self.native_layers is not None and (lora is None or not lora.pool.kernels)
                 and (plan := attn.native_plan()) is not None):
             self.native_layers.forward(
                 hidden, pool.k, pool.v, positions, self.rope.cos, self.rope.sin,
                 plan.out_slots, plan.runs, plan.scale,
+                None if lora is None else lora.native_args(),
             )
         else:
             rope = RotaryStep(self.rope, positions)
