@@ -263,6 +263,8 @@ class _Pending:
 class _LaunchingRunner:
     """Records each launch and read; step 9 fails to launch."""
 
+    lora = None  # serves no LoRA adapters
+
     def __init__(self) -> None:
         self.events: list[str] = []
 

@@ -59,7 +59,7 @@ def test_a_steps_adapters_run_alike_through_the_kernels_and_torch(tmp_path):
     """The LoRA pool's GPU path (the kernels, here interpreted) against its CPU one."""
     from test_lora import _config, save_adapter
 
-    from radixmesh.engine.model.lora import LoraPool, load_adapter
+    from radixmesh.engine.model.lora import LoraBatch, LoraPool, load_adapter
 
     adapters = {
         name: load_adapter(name, save_adapter(tmp_path / name, {"r": rank, "lora_alpha": 8},
@@ -75,7 +75,66 @@ def test_a_steps_adapters_run_alike_through_the_kernels_and_torch(tmp_path):
         out = torch.randn(5, width, generator=g)
         expected = out.clone()
         pool.kernels = False
-        pool.batch(slots).add(0, fused, x, expected)
+        LoraBatch(pool, slots).add(0, fused, x, expected)
         pool.kernels = True
-        pool.batch(slots).add(0, fused, x, out)
+        LoraBatch(pool, slots).add(0, fused, x, out)
         torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_padded_graph_decodes_take_adapters(tmp_path):
+    """The CUDA-graph decode path (its padded buffers, run eagerly here) with adapters read
+    from its slot buffer through the kernels: the tokens of the torch path without graphs."""
+    from array import array
+
+    from test_lora import _config, save_adapter
+    from tiny_model import save_tiny_model
+
+    from radixmesh.core.sampling_params import SamplingParams
+    from radixmesh.core.step import NewRequest, StepBatch, StepEntry
+    from radixmesh.engine.model.lora import LoraPool, load_adapter
+    from radixmesh.engine.model.model_source import load_model
+    from radixmesh.engine.model.runner import ModelRunner
+
+    loaded = load_model(str(save_tiny_model(tmp_path / "base")), progress=False,
+                        dtype="float32")
+    adapters = {name: load_adapter(name, save_adapter(tmp_path / name, {"r": 4, "lora_alpha": 8},
+                                                      dict.fromkeys(targets, 4), seed),
+                                   _config())
+                for seed, (name, targets) in enumerate([("a", ("q_proj", "o_proj", "up_proj")),
+                                                        ("b", ("v_proj", "down_proj"))])}
+    prompts = {"x": ([5, 9, 2, 7], "a"), "y": ([3, 3, 8], ""), "z": ([1, 4, 6, 6, 2], "b")}
+    greedy = SamplingParams(temperature=0)
+    first = StepBatch(1, new_requests=[
+        NewRequest(rid, row, [], [], len(ids), greedy, 0, lora=lora)
+        for row, (rid, (ids, lora)) in enumerate(prompts.items())])
+    slot = 0
+    for rid, (ids, _) in prompts.items():
+        first.entries.append(StepEntry(rid, ids, list(range(slot, slot + len(ids))), True))
+        slot += len(ids)
+    steps = [first]
+    for step in range(2, 7):
+        steps.append(StepBatch(step, decode_rows=array("i", [0, 1, 2]),
+                               decode_slots=array("i", range(slot, slot + 3))))
+        slot += 3
+
+    def tokens(runner: ModelRunner, kernels: bool) -> list[list[int]]:
+        pool = LoraPool(adapters, _config(), 2, 0, torch.float32, torch.device("cpu"))
+        pool.kernels = kernels
+        runner.attach_lora(pool)
+        results = [runner.forward(batch) for batch in steps]
+        return [[r.token_id for r in results[0].results],
+                *(list(r.decode_tokens) for r in results[1:])]
+
+    expected = tokens(ModelRunner(loaded.config, loaded.weights, torch.float32, 256,
+                                  attention="torch"), False)
+    graphed = ModelRunner(loaded.config, loaded.weights, torch.float32, 256,
+                          attention="triton", cuda_graph_max_bs=4, eager_graphs=True)
+    assert tokens(graphed, True) == expected
+    assert graphed.graph_steps == 5
+    # The adapters act: without them, "x" and "z" write other tokens, "y" the same.
+    for new in first.new_requests:
+        new.lora = ""
+    bare = tokens(ModelRunner(loaded.config, loaded.weights, torch.float32, 256,
+                              attention="torch"), False)
+    columns = list(zip(*bare, strict=True)), list(zip(*expected, strict=True))
+    assert [a != b for a, b in zip(*columns, strict=True)] == [True, False, True]

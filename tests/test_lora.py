@@ -140,6 +140,17 @@ def test_adapters_and_the_base_mix_in_one_batch(lora_engine: Engine, references)
         assert result["output_ids"] == references[name][i % len(PROMPTS)], (i, name)
 
 
+def test_adapters_with_chunked_prefill_and_pages(models, references):
+    paths = ",".join(f"{name}={models[name]}" for name in ADAPTERS)
+    with _engine(models["base"], enable_lora=True, lora_paths=paths, chunked_prefill_size=4,
+                 page_size=4) as engine:
+        adapters = ["alpha", None, "beta"]
+        results = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY,
+                                  lora_path=adapters)
+        for i, (name, result) in enumerate(zip(adapters, results, strict=True)):
+            assert result["output_ids"] == references[name][i], name
+
+
 def test_one_slot_runs_the_adapters_one_after_another(models, references):
     paths = ",".join(f"{name}={models[name]}" for name in ADAPTERS)
     with _engine(models["base"], enable_lora=True, lora_paths=paths,

@@ -9,6 +9,7 @@ import torch
 
 from radixmesh.engine.model.attention import AttentionMetadata, in_order
 from radixmesh.engine.model.kv_pool import KVPool
+from radixmesh.engine.model.lora import LoraBatch, LoraPool
 from radixmesh.engine.model.model import CausalLM
 from radixmesh.engine.model.triton_attention import DecodeTables, TritonAttention
 
@@ -28,8 +29,10 @@ class DecodeGraphs:
 
     Every bucket's step reads token ids, positions and DecodeTables from the same buffers,
     so a graph captured once per bucket replays any batch that fits. Padding rows write no
-    KV (slot -1) and attend to nothing (length 0). With capture=False (the default off
-    CUDA) the same padded step runs eagerly, which is how its correctness is tested."""
+    KV (slot -1) and attend to nothing (length 0). With LoRA adapters (attach_lora) each
+    bucket has a second graph that also reads each row's adapter slot from a buffer (-1:
+    none, as for padding rows). With capture=False (the default off CUDA) the same padded
+    step runs eagerly, which is how its correctness is tested."""
 
     def __init__(
         self,
@@ -48,12 +51,23 @@ class DecodeGraphs:
         self.tables = DecodeTables.empty(max_batch, pages, device)
         self.input_ids = torch.zeros(max_batch, dtype=torch.long, device=device)
         self.positions = torch.zeros(max_batch, dtype=torch.long, device=device)
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._outputs: dict[int, torch.Tensor] = {}
+        self.lora: LoraPool | None = None
+        self.lora_slots = torch.full((max_batch,), -1, dtype=torch.long, device=device)
+        # Keyed by (bucket, with adapters).
+        self._graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        self._outputs: dict[tuple[int, bool], torch.Tensor] = {}
+        self._memory = None  # the graphs' shared memory pool
         if capture is None:
             capture = device.type == "cuda"
+        self.capture = capture
         if capture:
-            self._capture_all()
+            self._capture_all(False)
+
+    def attach_lora(self, pool: LoraPool) -> None:
+        """Steps may carry LoRA adapters from now on: capture their graphs too."""
+        self.lora = pool
+        if self.capture:
+            self._capture_all(True)
 
     def fits(self, meta: AttentionMetadata) -> bool:
         """Whether this step can run here: decode only (sequence b at row b), within the
@@ -69,29 +83,39 @@ class DecodeGraphs:
         )
 
     def run(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+        lora_slots: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Final hidden states [B, hidden] of a step that fits; valid until the next run."""
+        """Final hidden states [B, hidden] of a step that fits (each row's LoRA adapter slot
+        in `lora_slots`, if any); valid until the next run."""
         n = meta.num_seqs
         bucket = next(b for b in self.buckets if b >= n)
         for buf, values in ((self.input_ids, input_ids), (self.positions, positions)):
             buf[:n].copy_(values)
             buf[n:bucket].zero_()
+        adapters = lora_slots is not None
+        if lora_slots is not None:
+            self.lora_slots[:n].copy_(lora_slots)
+            self.lora_slots[n:bucket].fill_(-1)
         self.attention.write_decode(meta, self.tables.narrow(bucket))
-        graph = self._graphs.get(bucket)
+        graph = self._graphs.get((bucket, adapters))
         if graph is None:
-            return self._step(bucket)[:n]
+            return self._step(bucket, adapters)[:n]
         graph.replay()
-        return self._outputs[bucket][:n]
+        return self._outputs[(bucket, adapters)][:n]
 
-    def _step(self, bucket: int) -> torch.Tensor:
+    def _step(self, bucket: int, adapters: bool) -> torch.Tensor:
         self.attention.bind_decode(self.tables.narrow(bucket))
+        lora = None
+        if adapters:
+            assert self.lora is not None
+            lora = LoraBatch(self.lora, self.lora_slots[:bucket])
         return self.model.forward(
-            self.input_ids[:bucket], self.positions[:bucket], self.attention, self.pool
+            self.input_ids[:bucket], self.positions[:bucket], self.attention, self.pool, lora
         )
 
-    def _capture_all(self) -> None:
-        memory = None
+    def _capture_all(self, adapters: bool) -> None:
+        memory = self._memory
         began = time.perf_counter()
         free_before = torch.cuda.mem_get_info()[0]
         # Largest first, sharing one memory pool: smaller graphs reuse what it reserved.
@@ -101,13 +125,15 @@ class DecodeGraphs:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
-                self._step(bucket)
+                self._step(bucket, adapters)
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=memory):
-                self._outputs[bucket] = self._step(bucket)
+                self._outputs[(bucket, adapters)] = self._step(bucket, adapters)
             memory = graph.pool()
-            self._graphs[bucket] = graph
+            self._graphs[(bucket, adapters)] = graph
+        self._memory = memory
         used = (free_before - torch.cuda.mem_get_info()[0]) / 2**20
-        log.info("captured CUDA graphs for decode batches %s in %.1f s (%.0f MiB)",
-                 ", ".join(map(str, self.buckets)), time.perf_counter() - began, used)
+        log.info("captured CUDA graphs for decode batches %s%s in %.1f s (%.0f MiB)",
+                 ", ".join(map(str, self.buckets)), " with LoRA adapters" if adapters else "",
+                 time.perf_counter() - began, used)

@@ -296,11 +296,6 @@ class LoraPool:
             self.a[(layer, fused)][slot, row : row + rank].copy_(a)
             self.b[(layer, fused)][slot, column : column + width, row : row + rank].copy_(b)
 
-    def batch(self, token_slots: torch.Tensor) -> LoraBatch | None:
-        """The step's adapters from each token's slot (-1: none, a host tensor); None when
-        no token has one."""
-        return LoraBatch(self, token_slots) if bool((token_slots >= 0).any()) else None
-
 
 class LoraBatch:
     """One step's adapters, from each token's slot: on a GPU the tokens sorted by adapter

@@ -226,17 +226,23 @@ class ModelRunner:
             self._lora_rows = grown
         self._lora_rows[row] = self.lora.acquire(name)
 
-    def _lora_batch(self, rows: torch.Tensor, entry_tokens: list[tuple[int, int]]
-                    ) -> LoraBatch | None:
-        """The step's adapters, from each token's row: the decodes' `rows`, then each
-        entry's (row, tokens) in order; None when no request has one."""
+    def attach_lora(self, pool: LoraPool) -> None:
+        """Serve the LoRA adapters of `pool` (its decode graphs too)."""
+        self.lora = pool
+        if self.graphs is not None:
+            self.graphs.attach_lora(pool)
+
+    def _lora_slots(self, rows: torch.Tensor, entry_tokens: list[tuple[int, int]]
+                    ) -> torch.Tensor | None:
+        """Each of the step's tokens' adapter slot (-1: none), from its row: the decodes'
+        `rows`, then each entry's (row, tokens) in order; None when no token has one."""
         if self.lora is None or not self.lora.in_use():
             return None
         slots = self._lora_rows
         entry_rows = torch.tensor([r for r, _ in entry_tokens], dtype=torch.long)
         counts = torch.tensor([n for _, n in entry_tokens], dtype=torch.long)
         token_slots = torch.cat([slots[rows], slots[entry_rows].repeat_interleave(counts)])
-        return self.lora.batch(token_slots)
+        return token_slots if bool((token_slots >= 0).any()) else None
 
     def _run(self, batch: StepBatch, result: StepResult) -> TokenRead | None:
         table = self.table
@@ -276,12 +282,14 @@ class ModelRunner:
             entry_tokens.append((state.row, len(ids) - before))
         input_ids, input_positions, meta = self._inputs(step, ids, feeds_last, positions, slots,
                                                         nodes, _ints(batch.decode_slots))
-        lora = self._lora_batch(decode_rows, entry_tokens)
-        if self.graphs is not None and lora is None and self.graphs.fits(meta):
-            hidden = self.graphs.run(input_ids, input_positions, meta)
+        lora_slots = self._lora_slots(decode_rows, entry_tokens)
+        if self.graphs is not None and self.graphs.fits(meta):
+            hidden = self.graphs.run(input_ids, input_positions, meta, lora_slots)
             self.graph_steps += 1
         else:
             self.attention.prepare(meta)
+            lora = None if lora_slots is None or self.lora is None else LoraBatch(self.lora,
+                                                                                  lora_slots)
             hidden = self.model.forward(input_ids, input_positions, self.attention, self.pool,
                                         lora)
         outs = result.results = [EntryResult(e.rid) for e in batch.entries]
@@ -424,7 +432,7 @@ def load_runner(
     if lora is not None and lora.enable_lora:
         if tp is not None:
             raise ValueError("enable_lora does not run with tensor parallelism (tp_size > 1) yet")
-        runner.lora = lora_pool(lora, loaded.config, DTYPES[settings.dtype], where)
+        runner.attach_lora(lora_pool(lora, loaded.config, DTYPES[settings.dtype], where))
     runner.quantization = loaded.quantization
     runner.model_path = model_path
     stop_ids = loaded.config.eos_token_ids
