@@ -203,3 +203,60 @@ def test_two_ranks_verify_drafts_as_one_process(model_dirs, tmp_path) -> None:
     run_ranks(_draft_rank_main, 2, str(model_dirs[0]), ref, str(tmp_path))
     for rank in range(2):
         assert torch.load(tmp_path / f"rank{rank}.pt") == expected, f"rank {rank}"
+
+
+def _lora_script() -> list:
+    """forward_script with request "a" under LoRA adapter "a" and "b" under none."""
+    batches = forward_script()
+    batches[0].new_requests[0].lora = "a"
+    return batches
+
+
+def _lora_runner(model_dir: str, adapter_dir: str, tp: TensorParallel | None) -> ModelRunner:
+    from radixmesh.core.settings import LoraSettings
+    from radixmesh.engine.model.runner import lora_pool
+
+    loaded = load_model(model_dir, progress=False)
+    if tp is not None:
+        shard_weights(loaded.config, loaded.weights, tp.rank, tp.size)
+    runner = ModelRunner(loaded.config, loaded.weights, torch.float32, 256, tp=tp)
+    settings = LoraSettings(enable_lora=True, lora_paths=f"a={adapter_dir}")
+    runner.attach_lora(lora_pool(settings, loaded.config, torch.float32, torch.device("cpu"), tp))
+    return runner
+
+
+def _lora_rank_main(rank: int, size: int, addr: str, model_dir: str, adapter_dir: str,
+                    out_dir: str) -> None:
+    torch.set_num_threads(1)
+    tp = init_tensor_parallel(addr, rank, size)
+    try:
+        runner = _lora_runner(model_dir, adapter_dir, tp)
+        results = [runner.forward(b) for b in _lora_script()]
+        torch.save([result_to_proto(r).SerializeToString() for r in results],
+                   Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        destroy_tensor_parallel()
+
+
+def test_two_ranks_split_a_lora_adapter_as_its_projections(model_dirs, tmp_path) -> None:
+    """Each rank holds its share of the adapter (B's rows of q/k/v and gate/up, A's columns
+    of o and down) and the group sums o's and down's partial B A x with their base output:
+    the one process's tokens and logprobs."""
+    from test_lora import save_adapter
+
+    adapter = save_adapter(tmp_path / "a", {"r": 4, "lora_alpha": 8}, dict.fromkeys(
+        ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"), 4), 3)
+    run_ranks(_lora_rank_main, 2, str(model_dirs[0]), str(adapter), str(tmp_path))
+    one = _lora_runner(str(model_dirs[0]), str(adapter), None)
+    expected = [one.forward(b) for b in _lora_script()]
+    loaded = load_model(str(model_dirs[0]), progress=False)
+    bare = ModelRunner(loaded.config, loaded.weights, torch.float32, 256)
+    assert tokens([bare.forward(b) for b in forward_script()]) != tokens(expected)
+    for rank in range(2):
+        got = [result_from_proto(wpb.StepResult.FromString(b))
+               for b in torch.load(tmp_path / f"rank{rank}.pt")]
+        assert tokens(got) == tokens(expected), f"rank {rank}"
+        if rank == 0:
+            for ours, ref in zip(got, expected, strict=True):
+                for a, b in zip(ours.results, ref.results, strict=True):
+                    assert a.logprob == pytest.approx(b.logprob, abs=1e-4)

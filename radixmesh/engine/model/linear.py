@@ -10,7 +10,7 @@ torch's linear runs."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -48,8 +48,17 @@ class Linear:
             self.kind = "torch"
             self.weight = weight
 
-    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """x @ W.T + b, plus `residual` (same shape as the output) if given."""
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None,
+                 extra: Callable[[torch.Tensor, torch.Tensor], None] | None = None
+                 ) -> torch.Tensor:
+        """x @ W.T + b, plus `residual` (same shape as the output) if given; then
+        `extra(x, out)` adds something more to it in place (a LoRA adapter's B A x)."""
+        out = self._product(x, residual)
+        if extra is not None:
+            extra(x, out)
+        return out
+
+    def _product(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         if self.kind == "quant":
             return native_quant.linear(x, self.parts, self.bias, residual)
         if self.kind == "native":

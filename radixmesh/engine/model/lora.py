@@ -22,6 +22,7 @@ import torch
 
 from radixmesh.core.model_files import resolve_adapter_path
 from radixmesh.engine.model.model_config import ModelConfig
+from radixmesh.engine.model.parallel import COLUMN_SPLIT
 from radixmesh.kernels.native_layer import LoraArgs, LoraProjection
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -147,6 +148,22 @@ def load_adapter(name: str, path: str | Path, cfg: ModelConfig) -> LoraAdapter:
     if not weights:
         raise LoraError(f"LoRA adapter {name!r}: {file} holds no LoRA weights")
     return LoraAdapter(name, weights)
+
+
+def shard_adapter(adapter: LoraAdapter, rank: int, size: int) -> LoraAdapter:
+    """This tensor-parallel rank's share of an adapter, split as the base projection it
+    attaches to: a column-parallel one's (q/k/v, gate/up) B by output rows, a row-parallel
+    one's (o, down) A by input columns, whose partial B A x the group then sums."""
+    weights = {}
+    for (layer, target), (a, b) in adapter.weights.items():
+        if target in COLUMN_SPLIT:
+            part = a.shape[1] // size
+            a = a.narrow(1, rank * part, part).contiguous()
+        else:
+            part = b.shape[0] // size
+            b = b.narrow(0, rank * part, part).contiguous()
+        weights[(layer, target)] = (a, b)
+    return LoraAdapter(adapter.name, weights)
 
 
 def _pattern(patterns: dict[str, float] | None, layer: int, target: str, default: float

@@ -3,6 +3,7 @@ sparse one (moe.py)."""
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 import torch
@@ -56,9 +57,6 @@ class GatedMLP:
         """The MLP of `x`, plus `residual`; `lora`: the step's adapters, of layer `layer`."""
         if lora is None:
             return self.down(self.act(self.gate_up(x)), residual=residual)
-        gate_up = self.gate_up(x)
-        lora.add(layer, "gate_up", x, gate_up)
-        act = self.act(gate_up)
-        out = self.down(act, residual=residual)
-        lora.add(layer, "down", act, out)
-        return out
+        gate_up = self.gate_up(x, extra=functools.partial(lora.add, layer, "gate_up"))
+        return self.down(self.act(gate_up), residual=residual,
+                         extra=functools.partial(lora.add, layer, "down"))

@@ -3,6 +3,7 @@ mixture-of-experts Qwen3-MoE and Mixtral) over a slot-indexed KV pool."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING
 
@@ -120,9 +121,7 @@ class DecoderLayer:
     ) -> torch.Tensor:
         cfg = self.cfg
         x = rms_norm(hidden, self.input_norm, cfg.rms_norm_eps)
-        qkv = self.qkv(x)
-        if lora is not None:
-            lora.add(layer, "qkv", x, qkv)
+        qkv = self.qkv(x, extra=None if lora is None else functools.partial(lora.add, layer, "qkv"))
         qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         qk = qk.view(-1, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
         v = v.reshape(-1, cfg.num_kv_heads, cfg.head_dim)
@@ -139,16 +138,12 @@ class DecoderLayer:
         q, k = rope(qk).split([cfg.num_heads, cfg.num_kv_heads], dim=1)
         out = attn.forward(layer, q, k, v, pool).reshape(-1, self.q_size)
         eps = cfg.rms_norm_eps
+        extra = None if lora is None else functools.partial(lora.add, layer, "o")
         if self.mlp_norms is None:
-            hidden = self.o(out, residual=hidden)
-            if lora is not None:
-                lora.add(layer, "o", out, hidden)
+            hidden = self.o(out, residual=hidden, extra=extra)
             return self.mlp(rms_norm(hidden, self.post_norm, eps), hidden, lora, layer)
         pre, post = self.mlp_norms
-        attended = self.o(out)
-        if lora is not None:
-            lora.add(layer, "o", out, attended)
-        hidden = hidden + rms_norm(attended, self.post_norm, eps)
+        hidden = hidden + rms_norm(self.o(out, extra=extra), self.post_norm, eps)
         return hidden + rms_norm(self.mlp(rms_norm(hidden, pre, eps), None, lora, layer), post,
                                  eps)
 

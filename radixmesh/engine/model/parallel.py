@@ -9,6 +9,7 @@ replicated (moe.SparseMoE)."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -19,8 +20,8 @@ from radixmesh.engine.model.linear import Linear, Weight
 from radixmesh.engine.model.model_config import ModelConfig
 
 # Projections split by output rows (column-parallel) and by input columns (row-parallel).
-_ROW_SPLIT = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
-_COLUMN_SPLIT = ("o_proj", "down_proj")
+ROW_SPLIT = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+COLUMN_SPLIT = ("o_proj", "down_proj")
 # A rank that waits this long on a collective is stuck behind a dead peer.
 _COLLECTIVE_TIMEOUT = timedelta(minutes=10)
 
@@ -57,8 +58,15 @@ class RowParallelLinear(Linear):
         super().__init__(weight)
         self.tp = tp
 
-    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        out = self.tp.all_reduce(super().__call__(x))
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None,
+                 extra: Callable[[torch.Tensor, torch.Tensor], None] | None = None
+                 ) -> torch.Tensor:
+        """The group's sum of x @ W.T, plus `residual`; `extra(x, out)` adds this rank's
+        share of something more to its partial output before the sum (a LoRA adapter's)."""
+        out = super().__call__(x)
+        if extra is not None:
+            extra(x, out)
+        out = self.tp.all_reduce(out)
         return out if residual is None else residual + out
 
 
@@ -137,8 +145,8 @@ def _split_dim(name: str) -> int | None:
     if len(parts) < 2:
         return None
     proj, kind = parts[-2], parts[-1]
-    if proj in _ROW_SPLIT and kind in ("weight", "bias"):
+    if proj in ROW_SPLIT and kind in ("weight", "bias"):
         return 0
-    if proj in _COLUMN_SPLIT and kind == "weight":
+    if proj in COLUMN_SPLIT and kind == "weight":
         return 1
     return None

@@ -37,11 +37,13 @@ from radixmesh.engine.model.kv_pool import KVPool
 from radixmesh.engine.model.launch import PendingStep
 from radixmesh.engine.model.lora import (
     TARGETS,
+    LoraAdapter,
     LoraBatch,
     LoraError,
     LoraPool,
     load_adapter,
     parse_lora_paths,
+    shard_adapter,
 )
 from radixmesh.engine.model.memory import keep_freed_memory, release_free_memory
 from radixmesh.engine.model.model import CausalLM
@@ -207,7 +209,7 @@ class ModelRunner:
         """Serve the PEFT adapter at `path` as `name` from the next step on."""
         if self.lora is None:
             raise LoraError("this engine was started without enable_lora")
-        self.lora.add(load_adapter(name, path, self.config))
+        self.lora.add(rank_share(load_adapter(name, path, self.config), self.tp))
 
     def unload_lora(self, name: str) -> None:
         """Stop serving adapter `name` (requests running with it finish with it)."""
@@ -430,9 +432,7 @@ def load_runner(
         cuda_graph_max_bs=settings.graph_batch_limit(max_running_requests),
     )
     if lora is not None and lora.enable_lora:
-        if tp is not None:
-            raise ValueError("enable_lora does not run with tensor parallelism (tp_size > 1) yet")
-        runner.attach_lora(lora_pool(lora, loaded.config, DTYPES[settings.dtype], where))
+        runner.attach_lora(lora_pool(lora, loaded.config, DTYPES[settings.dtype], where, tp))
     runner.quantization = loaded.quantization
     runner.model_path = model_path
     stop_ids = loaded.config.eos_token_ids
@@ -448,10 +448,12 @@ def load_runner(
 
 
 def lora_pool(settings: LoraSettings, config: ModelConfig, dtype: torch.dtype,
-              device: torch.device) -> LoraPool:
-    """The adapters of `settings` loaded and checked against the model, in their pool."""
+              device: torch.device, tp: TensorParallel | None = None) -> LoraPool:
+    """The adapters of `settings` loaded and checked against the model, in their pool (this
+    tensor-parallel rank's share of each, with `tp`)."""
     paths = parse_lora_paths(settings.lora_paths)
-    adapters = {name: load_adapter(name, path, config) for name, path in paths.items()}
+    adapters = {name: rank_share(load_adapter(name, path, config), tp)
+                for name, path in paths.items()}
     allowed = settings.lora_target_modules
     targets = None
     if allowed:
@@ -460,8 +462,14 @@ def lora_pool(settings: LoraSettings, config: ModelConfig, dtype: torch.dtype,
         if targets - set(TARGETS):
             raise LoraError(f"lora_target_modules: unknown {sorted(targets - set(TARGETS))}; "
                             f"choose among {', '.join(TARGETS)} or all")
-    return LoraPool(adapters, config, settings.max_loras_per_batch, settings.max_lora_rank,
+    shape = config if tp is None else local_config(config, tp.size)
+    return LoraPool(adapters, shape, settings.max_loras_per_batch, settings.max_lora_rank,
                     dtype, device, targets, settings.max_loaded_loras)
+
+
+def rank_share(adapter: LoraAdapter, tp: TensorParallel | None) -> LoraAdapter:
+    """The adapter as this tensor-parallel rank holds it (all of it without `tp`)."""
+    return adapter if tp is None else shard_adapter(adapter, tp.rank, tp.size)
 
 
 def _vocabulary(model_path: str | None, vocab_size: int, stop_ids: Sequence[int]) -> Vocabulary:
