@@ -71,25 +71,9 @@ class Decodes:
                     or have >= context):
                 i += 1  # its last token is in flight; the result will finish it
                 continue
-            if req.packs and not drafting and not req.jumped:
-                # The usual decode: its slot in its partial last page, or a spare fresh one.
-                if have % page and have > req.cached_len:
-                    slot = held[-1] + 1
-                elif spare:
-                    slot = spare.popleft()
-                else:
-                    slot = -1
-                if slot >= 0:
-                    held.append(slot)
-                    rows.append(req.row)
-                    decode_slots.append(slot)
-                    decodes.append(req)
-                    req.pending += 1
-                    i += 1
-                    continue
             draft: Draft | None = None
             slots: list[int] | None = None
-            if not req.jumped and self.speculation.drafts(req):
+            if drafting and not req.jumped and self.speculation.drafts(req):
                 if req.pending:
                     i += 1  # its draft starts from the token in flight (a verify's too)
                     continue
@@ -97,10 +81,17 @@ class Decodes:
             # Tokens known but not yet fed: after a jump-forward, the sampled token (unless
             # the step in flight feeds it) and the forced ones. Otherwise only the token in
             # flight or the last one sampled, which the runner feeds itself.
-            unfed = req.tokens[len(req.slots) :] if req.jumped else []
+            unfed = req.tokens[have:] if req.jumped else []
             if draft is None and not unfed and req.packs:
-                slot = self._next_slot(req, spare)
-                if slot is not None:  # packed, its slot at hand
+                # The usual decode, packed: its slot in its partial last page, or a spare
+                # fresh one (else one from the pool, below).
+                slot = -1
+                if have % page and have > req.cached_len:
+                    slot = held[-1] + 1
+                elif spare:
+                    slot = spare.popleft()
+                if slot >= 0:
+                    held.append(slot)
                     rows.append(req.row)
                     decode_slots.append(slot)
                     decodes.append(req)
@@ -168,20 +159,6 @@ class Decodes:
         take = min(need, allocator.available() // page)
         fresh = allocator.alloc(take * page) if take else None
         return deque(fresh[::page] if fresh else ())
-
-    def _next_slot(self, req: Req, spare: deque[int]) -> int | None:
-        """Give a request one more slot: in its partial last page, else the first of a spare
-        fresh page; None when neither is at hand."""
-        slots = req.slots
-        have = len(slots)
-        if have % self.page and have > req.cached_len:
-            slot = slots[-1] + 1
-        elif spare:
-            slot = spare.popleft()
-        else:
-            return None
-        slots.append(slot)
-        return slot
 
     def fold(self, decodes: list[Req], result: StepResult) -> None:
         """Fold in the packed decodes' tokens: no logprobs, drafts or forced tokens there."""
