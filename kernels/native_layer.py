@@ -53,7 +53,7 @@ class _LoraBlock(ctypes.Structure):
 
 
 class _LoraProj(ctypes.Structure):
-    _fields_ = [("a", _PTR), ("b", _PTR), ("r", _INT), ("blocks", _PTR), ("num_blocks", _INT)]
+    _fields_ = [("a", _PTR), ("bt", _PTR), ("r", _INT), ("blocks", _PTR), ("num_blocks", _INT)]
 
 
 class _LoraLayer(ctypes.Structure):
@@ -61,8 +61,9 @@ class _LoraLayer(ctypes.Structure):
                 ("order", _PTR), ("count", _INT), ("slots", _PTR)]
 
 
-# A fused projection's LoRA adapters: A [slots, r, in] and B [slots, out, r] in float32, and
-# its blocks (column, width, row, rank): a target's output columns and its rows of A x.
+# A fused projection's LoRA adapters: A [slots, r, in] and B transposed [slots, r, out] in
+# float32, and its blocks (column, width, row, rank): a target's output columns and its
+# rows of A x.
 LoraProjection = tuple[torch.Tensor, torch.Tensor, list[tuple[int, int, int, int]]]
 
 
@@ -218,11 +219,12 @@ class LayerStack:
             layers = []
             for projections in lora.layers:
                 structs = {}
-                for name, (a, b, blocks) in projections.items():
-                    assert a.dtype == b.dtype == torch.float32 and a.is_contiguous()
+                for name, (a, bt, blocks) in projections.items():
+                    assert a.dtype == bt.dtype == torch.float32
+                    assert a.is_contiguous() and bt.is_contiguous()
                     table = (_LoraBlock * len(blocks))(*(_LoraBlock(*blk) for blk in blocks))
                     keep.append(table)
-                    structs[name] = _LoraProj(a.data_ptr(), b.data_ptr(), a.shape[1],
+                    structs[name] = _LoraProj(a.data_ptr(), bt.data_ptr(), a.shape[1],
                                               ctypes.addressof(table), len(blocks))
                 layers.append(structs)
             self._lora = (lora.layers, layers, keep)

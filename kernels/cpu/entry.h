@@ -19,14 +19,14 @@ struct QuantWeight {
 };
 
 // LoRA (cpu/lora.cpp): a fused projection's adapters in float32, a [slots, r, k] and
-// b [slots, n, r]; each block maps a target's output columns [column, column + width) to
-// its rows [row, row + rank) of h = A x.
+// B transposed, bt [slots, r, n]; each block maps a target's output columns
+// [column, column + width) to its rows [row, row + rank) of h = A x.
 struct LoraBlock {
   int column, width, row, rank;
 };
 struct LoraProj {
   const float* a;  // or null: no adapter targets this projection
-  const float* b;
+  const float* bt;
   int r;
   const LoraBlock* blocks;
   int num_blocks;

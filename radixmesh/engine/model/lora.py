@@ -229,13 +229,15 @@ class LoraPool:
                                                      dtype=dtype, device=device)
                 self.b[(layer, fused)] = torch.zeros(slots, column, len(held) * self.rank,
                                                      dtype=dtype, device=device)
-        # The same tensors as the native layers take them (kernels/native_layer.LoraArgs).
-        blocks = {fused: [] for fused in FUSED}
+        # The native CPU layers read B transposed (kernels/native_layer.LoraArgs).
+        self.bt = {key: b.transpose(1, 2).contiguous() for key, b in self.b.items()} \
+            if device.type == "cpu" else {}
+        blocks: dict[str, list[tuple[int, int, int, int]]] = {fused: [] for fused in FUSED}
         for fused, row, column, width in self.places.values():
             blocks[fused].append((column, width, row, self.rank))
         self.native_layers: list[dict[str, LoraProjection]] = [
-            {fused: (self.a[(layer, fused)], self.b[(layer, fused)], blocks[fused])
-             for fused in FUSED if (layer, fused) in self.a}
+            {fused: (self.a[(layer, fused)], self.bt[(layer, fused)], blocks[fused])
+             for fused in FUSED if (layer, fused) in self.bt}
             for layer in range(cfg.num_layers)
         ]
         self.slots = slots
@@ -312,6 +314,8 @@ class LoraPool:
             rank = a.shape[0]
             self.a[(layer, fused)][slot, row : row + rank].copy_(a)
             self.b[(layer, fused)][slot, column : column + width, row : row + rank].copy_(b)
+        for key, bt in self.bt.items():
+            bt[slot].copy_(self.b[key][slot].T)
 
 
 class LoraBatch:
