@@ -199,7 +199,7 @@ class Engine:
         ValueError naming what is wrong with it."""
         self._torch.submit(self.runner.load_lora, lora_name, lora_path).result()
         with self._open():
-            done = self.loop.call(lambda s: s.serve_lora(lora_name))
+            done = self.loop.call(lambda s: s.adapters.serve(lora_name))
         done.result()
         self.limits = replace(self.limits, lora_names=self.limits.lora_names | {lora_name})
 
@@ -208,7 +208,7 @@ class Engine:
         if lora_name not in self.limits.lora_names:
             raise ValueError(f"LoRA adapter {lora_name!r} is not loaded")
         with self._open():
-            done = self.loop.call(lambda s: s.stop_lora(lora_name))
+            done = self.loop.call(lambda s: s.adapters.stop(lora_name, s.requests.values()))
         done.result()
         self.limits = replace(self.limits, lora_names=self.limits.lora_names - {lora_name})
         self._torch.submit(self.runner.unload_lora, lora_name).result()

@@ -13,6 +13,7 @@ from radixmesh.engine.decode_steps import Decodes
 from radixmesh.engine.disaggregation import Disaggregation, Transfers
 from radixmesh.engine.kv_allocator import KVAllocator
 from radixmesh.engine.kv_holdings import KVHoldings
+from radixmesh.engine.lora_adapters import LoraAdapters
 from radixmesh.engine.priority import Capacity, KVRoom, make_priority
 from radixmesh.engine.radix_cache import RadixCache
 from radixmesh.engine.request import Req
@@ -40,8 +41,9 @@ class ScheduledBatch:
 class Scheduler:
     """Owns every request's place in line and the step it is in; collaborators hold the
     rest: what requests hold in the pool and the radix tree (KVHoldings), the tiers behind
-    the device pool, the constraints, the steps of prefill/decode disaggregation
-    (Transfers), the decode half of each step and result (Decodes)."""
+    the device pool, the constraints, the LoRA adapters served (LoraAdapters), the steps of
+    prefill/decode disaggregation (Transfers), the decode half of each step and result
+    (Decodes)."""
 
     def __init__(self, config: SchedulerConfig) -> None:
         if config.num_slots % config.page_size:
@@ -53,7 +55,7 @@ class Scheduler:
         self.speculation = make_speculation(config.speculative)
         self.priority = make_priority(config)
         self.disagg = Disaggregation(config.transfer_timeout)
-        self.lora_names = set(config.lora_names)  # the LoRA adapters the runners serve
+        self.adapters = LoraAdapters(config.lora_names, config.max_loras_per_batch)
         self.reset()
 
     def lose_all(self, reason: FinishReason) -> list[Req]:
@@ -110,8 +112,7 @@ class Scheduler:
             )
         if len(req.input_ids) + 1 > self.config.num_slots - self.page:
             raise ValueError(f"prompt of {len(req.input_ids)} tokens exceeds the KV pool")
-        if req.lora and req.lora not in self.lora_names:
-            raise ValueError(f"lora_path: this engine does not serve LoRA adapter {req.lora!r}")
+        self.adapters.check(req)
         handoff = req.handoff
         if handoff is not None and len(handoff.dest_slots) != len(req.input_ids) - handoff.start:
             raise ValueError(
@@ -125,18 +126,6 @@ class Scheduler:
             self.waiting.append(req)
         self.tiers.ask(req)
         self.constraints.ask(req)
-
-    def serve_lora(self, name: str) -> None:
-        """The runners serve LoRA adapter `name` from now on."""
-        self.lora_names.add(name)
-
-    def stop_lora(self, name: str) -> None:
-        """Take no more requests for adapter `name`; ValueError (nothing changed) while a
-        request uses it."""
-        users = sum(1 for r in self.requests.values() if r.lora == name and r.finish is None)
-        if users:
-            raise ValueError(f"LoRA adapter {name!r} is in use by {users} request(s)")
-        self.lora_names.discard(name)
 
     def abort(self, rid: str, reason: FinishReason | None = None) -> bool:
         """Finish a request wherever it is; False if it is unknown or already finished."""
@@ -256,7 +245,7 @@ class Scheduler:
         for req in self.priority.order(self.waiting, self.policy.order):
             if budget <= 0 or len(self.running) >= self.config.max_running_requests:
                 break
-            if not self._ready(req) or not self._lora_fits(req):
+            if not self._ready(req) or not self.adapters.fits(req, self.running):
                 continue
             used = self._admit(batch, req, budget)
             if not used:
@@ -270,14 +259,6 @@ class Scheduler:
         mid-step), its constraint compiled, its prefix not on its way from storage."""
         return not req.pending and self.constraints.ready(req) and (
             req.admitted or not self.tiers.waits(req))
-
-    def _lora_fits(self, req: Req) -> bool:
-        """Whether its LoRA adapter, if any, can run beside the running requests': theirs, or
-        one more while the runner has a slot free (max_loras_per_batch)."""
-        if not req.lora:
-            return True
-        held = {r.lora for r in self.running if r.lora}
-        return req.lora in held or len(held) < self.config.max_loras_per_batch
 
     def _preempt(self) -> None:
         """Retract the running requests that more important waiting ones displace (priority

@@ -249,9 +249,10 @@ class SchedulerService:
         try:
             if load:
                 self.link.info = await self.link.client.lora(True, name, path)
-                await asyncio.wrap_future(self.loop.call(lambda s: s.serve_lora(name)))
+                await asyncio.wrap_future(self.loop.call(lambda s: s.adapters.serve(name)))
             else:
-                await asyncio.wrap_future(self.loop.call(lambda s: s.stop_lora(name)))
+                await asyncio.wrap_future(self.loop.call(
+                    lambda s: s.adapters.stop(name, s.requests.values())))
                 self.link.info = await self.link.client.lora(False, name)
         except ValueError as exc:
             return {"success": False, "error": str(exc)}
