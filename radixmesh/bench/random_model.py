@@ -85,7 +85,7 @@ def write_random_lora(path: Path, model_path: str | None = None, rank: int = 8,
     from safetensors.torch import save_file
 
     from radixmesh.core.model_files import is_gguf, resolve_model_path
-    from radixmesh.engine.model.lora import target_shapes
+    from radixmesh.engine.model.lora import module_name, target_shapes
     from radixmesh.engine.model.model_config import ModelConfig
 
     source = resolve_model_path(model_path)
@@ -102,8 +102,7 @@ def write_random_lora(path: Path, model_path: str | None = None, rank: int = 8,
     for layer in range(config.num_layers):
         for target in targets:
             fan_in, fan_out = shapes[target]
-            block = "mlp" if target in ("gate_proj", "up_proj", "down_proj") else "self_attn"
-            key = f"base_model.model.model.layers.{layer}.{block}.{target}"
+            key = f"base_model.model.{module_name(layer, target)}"
             tensors[f"{key}.lora_A.weight"] = torch.randn(rank, fan_in, generator=g) * scale
             tensors[f"{key}.lora_B.weight"] = torch.randn(fan_out, rank, generator=g) * scale
     path.mkdir(parents=True, exist_ok=True)

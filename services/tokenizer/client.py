@@ -470,6 +470,7 @@ class MeshClient:
 
 def _status_from_proto(msg: mpb.EngineStatus) -> EngineStatus:
     """An engine's heartbeat as the registry keeps it."""
-    status = EngineStatus(**{f.name: getattr(msg, f.name)
-                             for f in dataclasses.fields(EngineStatus)})
-    return dataclasses.replace(status, lora_names=tuple(msg.lora_names))
+    values = {f.name: getattr(msg, f.name) for f in dataclasses.fields(EngineStatus)}
+    # Repeated fields (the adapters' names) as tuples, not protobuf containers.
+    return EngineStatus(**{name: value if isinstance(value, str | int | float) else tuple(value)
+                           for name, value in values.items()})

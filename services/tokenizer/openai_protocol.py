@@ -153,7 +153,7 @@ def parse_completion(
     body: dict[str, Any], tokenizer: Tokenizer, model: ServedModel, request_id: str
 ) -> OpenAIRequest:
     """Check a /v1/completions request and build its GenerationRequests."""
-    stream, include_usage = _check_common(body, model, _COMPLETION_UNSUPPORTED)
+    stream, include_usage, adapter = _check_common(body, model, _COMPLETION_UNSUPPORTED)
     echo = _get_bool(body, "echo")
     top_logprobs = _get_int(body, "logprobs", 0, MAX_TOP_LOGPROBS)
     if echo and stream and top_logprobs is not None:
@@ -169,7 +169,8 @@ def parse_completion(
     # Echoed prompts with logprobs need the prompt's own logprobs, from its first token.
     logprobs = _logprob_request(top_logprobs, prompt_logprobs=echo)
     names = _names(body, "prompt", "max_tokens")
-    built = [_build(body, model, request_id, ids, sampling, logprobs, names) for ids, _ in prompts]
+    built = [_build(body, model, adapter, request_id, ids, sampling, logprobs, names)
+             for ids, _ in prompts]
     return OpenAIRequest(
         id=request_id,
         requests=_samples(request_id, built, n),
@@ -186,7 +187,7 @@ def parse_chat(
     body: dict[str, Any], tokenizer: Tokenizer, model: ServedModel, request_id: str
 ) -> OpenAIRequest:
     """Check a /v1/chat/completions request, render its chat template, build its requests."""
-    stream, include_usage = _check_common(body, model, _CHAT_UNSUPPORTED)
+    stream, include_usage, adapter = _check_common(body, model, _CHAT_UNSUPPORTED)
     want_logprobs = _get_bool(body, "logprobs")
     top_logprobs = _get_int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
     if top_logprobs and not want_logprobs:
@@ -213,7 +214,7 @@ def parse_chat(
         max_tokens = _room_left(len(ids), model)
     top = (top_logprobs or 0) if want_logprobs else None
     names = _names(body, "messages", max_param)
-    built = _build(body, model, request_id, ids, _sampling_fields(body, max_tokens),
+    built = _build(body, model, adapter, request_id, ids, _sampling_fields(body, max_tokens),
                    _logprob_request(top), names)
     return OpenAIRequest(
         id=request_id,
@@ -228,16 +229,17 @@ def parse_chat(
 
 
 def _check_common(body: dict[str, Any], model: ServedModel, unsupported: tuple[str, ...]
-                  ) -> tuple[bool, bool]:
+                  ) -> tuple[bool, bool, str | None]:
     """The fields both routes share: model, user, those refused, response_format; returns
-    whether to stream, and whether to end the stream with a usage chunk."""
-    model.adapter(_get_str(body, "model"))
+    whether to stream, whether to end the stream with a usage chunk, and the LoRA adapter
+    `model` names (None: the base model)."""
+    adapter = model.adapter(_get_str(body, "model"))
     _get_str(body, "user")
     for field in unsupported:
         if body.get(field) not in (None, "", [], {}):
             raise OpenAIError(f"{field} is not supported by this server", field)
     _check_response_format(body)
-    return _stream_options(body)
+    return (*_stream_options(body), adapter)
 
 
 def _check_response_format(body: dict[str, Any]) -> None:
@@ -337,6 +339,7 @@ def _names(body: dict[str, Any], prompt: str, max_param: str) -> FieldNames:
 def _build(
     body: dict[str, Any],
     model: ServedModel,
+    adapter: str | None,
     request_id: str,
     ids: list[int],
     sampling: dict[str, Any],
@@ -348,7 +351,7 @@ def _build(
     priority = _get_int(body, "priority") or 0
     try:
         return build_request(model.limits, request_id, ids, sampling, logprobs, cache_salt,
-                             priority, names, model.adapter(_get_str(body, "model")))
+                             priority, names, adapter)
     except RequestError as exc:
         raise OpenAIError(str(exc), exc.field) from None
 

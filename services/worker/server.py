@@ -8,7 +8,7 @@ import contextlib
 import logging
 import socket
 import warnings
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
@@ -332,23 +332,23 @@ class WorkerService(wgrpc.WorkerServicer):
         self, request: wpb.LoraAdapter, context: grpc.aio.ServicerContext
     ) -> wpb.WorkerInfo:
         """Serve another LoRA adapter (on the torch thread, between steps)."""
-        return await self._lora(context, "load_lora", request.name, request.path)
+        return await self._lora(context, lambda r: r.load_lora(request.name, request.path))
 
     async def UnloadLora(
         self, request: wpb.LoraAdapter, context: grpc.aio.ServicerContext
     ) -> wpb.WorkerInfo:
         """Stop serving a LoRA adapter."""
-        return await self._lora(context, "unload_lora", request.name)
+        return await self._lora(context, lambda r: r.unload_lora(request.name))
 
-    async def _lora(self, context: grpc.aio.ServicerContext, change: str, *args: str
-                    ) -> wpb.WorkerInfo:
+    async def _lora(self, context: grpc.aio.ServicerContext,
+                    change: Callable[[ModelRunner], None]) -> wpb.WorkerInfo:
         runner = self.runner
         if runner is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
         assert runner is not None
         loop = asyncio.get_running_loop()
         try:
-            await loop.run_in_executor(self._torch, getattr(runner, change), *args)
+            await loop.run_in_executor(self._torch, change, runner)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         self.info = worker_info(runner, self.config)

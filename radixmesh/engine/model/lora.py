@@ -16,7 +16,9 @@ import math
 import re
 from collections import OrderedDict
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -24,6 +26,9 @@ from radixmesh.core.model_files import resolve_adapter_path
 from radixmesh.engine.model.model_config import ModelConfig
 from radixmesh.engine.model.parallel import COLUMN_SPLIT
 from radixmesh.kernels.native_layer import LoraArgs, LoraProjection
+
+if TYPE_CHECKING:
+    from radixmesh.kernels.fused_moe import AlignedPicks
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # The model's fused projections, and the targets side by side in each one's output.
@@ -58,6 +63,12 @@ def parse_lora_paths(text: str | None) -> dict[str, str]:
             raise LoraError(f"lora_paths: adapter {name!r} is named twice")
         paths[name] = path
     return paths
+
+
+def module_name(layer: int, target: str) -> str:
+    """A target's module as PEFT names it under the base model (model.layers.L.mlp.up_proj)."""
+    block = "mlp" if target in FUSED["gate_up"] + FUSED["down"] else "self_attn"
+    return f"model.layers.{layer}.{block}.{target}"
 
 
 def target_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
@@ -170,8 +181,7 @@ def _pattern(patterns: dict[str, float] | None, layer: int, target: str, default
              ) -> float:
     """A per-module value of PEFT's alpha_pattern: its key names the module by a suffix of
     its full name (or a regular expression matching such a suffix)."""
-    block = "mlp" if target in ("gate_proj", "up_proj", "down_proj") else "self_attn"
-    name = f"model.layers.{layer}.{block}.{target}"
+    name = module_name(layer, target)
     for key, value in (patterns or {}).items():
         if re.fullmatch(rf"(.*\.)?{key}", name):
             return float(value)
@@ -182,10 +192,11 @@ class LoraPool:
     """Every loaded adapter in host memory, and `slots` device slots holding the ones a
     step uses. Per layer and fused projection (q|k|v, o, gate|up, down) the targets of it
     that adapters may have share one A [slots, n * rank, in] (their A's stacked: one shrink
-    for all of them) and one B [slots, out, n * rank] (block-diagonal: each target's B at
-    its own columns of the fused output, so one expand writes them all); zero past an
-    adapter's own rank and for targets it leaves alone. On the CPU they are float32 (torch's
-    bfloat16 products of these thin shapes are 2-4x slower), on a GPU the model's dtype.
+    for all of them) and one B, held transposed as bt [slots, n * rank, out]
+    (block-diagonal: each target's B at its own columns of the fused output, so one expand
+    writes them all); zero past an adapter's own rank and for targets it leaves alone. On
+    the CPU they are float32 (torch's bfloat16 products of these thin shapes are 2-4x
+    slower), on a GPU the model's dtype.
 
     A slot is taken for an adapter when a request for it is admitted and given back when
     the last one leaves; an adapter stays in its slot until the slot is needed again (least
@@ -212,7 +223,7 @@ class LoraPool:
         # Each target's place: its fused projection, its A rows' start, its output columns.
         self.places: dict[str, tuple[str, int, int, int]] = {}
         self.a: dict[tuple[int, str], torch.Tensor] = {}
-        self.b: dict[tuple[int, str], torch.Tensor] = {}
+        self.bt: dict[tuple[int, str], torch.Tensor] = {}
         for fused, parts in FUSED.items():
             held = [t for t in parts if t in self.targets]
             if not held:
@@ -227,17 +238,15 @@ class LoraPool:
             for layer in range(cfg.num_layers):
                 self.a[(layer, fused)] = torch.zeros(slots, len(held) * self.rank, fan_in,
                                                      dtype=dtype, device=device)
-                self.b[(layer, fused)] = torch.zeros(slots, column, len(held) * self.rank,
-                                                     dtype=dtype, device=device)
-        # The native CPU layers read B transposed (kernels/native_layer.LoraArgs).
-        self.bt = {key: b.transpose(1, 2).contiguous() for key, b in self.b.items()} \
-            if device.type == "cpu" else {}
+                self.bt[(layer, fused)] = torch.zeros(slots, len(held) * self.rank, column,
+                                                      dtype=dtype, device=device)
+        # As the native CPU layers take them (kernels/native_layer.LoraArgs).
         blocks: dict[str, list[tuple[int, int, int, int]]] = {fused: [] for fused in FUSED}
         for fused, row, column, width in self.places.values():
             blocks[fused].append((column, width, row, self.rank))
         self.native_layers: list[dict[str, LoraProjection]] = [
             {fused: (self.a[(layer, fused)], self.bt[(layer, fused)], blocks[fused])
-             for fused in FUSED if (layer, fused) in self.bt}
+             for fused in FUSED if (layer, fused) in self.a}
             for layer in range(cfg.num_layers)
         ]
         self.slots = slots
@@ -308,32 +317,34 @@ class LoraPool:
     def _copy_in(self, slot: int, adapter: LoraAdapter) -> None:
         for key, a in self.a.items():
             a[slot].zero_()
-            self.b[key][slot].zero_()
+            self.bt[key][slot].zero_()
         for (layer, target), (a, b) in adapter.weights.items():
             fused, row, column, width = self.places[target]
             rank = a.shape[0]
             self.a[(layer, fused)][slot, row : row + rank].copy_(a)
-            self.b[(layer, fused)][slot, column : column + width, row : row + rank].copy_(b)
-        for key, bt in self.bt.items():
-            bt[slot].copy_(self.b[key][slot].T)
+            self.bt[(layer, fused)][slot, row : row + rank, column : column + width].copy_(b.T)
 
 
 class LoraBatch:
-    """One step's adapters, from each token's slot: on a GPU the tokens sorted by adapter
-    for the segmented kernels (radixmesh.kernels.lora), else each adapter's rows for one
-    torch pass per adapter."""
+    """One step's adapters, from each token's slot, in the form its path reads them (each
+    made on first use): on a GPU the tokens sorted by adapter for the segmented kernels
+    (radixmesh.kernels.lora), in the native CPU layers the same order as LoraArgs, else each
+    adapter's rows for one torch pass per adapter."""
 
     def __init__(self, pool: LoraPool, token_slots: torch.Tensor) -> None:
         self.pool = pool
         self.token_slots = token_slots.to(pool.device)
-        self.groups: list[tuple[int, torch.Tensor]] = []
-        if pool.kernels:
-            from radixmesh.kernels.lora import align_tokens
 
-            self.aligned = align_tokens(self.token_slots, pool.slots, KERNEL_BLOCK_M)
-        else:
-            used = [s for s in torch.unique(token_slots).tolist() if s >= 0]
-            self.groups = [(s, (self.token_slots == s).nonzero().flatten()) for s in used]
+    @cached_property
+    def aligned(self) -> AlignedPicks:
+        from radixmesh.kernels.lora import align_tokens
+
+        return align_tokens(self.token_slots, self.pool.slots, KERNEL_BLOCK_M)
+
+    @cached_property
+    def groups(self) -> list[tuple[int, torch.Tensor]]:
+        used = [s for s in torch.unique(self.token_slots).tolist() if s >= 0]
+        return [(s, (self.token_slots == s).nonzero().flatten()) for s in used]
 
     def native_args(self) -> LoraArgs:
         """The step's adapters as the native CPU layers take them."""
@@ -348,17 +359,18 @@ class LoraBatch:
         a = pool.a.get((layer, fused))
         if a is None:
             return
-        b = pool.b[(layer, fused)]
+        bt = pool.bt[(layer, fused)]
         if pool.kernels:
             from radixmesh.kernels.lora import lora_add
 
-            lora_add(x, a, b, self.token_slots, out, self.aligned, KERNEL_BLOCK_M)
+            lora_add(x, a, bt.transpose(1, 2), self.token_slots, out, self.aligned,
+                     KERNEL_BLOCK_M)
             return
         x = x.to(a.dtype)
         if len(self.groups) == 1 and self.groups[0][1].numel() == x.shape[0]:
             slot = self.groups[0][0]  # one adapter for every token: no gather, no scatter
-            out += ((x @ a[slot].T) @ b[slot].T).to(out.dtype)
+            out += ((x @ a[slot].T) @ bt[slot]).to(out.dtype)
             return
         for slot, rows in self.groups:
-            delta = (x.index_select(0, rows) @ a[slot].T) @ b[slot].T
+            delta = (x.index_select(0, rows) @ a[slot].T) @ bt[slot]
             out.index_add_(0, rows, delta.to(out.dtype))

@@ -1,5 +1,5 @@
 """The runner's request table: each running request's KV slots and token ids by position,
-its length and the token it sampled last, one row per request, on the runner's device.
+its length, the token it sampled last and its LoRA adapter's slot, one row per request.
 
 A step writes what it adds (a scatter of its new slots and tokens) and the attention
 kernels read their rows from here; nothing is rebuilt per step. The scheduler hands rows
@@ -23,15 +23,18 @@ class ReqTable:
         self.tokens = self._ints(rows, width)  # token id of each position
         self.last = torch.zeros(rows, dtype=torch.long, device=self.device)  # last sampled
         self.lens = torch.zeros(rows, dtype=torch.long)  # positions filled, on the host
+        self.lora = torch.full((rows,), -1, dtype=torch.long)  # LoRA slot (-1: none), host
 
     @property
     def width(self) -> int:
         return self.slots.shape[1]
 
-    def admit(self, row: int, ids: Sequence[int], slots: Sequence[int]) -> None:
-        """Start a row over with a request's cached prefix."""
+    def admit(self, row: int, ids: Sequence[int], slots: Sequence[int], lora: int = -1
+              ) -> None:
+        """Start a row over with a request's cached prefix (and its LoRA slot, if any)."""
         self._fit(row + 1, 0)
         self.lens[row] = 0
+        self.lora[row] = lora
         self.append(row, ids, slots)
 
     def append(self, row: int, ids: Sequence[int] | torch.Tensor, slots: Sequence[int]) -> int:
@@ -100,6 +103,7 @@ class ReqTable:
         if new_rows > have_rows:
             self.last = torch.cat([self.last, self.last.new_zeros(new_rows - have_rows)])
             self.lens = torch.cat([self.lens, self.lens.new_zeros(new_rows - have_rows)])
+            self.lora = torch.cat([self.lora, self.lora.new_full((new_rows - have_rows,), -1)])
 
     def _ints(self, rows: int, width: int) -> torch.Tensor:
         return torch.zeros(rows, width, dtype=torch.int32, device=self.device)

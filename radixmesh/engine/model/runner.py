@@ -124,9 +124,7 @@ class ModelRunner:
         self.table = ReqTable(self.device)
         self.sampler = StepSampler(self.model, self.pool, self.table, config, tp, self.device,
                                    self._by_row)
-        # LoRA adapters (load_runner attaches them): each table row's slot, -1 for none.
-        self.lora: LoraPool | None = None
-        self._lora_rows = torch.full((64,), -1, dtype=torch.long)
+        self.lora: LoraPool | None = None  # LoRA adapters (load_runner attaches them)
         # How load_runner loaded the weights (see DeviceSettings.quantization), and from
         # where (a hub repo resolved to its snapshot).
         self.quantization = "bf16"
@@ -174,7 +172,6 @@ class ModelRunner:
         if batch.step == 1:  # a scheduler (re)started: what the one before sent is gone
             self.requests.clear()
             self._by_row.clear()
-            self._lora_rows.fill_(-1)
             if self.lora is not None:
                 self.lora.reset()
         for rid in batch.release:
@@ -182,14 +179,12 @@ class ModelRunner:
             if gone is not None and self._by_row.get(gone.row) is gone:
                 del self._by_row[gone.row]
             if gone is not None and gone.spec.lora and self.lora is not None:
-                self.lora.release(int(self._lora_rows[gone.row]))
-                self._lora_rows[gone.row] = -1
+                self.lora.release(int(self.table.lora[gone.row]))
         for spec in batch.new_requests:
-            if spec.lora:
-                self._take_lora(spec.row, spec.lora)
             state = RequestState(spec, is_plain(spec.params) and not spec.logprobs.return_logprob)
             with current(self.device):
-                self.table.admit(spec.row, spec.prefix_ids, spec.prefix_slots)
+                self.table.admit(spec.row, spec.prefix_ids, spec.prefix_slots,
+                                 self._lora_slot(spec.lora))
             self.sampler.row_sampling.set(spec.row, spec.params, spec.seed, state.plain)
             self.requests[spec.rid] = self._by_row[spec.row] = state
         result = StepResult(batch.step)
@@ -217,16 +212,13 @@ class ModelRunner:
             raise LoraError("this engine was started without enable_lora")
         self.lora.remove(name)
 
-    def _take_lora(self, row: int, name: str) -> None:
-        """Row `row`'s request runs with adapter `name`: a slot holds it from now on."""
+    def _lora_slot(self, name: str) -> int:
+        """The slot holding adapter `name` for one more request (-1: no adapter)."""
+        if not name:
+            return -1
         if self.lora is None:
             raise ValueError(f"LoRA adapter {name!r} asked of a worker that serves none")
-        if row >= self._lora_rows.numel():
-            grown = torch.full((max(2 * self._lora_rows.numel(), row + 1),), -1,
-                               dtype=torch.long)
-            grown[: self._lora_rows.numel()] = self._lora_rows
-            self._lora_rows = grown
-        self._lora_rows[row] = self.lora.acquire(name)
+        return self.lora.acquire(name)
 
     def attach_lora(self, pool: LoraPool) -> None:
         """Serve the LoRA adapters of `pool` (its decode graphs too)."""
@@ -240,7 +232,7 @@ class ModelRunner:
         `rows`, then each entry's (row, tokens) in order; None when no token has one."""
         if self.lora is None or not self.lora.in_use():
             return None
-        slots = self._lora_rows
+        slots = self.table.lora
         entry_rows = torch.tensor([r for r, _ in entry_tokens], dtype=torch.long)
         counts = torch.tensor([n for _, n in entry_tokens], dtype=torch.long)
         token_slots = torch.cat([slots[rows], slots[entry_rows].repeat_interleave(counts)])
