@@ -62,7 +62,7 @@ class _LoraLayer(ctypes.Structure):
 
 
 # A fused projection's LoRA adapters: A [slots, r, in] and B transposed [slots, r, out] in
-# float32, and its blocks (column, width, row, rank): a target's output columns and its
+# bfloat16, and its blocks (column, width, row, rank): a target's output columns and its
 # rows of A x.
 LoraProjection = tuple[torch.Tensor, torch.Tensor, list[tuple[int, int, int, int]]]
 
@@ -220,7 +220,7 @@ class LayerStack:
             for projections in lora.layers:
                 structs = {}
                 for name, (a, bt, blocks) in projections.items():
-                    assert a.dtype == bt.dtype == torch.float32
+                    assert a.dtype == bt.dtype == torch.bfloat16
                     assert a.is_contiguous() and bt.is_contiguous()
                     table = (_LoraBlock * len(blocks))(*(_LoraBlock(*blk) for blk in blocks))
                     keep.append(table)

@@ -254,3 +254,44 @@ def test_out_of_range_rows_raise_instead_of_reading_past_the_pool():
     rope = RotaryEmbedding(64, 16, 10000.0, torch.bfloat16)
     with pytest.raises(IndexError, match="position out of range"):
         native.rotary_(torch.zeros(1, 2, 64).bfloat16(), torch.tensor([16]), rope.cos, rope.sin)
+
+
+@pytest.mark.parametrize(("tokens", "k", "widths", "rank"),
+                         [(37, 40, (24, 8, 70), 3), (9, 576, (576, 192, 192), 16),
+                          (32, 1536, (64,), 5)])  # vector bodies, tails, partial blocks
+def test_lora_add_matches_float32_torch(tokens, k, widths, rank):
+    """cpu/lora.cpp: each token adds its adapter's B (A x) to its row of a fused
+    projection's bf16 output (A and B^T bf16, the products float32, the delta rounded to
+    bf16 before the add); tokens without an adapter and other columns untouched."""
+    import ctypes
+
+    from radixmesh.kernels.native_layer import _LoraBlock, _LoraProj
+
+    lib = native.library()
+    lib.lora_add_bf16.argtypes = [ctypes.POINTER(_LoraProj), ctypes.c_void_p, ctypes.c_int,
+                                  ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
+                                  ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+    gen = torch.Generator().manual_seed(tokens + k)
+    slots_count, r, n = 3, rank * len(widths), sum(widths) + 10
+    a = (torch.randn(slots_count, r, k, generator=gen) * 0.1).bfloat16()
+    bt = (torch.randn(slots_count, r, n, generator=gen) * 0.3).bfloat16()
+    blocks = [(5 + sum(widths[:i]), w, i * rank, rank) for i, w in enumerate(widths)]
+    table = (_LoraBlock * len(blocks))(*(_LoraBlock(*blk) for blk in blocks))
+    proj = _LoraProj(a.data_ptr(), bt.data_ptr(), r, ctypes.addressof(table), len(blocks))
+    slots = torch.randint(-1, slots_count, (tokens,), generator=gen, dtype=torch.int32)
+    order = torch.argsort(slots, stable=True)[int((slots < 0).sum()):].to(torch.int32)
+    x = torch.randn(tokens, k, generator=gen).bfloat16()
+    out = torch.randn(tokens, n, generator=gen).bfloat16()
+    expected = out.clone()
+    for t, s in enumerate(slots.tolist()):
+        if s < 0:
+            continue
+        h = a[s].float() @ x[t].float()
+        for column, width, row, rk in blocks:
+            delta = h[row : row + rk] @ bt[s, row : row + rk, column : column + width].float()
+            expected[t, column : column + width] += delta.bfloat16()
+    lib.lora_add_bf16(ctypes.byref(proj), order.data_ptr(), order.numel(), slots.data_ptr(),
+                      x.data_ptr(), k, out.data_ptr(), n, 2)
+    torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)
+    assert torch.equal(out[slots < 0], expected[slots < 0])
+    assert torch.equal(out[:, :5], expected[:, :5]) and torch.equal(out[:, -10:], expected[:, -10:])

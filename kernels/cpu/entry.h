@@ -25,8 +25,8 @@ struct LoraBlock {
   int column, width, row, rank;
 };
 struct LoraProj {
-  const float* a;  // or null: no adapter targets this projection
-  const float* bt;
+  const uint16_t* a;  // bf16, or null: no adapter targets this projection
+  const uint16_t* bt;
   int r;
   const LoraBlock* blocks;
   int num_blocks;

@@ -194,9 +194,10 @@ class LoraPool:
     that adapters may have share one A [slots, n * rank, in] (their A's stacked: one shrink
     for all of them) and one B, held transposed as bt [slots, n * rank, out]
     (block-diagonal: each target's B at its own columns of the fused output, so one expand
-    writes them all); zero past an adapter's own rank and for targets it leaves alone. On
-    the CPU they are float32 (torch's bfloat16 products of these thin shapes are 2-4x
-    slower), on a GPU the model's dtype.
+    writes them all); zero past an adapter's own rank and for targets it leaves alone. They
+    are held in the model's dtype (float32 for float16 on the CPU) and multiplied in float32
+    on the CPU: a step reads every adapter it serves, so halving their bytes for a bfloat16
+    model is what serving many of them costs less by.
 
     A slot is taken for an adapter when a request for it is admitted and given back when
     the last one leaves; an adapter stays in its slot until the slot is needed again (least
@@ -218,7 +219,7 @@ class LoraPool:
         self.rank = max_rank or max(a.rank for a in adapters.values())
         self.targets = targets or {t for a in adapters.values() for t in a.targets}
         shapes = target_shapes(cfg)
-        if device.type == "cpu":
+        if device.type == "cpu" and dtype != torch.bfloat16:
             dtype = torch.float32
         # Each target's place: its fused projection, its A rows' start, its output columns.
         self.places: dict[str, tuple[str, int, int, int]] = {}
@@ -366,11 +367,12 @@ class LoraBatch:
             lora_add(x, a, bt.transpose(1, 2), self.token_slots, out, self.aligned,
                      KERNEL_BLOCK_M)
             return
-        x = x.to(a.dtype)
+        # float32: torch's bfloat16 products of these thin shapes are 2-4x slower on the CPU.
+        x = x.float()
         if len(self.groups) == 1 and self.groups[0][1].numel() == x.shape[0]:
             slot = self.groups[0][0]  # one adapter for every token: no gather, no scatter
-            out += ((x @ a[slot].T) @ bt[slot]).to(out.dtype)
+            out += ((x @ a[slot].T.float()) @ bt[slot].float()).to(out.dtype)
             return
         for slot, rows in self.groups:
-            delta = (x.index_select(0, rows) @ a[slot].T) @ bt[slot]
+            delta = (x.index_select(0, rows) @ a[slot].T.float()) @ bt[slot].float()
             out.index_add_(0, rows, delta.to(out.dtype))
