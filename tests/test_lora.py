@@ -1,5 +1,5 @@
 """LoRA adapters served over one base model: each request's output equals the adapter
-merged into the weights, adapters and the base mixed in one batch, the prefix cache kept
+merged into the weights by `peft`, adapters and the base mixed in one batch, the prefix cache kept
 apart per adapter, and what cannot be served refused by name."""
 
 from __future__ import annotations
@@ -47,11 +47,6 @@ def _block(target: str) -> str:
     return "mlp" if target in ("gate_proj", "up_proj", "down_proj") else "self_attn"
 
 
-def _scale(config: dict, target: str, rank: int) -> float:
-    alpha = config.get("alpha_pattern", {}).get(target, config["lora_alpha"])
-    return alpha / rank ** 0.5 if config.get("use_rslora") else alpha / rank
-
-
 def save_adapter(path: Path, config: dict, ranks: dict[str, int], seed: int) -> Path:
     """A PEFT adapter folder with random A and B (B is trained away from zero)."""
     path.mkdir(parents=True, exist_ok=True)
@@ -69,20 +64,14 @@ def save_adapter(path: Path, config: dict, ranks: dict[str, int], seed: int) -> 
     return path
 
 
-def save_merged(base: Path, adapter: Path, config: dict, path: Path) -> Path:
-    """The base model with the adapter merged into its weights: W + scale * B @ A."""
-    path.mkdir(parents=True, exist_ok=True)
-    weights = load_file(str(base / "model.safetensors"))
-    lora = load_file(str(adapter / "adapter_model.safetensors"))
-    for key, a in lora.items():
-        if ".lora_A." not in key:
-            continue
-        b = lora[key.replace(".lora_A.", ".lora_B.")]
-        target = key.split(".")[-3]
-        name = key.removeprefix("base_model.model.").replace(".lora_A.weight", ".weight")
-        weights[name] = weights[name] + _scale(config, target, a.shape[0]) * (b @ a)
-    save_file(weights, str(path / "model.safetensors"))
-    (path / "config.json").write_text((base / "config.json").read_text())
+def save_merged(base: Path, adapter: Path, path: Path) -> Path:
+    """The base model with the adapter merged into its weights by `peft`."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
+    merged = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload()
+    merged.save_pretrained(str(path))
     save_word_tokenizer(path)
     return path
 
@@ -95,7 +84,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     out = {"base": base}
     for seed, (name, (config, ranks)) in enumerate(ADAPTERS.items()):
         out[name] = save_adapter(root / name, config, ranks, seed + 1)
-        out[f"merged-{name}"] = save_merged(base, out[name], config, root / f"merged-{name}")
+        out[f"merged-{name}"] = save_merged(base, out[name], root / f"merged-{name}")
     return out
 
 
