@@ -150,6 +150,7 @@ def batch_to_proto(batch: StepBatch) -> wpb.StepBatch:
                 top_logprobs_num=n.logprobs.top_logprobs_num,
                 logprob_start_len=n.logprobs.logprob_start_len,
                 lora=n.lora,
+                pooling=n.pooling,
             )
             for n in batch.new_requests
         ],
@@ -197,6 +198,7 @@ def batch_from_proto(msg: wpb.StepBatch) -> StepBatch:
                 n.sampling.seed,
                 LogprobRequest(n.return_logprob, n.top_logprobs_num, n.logprob_start_len),
                 n.lora,
+                n.pooling,
             )
             for n in msg.new_requests
         ],
@@ -242,6 +244,7 @@ def result_to_proto(result: StepResult) -> wpb.StepResult:
                 accepted_ids=r.accepted_ids,
                 accepted_logprobs=r.accepted_logprobs,
                 accepted_top_logprobs=[_top_to_proto(t) for t in r.accepted_top_logprobs],
+                embedding=r.embedding,
             )
             for r in result.results
         ],
@@ -277,6 +280,7 @@ def result_from_proto(msg: wpb.StepResult) -> StepResult:
                 list(r.accepted_ids),
                 list(r.accepted_logprobs),
                 [_top_from_proto(t) for t in r.accepted_top_logprobs],
+                list(r.embedding),
             )
             for r in msg.results
         ],

@@ -104,7 +104,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., min_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., json_schema: _Optional[str] = ..., regex: _Optional[str] = ..., ebnf: _Optional[str] = ..., structural_tag: _Optional[str] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., max_new_tokens: _Optional[int] = ...) -> None: ...
 
 class NewRequest(_message.Message):
-    __slots__ = ("rid", "row", "prefix_ids", "prefix_slots", "prompt_len", "sampling", "top_logprobs_num", "return_logprob", "logprob_start_len", "lora")
+    __slots__ = ("rid", "row", "prefix_ids", "prefix_slots", "prompt_len", "sampling", "top_logprobs_num", "return_logprob", "logprob_start_len", "lora", "pooling")
     RID_FIELD_NUMBER: _ClassVar[int]
     ROW_FIELD_NUMBER: _ClassVar[int]
     PREFIX_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -115,6 +115,7 @@ class NewRequest(_message.Message):
     RETURN_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_START_LEN_FIELD_NUMBER: _ClassVar[int]
     LORA_FIELD_NUMBER: _ClassVar[int]
+    POOLING_FIELD_NUMBER: _ClassVar[int]
     rid: str
     row: int
     prefix_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -125,7 +126,8 @@ class NewRequest(_message.Message):
     return_logprob: bool
     logprob_start_len: int
     lora: str
-    def __init__(self, rid: _Optional[str] = ..., row: _Optional[int] = ..., prefix_ids: _Optional[_Iterable[int]] = ..., prefix_slots: _Optional[_Iterable[int]] = ..., prompt_len: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., top_logprobs_num: _Optional[int] = ..., return_logprob: _Optional[bool] = ..., logprob_start_len: _Optional[int] = ..., lora: _Optional[str] = ...) -> None: ...
+    pooling: str
+    def __init__(self, rid: _Optional[str] = ..., row: _Optional[int] = ..., prefix_ids: _Optional[_Iterable[int]] = ..., prefix_slots: _Optional[_Iterable[int]] = ..., prompt_len: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., top_logprobs_num: _Optional[int] = ..., return_logprob: _Optional[bool] = ..., logprob_start_len: _Optional[int] = ..., lora: _Optional[str] = ..., pooling: _Optional[str] = ...) -> None: ...
 
 class StepEntry(_message.Message):
     __slots__ = ("rid", "input_ids", "slots", "sample", "draft", "draft_parents")
@@ -304,7 +306,7 @@ class TopLogprobs(_message.Message):
     def __init__(self, items: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class EntryResult(_message.Message):
-    __slots__ = ("rid", "token_id", "logprob", "top_logprobs", "input_logprobs_start", "input_logprobs", "input_top_logprobs", "forced_ids", "accepted_ids", "accepted_logprobs", "accepted_top_logprobs")
+    __slots__ = ("rid", "token_id", "logprob", "top_logprobs", "input_logprobs_start", "input_logprobs", "input_top_logprobs", "forced_ids", "accepted_ids", "accepted_logprobs", "accepted_top_logprobs", "embedding")
     RID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
@@ -316,6 +318,7 @@ class EntryResult(_message.Message):
     ACCEPTED_IDS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_FIELD_NUMBER: _ClassVar[int]
     rid: str
     token_id: int
     logprob: float
@@ -327,7 +330,8 @@ class EntryResult(_message.Message):
     accepted_ids: _containers.RepeatedScalarFieldContainer[int]
     accepted_logprobs: _containers.RepeatedScalarFieldContainer[float]
     accepted_top_logprobs: _containers.RepeatedCompositeFieldContainer[TopLogprobs]
-    def __init__(self, rid: _Optional[str] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Union[TopLogprobs, _Mapping]] = ..., input_logprobs_start: _Optional[int] = ..., input_logprobs: _Optional[_Iterable[float]] = ..., input_top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ..., forced_ids: _Optional[_Iterable[int]] = ..., accepted_ids: _Optional[_Iterable[int]] = ..., accepted_logprobs: _Optional[_Iterable[float]] = ..., accepted_top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ...) -> None: ...
+    embedding: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, rid: _Optional[str] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Union[TopLogprobs, _Mapping]] = ..., input_logprobs_start: _Optional[int] = ..., input_logprobs: _Optional[_Iterable[float]] = ..., input_top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ..., forced_ids: _Optional[_Iterable[int]] = ..., accepted_ids: _Optional[_Iterable[int]] = ..., accepted_logprobs: _Optional[_Iterable[float]] = ..., accepted_top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ..., embedding: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class StepResult(_message.Message):
     __slots__ = ("step", "results", "forward_ms", "copies_done", "grammars_ready", "grammars_failed", "sends_done", "decode_tokens")

@@ -20,6 +20,7 @@ from radixmesh.core.finish import FinishKind, FinishReason
 from radixmesh.core.hicache import DEFAULT_NATS_URL, KVGeometry, shm_root
 from radixmesh.core.model_files import model_fingerprint, served_name
 from radixmesh.core.model_info import model_info, model_shape
+from radixmesh.core.pooling import model_pooling
 from radixmesh.core.request import FieldNames, ModelLimits, build_request
 from radixmesh.core.sampling_params import LogprobRequest
 from radixmesh.core.settings import EngineArgs
@@ -104,6 +105,8 @@ class Engine:
         assert path is not None
         self.tokenizer = Tokenizer.from_path(str(path))
         self.model_config = loaded = self.runner.config
+        # An embedding model's pooling (encode); None: the model generates.
+        self.pooling = model_pooling(path, a.is_embedding)
         self.scheduler = Scheduler(replace(
             SchedulerConfig.from_settings(
                 a,
@@ -178,6 +181,9 @@ class Engine:
                              "of prompts")
         if stream and batched:
             raise ValueError("stream=True takes a single prompt")
+        if self.pooling is not None:
+            raise ValueError("this is an embedding model: encode embeds prompts, it does not "
+                             "generate")
         logprobs = LogprobRequest(return_logprob, top_logprobs_num, logprob_start_len)
         reqs = [
             self._make_req(p, sp, logprobs, cache_salt, priority, r, lora)
@@ -187,6 +193,40 @@ class Engine:
         if stream:
             return streams[0].chunks()
         results = [s.result() for s in streams]
+        return results if batched else results[0]
+
+    def encode(
+        self,
+        prompt: str | list[str] | None = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+        dimensions: int | None = None,
+        cache_salt: str | None = None,
+        rid: str | list[str] | None = None,
+    ) -> dict[str, Any] | list[dict[str, Any]]:
+        """Embed one prompt (a dict back: embedding and meta_info) or a list of prompts as
+        one batch (a list back), on an embedding model (is_embedding, or a checkpoint that
+        declares its pooling); `dimensions` keeps each vector's first values (Matryoshka)
+        before it is normalized."""
+        pooling = self.pooling
+        if pooling is None:
+            raise ValueError("this model generates: start it with is_embedding=True to embed")
+        batched = isinstance(prompt, list) or (
+            isinstance(input_ids, list) and bool(input_ids) and isinstance(input_ids[0], list)
+        )
+        prompts = _as_list(prompt, input_ids, batched)
+        size = pooling.check_dimensions(dimensions, self.model_config.hidden_size)
+        rids = rid if isinstance(rid, list) else [rid] * len(prompts)
+        if len(rids) != len(prompts):
+            raise ValueError("a rid list must match the number of prompts")
+        reqs = [self._make_req(p, {"max_new_tokens": 0}, LogprobRequest(), cache_salt, 0, r,
+                               pooling=pooling.kind) for p, r in zip(prompts, rids, strict=True)]
+        streams = [self._submit(req, False) for req in reqs]
+        results = []
+        for stream in streams:
+            meta = stream.result()["meta_info"]
+            assert stream.req.embedding is not None
+            results.append({"embedding": pooling.finish(stream.req.embedding, size),
+                            "meta_info": meta})
         return results if batched else results[0]
 
     def abort(self, rid: str) -> None:
@@ -224,7 +264,7 @@ class Engine:
         architecture and experts."""
         path = self.model_path
         return model_info(str(path), served_name(path), model_shape(self.model_config),
-                          self.tokenizer, self.limits.lora_names)
+                          self.tokenizer, self.limits.lora_names, self.pooling is None)
 
     def server_info(self) -> dict[str, Any]:
         """Pool and cache occupancy, read consistently between steps, how the weights are
@@ -263,6 +303,7 @@ class Engine:
         priority: int,
         rid: str | None,
         lora_path: str | None = None,
+        pooling: str = "",
     ) -> Req:
         """The engine's request, checked as every front door of the mesh checks it."""
         if isinstance(prompt, str):
@@ -271,6 +312,8 @@ class Engine:
             ids, names = list(prompt), FieldNames()
         request = build_request(self.limits, rid or uuid.uuid4().hex, ids, sampling, logprobs,
                                 cache_salt, priority, names, lora_path)
+        if pooling:
+            request = replace(request, pooling=pooling)
         seed = request.params.seed
         return Req.from_request(request, self._rng.getrandbits(63) if seed is None else seed)
 

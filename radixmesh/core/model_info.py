@@ -21,16 +21,18 @@ def model_shape(source: object) -> dict[str, Any]:
 
 
 def model_info(model_path: str, served_model_name: str, shape: dict[str, Any],
-               tokenizer: Tokenizer, lora_adapters: Iterable[str] = ()) -> dict[str, Any]:
+               tokenizer: Tokenizer, lora_adapters: Iterable[str] = (),
+               is_generation: bool = True) -> dict[str, Any]:
     """The /get_model_info answer: SGLang's keys (what its frontend reads to pick a chat
-    template), the model's shape and its LoRA adapters, then its chat template and the
+    template; is_generation false for an embedding model), the model's shape and its LoRA
+    adapters, then its chat template and the
     tokens the template reads, so that radixmesh.lang renders role messages exactly as chat
     requests are."""
     return {
         "model_path": model_path,
         "tokenizer_path": model_path,
         "served_model_name": served_model_name,
-        "is_generation": True,
+        "is_generation": is_generation,
         "preferred_sampling_params": None,
         **shape,
         "lora_adapters": sorted(lora_adapters),

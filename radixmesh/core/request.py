@@ -63,6 +63,8 @@ class GenerationRequest:
     cache_salt: str | None = None
     priority: int = 0
     lora_path: str | None = None  # the LoRA adapter it runs with; None: the base model
+    # Embedding: its prompt pooled by this kind (core.pooling) instead of generated from.
+    pooling: str = ""
 
 
 def cache_namespace(cache_salt: str | None, lora_path: str | None) -> str | None:

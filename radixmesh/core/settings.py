@@ -101,6 +101,12 @@ class ModelSettings(Settings):
         None,
         help="the branch, tag or commit of a Hugging Face Hub model_path to load; empty: main",
     )
+    is_embedding: bool = setting(
+        False,
+        help="serve the model as an embedding model (/v1/embeddings, /encode): prompts pooled "
+        "as its sentence-transformers config says, else by their last token, and not "
+        "generated from; also chosen when the checkpoint declares a pooling",
+    )
 
 
 @dataclass(frozen=True, kw_only=True)

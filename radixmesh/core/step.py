@@ -40,6 +40,9 @@ class NewRequest:
     seed: int
     logprobs: LogprobRequest = field(default_factory=LogprobRequest)
     lora: str = ""  # the LoRA adapter it runs with; empty: the base model
+    # Embedding: how its prompt's final hidden states are pooled (core.pooling's kinds),
+    # returned instead of a sampled token; empty: generation.
+    pooling: str = ""
 
 
 @dataclass(slots=True)
@@ -180,6 +183,8 @@ class EntryResult:
     accepted_ids: list[int] = field(default_factory=list)
     accepted_logprobs: list[float] = field(default_factory=list)
     accepted_top_logprobs: list[TopLogprobs] = field(default_factory=list)
+    # Embedding: the prompt's pooled final hidden state (float32), after its last chunk.
+    embedding: list[float] = field(default_factory=list)
 
 
 @dataclass(slots=True)

@@ -31,6 +31,10 @@ class Req:
     namespace: str | None = None  # radix tree (cache_salt, and its LoRA adapter's name)
     priority: int = 0
     lora: str = ""  # the LoRA adapter it runs with; empty: the base model
+    # Embedding: its prompt pooled by this kind (core.pooling) instead of generated from,
+    # and the pooled vector once computed.
+    pooling: str = ""
+    embedding: list[float] | None = None
     logprobs: LogprobRequest = field(default_factory=LogprobRequest)
     arrival: int = field(default_factory=lambda: next(_arrivals))
     output_ids: list[int] = field(default_factory=list)
@@ -75,6 +79,7 @@ class Req:
             priority=request.priority,
             logprobs=request.logprobs,
             lora=request.lora_path or "",
+            pooling=request.pooling,
         )
 
     @property
@@ -107,6 +112,7 @@ class Req:
             self.seed,
             logprobs,
             self.lora,
+            self.pooling,
         )
 
     @cached_property

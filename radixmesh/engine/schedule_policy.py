@@ -17,7 +17,11 @@ CACHE_AWARE_QUEUE_LIMIT = 128
 
 def match_key(req: Req) -> list[int]:
     """The tokens a request may take from the cache: all but the last (whose logits it needs),
-    and, when it still wants prompt logprobs, none from the first wanted position on."""
+    and, when it still wants prompt logprobs, none from the first wanted position on; none
+    for an embedding pooled over its first or every token (their hidden states are not
+    cached)."""
+    if req.pooling in ("mean", "cls"):
+        return []
     limit = req.num_tokens - 1
     if req.logprobs.return_logprob and req.logprobs.logprob_start_len >= 0 and not req.admitted:
         limit = min(limit, max(req.logprobs.logprob_start_len - 1, 0))

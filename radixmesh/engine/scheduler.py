@@ -427,13 +427,14 @@ class Scheduler:
             if out.input_logprobs:
                 req.input_logprobs.extend(out.input_logprobs)
                 req.input_top_logprobs.extend(out.input_top_logprobs)
-            if out.token_id < 0:
+            if out.token_id < 0 and not out.embedding:
                 continue
             req.pending -= 1
             if req.finish is not None:
                 self.settled(req)
                 continue  # a step run ahead past the finish; its token is dropped
-            if req.params.max_new_tokens == 0:  # prefill only: the sampled token is not wanted
+            if req.params.max_new_tokens == 0:  # prefill only (an embedding's too): no token
+                req.embedding = out.embedding or None
                 self.finish(req, FinishReason(FinishKind.LENGTH, 0))
                 continue
             reason = None

@@ -289,10 +289,14 @@ class ModelRunner:
         outs = result.results = [EntryResult(e.rid) for e in batch.entries]
         # Every rank broadcasts a token per plain decode and per sampling entry, void ones
         # included (as -1), and after a draft's token the accepted path (see _follow).
-        sampling = [i for i, e in enumerate(batch.entries) if e.sample]
+        pooled = [i for i, state in enumerate(step.states) if state.spec.pooling]
+        sampling = [i for i, e in enumerate(batch.entries) if e.sample and i not in pooled]
         if self.tp is not None and not self.tp.is_leader:
             self.sampler.follow(self.tp, step, sampling, batch.entries, outs, result)
             return None
+        for i in pooled:
+            _pool(step.states[i], hidden[step.q_starts[i] : step.q_starts[i] + step.q_lens[i]],
+                  batch.entries[i].sample, outs[i])
         for i, out in enumerate(outs):
             state = step.states[i]
             if state.spec.logprobs.return_logprob and state.spec.logprobs.logprob_start_len >= 0:
@@ -437,6 +441,22 @@ def load_runner(
             jump_forward=not settings.disable_jump_forward,
         )
     return runner
+
+
+def _pool(state: RequestState, rows: torch.Tensor, last_chunk: bool, out: EntryResult) -> None:
+    """An embedding request's prompt chunk: its final hidden states `rows` folded into the
+    pooled vector; after the last chunk, that vector is the request's result (mean and CLS
+    pooling compute the prompt from its first token: schedule_policy.match_key)."""
+    kind, rows = state.spec.pooling, rows.float()
+    if kind == "mean":
+        total = rows.sum(0)
+        state.pooled = total if state.pooled is None else state.pooled + total
+    elif kind == "cls" and state.pooled is None:
+        state.pooled = rows[0]
+    if last_chunk:
+        assert kind == "last" or state.pooled is not None
+        vector = rows[-1] if kind == "last" else state.pooled
+        out.embedding = (vector / state.spec.prompt_len if kind == "mean" else vector).tolist()
 
 
 def lora_pool(settings: LoraSettings, config: ModelConfig, dtype: torch.dtype,

@@ -44,6 +44,9 @@ class RequestState:
     jumped: bool = False
     # log-softmax of the last computed position, kept for the first token of the next chunk
     carry_logprobs: torch.Tensor | None = None
+    # Embedding: the final hidden states pooled so far (a sum for mean pooling, the first
+    # token's for CLS), float32
+    pooled: torch.Tensor | None = None
 
     @property
     def row(self) -> int:
