@@ -24,7 +24,7 @@ class DetokSpec(_message.Message):
     def __init__(self, stop: _Optional[_Iterable[str]] = ..., no_stop_trim: _Optional[bool] = ..., skip_special_tokens: _Optional[bool] = ..., min_new_tokens: _Optional[int] = ..., prompt_tail: _Optional[_Iterable[int]] = ..., spaces_between_special_tokens: _Optional[bool] = ...) -> None: ...
 
 class EngineRequest(_message.Message):
-    __slots__ = ("rid", "input_ids", "sampling", "cache_salt", "priority", "return_logprob", "top_logprobs_num", "logprob_start_len", "reply_to", "detok", "detok_context", "prefill_engine", "handoff", "lora_path")
+    __slots__ = ("rid", "input_ids", "sampling", "cache_salt", "priority", "return_logprob", "top_logprobs_num", "logprob_start_len", "reply_to", "detok", "detok_context", "prefill_engine", "handoff", "lora_path", "pooling")
     RID_FIELD_NUMBER: _ClassVar[int]
     INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -39,6 +39,7 @@ class EngineRequest(_message.Message):
     PREFILL_ENGINE_FIELD_NUMBER: _ClassVar[int]
     HANDOFF_FIELD_NUMBER: _ClassVar[int]
     LORA_PATH_FIELD_NUMBER: _ClassVar[int]
+    POOLING_FIELD_NUMBER: _ClassVar[int]
     rid: str
     input_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _worker_pb2.SamplingParams
@@ -53,7 +54,8 @@ class EngineRequest(_message.Message):
     prefill_engine: str
     handoff: KVHandoff
     lora_path: str
-    def __init__(self, rid: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_worker_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., priority: _Optional[int] = ..., return_logprob: _Optional[bool] = ..., top_logprobs_num: _Optional[int] = ..., logprob_start_len: _Optional[int] = ..., reply_to: _Optional[str] = ..., detok: _Optional[_Union[DetokSpec, _Mapping]] = ..., detok_context: _Optional[int] = ..., prefill_engine: _Optional[str] = ..., handoff: _Optional[_Union[KVHandoff, _Mapping]] = ..., lora_path: _Optional[str] = ...) -> None: ...
+    pooling: str
+    def __init__(self, rid: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_worker_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., priority: _Optional[int] = ..., return_logprob: _Optional[bool] = ..., top_logprobs_num: _Optional[int] = ..., logprob_start_len: _Optional[int] = ..., reply_to: _Optional[str] = ..., detok: _Optional[_Union[DetokSpec, _Mapping]] = ..., detok_context: _Optional[int] = ..., prefill_engine: _Optional[str] = ..., handoff: _Optional[_Union[KVHandoff, _Mapping]] = ..., lora_path: _Optional[str] = ..., pooling: _Optional[str] = ...) -> None: ...
 
 class KVHandoff(_message.Message):
     __slots__ = ("decode_engine", "start", "dest_slots", "dest_workers", "dest_host", "key")
@@ -222,7 +224,7 @@ class TokenStep(_message.Message):
     def __init__(self, updates: _Optional[_Iterable[_Union[TokenUpdate, _Mapping]]] = ..., packed: _Optional[_Union[PackedUpdates, _Mapping]] = ..., engine_id: _Optional[str] = ...) -> None: ...
 
 class TextChunk(_message.Message):
-    __slots__ = ("rid", "seq", "text", "output_ids", "finish", "prompt_tokens", "cached_tokens", "cached_host_tokens", "cached_storage_tokens", "spec_verify_ct", "spec_accepted_tokens", "completion_tokens", "logprobs", "engine_id", "transfer")
+    __slots__ = ("rid", "seq", "text", "output_ids", "finish", "prompt_tokens", "cached_tokens", "cached_host_tokens", "cached_storage_tokens", "spec_verify_ct", "spec_accepted_tokens", "completion_tokens", "logprobs", "engine_id", "transfer", "embedding")
     RID_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -238,6 +240,7 @@ class TextChunk(_message.Message):
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_FIELD_NUMBER: _ClassVar[int]
     rid: str
     seq: int
     text: str
@@ -253,7 +256,8 @@ class TextChunk(_message.Message):
     logprobs: Logprobs
     engine_id: str
     transfer: Transfer
-    def __init__(self, rid: _Optional[str] = ..., seq: _Optional[int] = ..., text: _Optional[str] = ..., output_ids: _Optional[_Iterable[int]] = ..., finish: _Optional[_Union[Finish, _Mapping]] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., cached_host_tokens: _Optional[int] = ..., cached_storage_tokens: _Optional[int] = ..., spec_verify_ct: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., logprobs: _Optional[_Union[Logprobs, _Mapping]] = ..., engine_id: _Optional[str] = ..., transfer: _Optional[_Union[Transfer, _Mapping]] = ...) -> None: ...
+    embedding: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, rid: _Optional[str] = ..., seq: _Optional[int] = ..., text: _Optional[str] = ..., output_ids: _Optional[_Iterable[int]] = ..., finish: _Optional[_Union[Finish, _Mapping]] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., cached_host_tokens: _Optional[int] = ..., cached_storage_tokens: _Optional[int] = ..., spec_verify_ct: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., logprobs: _Optional[_Union[Logprobs, _Mapping]] = ..., engine_id: _Optional[str] = ..., transfer: _Optional[_Union[Transfer, _Mapping]] = ..., embedding: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class PackedChunks(_message.Message):
     __slots__ = ("rids", "seqs", "texts", "id_lens", "ids", "completion_tokens")
@@ -280,7 +284,7 @@ class TextChunks(_message.Message):
     def __init__(self, chunks: _Optional[_Iterable[_Union[TextChunk, _Mapping]]] = ..., packed: _Optional[_Union[PackedChunks, _Mapping]] = ...) -> None: ...
 
 class EngineStatus(_message.Message):
-    __slots__ = ("engine_id", "running", "waiting", "num_slots", "free_slots", "cached_tokens", "context_length", "vocab_size", "model_path", "uptime_s", "down", "instance", "architecture", "num_experts", "num_experts_per_tok", "role", "lora_names")
+    __slots__ = ("engine_id", "running", "waiting", "num_slots", "free_slots", "cached_tokens", "context_length", "vocab_size", "model_path", "uptime_s", "down", "instance", "architecture", "num_experts", "num_experts_per_tok", "role", "lora_names", "hidden_size")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -298,6 +302,7 @@ class EngineStatus(_message.Message):
     NUM_EXPERTS_PER_TOK_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     LORA_NAMES_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     running: int
     waiting: int
@@ -315,7 +320,8 @@ class EngineStatus(_message.Message):
     num_experts_per_tok: int
     role: str
     lora_names: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, engine_id: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., num_slots: _Optional[int] = ..., free_slots: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., model_path: _Optional[str] = ..., uptime_s: _Optional[float] = ..., down: _Optional[bool] = ..., instance: _Optional[str] = ..., architecture: _Optional[str] = ..., num_experts: _Optional[int] = ..., num_experts_per_tok: _Optional[int] = ..., role: _Optional[str] = ..., lora_names: _Optional[_Iterable[str]] = ...) -> None: ...
+    hidden_size: int
+    def __init__(self, engine_id: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., num_slots: _Optional[int] = ..., free_slots: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., model_path: _Optional[str] = ..., uptime_s: _Optional[float] = ..., down: _Optional[bool] = ..., instance: _Optional[str] = ..., architecture: _Optional[str] = ..., num_experts: _Optional[int] = ..., num_experts_per_tok: _Optional[int] = ..., role: _Optional[str] = ..., lora_names: _Optional[_Iterable[str]] = ..., hidden_size: _Optional[int] = ...) -> None: ...
 
 class CacheEvent(_message.Message):
     __slots__ = ("engine_id", "inserted", "flushed")

@@ -21,7 +21,7 @@ from radixmesh.core.hicache import DEFAULT_NATS_URL, KVGeometry, shm_root
 from radixmesh.core.model_files import model_fingerprint, served_name
 from radixmesh.core.model_info import model_info, model_shape
 from radixmesh.core.pooling import model_pooling
-from radixmesh.core.request import FieldNames, ModelLimits, build_request
+from radixmesh.core.request import FieldNames, ModelLimits, RequestError, build_request
 from radixmesh.core.sampling_params import LogprobRequest
 from radixmesh.core.settings import EngineArgs
 from radixmesh.core.step import StepResult
@@ -121,7 +121,8 @@ class Engine:
         ))
         self.context_length = self.scheduler.config.context_length
         self.limits = ModelLimits(self.context_length, loaded.vocab_size, a.grammar_backend,
-                                  lora_names=self.scheduler.config.lora_names)
+                                  lora_names=self.scheduler.config.lora_names,
+                                  embedding=self.pooling is not None)
         self._rng = random.Random(a.random_seed)
         self._streams = _Streams(self.scheduler)
         self.loop = EngineLoop(
@@ -181,9 +182,6 @@ class Engine:
                              "of prompts")
         if stream and batched:
             raise ValueError("stream=True takes a single prompt")
-        if self.pooling is not None:
-            raise ValueError("this is an embedding model: encode embeds prompts, it does not "
-                             "generate")
         logprobs = LogprobRequest(return_logprob, top_logprobs_num, logprob_start_len)
         reqs = [
             self._make_req(p, sp, logprobs, cache_salt, priority, r, lora)
@@ -209,7 +207,8 @@ class Engine:
         before it is normalized."""
         pooling = self.pooling
         if pooling is None:
-            raise ValueError("this model generates: start it with is_embedding=True to embed")
+            raise RequestError("this model generates: start it with is_embedding=True to "
+                               "embed prompts")
         batched = isinstance(prompt, list) or (
             isinstance(input_ids, list) and bool(input_ids) and isinstance(input_ids[0], list)
         )
@@ -311,9 +310,7 @@ class Engine:
         else:
             ids, names = list(prompt), FieldNames()
         request = build_request(self.limits, rid or uuid.uuid4().hex, ids, sampling, logprobs,
-                                cache_salt, priority, names, lora_path)
-        if pooling:
-            request = replace(request, pooling=pooling)
+                                cache_salt, priority, names, lora_path, pooling)
         seed = request.params.seed
         return Req.from_request(request, self._rng.getrandbits(63) if seed is None else seed)
 

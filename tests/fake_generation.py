@@ -38,6 +38,8 @@ class FakeGenerationClient:
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.grammar_backend = "xgrammar"
+        self.pooling = None
+        self.hidden_size = 0
         self._context_length = context_length
         self.reply_for: Callable[[GenerationRequest], str] = lambda _: REPLY
         self.requests: list[GenerationRequest] = []

@@ -11,12 +11,13 @@ if TYPE_CHECKING:
 
 # The model's shape as users see it: attributes named alike on the worker's ModelConfig, its
 # WorkerInfo, the engine's EngineStatus heartbeat and the tokenizer's record of it.
-MODEL_SHAPE = ("architecture", "num_experts", "num_experts_per_tok")
+MODEL_SHAPE = ("architecture", "num_experts", "num_experts_per_tok", "hidden_size")
 
 
 def model_shape(source: object) -> dict[str, Any]:
-    """The MODEL_SHAPE attributes of `source`: the model family and, for a mixture of
-    experts, the experts per sparse layer and per token (0 and 0 for a dense model)."""
+    """The MODEL_SHAPE attributes of `source`: the model family, for a mixture of experts
+    the experts per sparse layer and per token (0 and 0 for a dense model), and the width
+    of its final hidden states (an embedding's dimensions)."""
     return {name: getattr(source, name) for name in MODEL_SHAPE}
 
 

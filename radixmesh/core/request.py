@@ -39,6 +39,7 @@ class ModelLimits:
     # door that loads no grammar library): only its form is checked here.
     compile_grammars: bool = True
     lora_names: frozenset[str] = frozenset()  # the LoRA adapters served
+    embedding: bool = False  # an embedding model: prompts are pooled, never generated from
 
 
 @dataclass(frozen=True)
@@ -90,10 +91,19 @@ def build_request(
     priority: int = 0,
     names: FieldNames = FieldNames(),
     lora_path: str | None = None,
+    pooling: str = "",
 ) -> GenerationRequest:
     """The one check of a request: its prompt ids, its sampling dict (SGLang's names; a
     missing max_new_tokens shrinks to what fits), the logprobs it wants and its length
-    against the context. Raises RequestError naming the field as `names` says."""
+    against the context; `pooling` makes it an embedding request (core.pooling), which only
+    an embedding model serves, and serves only those. Raises RequestError naming the field as
+    `names` says."""
+    if limits.embedding and not pooling:
+        raise RequestError("this server serves an embedding model: it embeds prompts "
+                           "(/v1/embeddings, /encode) and does not generate")
+    if pooling and not limits.embedding:
+        raise RequestError("this server's model generates: serve it with --is-embedding to "
+                           "embed prompts")
     _check_input_ids(input_ids, limits.vocab_size, names.prompt)
     # Every door carries it as a 32-bit integer (the mesh's wire form is int32).
     if not is_int(priority) or not -(2**31) <= priority < 2**31:
@@ -113,7 +123,7 @@ def build_request(
     wanted = _logprob_request(logprobs or LogprobRequest(), len(input_ids))
     _check_lora(lora_path, limits.lora_names)
     return GenerationRequest(rid, list(input_ids), params, wanted, cache_salt, priority,
-                             lora_path)
+                             lora_path, pooling)
 
 
 def _check_lora(lora_path: object, served: frozenset[str]) -> None:

@@ -33,6 +33,7 @@ def request_from_proto(msg: mpb.EngineRequest) -> Req:
         priority=msg.priority,
         logprobs=LogprobRequest(msg.return_logprob, msg.top_logprobs_num, msg.logprob_start_len),
         lora=msg.lora_path,
+        pooling=msg.pooling,
     )
     if msg.prefill_engine:
         req.transfer = Transfer(msg.prefill_engine)
@@ -276,6 +277,23 @@ class UpdateBuilder:
         route.seq += 1
         route.sent_outputs = end
         return update
+
+    def embedded(self, req: Req) -> tuple[str, mpb.TextChunk] | None:
+        """A finished embedding request's one chunk, with its vector, and its owner's subject:
+        nothing to detokenize, so it goes there directly."""
+        route = self._routes.pop(req, None)
+        if route is None or req.finish is None:
+            return None
+        return route.reply_to, mpb.TextChunk(
+            rid=req.rid,
+            finish=finish_to_proto(req.finish),
+            prompt_tokens=len(req.input_ids),
+            cached_tokens=req.cached_tokens,
+            cached_host_tokens=req.cached_host_tokens,
+            cached_storage_tokens=req.cached_storage_tokens,
+            engine_id=self.engine_id,
+            embedding=req.embedding or [],
+        )
 
     def refusal(self, req: Req, message: str, traceparent: str = "") -> mpb.TokenUpdate | None:
         """The one update of a request the scheduler could not take."""

@@ -69,6 +69,7 @@ class Publisher:
         step = StepMessage(self.engine_id, self._refused)
         self._refused = []
         cached = mpb.CacheEvent(engine_id=self.engine_id)
+        embedded: dict[str, mpb.TextChunks] = {}  # by owner
         for req in updated:
             if req.finish is not None:
                 self.metrics.ended(req.rid)
@@ -81,6 +82,13 @@ class Publisher:
             if req.finish is not None:
                 handoffs.ended(req)
             trace = self.traces.sent(req.rid, len(req.output_ids), req.finish, req.cached_tokens)
+            if req.embedding is not None and (chunk := self.updates.embedded(req)) is not None:
+                embedded.setdefault(chunk[0], mpb.TextChunks()).chunks.append(chunk[1])
+                self.metrics.update(True, len(req.input_ids), req.cached_tokens, 0,
+                                    req.finish.kind.value, req.cached_host_tokens,
+                                    req.cached_storage_tokens)
+                cached.inserted.add(cache_salt=req.namespace or "", token_ids=req.input_ids)
+                continue
             sent = self.updates.add(step, req, trace, self.link.down)
             if sent is None:
                 continue
@@ -101,6 +109,8 @@ class Publisher:
             await handoffs.send(sched)
             if step:
                 await self.nc.publish(subjects.DETOK, step.to_proto().SerializeToString())
+            for owner, chunks in embedded.items():
+                await self.nc.publish(owner, chunks.SerializeToString())
             if cached.inserted:
                 await self.nc.publish(
                     subjects.cache_events(self.engine_id), cached.SerializeToString()

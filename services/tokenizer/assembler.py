@@ -114,6 +114,7 @@ class ChunkAssembler:
             spec_verify_ct=chunk.spec_verify_ct,
             spec_accepted_tokens=chunk.spec_accepted_tokens,
             disaggregated=_disaggregated(chunk),
+            embedding=list(chunk.embedding) or None,
         )
         if chunk.HasField("logprobs"):  # only a request that asked has them
             logprobs = chunk.logprobs

@@ -26,6 +26,7 @@ from nats.aio.subscription import Subscription
 from nats.errors import Error as NatsError
 
 from radixmesh.core.detokenize import detok_context_size
+from radixmesh.core.pooling import Pooling
 from radixmesh.core.request import GenerationRequest
 from radixmesh.core.tokenizer import Tokenizer
 from radixmesh.mesh import subjects
@@ -107,10 +108,12 @@ class MeshClient:
         grammar_backend: str = "xgrammar",
         max_queued: int = 0,
         stall_timeout_s: float = 0.0,
+        pooling: Pooling | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.grammar_backend = grammar_backend
+        self.pooling = pooling
         self.metrics = metrics.TokenizerMetrics(model_name)
         self.replica_id = replica_id
         self.router = router or Router()
@@ -168,6 +171,11 @@ class MeshClient:
     def lora_names(self) -> frozenset[str]:
         """The LoRA adapters the engines serve."""
         return self.engines.lora_names
+
+    @property
+    def hidden_size(self) -> int:
+        """The model's hidden size, an embedding's dimensions (0 until an engine is known)."""
+        return self.engines.hidden_size
 
     @property
     def in_flight(self) -> int:
@@ -275,6 +283,7 @@ class MeshClient:
             sampling=sampling_to_proto(params, seed),
             cache_salt=request.cache_salt or "",
             lora_path=request.lora_path or "",
+            pooling=request.pooling,
             priority=request.priority,
             return_logprob=lp.return_logprob,
             top_logprobs_num=lp.top_logprobs_num,

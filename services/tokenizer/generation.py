@@ -10,6 +10,7 @@ from typing import Protocol
 
 from radixmesh.core.finish import FinishReason
 from radixmesh.core.meta_info import CachedTokens, Disaggregated, TokenLogprob
+from radixmesh.core.pooling import Pooling
 from radixmesh.core.request import GenerationRequest, ModelLimits
 from radixmesh.core.tokenizer import Tokenizer
 
@@ -39,6 +40,9 @@ class GenerationChunk:
     spec_accepted_tokens: int = 0
     # Prefill/decode disaggregation: the engines and the KV transfer (None: one engine).
     disaggregated: Disaggregated | None = None
+    # Embedding: the prompt's pooled final hidden state, as the engine computed it
+    # (normalized by the front door), with the finish.
+    embedding: list[float] | None = None
 
     def merge(self, later: GenerationChunk) -> None:
         """Take in the request's next chunk: one chunk for both, as if they came as one."""
@@ -56,6 +60,7 @@ class GenerationChunk:
         self.input_token_logprobs = later.input_token_logprobs
         self.input_top_logprobs = later.input_top_logprobs
         self.disaggregated = later.disaggregated or self.disaggregated
+        self.embedding = later.embedding or self.embedding
 
     @property
     def cached_tokens_details(self) -> CachedTokens:
@@ -89,6 +94,7 @@ class GenerationClient(Protocol):
     tokenizer: Tokenizer
     model_name: str  # what /v1/models lists and the `model` field must name
     grammar_backend: str  # the grammar_backend setting; "none": constraints are refused
+    pooling: Pooling | None  # an embedding model's; None: the model generates
 
     @property
     def context_length(self) -> int:
@@ -102,6 +108,10 @@ class GenerationClient(Protocol):
     def lora_names(self) -> frozenset[str]:
         """The LoRA adapters served, by name."""
 
+    @property
+    def hidden_size(self) -> int:
+        """The model's hidden size (0 while unknown)."""
+
 
     def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
         """Run a request; closing the iterator (or cancelling its task) early aborts it
@@ -112,4 +122,5 @@ class GenerationClient(Protocol):
 def model_limits(client: GenerationClient) -> ModelLimits:
     """What the client's requests are checked against (build_request)."""
     return ModelLimits(client.context_length, client.vocab_size, client.grammar_backend,
-                       compile_grammars=False, lora_names=client.lora_names)
+                       compile_grammars=False, lora_names=client.lora_names,
+                       embedding=client.pooling is not None)

@@ -255,7 +255,7 @@ class NativeApi:
         client = self.client
         return web.json_response(
             model_info(self.model_path, client.model_name, client.engines.model_shape,
-                       client.tokenizer, client.lora_names)
+                       client.tokenizer, client.lora_names, client.pooling is None)
         )
 
     async def server_info(self, _: web.Request) -> web.Response:

@@ -123,7 +123,8 @@ class OpenAIRoutes:
         client = self.client
         vocab_size = client.vocab_size or client.tokenizer.vocab_size
         return ServedModel(client.model_name, client.context_length, vocab_size,
-                           client.grammar_backend, *self._parsers, client.lora_names)
+                           client.grammar_backend, *self._parsers, client.lora_names,
+                           client.pooling is not None)
 
     async def _serve(
         self,

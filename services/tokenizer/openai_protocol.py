@@ -100,11 +100,13 @@ class ServedModel(NamedTuple):
     tool_call_parser: str | None = None  # how the model writes tool calls; None: unparsed
     reasoning_parser: str | None = None  # how the model marks its thinking; None: unparsed
     lora_names: frozenset[str] = frozenset()  # LoRA adapters a request's model may name
+    embedding: bool = False  # an embedding model: /v1/embeddings only
 
     @property
     def limits(self) -> ModelLimits:
         return ModelLimits(self.context_length, self.vocab_size, self.grammar_backend,
-                           compile_grammars=False, lora_names=self.lora_names)
+                           compile_grammars=False, lora_names=self.lora_names,
+                           embedding=self.embedding)
 
     def adapter(self, name: str | None) -> str | None:
         """The LoRA adapter a request's `model` names ("NAME" or "BASE:NAME"), None for the
@@ -165,7 +167,7 @@ def parse_completion(
     max_tokens = _get_int(body, "max_tokens", minimum=0)
     max_tokens = COMPLETION_MAX_TOKENS if max_tokens is None else max_tokens
     sampling = _sampling_fields(body, max_tokens)
-    prompts = _completion_prompts(body.get("prompt"), tokenizer)
+    prompts = prompt_ids(body.get("prompt"), tokenizer)
     # Echoed prompts with logprobs need the prompt's own logprobs, from its first token.
     logprobs = _logprob_request(top_logprobs, prompt_logprobs=echo)
     names = _names(body, "prompt", "max_tokens")
@@ -296,7 +298,8 @@ def _room_left(prompt_tokens: int, model: ServedModel) -> int:
     return max(model.context_length - prompt_tokens, 0)
 
 
-def _completion_prompts(prompt: Any, tokenizer: Tokenizer) -> list[tuple[list[int], str | None]]:
+def prompt_ids(prompt: Any, tokenizer: Tokenizer, field: str = "prompt"
+               ) -> list[tuple[list[int], str | None]]:
     """Each prompt's token ids, with its text when it came as text (build_request checks
     them against the vocabulary)."""
     if isinstance(prompt, str) or (
@@ -306,7 +309,7 @@ def _completion_prompts(prompt: Any, tokenizer: Tokenizer) -> list[tuple[list[in
     elif isinstance(prompt, list) and prompt:
         items = prompt
     else:
-        raise OpenAIError(f"prompt must be {_PROMPT_SHAPES}, got {prompt!r}", "prompt")
+        raise OpenAIError(f"{field} must be {_PROMPT_SHAPES}, got {prompt!r}", field)
     prompts: list[tuple[list[int], str | None]] = []
     for item in items:
         if isinstance(item, str):
@@ -314,9 +317,9 @@ def _completion_prompts(prompt: Any, tokenizer: Tokenizer) -> list[tuple[list[in
         elif isinstance(item, list) and all(is_int(t) for t in item):
             prompts.append((list(item), None))
         else:
-            raise OpenAIError(f"prompt must be {_PROMPT_SHAPES}, got {item!r}", "prompt")
+            raise OpenAIError(f"{field} must be {_PROMPT_SHAPES}, got {item!r}", field)
         if not prompts[-1][0]:
-            raise OpenAIError("prompt must not be empty", "prompt")
+            raise OpenAIError(f"{field} must not be empty", field)
     return prompts
 
 

@@ -297,6 +297,7 @@ class EngineStatus:
     num_experts: int = 0  # experts per sparse layer (0: a dense model)
     num_experts_per_tok: int = 0
     lora_names: tuple[str, ...] = ()  # the LoRA adapters it serves
+    hidden_size: int = 0  # the width of the model's final hidden states
 
 
 @dataclass
@@ -360,6 +361,12 @@ class EngineRegistry:
     def vocab_size(self) -> int:
         """The vocabulary size engines report (0 when none does)."""
         return next((e.status.vocab_size for e in self._engines.values() if e.status.vocab_size), 0)
+
+    @property
+    def hidden_size(self) -> int:
+        """The model's hidden size engines report (0 when none does)."""
+        return next((e.status.hidden_size for e in self._engines.values()
+                     if e.status.hidden_size), 0)
 
     def served(self, engine_id: str, lora_names: Sequence[str]) -> None:
         """The LoRA adapters an engine serves now (it said so before its next heartbeat)."""

@@ -14,11 +14,13 @@ from nats.aio.client import Client as NATS
 
 from radixmesh.core.flags import shown
 from radixmesh.core.model_files import resolve_model_path, served_name
+from radixmesh.core.pooling import model_pooling
 from radixmesh.core.service_settings import TokenizerServiceConfig
 from radixmesh.core.tokenizer import Tokenizer
 from radixmesh.mesh.service import connect_bus
 from radixmesh.services.tokenizer.auth import ApiKeyInterceptor, auth_middleware
 from radixmesh.services.tokenizer.client import MeshClient
+from radixmesh.services.tokenizer.embedding_api import EmbeddingRoutes
 from radixmesh.services.tokenizer.grpc_api import TRACED_RPCS, PublicPort
 from radixmesh.services.tokenizer.http_util import metrics_middleware
 from radixmesh.services.tokenizer.native_api import NativeApi
@@ -66,6 +68,7 @@ class TokenizerServer:
             grammar_backend=cfg.grammar_backend,
             max_queued=cfg.max_queued_requests,
             stall_timeout_s=cfg.stall_timeout,
+            pooling=await asyncio.to_thread(model_pooling, model_path, cfg.is_embedding),
         )
         await client.start()
 
@@ -75,6 +78,7 @@ class TokenizerServer:
         app = web.Application(middlewares=middlewares)
         NativeApi(client, str(model_path), public_args(cfg)).add_routes(app)
         add_openai_routes(app, client, cfg.tool_call_parser, cfg.reasoning_parser)
+        EmbeddingRoutes(client).add_routes(app)
         # Cancelling the handler of a client that hung up closes its generation, which
         # aborts the request on its engine.
         self._runner = web.AppRunner(
