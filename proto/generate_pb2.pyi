@@ -89,6 +89,36 @@ class TokenIds(_message.Message):
     ids: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
+class EmbedRequest(_message.Message):
+    __slots__ = ("text", "input_ids", "dimensions", "rid", "cache_salt", "lora_path")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
+    DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
+    RID_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    LORA_PATH_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    input_ids: TokenIds
+    dimensions: int
+    rid: str
+    cache_salt: str
+    lora_path: str
+    def __init__(self, text: _Optional[str] = ..., input_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., dimensions: _Optional[int] = ..., rid: _Optional[str] = ..., cache_salt: _Optional[str] = ..., lora_path: _Optional[str] = ...) -> None: ...
+
+class EmbedResponse(_message.Message):
+    __slots__ = ("rid", "embedding", "prompt_tokens", "cached_tokens", "cached_tokens_details")
+    RID_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_DETAILS_FIELD_NUMBER: _ClassVar[int]
+    rid: str
+    embedding: _containers.RepeatedScalarFieldContainer[float]
+    prompt_tokens: int
+    cached_tokens: int
+    cached_tokens_details: CachedTokensDetails
+    def __init__(self, rid: _Optional[str] = ..., embedding: _Optional[_Iterable[float]] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., cached_tokens_details: _Optional[_Union[CachedTokensDetails, _Mapping]] = ...) -> None: ...
+
 class TokenLogprobEntry(_message.Message):
     __slots__ = ("logprob", "token_id", "has_logprob")
     LOGPROB_FIELD_NUMBER: _ClassVar[int]

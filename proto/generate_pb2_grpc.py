@@ -39,6 +39,11 @@ class GenerateStub:
                 request_serializer=radixmesh_dot_proto_dot_generate__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=radixmesh_dot_proto_dot_generate__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/radixmesh.v1.Generate/Embed',
+                request_serializer=radixmesh_dot_proto_dot_generate__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=radixmesh_dot_proto_dot_generate__pb2.EmbedResponse.FromString,
+                _registered_method=True)
 
 
 class GenerateServicer:
@@ -50,6 +55,14 @@ class GenerateServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """One prompt's embedding, from a server that serves an embedding model (--is-embedding);
+        INVALID_ARGUMENT from one whose model generates.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerateServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -57,6 +70,11 @@ def add_GenerateServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=radixmesh_dot_proto_dot_generate__pb2.GenerateRequest.FromString,
                     response_serializer=radixmesh_dot_proto_dot_generate__pb2.GenerateResponse.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=radixmesh_dot_proto_dot_generate__pb2.EmbedRequest.FromString,
+                    response_serializer=radixmesh_dot_proto_dot_generate__pb2.EmbedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -86,6 +104,33 @@ class Generate:
             '/radixmesh.v1.Generate/Generate',
             radixmesh_dot_proto_dot_generate__pb2.GenerateRequest.SerializeToString,
             radixmesh_dot_proto_dot_generate__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/radixmesh.v1.Generate/Embed',
+            radixmesh_dot_proto_dot_generate__pb2.EmbedRequest.SerializeToString,
+            radixmesh_dot_proto_dot_generate__pb2.EmbedResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -5,10 +5,12 @@ once, and what an embedding server cannot do is refused with a 400 naming the fi
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import math
 from collections.abc import Iterator
 
+import grpc
 import httpx
 import openai
 import pytest
@@ -17,6 +19,8 @@ from process_helpers import running_mesh
 
 from radixmesh.api import Engine
 from radixmesh.launcher import Mesh
+from radixmesh.proto import generate_pb2 as gpb
+from radixmesh.proto import generate_pb2_grpc as ggrpc
 
 TEXTS = ["The capital of France is Paris.", "Embeddings map text to vectors.",
          "A cat sat on the mat."]
@@ -136,3 +140,20 @@ def test_bad_native_requests_get_a_400(client: httpx.Client):
     assert generate.status_code == 400 and "embedding model" in generate.text
     # Nothing refused above holds a slot; the server still embeds.
     assert client.post("/encode", json={"text": "still here"}).status_code == 200
+
+
+def test_grpc_embed(mesh: Mesh, engine: Engine):
+    async def call(request: gpb.EmbedRequest) -> gpb.EmbedResponse:
+        async with grpc.aio.insecure_channel(mesh.grpc_addrs[0]) as channel:
+            return await ggrpc.GenerateStub(channel).Embed(request)
+
+    answer = asyncio.run(call(gpb.EmbedRequest(text=TEXTS[1], rid="g-1", dimensions=32)))
+    assert answer.rid == "g-1" and answer.prompt_tokens == len(engine.tokenizer.encode(TEXTS[1]))
+    assert_close(list(answer.embedding), engine.encode(TEXTS[1], dimensions=32)["embedding"])
+    for bad, words in [(gpb.EmbedRequest(text="hi", dimensions=HIDDEN + 1), "dimensions"),
+                       (gpb.EmbedRequest(), "text or input_ids"),
+                       (gpb.EmbedRequest(input_ids=gpb.TokenIds(ids=[])), "input_ids")]:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            asyncio.run(call(bad))
+        assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+        assert words in (err.value.details() or "")

@@ -67,11 +67,12 @@ class EmbeddingRoutes:
                                   "encoding_format")
             if body.get("user") is not None and not isinstance(body["user"], str):
                 raise OpenAIError("user must be a string", "user")
-            pooling, dimensions = self._pooling(body.get("dimensions"))
+            pooling, dimensions = embedding_setup(client, body.get("dimensions"))
             prompts = prompt_ids(body.get("input"), client.tokenizer, "input")
             rid = f"embd-{uuid.uuid4().hex}"
-            requests = [self._request(f"{rid}-{i}", ids, pooling, FieldNames(prompt="input"),
-                                      adapter=adapter) for i, (ids, _) in enumerate(prompts)]
+            requests = [embedding_request(client, f"{rid}-{i}", ids, pooling,
+                                          FieldNames(prompt="input"), adapter=adapter)
+                        for i, (ids, _) in enumerate(prompts)]
         except (OpenAIError, RequestError) as exc:
             param = exc.param if isinstance(exc, OpenAIError) else exc.field
             return openai_api.error_response(str(exc), getattr(exc, "status", 400), param)
@@ -103,15 +104,16 @@ class EmbeddingRoutes:
         try:
             if not isinstance(body, dict):
                 raise RequestError("the body must be a JSON object")
-            pooling, dimensions = self._pooling(body.get("dimensions"))
+            pooling, dimensions = embedding_setup(self.client, body.get("dimensions"))
             prompts, listed, field = self._native_prompts(body)
             rids = _rids(body.get("rid"), len(prompts))
             cache_salt = body.get("cache_salt")
             if cache_salt is not None and not isinstance(cache_salt, str):
                 raise RequestError("cache_salt must be a string", "cache_salt")
             lora = body.get("lora_path")
-            requests = [self._request(rid, ids, pooling, FieldNames(prompt=field), cache_salt,
-                                      lora) for rid, ids in zip(rids, prompts, strict=True)]
+            requests = [embedding_request(self.client, rid, ids, pooling,
+                                          FieldNames(prompt=field), cache_salt, lora)
+                        for rid, ids in zip(rids, prompts, strict=True)]
         except RequestError as exc:
             return native_api.error_response(str(exc))
         try:
@@ -125,17 +127,6 @@ class EmbeddingRoutes:
                                    chunk.cached_tokens_details, latency),
         } for request, chunk in zip(requests, chunks, strict=True)]
         return json_answer(answers if listed else answers[0])
-
-    def _pooling(self, dimensions: object) -> tuple[Pooling, int | None]:
-        """The served model's pooling and the checked `dimensions`; RequestError where the
-        model generates."""
-        pooling = self.client.pooling
-        if pooling is None:
-            raise RequestError("this server's model generates: serve it with --is-embedding "
-                               "to embed prompts")
-        # Until an engine says how wide the model is, any positive width passes here.
-        hidden = self.client.hidden_size or 2**31 - 1
-        return pooling, pooling.check_dimensions(dimensions, hidden)
 
     def _native_prompts(self, body: dict[str, Any]) -> tuple[list[list[int]], bool, str]:
         """The prompts' ids, whether they came as a list, and the field they came in."""
@@ -156,12 +147,25 @@ class EmbeddingRoutes:
                                "input_ids")
         return [list(item) for item in items], listed, "input_ids"
 
-    def _request(self, rid: str, ids: list[int], pooling: Pooling, names: FieldNames,
-                 cache_salt: str | None = None, adapter: Any = None) -> GenerationRequest:
-        """A checked prefill-only request pooled as the model pools (build_request refuses
-        an adapter that is not served, by name)."""
-        return build_request(model_limits(self.client), rid, ids, {"max_new_tokens": 0},
-                             None, cache_salt, 0, names, adapter, pooling.kind)
+
+def embedding_setup(client: GenerationClient, dimensions: object) -> tuple[Pooling, int | None]:
+    """The served model's pooling and a request's checked `dimensions`; RequestError where
+    the model generates."""
+    pooling = client.pooling
+    if pooling is None:
+        raise RequestError("this server's model generates: serve it with --is-embedding to "
+                           "embed prompts")
+    # Until an engine says how wide the model is, any positive width passes here.
+    return pooling, pooling.check_dimensions(dimensions, client.hidden_size or 2**31 - 1)
+
+
+def embedding_request(client: GenerationClient, rid: str, ids: list[int], pooling: Pooling,
+                      names: FieldNames, cache_salt: str | None = None, adapter: Any = None
+                      ) -> GenerationRequest:
+    """A checked prefill-only request pooled as the model pools (build_request refuses an
+    adapter that is not served, by name)."""
+    return build_request(model_limits(client), rid, ids, {"max_new_tokens": 0}, None,
+                         cache_salt, 0, names, adapter, pooling.kind)
 
 
 async def embed(client: GenerationClient, requests: Sequence[GenerationRequest]

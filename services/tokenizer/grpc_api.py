@@ -1,6 +1,7 @@
-"""The public gRPC port: the Generate service (the fields of /generate, streamed back as
-deltas), the standard health service and server reflection, so that generic clients
-(grpcurl, grpc_health_probe, load balancers) need nothing but the port."""
+"""The public gRPC port: the Generate service (Generate: the fields of /generate, streamed
+back as deltas; Embed: one prompt's embedding, as /encode), the standard health service
+and server reflection, so that generic clients (grpcurl, grpc_health_probe, load
+balancers) need nothing but the port."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from radixmesh.core.sampling_params import LogprobRequest
 from radixmesh.proto import generate_pb2 as gpb
 from radixmesh.proto import generate_pb2_grpc as ggrpc
 from radixmesh.services.tokenizer import metrics
+from radixmesh.services.tokenizer.embedding_api import embed, embedding_request, embedding_setup
 from radixmesh.services.tokenizer.generation import (
     GenerationChunk,
     GenerationClient,
@@ -31,7 +33,8 @@ from radixmesh.services.tokenizer.request_trace import encode_traced
 
 SERVICE_NAME = gpb.DESCRIPTOR.services_by_name["Generate"].full_name
 _METHOD = f"/{SERVICE_NAME}/Generate"
-TRACED_RPCS = {_METHOD: _METHOD[1:]}
+_EMBED = f"/{SERVICE_NAME}/Embed"
+TRACED_RPCS = {_METHOD: _METHOD[1:], _EMBED: _EMBED[1:]}
 _ENDPOINT = f"grpc:{_METHOD}"
 _OPTIONAL_SAMPLING = (
     "max_new_tokens", "temperature", "top_p", "top_k", "min_p", "frequency_penalty",
@@ -131,15 +134,52 @@ class GenerateService(ggrpc.GenerateServicer):
         finally:
             metrics.REQUESTS.labels(_ENDPOINT, code.name).inc()
 
-    def _prepare(self, request: gpb.GenerateRequest) -> GenerationRequest:
-        rid = request.rid or uuid.uuid4().hex
+    async def Embed(  # noqa: N802 - the RPC's name
+        self, request: gpb.EmbedRequest, context: grpc.aio.ServicerContext
+    ) -> gpb.EmbedResponse:
+        """One prompt's embedding, as /encode gives it."""
+        code = grpc.StatusCode.OK
+        try:
+            rid = request.rid or uuid.uuid4().hex
+            try:
+                pooling, dimensions = embedding_setup(self.client, request.dimensions or None)
+                ids, field = self._prompt(request, rid)
+                job = embedding_request(self.client, rid, ids, pooling, FieldNames(prompt=field),
+                                        request.cache_salt or None, request.lora_path or None)
+                (chunk,) = await embed(self.client, [job])
+            except (ValueError, GenerationError) as exc:
+                code = (grpc.StatusCode.UNAVAILABLE if isinstance(exc, GenerationError)
+                        and exc.status != 400 else grpc.StatusCode.INVALID_ARGUMENT)
+                await context.abort(code, str(exc))
+            return gpb.EmbedResponse(
+                rid=rid, embedding=pooling.finish(chunk.embedding or [], dimensions),
+                prompt_tokens=chunk.prompt_tokens, cached_tokens=chunk.cached_tokens,
+                cached_tokens_details=gpb.CachedTokensDetails(
+                    **chunk.cached_tokens_details.to_dict()),
+            )
+        except asyncio.CancelledError:
+            code = grpc.StatusCode.CANCELLED
+            raise
+        except Exception:
+            if code is grpc.StatusCode.OK:
+                code = grpc.StatusCode.INTERNAL
+            raise
+        finally:
+            metrics.REQUESTS.labels(f"grpc:{_EMBED}", code.name).inc()
+
+    def _prompt(self, request: gpb.GenerateRequest | gpb.EmbedRequest, rid: str
+                ) -> tuple[list[int], str]:
+        """The prompt's ids and the field it came in."""
         which = request.WhichOneof("prompt")
         if which == "text":
-            ids, field = encode_traced(self.client.tokenizer, request.text, rid), "text"
-        elif which == "input_ids":
-            ids, field = list(request.input_ids.ids), "input_ids"
-        else:
-            raise ValueError("text or input_ids is required")
+            return encode_traced(self.client.tokenizer, request.text, rid), "text"
+        if which == "input_ids":
+            return list(request.input_ids.ids), "input_ids"
+        raise ValueError("text or input_ids is required")
+
+    def _prepare(self, request: gpb.GenerateRequest) -> GenerationRequest:
+        rid = request.rid or uuid.uuid4().hex
+        ids, field = self._prompt(request, rid)
         # Unset means "none" unless logprobs were asked for, where it means "from the start".
         start = request.logprob_start_len if request.return_logprob else -1
         return build_request(
