@@ -298,3 +298,16 @@ def test_workers_take_lora_adapters_from_the_hosts_environment(monkeypatch):
         config = from_environment(WorkerConfig)
         assert (config.enable_lora, config.lora_paths, config.max_loras_per_batch) == (
             enabled, paths, 8)
+
+
+def test_the_tokenizer_serves_embeddings_when_the_host_asks(monkeypatch):
+    from radixmesh.core.flags import from_environment
+    from radixmesh.core.service_settings import TokenizerServiceConfig
+
+    off = render()["services"]["tokenizer"]["environment"]
+    monkeypatch.setenv("RADIXMESH_IS_EMBEDDING", "true")
+    on = render()["services"]["tokenizer"]["environment"]
+    for env, wanted in [(off, False), (on, True)]:
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        assert from_environment(TokenizerServiceConfig).is_embedding is wanted
