@@ -151,6 +151,7 @@ def batch_to_proto(batch: StepBatch) -> wpb.StepBatch:
                 logprob_start_len=n.logprobs.logprob_start_len,
                 lora=n.lora,
                 pooling=n.pooling,
+                score_ids=n.score_ids,
             )
             for n in batch.new_requests
         ],
@@ -199,6 +200,7 @@ def batch_from_proto(msg: wpb.StepBatch) -> StepBatch:
                 LogprobRequest(n.return_logprob, n.top_logprobs_num, n.logprob_start_len),
                 n.lora,
                 n.pooling,
+                list(n.score_ids),
             )
             for n in msg.new_requests
         ],

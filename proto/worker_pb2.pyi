@@ -106,7 +106,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., min_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., json_schema: _Optional[str] = ..., regex: _Optional[str] = ..., ebnf: _Optional[str] = ..., structural_tag: _Optional[str] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., max_new_tokens: _Optional[int] = ...) -> None: ...
 
 class NewRequest(_message.Message):
-    __slots__ = ("rid", "row", "prefix_ids", "prefix_slots", "prompt_len", "sampling", "top_logprobs_num", "return_logprob", "logprob_start_len", "lora", "pooling")
+    __slots__ = ("rid", "row", "prefix_ids", "prefix_slots", "prompt_len", "sampling", "top_logprobs_num", "return_logprob", "logprob_start_len", "lora", "pooling", "score_ids")
     RID_FIELD_NUMBER: _ClassVar[int]
     ROW_FIELD_NUMBER: _ClassVar[int]
     PREFIX_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -118,6 +118,7 @@ class NewRequest(_message.Message):
     LOGPROB_START_LEN_FIELD_NUMBER: _ClassVar[int]
     LORA_FIELD_NUMBER: _ClassVar[int]
     POOLING_FIELD_NUMBER: _ClassVar[int]
+    SCORE_IDS_FIELD_NUMBER: _ClassVar[int]
     rid: str
     row: int
     prefix_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -129,7 +130,8 @@ class NewRequest(_message.Message):
     logprob_start_len: int
     lora: str
     pooling: str
-    def __init__(self, rid: _Optional[str] = ..., row: _Optional[int] = ..., prefix_ids: _Optional[_Iterable[int]] = ..., prefix_slots: _Optional[_Iterable[int]] = ..., prompt_len: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., top_logprobs_num: _Optional[int] = ..., return_logprob: _Optional[bool] = ..., logprob_start_len: _Optional[int] = ..., lora: _Optional[str] = ..., pooling: _Optional[str] = ...) -> None: ...
+    score_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, rid: _Optional[str] = ..., row: _Optional[int] = ..., prefix_ids: _Optional[_Iterable[int]] = ..., prefix_slots: _Optional[_Iterable[int]] = ..., prompt_len: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., top_logprobs_num: _Optional[int] = ..., return_logprob: _Optional[bool] = ..., logprob_start_len: _Optional[int] = ..., lora: _Optional[str] = ..., pooling: _Optional[str] = ..., score_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepEntry(_message.Message):
     __slots__ = ("rid", "input_ids", "slots", "sample", "draft", "draft_parents")

@@ -20,7 +20,12 @@ from radixmesh.core.finish import FinishKind, FinishReason
 from radixmesh.core.hicache import DEFAULT_NATS_URL, KVGeometry, shm_root
 from radixmesh.core.model_files import model_fingerprint, served_name
 from radixmesh.core.model_info import model_info, model_shape
-from radixmesh.core.pooling import model_pooling
+from radixmesh.core.pooling import (
+    model_pooling,
+    model_reranker,
+    ranked,
+    rerank_inputs,
+)
 from radixmesh.core.request import FieldNames, ModelLimits, RequestError, build_request
 from radixmesh.core.sampling_params import LogprobRequest
 from radixmesh.core.settings import EngineArgs
@@ -105,8 +110,12 @@ class Engine:
         assert path is not None
         self.tokenizer = Tokenizer.from_path(str(path))
         self.model_config = loaded = self.runner.config
-        # An embedding model's pooling (encode); None: the model generates.
-        self.pooling = model_pooling(path, a.is_embedding)
+        # A reranker's answer tokens and prompt (rerank), and an embedding model's pooling
+        # (encode; a reranker's too); None: the model generates.
+        self.reranker = model_reranker(
+            path, lambda text: self.tokenizer.encode(text, add_special_tokens=False),
+            a.rerank_tokens, a.rerank_template)
+        self.pooling = model_pooling(path, a.is_embedding or self.reranker is not None)
         self.scheduler = Scheduler(replace(
             SchedulerConfig.from_settings(
                 a,
@@ -228,6 +237,32 @@ class Engine:
                             "meta_info": meta})
         return results if batched else results[0]
 
+    def rerank(self, query: str, documents: list[str], top_n: int | None = None,
+               return_documents: bool = True, cache_salt: str | None = None
+               ) -> list[dict[str, Any]]:
+        """Score each document against `query` with a reranker model (rerank_tokens, or a
+        checkpoint naming its answer tokens): the results best first, each with its index,
+        relevance_score and (return_documents) its text; `top_n` of them."""
+        reranker = self.reranker
+        if reranker is None:
+            raise RequestError("this model is not a reranker: start it with rerank_tokens "
+                               "(e.g. yes,no)")
+        texts = rerank_inputs(query, documents, top_n)
+        reqs = [self._make_req(self.tokenizer.encode(reranker.prompt(query, text)),
+                               {"max_new_tokens": 0}, LogprobRequest(), cache_salt, 0, None,
+                               pooling="score", score_ids=reranker.score_ids) for text in texts]
+        # The first document alone: the prompt they all begin with (instruction and query)
+        # is then in the prefix cache for the others.
+        first = self._submit(reqs[0], False)
+        first.result()
+        streams = [first, *(self._submit(req, False) for req in reqs[1:])]
+        scores = []
+        for stream in streams:
+            stream.result()
+            assert stream.req.embedding is not None
+            scores.append(reranker.score(stream.req.embedding))
+        return ranked(scores, texts, top_n, return_documents)
+
     def abort(self, rid: str) -> None:
         """Stop a request wherever it is; its slots return to the pool."""
         with self._open():
@@ -303,6 +338,7 @@ class Engine:
         rid: str | None,
         lora_path: str | None = None,
         pooling: str = "",
+        score_ids: tuple[int, ...] = (),
     ) -> Req:
         """The engine's request, checked as every front door of the mesh checks it."""
         if isinstance(prompt, str):
@@ -310,7 +346,7 @@ class Engine:
         else:
             ids, names = list(prompt), FieldNames()
         request = build_request(self.limits, rid or uuid.uuid4().hex, ids, sampling, logprobs,
-                                cache_salt, priority, names, lora_path, pooling)
+                                cache_salt, priority, names, lora_path, pooling, score_ids)
         seed = request.params.seed
         return Req.from_request(request, self._rng.getrandbits(63) if seed is None else seed)
 

@@ -39,6 +39,7 @@ class FakeGenerationClient:
         self.model_name = model_name
         self.grammar_backend = "xgrammar"
         self.pooling = None
+        self.reranker = None
         self.hidden_size = 0
         self._context_length = context_length
         self.reply_for: Callable[[GenerationRequest], str] = lambda _: REPLY

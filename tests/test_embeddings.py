@@ -15,7 +15,13 @@ import torch
 from tiny_model import HIDDEN, VOCAB, save_tiny_model, save_word_tokenizer
 
 from radixmesh.api import Engine
-from radixmesh.core.pooling import Pooling, PoolingError, model_pooling, read_pooling
+from radixmesh.core.pooling import (
+    Pooling,
+    PoolingError,
+    model_pooling,
+    model_reranker,
+    read_pooling,
+)
 from radixmesh.core.request import RequestError
 
 FLAGS = {"last": "pooling_mode_lasttoken", "mean": "pooling_mode_mean_tokens",
@@ -141,6 +147,8 @@ def test_a_generation_model_refuses_to_embed(generation_engine: Engine):
     assert generation_engine.pooling is None
     with pytest.raises(ValueError, match="is_embedding"):
         generation_engine.encode(input_ids=PROMPTS[0])
+    with pytest.raises(RequestError, match="not a reranker"):
+        generation_engine.rerank("t1 t2", ["t3"])
 
 
 def test_pooling_is_read_from_the_checkpoint(tmp_path):
@@ -167,3 +175,66 @@ def test_finish_cuts_then_normalizes():
     assert Pooling("last").finish([3.0, 4.0, 12.0], 2) == [0.6, 0.8]
     assert Pooling("last", normalize=False).finish([3.0, 4.0, 12.0]) == [3.0, 4.0, 12.0]
     assert Pooling("last").finish([0.0, 0.0]) == [0.0, 0.0]
+
+
+RERANK_TEMPLATE = "t1 t2 {query} t3 {document} t4"
+QUERY, DOCUMENTS = "t10 t11 t12 t13", ["t20 t21", "t30 t31 t32 t33 t34", "t40", "t50 t51 t52"]
+
+
+def reference_scores(path: Path, yes: int, no: int) -> list[float]:
+    """transformers' P(yes) against P(no) at each filled-in prompt's last position."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    scores = []
+    with torch.no_grad():
+        for doc in DOCUMENTS:
+            text = RERANK_TEMPLATE.replace("{query}", QUERY).replace("{document}", doc)
+            ids = [int(word[1:]) for word in text.split()]
+            logits = model(torch.tensor([ids])).logits[0, -1]
+            scores.append(torch.softmax(logits[[yes, no]], dim=0)[0].item())
+    return scores
+
+
+@pytest.mark.parametrize("named_by", ["config", "flag"])
+def test_a_decoder_reranker_scores_as_transformers_does(tmp_path, named_by):
+    path = save_tiny_model(tmp_path / "reranker", "qwen3", seed=3)
+    save_word_tokenizer(path)
+    kwargs: dict[str, object] = {"rerank_template": RERANK_TEMPLATE}
+    if named_by == "config":  # vLLM's order: the "no" token, then the "yes" token
+        config = json.loads((path / "config.json").read_text())
+        (path / "config.json").write_text(json.dumps({**config,
+                                                      "classifier_from_token": ["t9", "t7"]}))
+    else:
+        kwargs["rerank_tokens"] = "t7,t9"
+    expected = reference_scores(path, yes=7, no=9)
+    with _engine(path, **kwargs) as engine:
+        assert engine.reranker is not None and engine.reranker.score_ids == (7, 9)
+        results = engine.rerank(QUERY, DOCUMENTS)
+        top = engine.rerank(QUERY, [{"text": d} for d in DOCUMENTS], top_n=2,  # type: ignore[misc]
+                            return_documents=False)
+        with pytest.raises(ValueError, match="embedding model"):
+            engine.generate(input_ids=[1, 2], sampling_params={"max_new_tokens": 1})
+        for query, documents, top_n, field in [("", DOCUMENTS, None, "query"),
+                                               (QUERY, [], None, "documents"),
+                                               (QUERY, [3], None, "documents"),
+                                               (QUERY, DOCUMENTS, 0, "top_n")]:
+            with pytest.raises(RequestError) as err:
+                engine.rerank(query, documents, top_n)
+            assert err.value.field == field
+    order = sorted(range(len(DOCUMENTS)), key=lambda i: -expected[i])
+    assert [r["index"] for r in results] == order
+    for result in results:
+        assert result["relevance_score"] == pytest.approx(expected[result["index"]], abs=1e-5)
+        assert result["document"] == {"text": DOCUMENTS[result["index"]]}
+    assert [r["index"] for r in top] == order[:2] and all("document" not in r for r in top)
+
+
+def test_rerank_tokens_must_be_single_tokens(tmp_path):
+    path = save_tiny_model(tmp_path / "m")
+    save_word_tokenizer(path)
+    with pytest.raises(PoolingError, match="two tokens"):
+        model_reranker(path, lambda t: [1], "yes")
+    with pytest.raises(PoolingError, match="2 tokens"):
+        model_reranker(path, lambda t: t.split(), "t1 t2,t3")
+    assert model_reranker(path, lambda t: [int(t[1:])], None) is None

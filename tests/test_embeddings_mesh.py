@@ -1,7 +1,8 @@
-"""Embeddings through the mesh's front doors on the real SmolLM2 served with --is-embedding:
-the openai client's embeddings.create (base64, as it asks by default, and float), SGLang's
-/encode, gRPC Embed; each vector equals the in-process Engine's, a shared prefix is computed
-once, and what an embedding server cannot do is refused with a 400 naming the field."""
+"""Embeddings and reranking through the mesh's front doors on the real SmolLM2 served with
+--is-embedding and --rerank-tokens yes,no: the openai client's embeddings.create (base64, as
+it asks by default, and float), SGLang's /encode, gRPC Embed, /v1/rerank; each vector and
+score equals the in-process Engine's, a shared prefix is computed once, and what an
+embedding server cannot do is refused with a 400 naming the field."""
 
 from __future__ import annotations
 
@@ -29,15 +30,15 @@ HIDDEN = 576
 
 @pytest.fixture(scope="module")
 def engine() -> Iterator[Engine]:
-    with Engine(dtype="float32", is_embedding=True, max_total_tokens=4096,
-                show_progress=False) as e:
+    with Engine(dtype="float32", is_embedding=True, rerank_tokens="yes,no",
+                max_total_tokens=4096, show_progress=False) as e:
         yield e
 
 
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
     with running_mesh(tmp_path_factory.mktemp("mesh-logs"), dtype="float32",
-                      is_embedding=True, max_total_tokens=4096) as m:
+                      is_embedding=True, rerank_tokens="yes,no", max_total_tokens=4096) as m:
         yield m
 
 
@@ -157,3 +158,51 @@ def test_grpc_embed(mesh: Mesh, engine: Engine):
             asyncio.run(call(bad))
         assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
         assert words in (err.value.details() or "")
+
+
+QUERY = "Which animal purrs when it is happy and likes to chase mice around the house?"
+DOCUMENTS = ["Cats purr when they are content.", "The stock market fell on Monday.",
+             {"text": "Dogs bark at strangers."}, "Mice are small rodents."]
+
+
+def test_rerank_scores_sorts_and_echoes_as_asked(client: httpx.Client, engine: Engine):
+    texts = [d if isinstance(d, str) else d["text"] for d in DOCUMENTS]
+    expected = {r["index"]: r["relevance_score"] for r in engine.rerank(QUERY, texts)}
+    client.get("/flush_cache")
+    answer = client.post("/v1/rerank", json={"query": QUERY, "documents": DOCUMENTS})
+    assert answer.status_code == 200, answer.text
+    body = answer.json()
+    results = body["results"]
+    assert [r["index"] for r in results] == sorted(expected, key=lambda i: -expected[i])
+    for r in results:
+        assert r["relevance_score"] == pytest.approx(expected[r["index"]], abs=1e-4)
+        assert r["document"] == {"text": texts[r["index"]]}
+    # Every document after the first found the template's start and the query cached.
+    prompts = [engine.tokenizer.encode(engine.reranker.prompt(QUERY, t)) for t in texts]
+    shared = min(_common(prompts[0], p) for p in prompts[1:])
+    assert shared > 80
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] >= 3 * shared
+    top = client.post("/rerank", json={"query": QUERY, "documents": DOCUMENTS, "top_n": 2,
+                                       "return_documents": False}).json()["results"]
+    assert [r["index"] for r in top] == [r["index"] for r in results[:2]]
+    assert all("document" not in r for r in top)
+
+
+def _common(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+@pytest.mark.parametrize(("body", "field"), [
+    ({"documents": ["a"]}, "query"),
+    ({"query": "q", "documents": []}, "documents"),
+    ({"query": "q", "documents": [{"title": "a"}]}, "documents"),
+    ({"query": "q", "documents": ["a"], "top_n": 0}, "top_n"),
+    ({"query": "q", "documents": ["a"], "return_documents": "yes"}, "return_documents"),
+])
+def test_bad_rerank_requests_get_a_400_naming_the_field(client: httpx.Client, body, field):
+    answer = client.post("/v1/rerank", json=body)
+    assert answer.status_code == 400, answer.text
+    assert answer.json()["error"]["param"] == field

@@ -64,8 +64,10 @@ class GenerationRequest:
     cache_salt: str | None = None
     priority: int = 0
     lora_path: str | None = None  # the LoRA adapter it runs with; None: the base model
-    # Embedding: its prompt pooled by this kind (core.pooling) instead of generated from.
+    # Embedding: its prompt pooled by this kind (core.pooling) instead of generated from,
+    # and for kind "score" the tokens whose logits it returns.
     pooling: str = ""
+    score_ids: tuple[int, ...] = ()
 
 
 def cache_namespace(cache_salt: str | None, lora_path: str | None) -> str | None:
@@ -92,6 +94,7 @@ def build_request(
     names: FieldNames = FieldNames(),
     lora_path: str | None = None,
     pooling: str = "",
+    score_ids: tuple[int, ...] = (),
 ) -> GenerationRequest:
     """The one check of a request: its prompt ids, its sampling dict (SGLang's names; a
     missing max_new_tokens shrinks to what fits), the logprobs it wants and its length
@@ -123,7 +126,7 @@ def build_request(
     wanted = _logprob_request(logprobs or LogprobRequest(), len(input_ids))
     _check_lora(lora_path, limits.lora_names)
     return GenerationRequest(rid, list(input_ids), params, wanted, cache_salt, priority,
-                             lora_path, pooling)
+                             lora_path, pooling, score_ids)
 
 
 def _check_lora(lora_path: object, served: frozenset[str]) -> None:

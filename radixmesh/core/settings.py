@@ -107,6 +107,17 @@ class ModelSettings(Settings):
         "as its sentence-transformers config says, else by their last token, and not "
         "generated from; also chosen when the checkpoint declares a pooling",
     )
+    rerank_tokens: str | None = setting(
+        None,
+        help="serve the model as a decoder reranker (/v1/rerank) scoring each document by "
+        "these two answer tokens, YES,NO (Qwen3-Reranker: yes,no); empty: the checkpoint's "
+        "config.json classifier_from_token, if any",
+    )
+    rerank_template: str | None = setting(
+        None,
+        help="a reranker's prompt, with {query} and {document} in it; empty: "
+        "Qwen3-Reranker's",
+    )
 
 
 @dataclass(frozen=True, kw_only=True)

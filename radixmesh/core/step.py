@@ -43,6 +43,7 @@ class NewRequest:
     # Embedding: how its prompt's final hidden states are pooled (core.pooling's kinds),
     # returned instead of a sampled token; empty: generation.
     pooling: str = ""
+    score_ids: list[int] = field(default_factory=list)  # pooling "score": these logits
 
 
 @dataclass(slots=True)

@@ -34,6 +34,7 @@ class Req:
     # Embedding: its prompt pooled by this kind (core.pooling) instead of generated from,
     # and the pooled vector once computed.
     pooling: str = ""
+    score_ids: list[int] = field(default_factory=list)  # pooling "score": these logits
     embedding: list[float] | None = None
     logprobs: LogprobRequest = field(default_factory=LogprobRequest)
     arrival: int = field(default_factory=lambda: next(_arrivals))
@@ -80,6 +81,7 @@ class Req:
             logprobs=request.logprobs,
             lora=request.lora_path or "",
             pooling=request.pooling,
+            score_ids=list(request.score_ids),
         )
 
     @property
@@ -113,6 +115,7 @@ class Req:
             logprobs,
             self.lora,
             self.pooling,
+            self.score_ids,
         )
 
     @cached_property

@@ -34,6 +34,7 @@ def request_from_proto(msg: mpb.EngineRequest) -> Req:
         logprobs=LogprobRequest(msg.return_logprob, msg.top_logprobs_num, msg.logprob_start_len),
         lora=msg.lora_path,
         pooling=msg.pooling,
+        score_ids=list(msg.score_ids),
     )
     if msg.prefill_engine:
         req.transfer = Transfer(msg.prefill_engine)

@@ -26,7 +26,7 @@ from nats.aio.subscription import Subscription
 from nats.errors import Error as NatsError
 
 from radixmesh.core.detokenize import detok_context_size
-from radixmesh.core.pooling import Pooling
+from radixmesh.core.pooling import Pooling, Reranker
 from radixmesh.core.request import GenerationRequest
 from radixmesh.core.tokenizer import Tokenizer
 from radixmesh.mesh import subjects
@@ -109,11 +109,13 @@ class MeshClient:
         max_queued: int = 0,
         stall_timeout_s: float = 0.0,
         pooling: Pooling | None = None,
+        reranker: Reranker | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.grammar_backend = grammar_backend
         self.pooling = pooling
+        self.reranker = reranker
         self.metrics = metrics.TokenizerMetrics(model_name)
         self.replica_id = replica_id
         self.router = router or Router()
@@ -284,6 +286,7 @@ class MeshClient:
             cache_salt=request.cache_salt or "",
             lora_path=request.lora_path or "",
             pooling=request.pooling,
+            score_ids=request.score_ids,
             priority=request.priority,
             return_logprob=lp.return_logprob,
             top_logprobs_num=lp.top_logprobs_num,

@@ -1,8 +1,10 @@
-"""The embedding front doors of a tokenizer replica: OpenAI's POST /v1/embeddings and
-SGLang's POST /encode. Each input becomes a prefill-only request pooled as the served model
-pools (core.pooling); its engine answers with the pooled vector as the request's finish,
-which is cut to the `dimensions` asked for and normalized here. A server whose model
-generates refuses both, as an embedding server refuses generation (build_request)."""
+"""The embedding front doors of a tokenizer replica: OpenAI's POST /v1/embeddings, SGLang's
+POST /encode and the rerank route of vLLM and Cohere (POST /v1/rerank). Each input becomes
+a prefill-only request pooled as the served model pools (core.pooling); its engine answers
+with the pooled vector as the request's finish, which is cut to the `dimensions` asked for
+and normalized here; a reranker's requests return their answer tokens' logits instead,
+which become each document's score. A server whose model generates refuses them, as an
+embedding server refuses generation (build_request)."""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from typing import Any
 from aiohttp import web
 
 from radixmesh.core.meta_info import meta_info
-from radixmesh.core.pooling import Pooling
+from radixmesh.core.pooling import Pooling, ranked, rerank_inputs
 from radixmesh.core.request import FieldNames, GenerationRequest, RequestError, build_request
 from radixmesh.services.tokenizer import native_api, openai_api
 from radixmesh.services.tokenizer.generation import (
@@ -49,6 +51,8 @@ class EmbeddingRoutes:
     def add_routes(self, app: web.Application) -> None:
         app.router.add_post("/v1/embeddings", self.openai)
         app.router.add_post("/encode", self.native)
+        for path in ("/v1/rerank", "/rerank", "/v2/rerank"):
+            app.router.add_post(path, self.rerank)
 
     async def openai(self, http: web.Request) -> web.Response:
         """POST /v1/embeddings: `input` as a string, strings, token ids or lists of them;
@@ -56,11 +60,8 @@ class EmbeddingRoutes:
         client = self.client
         try:
             body = parse_body(await http.read())
-            served = ServedModel(client.model_name, client.context_length,
-                                 client.vocab_size or client.tokenizer.vocab_size,
-                                 lora_names=client.lora_names)
-            adapter = served.adapter(body.get("model") if isinstance(body.get("model"), str)
-                                     else None)
+            adapter = self._served().adapter(body.get("model") if isinstance(
+                body.get("model"), str) else None)
             encoding = body.get("encoding_format") or "float"
             if encoding not in _ENCODINGS:
                 raise OpenAIError(f"encoding_format must be float or base64, got {encoding!r}",
@@ -70,7 +71,7 @@ class EmbeddingRoutes:
             pooling, dimensions = embedding_setup(client, body.get("dimensions"))
             prompts = prompt_ids(body.get("input"), client.tokenizer, "input")
             rid = f"embd-{uuid.uuid4().hex}"
-            requests = [embedding_request(client, f"{rid}-{i}", ids, pooling,
+            requests = [embedding_request(client, f"{rid}-{i}", ids, pooling.kind,
                                           FieldNames(prompt="input"), adapter=adapter)
                         for i, (ids, _) in enumerate(prompts)]
         except (OpenAIError, RequestError) as exc:
@@ -85,12 +86,9 @@ class EmbeddingRoutes:
             vector = pooling.finish(chunk.embedding or [], dimensions)
             data.append({"object": "embedding", "index": i,
                          "embedding": _base64(vector) if encoding == "base64" else vector})
-        used = sum(c.prompt_tokens for c in chunks)
         return json_answer({
             "object": "list", "data": data, "model": body.get("model") or client.model_name,
-            "usage": {"prompt_tokens": used, "total_tokens": used,
-                      "prompt_tokens_details": {"cached_tokens": sum(c.cached_tokens
-                                                                     for c in chunks)}},
+            "usage": _usage(chunks),
         })
 
     async def native(self, http: web.Request) -> web.Response:
@@ -111,7 +109,7 @@ class EmbeddingRoutes:
             if cache_salt is not None and not isinstance(cache_salt, str):
                 raise RequestError("cache_salt must be a string", "cache_salt")
             lora = body.get("lora_path")
-            requests = [embedding_request(self.client, rid, ids, pooling,
+            requests = [embedding_request(self.client, rid, ids, pooling.kind,
                                           FieldNames(prompt=field), cache_salt, lora)
                         for rid, ids in zip(rids, prompts, strict=True)]
         except RequestError as exc:
@@ -127,6 +125,52 @@ class EmbeddingRoutes:
                                    chunk.cached_tokens_details, latency),
         } for request, chunk in zip(requests, chunks, strict=True)]
         return json_answer(answers if listed else answers[0])
+
+    async def rerank(self, http: web.Request) -> web.Response:
+        """POST /v1/rerank (also /rerank, /v2/rerank), as vLLM and Cohere take it: `query`,
+        `documents` (strings or {"text": ...}), `top_n`, `return_documents` (default true);
+        the results best first with their input `index` and `relevance_score`."""
+        client = self.client
+        try:
+            body = parse_body(await http.read())
+            reranker = client.reranker
+            if reranker is None:
+                raise RequestError("this server's model is not a reranker: serve one with "
+                                   "--rerank-tokens (e.g. yes,no)")
+            adapter = self._served().adapter(body.get("model") if isinstance(
+                body.get("model"), str) else None)
+            query, top_n = body.get("query"), body.get("top_n")
+            texts = rerank_inputs(query, body.get("documents"), top_n)
+            keep = body.get("return_documents", True)
+            if not isinstance(keep, bool):
+                raise RequestError("return_documents must be a boolean", "return_documents")
+            rid = f"rerank-{uuid.uuid4().hex}"
+            requests = [embedding_request(
+                client, f"{rid}-{i}", encode_traced(client.tokenizer, reranker.prompt(query, t),
+                                                    rid),
+                "score", FieldNames(prompt="documents"), adapter=adapter,
+                score_ids=reranker.score_ids) for i, t in enumerate(texts)]
+        except (OpenAIError, RequestError) as exc:
+            param = exc.param if isinstance(exc, OpenAIError) else exc.field
+            return openai_api.error_response(str(exc), getattr(exc, "status", 400), param)
+        try:
+            # The first document alone: the prompt they all begin with (instruction and
+            # query) is then cached, and the router sends the others where it is.
+            chunks = await embed(client, requests[:1])
+            chunks += await embed(client, requests[1:]) if len(requests) > 1 else []
+        except GenerationError as exc:
+            return openai_api.error_response(str(exc), exc.status, exc.param, exc.headers)
+        scores = [reranker.score(chunk.embedding or [0.0, 0.0]) for chunk in chunks]
+        return json_answer({
+            "id": rid, "model": body.get("model") or client.model_name,
+            "results": ranked(scores, texts, top_n, keep), "usage": _usage(chunks),
+        })
+
+    def _served(self) -> ServedModel:
+        client = self.client
+        return ServedModel(client.model_name, client.context_length,
+                           client.vocab_size or client.tokenizer.vocab_size,
+                           lora_names=client.lora_names)
 
     def _native_prompts(self, body: dict[str, Any]) -> tuple[list[list[int]], bool, str]:
         """The prompts' ids, whether they came as a list, and the field they came in."""
@@ -159,13 +203,13 @@ def embedding_setup(client: GenerationClient, dimensions: object) -> tuple[Pooli
     return pooling, pooling.check_dimensions(dimensions, client.hidden_size or 2**31 - 1)
 
 
-def embedding_request(client: GenerationClient, rid: str, ids: list[int], pooling: Pooling,
-                      names: FieldNames, cache_salt: str | None = None, adapter: Any = None
-                      ) -> GenerationRequest:
-    """A checked prefill-only request pooled as the model pools (build_request refuses an
-    adapter that is not served, by name)."""
+def embedding_request(client: GenerationClient, rid: str, ids: list[int], pooling: str,
+                      names: FieldNames, cache_salt: str | None = None, adapter: Any = None,
+                      score_ids: tuple[int, ...] = ()) -> GenerationRequest:
+    """A checked prefill-only request pooled by `pooling` (build_request refuses an adapter
+    that is not served, by name)."""
     return build_request(model_limits(client), rid, ids, {"max_new_tokens": 0}, None,
-                         cache_salt, 0, names, adapter, pooling.kind)
+                         cache_salt, 0, names, adapter, pooling, score_ids)
 
 
 async def embed(client: GenerationClient, requests: Sequence[GenerationRequest]
@@ -189,6 +233,14 @@ async def embed(client: GenerationClient, requests: Sequence[GenerationRequest]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _usage(chunks: list[GenerationChunk]) -> dict[str, Any]:
+    """The prompt tokens the requests took, and how many of them were found cached."""
+    used = sum(c.prompt_tokens for c in chunks)
+    cached = sum(c.cached_tokens for c in chunks)
+    return {"prompt_tokens": used, "total_tokens": used,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def _base64(vector: list[float]) -> str:

@@ -10,7 +10,7 @@ from typing import Protocol
 
 from radixmesh.core.finish import FinishReason
 from radixmesh.core.meta_info import CachedTokens, Disaggregated, TokenLogprob
-from radixmesh.core.pooling import Pooling
+from radixmesh.core.pooling import Pooling, Reranker
 from radixmesh.core.request import GenerationRequest, ModelLimits
 from radixmesh.core.tokenizer import Tokenizer
 
@@ -95,6 +95,7 @@ class GenerationClient(Protocol):
     model_name: str  # what /v1/models lists and the `model` field must name
     grammar_backend: str  # the grammar_backend setting; "none": constraints are refused
     pooling: Pooling | None  # an embedding model's; None: the model generates
+    reranker: Reranker | None  # a reranker's answer tokens and prompt; None: not one
 
     @property
     def context_length(self) -> int:

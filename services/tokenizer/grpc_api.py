@@ -144,8 +144,9 @@ class GenerateService(ggrpc.GenerateServicer):
             try:
                 pooling, dimensions = embedding_setup(self.client, request.dimensions or None)
                 ids, field = self._prompt(request, rid)
-                job = embedding_request(self.client, rid, ids, pooling, FieldNames(prompt=field),
-                                        request.cache_salt or None, request.lora_path or None)
+                job = embedding_request(self.client, rid, ids, pooling.kind,
+                                        FieldNames(prompt=field), request.cache_salt or None,
+                                        request.lora_path or None)
                 (chunk,) = await embed(self.client, [job])
             except (ValueError, GenerationError) as exc:
                 code = (grpc.StatusCode.UNAVAILABLE if isinstance(exc, GenerationError)

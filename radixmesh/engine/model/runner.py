@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -296,7 +296,7 @@ class ModelRunner:
             return None
         for i in pooled:
             _pool(step.states[i], hidden[step.q_starts[i] : step.q_starts[i] + step.q_lens[i]],
-                  batch.entries[i].sample, outs[i])
+                  batch.entries[i].sample, outs[i], self.model.logits)
         for i, out in enumerate(outs):
             state = step.states[i]
             if state.spec.logprobs.return_logprob and state.spec.logprobs.logprob_start_len >= 0:
@@ -443,11 +443,19 @@ def load_runner(
     return runner
 
 
-def _pool(state: RequestState, rows: torch.Tensor, last_chunk: bool, out: EntryResult) -> None:
+def _pool(state: RequestState, rows: torch.Tensor, last_chunk: bool, out: EntryResult,
+          logits: Callable[[torch.Tensor], torch.Tensor]) -> None:
     """An embedding request's prompt chunk: its final hidden states `rows` folded into the
     pooled vector; after the last chunk, that vector is the request's result (mean and CLS
-    pooling compute the prompt from its first token: schedule_policy.match_key)."""
-    kind, rows = state.spec.pooling, rows.float()
+    pooling compute the prompt from its first token: schedule_policy.match_key). A scoring
+    request's result is its score_ids' logits at the last position."""
+    kind = state.spec.pooling
+    if kind == "score":
+        if last_chunk:
+            ids = torch.tensor(state.spec.score_ids, device=rows.device)
+            out.embedding = logits(rows[-1:])[0].index_select(0, ids).tolist()
+        return
+    rows = rows.float()
     if kind == "mean":
         total = rows.sum(0)
         state.pooled = total if state.pooled is None else state.pooled + total
