@@ -125,6 +125,22 @@ def test_matryoshka_dimensions_cut_then_normalize(tmp_path):
         assert_same(ours["embedding"], theirs)
 
 
+def test_a_base_model_checkpoint_embeds(tmp_path):
+    """An embedding checkpoint saved as the base model alone (Qwen3-Embedding's layout: no
+    "model." prefix, no lm_head) loads and embeds as transformers reads it."""
+    from safetensors.torch import load_file, save_file
+
+    path = save_sentence_transformer(tmp_path / "st", "qwen2", "last")
+    weights = load_file(str(path / "model.safetensors"))
+    save_file({k.removeprefix("model."): v for k, v in weights.items() if k != "lm_head.weight"},
+              str(path / "model.safetensors"))
+    expected = reference(path, PROMPTS, "last", normalize=True)
+    with _engine(path) as engine:
+        ours = engine.encode(input_ids=PROMPTS)
+    for one, theirs in zip(ours, expected, strict=True):
+        assert_same(one["embedding"], theirs)
+
+
 def test_a_model_without_normalize_gives_the_raw_pooled_state(tmp_path):
     path = save_sentence_transformer(tmp_path / "st", "llama", "mean", normalize=False)
     expected = reference(path, PROMPTS[2:], "mean", normalize=False)

@@ -20,9 +20,11 @@ SAFETENSORS_INDEX = "model.safetensors.index.json"
 # Buffers some checkpoints carry that are not parameters.
 _DROPPED_SUFFIXES = ("rotary_emb.inv_freq",)
 # A multimodal Gemma 3 checkpoint's text model under the text-only names; its vision parts
-# are not read.
+# are not read. A base model saved alone (an embedding checkpoint: Qwen3-Embedding,
+# gte-Qwen2) under the causal LM's names.
 _TEXT_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
-                  ("language_model.lm_head.", "lm_head."))
+                  ("language_model.lm_head.", "lm_head."), ("embed_tokens.", "model.embed_tokens."),
+                  ("layers.", "model.layers."), ("norm.", "model.norm."))
 _VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
                     "model.multi_modal_projector.")
 # Mixtral's per-expert projections (w1 gate, w3 up, w2 down) under moe.py's names.
@@ -165,6 +167,10 @@ def load_hf_dir(
                         part = part.contiguous()
                         weights[name] = part if convert is None else convert(name, part)
                     bar.update()
+    if "lm_head.weight" not in weights and (model_dir / "modules.json").is_file():
+        # A sentence-transformers checkpoint of the base model alone: it embeds, and its
+        # logits (unused) come from the embeddings.
+        config = dataclasses.replace(config, tie_word_embeddings=True)
     if config.tie_word_embeddings:
         weights.pop("lm_head.weight", None)
     elif "lm_head.weight" not in weights:
