@@ -11,7 +11,8 @@ to pick its pooling. Sides, one after the other in one run, with the same thread
                          /v1/embeddings call per batch (-c 16384 -np 16 -ub 2048 -b 2048)
 Each case is --batches inputs of --lengths tokens (word tokens that re-tokenize to
 themselves); printed: inputs/s and tokens/s per side (median of --repeats) and the ratio to
-sentence-transformers; the cosine of the first input's vectors checks that the sides agree.
+sentence-transformers; the cosine of the warm-up's first vectors checks that the sides
+agree. Every run embeds texts no side has seen (no prefix cache helps).
 The issue's target: radixmesh >= 1.5x sentence-transformers at 32 x 512.
 
 Then a rerank: --documents documents of 32 tokens against one 256-token query (Engine.rerank
@@ -86,13 +87,15 @@ def texts(pool: list[str], count: int, length: int, rng: random.Random) -> list[
     return ["".join(rng.choice(pool) for _ in range(length)) for _ in range(count)]
 
 
-def timed(run: Callable[[], list[list[float]]], repeats: int) -> tuple[float, list[float]]:
-    """Median seconds of `repeats` runs (after a warm-up) and the first vector."""
-    first = run()[0]
+def timed(run: Callable[[list[str]], list[list[float]]], inputs: list[list[str]]
+          ) -> tuple[float, list[float]]:
+    """Median seconds of runs over inputs[1:] (after a warm-up over inputs[0]: fresh texts
+    each time, so that no side finds a run's prompts in a cache) and the first vector."""
+    first = run(inputs[0])[0]
     times = []
-    for _ in range(repeats):
+    for batch in inputs[1:]:
         began = time.perf_counter()
-        run()
+        run(batch)
         times.append(time.perf_counter() - began)
     return statistics.median(times), first
 
@@ -157,25 +160,27 @@ def main() -> None:
     rows: list[str] = []
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = sentence_transformer_dir(Path(tmp) / "st")
-        inputs = {case: texts(pool, *case, rng) for case in cases}
+        # Per case: the warm-up's texts (the same for every side, to compare their vectors)
+        # and each timed run's.
+        inputs = {case: [texts(pool, *case, rng) for _ in range(args.repeats + 1)]
+                  for case in cases}
         results: dict[str, dict[tuple[int, int], tuple[float, list[float]]]] = {}
         with Engine(str(checkpoint), max_total_tokens=200_000, chunked_prefill_size=4096,
                     max_running_requests=256, show_progress=False) as engine:
             assert engine.pooling is not None and engine.pooling.kind == "last"
-            results["radixmesh"] = {case: timed(lambda c=case: [
-                r["embedding"] for r in engine.encode(inputs[c])], args.repeats)
-                for case in cases}
-            tokens = {case: sum(len(tokenizer.encode(t)) for t in inputs[case])
+            results["radixmesh"] = {case: timed(lambda batch: [
+                r["embedding"] for r in engine.encode(batch)], inputs[case]) for case in cases}
+            tokens = {case: sum(len(tokenizer.encode(t)) for t in inputs[case][0])
                       for case in cases}
         model = SentenceTransformer(str(checkpoint), device="cpu")
-        results["sentence-transformers"] = {case: timed(lambda c=case: model.encode(
-            inputs[c], batch_size=c[0], normalize_embeddings=True).tolist(), args.repeats)
+        results["sentence-transformers"] = {case: timed(lambda batch: model.encode(
+            batch, batch_size=len(batch), normalize_embeddings=True).tolist(), inputs[case])
             for case in cases}
         if args.llama_server:
             server = LlamaServer(args.llama_server, threads)
             try:
-                results["llama.cpp"] = {case: timed(lambda c=case: server.embed(inputs[c]),
-                                                    args.repeats) for case in cases}
+                results["llama.cpp"] = {case: timed(server.embed, inputs[case])
+                                        for case in cases}
             finally:
                 server.close()
         rerank = rerank_case(checkpoint, pool, args.documents, rng)
