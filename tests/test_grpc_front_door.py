@@ -203,9 +203,10 @@ async def test_grpc_reflection_lists_the_services_and_serves_generates_descripto
     assert file.package == "radixmesh.v1" and list(file.dependency) == []
     [service] = file.service
     assert service.name == "Generate"
-    [method] = service.method
-    assert (method.name, method.input_type, method.output_type, method.server_streaming) == (
-        "Generate", ".radixmesh.v1.GenerateRequest", ".radixmesh.v1.GenerateResponse", True)
+    assert [(m.name, m.input_type, m.output_type, m.server_streaming)
+            for m in service.method] == [
+        ("Generate", ".radixmesh.v1.GenerateRequest", ".radixmesh.v1.GenerateResponse", True),
+        ("Embed", ".radixmesh.v1.EmbedRequest", ".radixmesh.v1.EmbedResponse", False)]
     assert resolved == ["radixmesh.v1.GenerateRequest", "radixmesh.v1.GenerateResponse"]
 
 

@@ -6,8 +6,9 @@ balancers) need nothing but the port."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import aclosing
 from typing import Any
 
@@ -98,6 +99,37 @@ def response_from_chunk(chunk: GenerationChunk) -> gpb.GenerateResponse:
     return out
 
 
+class _Outcome:
+    """The status code an RPC ends with (an abort sets it before it raises)."""
+
+    code = grpc.StatusCode.OK
+
+
+@contextlib.contextmanager
+def _counted(endpoint: str) -> Iterator[_Outcome]:
+    """Count the RPC under the status code it ended with: its abort's, CANCELLED, INTERNAL
+    for anything unexpected, else OK."""
+    outcome = _Outcome()
+    try:
+        yield outcome
+    except asyncio.CancelledError:
+        outcome.code = grpc.StatusCode.CANCELLED
+        raise
+    except Exception:
+        if outcome.code is grpc.StatusCode.OK:
+            outcome.code = grpc.StatusCode.INTERNAL
+        raise
+    finally:
+        metrics.REQUESTS.labels(endpoint, outcome.code.name).inc()
+
+
+def _refusal(exc: Exception) -> grpc.StatusCode:
+    """A refused request's status: what it asked is wrong, or no engine could serve it."""
+    if isinstance(exc, GenerationError) and exc.status != 400:
+        return grpc.StatusCode.UNAVAILABLE
+    return grpc.StatusCode.INVALID_ARGUMENT
+
+
 class GenerateService(ggrpc.GenerateServicer):
     """Serves Generate from a GenerationClient; a cancelled call aborts its request."""
 
@@ -108,38 +140,21 @@ class GenerateService(ggrpc.GenerateServicer):
         self, request: gpb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[gpb.GenerateResponse]:
         """Validate, run on an engine, stream each chunk back."""
-        code = grpc.StatusCode.OK
-        try:
+        with _counted(_ENDPOINT) as outcome:
             try:
                 job = self._prepare(request)
-            except ValueError as exc:
-                code = grpc.StatusCode.INVALID_ARGUMENT
-                await context.abort(code, str(exc))
-                return
-            try:
                 async with aclosing(self.client.generate(job)) as chunks:
                     async for chunk in chunks:
                         yield response_from_chunk(chunk)
-            except GenerationError as exc:
-                code = (grpc.StatusCode.INVALID_ARGUMENT if exc.status == 400
-                        else grpc.StatusCode.UNAVAILABLE)
-                await context.abort(code, str(exc))
-        except asyncio.CancelledError:
-            code = grpc.StatusCode.CANCELLED
-            raise
-        except Exception:
-            if code is grpc.StatusCode.OK:
-                code = grpc.StatusCode.INTERNAL
-            raise
-        finally:
-            metrics.REQUESTS.labels(_ENDPOINT, code.name).inc()
+            except (ValueError, GenerationError) as exc:
+                outcome.code = _refusal(exc)
+                await context.abort(outcome.code, str(exc))
 
     async def Embed(  # noqa: N802 - the RPC's name
         self, request: gpb.EmbedRequest, context: grpc.aio.ServicerContext
     ) -> gpb.EmbedResponse:
         """One prompt's embedding, as /encode gives it."""
-        code = grpc.StatusCode.OK
-        try:
+        with _counted(f"grpc:{_EMBED}") as outcome:
             rid = request.rid or uuid.uuid4().hex
             try:
                 pooling, dimensions = embedding_setup(self.client, request.dimensions or None)
@@ -149,24 +164,14 @@ class GenerateService(ggrpc.GenerateServicer):
                                         request.lora_path or None)
                 (chunk,) = await embed(self.client, [job])
             except (ValueError, GenerationError) as exc:
-                code = (grpc.StatusCode.UNAVAILABLE if isinstance(exc, GenerationError)
-                        and exc.status != 400 else grpc.StatusCode.INVALID_ARGUMENT)
-                await context.abort(code, str(exc))
+                outcome.code = _refusal(exc)
+                await context.abort(outcome.code, str(exc))
             return gpb.EmbedResponse(
                 rid=rid, embedding=pooling.finish(chunk.embedding or [], dimensions),
                 prompt_tokens=chunk.prompt_tokens, cached_tokens=chunk.cached_tokens,
                 cached_tokens_details=gpb.CachedTokensDetails(
                     **chunk.cached_tokens_details.to_dict()),
             )
-        except asyncio.CancelledError:
-            code = grpc.StatusCode.CANCELLED
-            raise
-        except Exception:
-            if code is grpc.StatusCode.OK:
-                code = grpc.StatusCode.INTERNAL
-            raise
-        finally:
-            metrics.REQUESTS.labels(f"grpc:{_EMBED}", code.name).inc()
 
     def _prompt(self, request: gpb.GenerateRequest | gpb.EmbedRequest, rid: str
                 ) -> tuple[list[int], str]:
