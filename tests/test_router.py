@@ -138,3 +138,11 @@ def test_flush_and_removal():
     assert router.engine_ids == ["b"]
     assert router.route([1, 2, 3]).engine_id == "b"
     router.record_cached("gone", [1])  # events of unknown engines are ignored
+
+
+def test_an_embedding_is_not_split_over_a_prefill_and_a_decode_engine():
+    router = Router()
+    router.update_engine("p", 0, "prefill")
+    router.update_engine("d", 0, "decode")
+    assert router.route([1, 2, 3]) == Route("d", 0, prefill_engine="p")
+    assert router.route([4, 5, 6], whole=True) == Route("d", 0)

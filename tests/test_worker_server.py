@@ -21,6 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tiny_model import (
     EOS,
     HEAD_DIM,
+    HIDDEN,
     KV_HEADS,
     LAYERS,
     forward_script,
@@ -137,6 +138,7 @@ def test_worker_serves_forward(model_dir, reference) -> None:
             quantization="bf16",  # a safetensors model, not asked to quantize
             architecture="llama",  # dense: no experts
             host_id=host_id(),
+            hidden_size=HIDDEN,
         )
         got = [result_from_proto(worker.stub.Forward(batch_to_proto(b))) for b in forward_script()]
         assert_same_results(got, reference)

@@ -63,11 +63,11 @@ class RequestTrace:
     def route(self, router: Router, request: GenerationRequest) -> Route:
         """Pick the request's engine inside a "route" span; LookupError when none is up."""
         if self._span is None:
-            return router.route(request.input_ids, _namespace(request))
+            return router.route(request.input_ids, _namespace(request), bool(request.pooling))
         span = start_span("route", self._span, {
             attr.RID: self.rid, attr.ROUTE_ENGINES: len(router.engine_ids)})
         try:
-            route = router.route(request.input_ids, _namespace(request))
+            route = router.route(request.input_ids, _namespace(request), bool(request.pooling))
         except LookupError:
             end_span(span, error="no engine is available")
             raise

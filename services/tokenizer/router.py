@@ -97,15 +97,18 @@ class Router:
         if engine is not None:
             engine.tree.clear()
 
-    def route(self, tokens: Sequence[int], namespace: str = "") -> Route:
+    def route(self, tokens: Sequence[int], namespace: str = "", whole: bool = False) -> Route:
         """Choose an engine for a prompt and count the request against it. While prefill and
         decode engines are both up, a prefill engine and a decode engine, each the one its
-        cache and load favour (so a conversation's turns meet their history on both);
-        otherwise any engine, which then does both."""
+        cache and load favour (so a conversation's turns meet their history on both), but
+        for a request run `whole` (an embedding: nothing to hand over) a decode engine that
+        prefills it itself; otherwise any engine, which then does both."""
         if not self._engines:
             raise LookupError("no engine is known")
         prefill = {k: e for k, e in self._engines.items() if e.role == "prefill"}
         decode = {k: e for k, e in self._engines.items() if e.role == "decode"}
+        if prefill and decode and whole:
+            return self._pick(decode, tokens, namespace)
         if prefill and decode:
             first = self._pick(prefill, tokens, namespace)
             return self._pick(decode, tokens, namespace)._replace(prefill_engine=first.engine_id)
