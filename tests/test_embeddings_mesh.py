@@ -116,6 +116,8 @@ def test_encode_answers_as_sglang_and_reuses_a_shared_prefix(client: httpx.Clien
     ("/v1/embeddings", {"input": "hi", "dimensions": HIDDEN + 1}, "dimensions"),
     ("/v1/embeddings", {"input": "hi", "encoding_format": "hex"}, "encoding_format"),
     ("/v1/embeddings", {"input": "hi", "model": "another-model"}, "model"),
+    ("/v1/embeddings", {"input": "hi", "model": 7}, "model"),
+    ("/v1/rerank", {"query": "q", "documents": ["a"], "model": ["m"]}, "model"),
     ("/v1/embeddings", {"input": [[7] * 9000]}, "input"),  # past the 8192 context
     ("/v1/completions", {"prompt": "hi"}, None),
 ])

@@ -60,8 +60,7 @@ class EmbeddingRoutes:
         client = self.client
         try:
             body = parse_body(await http.read())
-            adapter = self._served().adapter(body.get("model") if isinstance(
-                body.get("model"), str) else None)
+            adapter = self._adapter(body)
             encoding = body.get("encoding_format") or "float"
             if encoding not in _ENCODINGS:
                 raise OpenAIError(f"encoding_format must be float or base64, got {encoding!r}",
@@ -137,8 +136,7 @@ class EmbeddingRoutes:
             if reranker is None:
                 raise RequestError("this server's model is not a reranker: serve one with "
                                    "--rerank-tokens (e.g. yes,no)")
-            adapter = self._served().adapter(body.get("model") if isinstance(
-                body.get("model"), str) else None)
+            adapter = self._adapter(body)
             query, top_n = body.get("query"), body.get("top_n")
             texts = rerank_inputs(query, body.get("documents"), top_n)
             keep = body.get("return_documents", True)
@@ -166,11 +164,17 @@ class EmbeddingRoutes:
             "results": ranked(scores, texts, top_n, keep), "usage": _usage(chunks),
         })
 
-    def _served(self) -> ServedModel:
+    def _adapter(self, body: dict[str, Any]) -> str | None:
+        """The LoRA adapter the body's `model` names (None: the base model); OpenAIError
+        for a model not served, or not a string."""
+        model = body.get("model")
+        if model is not None and not isinstance(model, str):
+            raise OpenAIError(f"model must be a string, got {model!r}", "model")
         client = self.client
-        return ServedModel(client.model_name, client.context_length,
-                           client.vocab_size or client.tokenizer.vocab_size,
-                           lora_names=client.lora_names)
+        served = ServedModel(client.model_name, client.context_length,
+                             client.vocab_size or client.tokenizer.vocab_size,
+                             lora_names=client.lora_names)
+        return served.adapter(model)
 
     def _native_prompts(self, body: dict[str, Any]) -> tuple[list[list[int]], bool, str]:
         """The prompts' ids, whether they came as a list, and the field they came in."""
