@@ -20,12 +20,7 @@ from radixmesh.core.finish import FinishKind, FinishReason
 from radixmesh.core.hicache import DEFAULT_NATS_URL, KVGeometry, shm_root
 from radixmesh.core.model_files import model_fingerprint, served_name
 from radixmesh.core.model_info import model_info, model_shape
-from radixmesh.core.pooling import (
-    model_pooling,
-    model_reranker,
-    ranked,
-    rerank_inputs,
-)
+from radixmesh.core.pooling import model_serving, ranked, rerank_inputs
 from radixmesh.core.request import FieldNames, ModelLimits, RequestError, build_request
 from radixmesh.core.sampling_params import LogprobRequest
 from radixmesh.core.settings import EngineArgs
@@ -110,12 +105,9 @@ class Engine:
         assert path is not None
         self.tokenizer = Tokenizer.from_path(str(path))
         self.model_config = loaded = self.runner.config
-        # A reranker's answer tokens and prompt (rerank), and an embedding model's pooling
-        # (encode; a reranker's too); None: the model generates.
-        self.reranker = model_reranker(
-            path, lambda text: self.tokenizer.encode(text, add_special_tokens=False),
-            a.rerank_tokens, a.rerank_template)
-        self.pooling = model_pooling(path, a.is_embedding or self.reranker is not None)
+        # An embedding model's pooling (encode; None: the model generates), and a reranker's
+        # answer tokens and prompt (rerank).
+        self.pooling, self.reranker = model_serving(path, self.tokenizer, a)
         self.scheduler = Scheduler(replace(
             SchedulerConfig.from_settings(
                 a,
@@ -174,10 +166,7 @@ class Engine:
         """Run one prompt (a dict back) or a list of prompts as one batch (a list back);
         `lora_path` names the LoRA adapter each runs with (one for all, or one per prompt;
         None: the base model)."""
-        batched = isinstance(prompt, list) or (
-            isinstance(input_ids, list) and bool(input_ids) and isinstance(input_ids[0], list)
-        )
-        prompts = _as_list(prompt, input_ids, batched)
+        prompts, batched = _as_list(prompt, input_ids)
         params = (
             sampling_params
             if isinstance(sampling_params, list)
@@ -218,10 +207,7 @@ class Engine:
         if pooling is None:
             raise RequestError("this model generates: start it with is_embedding=True to "
                                "embed prompts")
-        batched = isinstance(prompt, list) or (
-            isinstance(input_ids, list) and bool(input_ids) and isinstance(input_ids[0], list)
-        )
-        prompts = _as_list(prompt, input_ids, batched)
+        prompts, batched = _as_list(prompt, input_ids)
         size = pooling.check_dimensions(dimensions, self.model_config.hidden_size)
         rids = rid if isinstance(rid, list) else [rid] * len(prompts)
         if len(rids) != len(prompts):
@@ -403,14 +389,17 @@ def _storage_opener(args: EngineArgs) -> Callable[[], Awaitable[StorageBackend]]
 
 
 def _as_list(
-    prompt: str | list[str] | None, input_ids: list[int] | list[list[int]] | None, batched: bool
-) -> list[str | list[int]]:
+    prompt: str | list[str] | None, input_ids: list[int] | list[list[int]] | None
+) -> tuple[list[str | list[int]], bool]:
+    """The prompts, and whether they came as a batch (a list of them)."""
     if (prompt is None) == (input_ids is None):
         raise ValueError("give exactly one of prompt and input_ids")
     if prompt is not None:
+        batched = isinstance(prompt, list)
         items: list[Any] = prompt if batched else [prompt]
         if not items or any(not isinstance(p, str) for p in items):
             raise ValueError("prompt must be a string or a non-empty list of strings")
-        return items
+        return items, batched
     assert input_ids is not None
-    return list(input_ids) if batched else [input_ids]
+    batched = isinstance(input_ids, list) and bool(input_ids) and isinstance(input_ids[0], list)
+    return (list(input_ids) if batched else [input_ids]), batched

@@ -22,15 +22,18 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from radixmesh.core.gguf import read_gguf
 from radixmesh.core.model_files import is_gguf
-from radixmesh.core.request import RequestError
+from radixmesh.core.request import RequestError, is_int
 
-# What a request's prompt is pooled by (NewRequest.pooling); "" for generation. "score":
-# the last position's logits of the request's score_ids.
-POOLING_KINDS = ("last", "mean", "cls", "score")
+if TYPE_CHECKING:
+    from radixmesh.core.settings import ModelSettings
+    from radixmesh.core.tokenizer import Tokenizer
+
+# A request's pooling (NewRequest.pooling) is "last", "mean" or "cls" (a Pooling's kind),
+# or "score": the last position's logits of the request's score_ids; "" for generation.
 # Qwen3-Reranker's prompt, with the instruction its model card uses by default.
 RERANK_TEMPLATE = (
     "<|im_start|>system\nJudge whether the Document meets the requirements based on the "
@@ -61,8 +64,7 @@ class Pooling:
         """A client's `dimensions` (None: the model's own), or RequestError naming it."""
         if dimensions is None:
             return None
-        if not isinstance(dimensions, int) or isinstance(dimensions, bool) or not (
-                1 <= dimensions <= hidden_size):
+        if not is_int(dimensions) or not 1 <= dimensions <= hidden_size:
             raise RequestError(f"dimensions must be an integer from 1 to {hidden_size} (the "
                                f"model's), got {dimensions!r}", "dimensions")
         return dimensions
@@ -201,7 +203,17 @@ def rerank_inputs(query: object, documents: object, top_n: object) -> list[str]:
             raise RequestError("each document must be a string or an object with a string "
                                f"text, got {doc!r}", "documents")
         texts.append(text)
-    if top_n is not None and (not isinstance(top_n, int) or isinstance(top_n, bool)
-                              or top_n < 1):
+    if top_n is not None and (not is_int(top_n) or top_n < 1):
         raise RequestError(f"top_n must be a positive integer, got {top_n!r}", "top_n")
     return texts
+
+
+def model_serving(model_path: Path, tokenizer: Tokenizer, settings: ModelSettings
+                  ) -> tuple[Pooling | None, Reranker | None]:
+    """How the model at `model_path` is served, as `settings` and its checkpoint say: its
+    pooling (None: it generates) and, for a reranker (which embeds too), its answer tokens
+    and prompt."""
+    reranker = model_reranker(
+        model_path, lambda text: tokenizer.encode(text, add_special_tokens=False),
+        settings.rerank_tokens, settings.rerank_template)
+    return model_pooling(model_path, settings.is_embedding or reranker is not None), reranker

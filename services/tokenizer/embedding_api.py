@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import sys
 import time
 import uuid
 from array import array
@@ -30,10 +31,9 @@ from radixmesh.services.tokenizer.generation import (
     GenerationError,
     model_limits,
 )
-from radixmesh.services.tokenizer.http_util import json_answer
+from radixmesh.services.tokenizer.http_util import cancel_all, json_answer
 from radixmesh.services.tokenizer.openai_protocol import (
     OpenAIError,
-    ServedModel,
     parse_body,
     prompt_ids,
 )
@@ -170,11 +170,7 @@ class EmbeddingRoutes:
         model = body.get("model")
         if model is not None and not isinstance(model, str):
             raise OpenAIError(f"model must be a string, got {model!r}", "model")
-        client = self.client
-        served = ServedModel(client.model_name, client.context_length,
-                             client.vocab_size or client.tokenizer.vocab_size,
-                             lora_names=client.lora_names)
-        return served.adapter(model)
+        return openai_api.served_model(self.client).adapter(model)
 
     def _native_prompts(self, body: dict[str, Any]) -> tuple[list[list[int]], bool, str]:
         """The prompts' ids, whether they came as a list, and the field they came in."""
@@ -234,9 +230,7 @@ async def embed(client: GenerationClient, requests: Sequence[GenerationRequest]
     try:
         return await asyncio.gather(*tasks)
     finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_all(tasks)
 
 
 def _usage(chunks: list[GenerationChunk]) -> dict[str, Any]:
@@ -250,8 +244,8 @@ def _usage(chunks: list[GenerationChunk]) -> dict[str, Any]:
 def _base64(vector: list[float]) -> str:
     """OpenAI's base64 embedding: the float32 values, little-endian."""
     values = array("f", vector)
-    if values.itemsize != 4 or array("h", [1]).tobytes()[0] != 1:
-        raise RuntimeError("base64 embeddings need little-endian 32-bit floats")
+    if sys.byteorder == "big":
+        values.byteswap()
     return base64.b64encode(values.tobytes()).decode()
 
 

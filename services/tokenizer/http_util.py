@@ -19,6 +19,14 @@ SSE_DONE = b"data: [DONE]\n\n"
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
+async def cancel_all(tasks: list[asyncio.Task[Any]]) -> None:
+    """Cancel what is still running (closing its generation, which aborts its request in
+    the mesh) and wait for it."""
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
 def json_bytes(payload: Any) -> bytes:
     """An answer's JSON as UTF-8 (orjson: a streamed chunk's body in well under a microsecond
     where the standard library takes ten; a non-finite float is null)."""

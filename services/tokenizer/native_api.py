@@ -40,7 +40,7 @@ from radixmesh.services.tokenizer.generation import (
     GenerationError,
     model_limits,
 )
-from radixmesh.services.tokenizer.http_util import SSE_DONE, json_answer, sse_event
+from radixmesh.services.tokenizer.http_util import SSE_DONE, cancel_all, json_answer, sse_event
 from radixmesh.services.tokenizer.native_protocol import (
     GenerateCall,
     GeneratePrompt,
@@ -146,7 +146,7 @@ class NativeApi:
         try:
             await asyncio.gather(*tasks)
         finally:
-            await _cancel(tasks)
+            await cancel_all(tasks)
 
     def _token_text(self) -> TokenText:
         decode = self.client.tokenizer.decode
@@ -167,7 +167,7 @@ class NativeApi:
         except GenerationError as exc:
             return error_response(str(exc), exc.status, exc.headers)
         finally:
-            await _cancel(tasks)
+            await cancel_all(tasks)
         bodies = [out.body() for out in outputs]
         return json_answer(bodies if parsed.listed else bodies[0])
 
@@ -235,7 +235,7 @@ class NativeApi:
                     batch.append(events.get_nowait())
                 yield batch
         finally:
-            await _cancel(tasks)
+            await cancel_all(tasks)
 
     async def _pump(
         self, index: int, job: GenerationRequest, events: asyncio.Queue[_Event]
@@ -332,13 +332,6 @@ class NativeApi:
         answer = {"success": not error, "error_message": error,
                   "loaded_adapters": sorted(self.client.lora_names)}
         return web.json_response(answer, status=400 if error else 200)
-
-
-async def _cancel(tasks: list[asyncio.Task[None]]) -> None:
-    """Cancel what is still running (closing its generation) and wait for it."""
-    for task in tasks:
-        task.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def error_body(message: str, status: int = 400) -> dict[str, Any]:

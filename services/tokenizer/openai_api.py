@@ -26,6 +26,7 @@ from radixmesh.services.tokenizer.generation import (
 from radixmesh.services.tokenizer.http_util import (
     CLIENT_CLOSED,
     SSE_DONE,
+    cancel_all,
     json_answer,
     sse_event,
 )
@@ -76,6 +77,15 @@ def error_response(message: str, status: int = 400, param: str | None = None,
                              headers=headers)
 
 
+def served_model(client: GenerationClient, tool_call_parser: str | None = None,
+                 reasoning_parser: str | None = None) -> ServedModel:
+    """The model behind `client` as the OpenAI routes check requests against it."""
+    vocab_size = client.vocab_size or client.tokenizer.vocab_size
+    return ServedModel(client.model_name, client.context_length, vocab_size,
+                       client.grammar_backend, tool_call_parser, reasoning_parser,
+                       client.lora_names, client.pooling is not None)
+
+
 class OpenAIRoutes:
     """The handlers, bound to one GenerationClient."""
 
@@ -120,11 +130,7 @@ class OpenAIRoutes:
         return card if adapter is None else {**card, "parent": base, "root": base}
 
     def _served_model(self) -> ServedModel:
-        client = self.client
-        vocab_size = client.vocab_size or client.tokenizer.vocab_size
-        return ServedModel(client.model_name, client.context_length, vocab_size,
-                           client.grammar_backend, *self._parsers, client.lora_names,
-                           client.pooling is not None)
+        return served_model(self.client, *self._parsers)
 
     async def _serve(
         self,
@@ -254,10 +260,7 @@ class GenerationFanout:
         exc: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
-        # A cancelled pump closes its stream, which aborts the request in the mesh.
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await cancel_all(self._tasks)
 
     def client_gone(self) -> None:
         """Make the reader raise ClientGone at its next read."""

@@ -14,7 +14,7 @@ from nats.aio.client import Client as NATS
 
 from radixmesh.core.flags import shown
 from radixmesh.core.model_files import resolve_model_path, served_name
-from radixmesh.core.pooling import model_pooling, model_reranker
+from radixmesh.core.pooling import model_serving
 from radixmesh.core.service_settings import TokenizerServiceConfig
 from radixmesh.core.tokenizer import Tokenizer
 from radixmesh.mesh.service import connect_bus
@@ -56,9 +56,7 @@ class TokenizerServer:
         cfg = self.config
         model_path = await asyncio.to_thread(resolve_model_path, cfg.model_path, cfg.revision)
         tokenizer = self._tokenizer or await asyncio.to_thread(Tokenizer.from_path, str(model_path))
-        reranker = model_reranker(
-            model_path, lambda text: tokenizer.encode(text, add_special_tokens=False),
-            cfg.rerank_tokens, cfg.rerank_template)
+        pooling, reranker = await asyncio.to_thread(model_serving, model_path, tokenizer, cfg)
         self._nc = await connect_bus(cfg.nats_url, f"tokenizer-{cfg.replica_id}",
                                      self._bus_back)
         client = self.client = MeshClient(
@@ -71,8 +69,7 @@ class TokenizerServer:
             grammar_backend=cfg.grammar_backend,
             max_queued=cfg.max_queued_requests,
             stall_timeout_s=cfg.stall_timeout,
-            pooling=await asyncio.to_thread(
-                model_pooling, model_path, cfg.is_embedding or reranker is not None),
+            pooling=pooling,
             reranker=reranker,
         )
         await client.start()

@@ -290,7 +290,8 @@ class ModelRunner:
         # Every rank broadcasts a token per plain decode and per sampling entry, void ones
         # included (as -1), and after a draft's token the accepted path (see _follow).
         pooled = [i for i, state in enumerate(step.states) if state.spec.pooling]
-        sampling = [i for i, e in enumerate(batch.entries) if e.sample and i not in pooled]
+        sampling = [i for i, e in enumerate(batch.entries)
+                    if e.sample and not step.states[i].spec.pooling]
         if self.tp is not None and not self.tp.is_leader:
             self.sampler.follow(self.tp, step, sampling, batch.entries, outs, result)
             return None
