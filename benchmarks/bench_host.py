@@ -17,16 +17,19 @@ Then the scheduler's own pass alone, without a model: schedule() and process_res
 a batch of plain decodes, per request per step, at page sizes 1 and 16.
 
 With --mesh, the same model behind `radixmesh up` (every service its own process) serves
-`--streams` concurrent streaming /generate calls, against the in-process Engine running the
-same prompts as one batch, in the same run: output tok/s on both sides (prefill included,
-the same on both), their ratio, every service's CPU time per output token and its RSS
-after the run. The client reads the streams as lines and parses only each one's last
-chunk, so that its own CPU (on the same cores) takes little from the mesh.
+`--streams` concurrent /generate calls, against the in-process Engine running the same
+prompts as one batch, in the same run: output tok/s on both sides (prefill included, the
+same on both), their ratio, every service's CPU time per output token and its RSS after
+the run. Two kinds of calls take turns: streamed, and answered whole (the engine then
+sends a request's output every 64 tokens rather than every token). The client reads a
+stream as lines and parses only its last chunk, so that its own CPU (on the same cores)
+takes little from the mesh.
 
 Usage:
     python benchmarks/bench_host.py                  # batches 1, 64, 256
     python benchmarks/bench_host.py --batches 1,256 --repeats 5
-    python benchmarks/bench_host.py --mesh           # 256 streams, mesh vs in-process
+    python benchmarks/bench_host.py --mesh           # 256 calls, mesh vs in-process
+    python benchmarks/bench_host.py --mesh --stream-interval 4
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -109,17 +112,22 @@ def engine_rate(model: Path, streams: int, new_tokens: int, repeats: int) -> lis
     return rates
 
 
-async def stream_all(url: str, streams: int, new_tokens: int) -> float:
-    """Output tok/s of `streams` concurrent streaming /generate calls."""
+MODES = ("streamed", "whole")  # streaming /generate calls; calls answered whole
+
+
+async def call_all(url: str, streams: int, new_tokens: int, stream: bool = True) -> float:
+    """Output tok/s of `streams` concurrent /generate calls, streamed or answered whole."""
     import aiohttp
 
     sampling = {"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True}
 
     async def one(http: aiohttp.ClientSession, ids: list[int]) -> int:
         last = b""
-        body = {"input_ids": ids, "sampling_params": sampling, "stream": True}
+        body = {"input_ids": ids, "sampling_params": sampling, "stream": stream}
         async with http.post(url + "/generate", json=body) as r:
             r.raise_for_status()
+            if not stream:
+                return int((await r.json())["meta_info"]["completion_tokens"])
             async for line in r.content:
                 if line.startswith(b"data: {"):
                     last = line
@@ -148,26 +156,42 @@ def rss_mib(pid: int) -> float:
     return 0.0
 
 
-def mesh_figures(model: Path, streams: int, new_tokens: int, repeats: int
-                 ) -> tuple[list[float], dict[str, float], dict[str, float]]:
-    """The mesh's output tok/s per repeat; each service's CPU microseconds per output token
-    over all repeats, and its RSS after them."""
+class MeshFigures(NamedTuple):
+    rates: dict[str, list[float]]  # output tok/s per repeat, by mode
+    cpu: dict[str, dict[str, float]]  # CPU us per output token, by mode and process
+    rss: dict[str, float]  # MiB after every repeat, by process
+
+
+def mesh_figures(model: Path, streams: int, new_tokens: int, repeats: int,
+                 stream_interval: int) -> MeshFigures:
+    """The mesh's output tok/s per repeat of each mode (the modes take turns); each
+    process's CPU microseconds per output token over a mode's repeats, and its RSS after
+    them all."""
     from radixmesh.launcher import Mesh, MeshArgs
 
     args = MeshArgs(model_path=str(model), port=0, grpc_port=0, max_running_requests=streams,
-                    max_total_tokens=streams * (PROMPT + new_tokens + 16))
+                    max_total_tokens=streams * (PROMPT + new_tokens + 16),
+                    stream_interval=stream_interval)
+    rates: dict[str, list[float]] = {mode: [] for mode in MODES}
+    spent: dict[str, dict[str, float]] = {mode: {} for mode in MODES}
     with tempfile.TemporaryDirectory() as logs, Mesh(replace(args, log_dir=logs)) as mesh:
         pids = {c.service: c.proc.pid for c in mesh.children}
         if mesh.nats is not None and mesh.nats.pid is not None:
             pids["nats"] = mesh.nats.pid
-        asyncio.run(stream_all(mesh.url, streams, 4))  # warm-up
-        before = {name: cpu_seconds(pid) for name, pid in pids.items()}
-        rates = [asyncio.run(stream_all(mesh.url, streams, new_tokens)) for _ in range(repeats)]
+        asyncio.run(call_all(mesh.url, streams, 4))  # warm-up
+        for _ in range(repeats):
+            for mode in MODES:
+                before = {name: cpu_seconds(pid) for name, pid in pids.items()}
+                rates[mode].append(asyncio.run(
+                    call_all(mesh.url, streams, new_tokens, mode == "streamed")))
+                for name, pid in pids.items():
+                    used = cpu_seconds(pid) - before[name]
+                    spent[mode][name] = spent[mode].get(name, 0.0) + used
         tokens = streams * new_tokens * repeats
-        cpu = {name: (cpu_seconds(pid) - before[name]) / tokens * 1e6
-               for name, pid in pids.items()}
+        cpu = {mode: {name: used / tokens * 1e6 for name, used in by_name.items()}
+               for mode, by_name in spent.items()}
         rss = {name: rss_mib(pid) for name, pid in pids.items()}
-    return rates, cpu, rss
+    return MeshFigures(rates, cpu, rss)
 
 
 def mesh_main(args: argparse.Namespace) -> None:
@@ -175,19 +199,30 @@ def mesh_main(args: argparse.Namespace) -> None:
         model = Path(tmp) / "host-model"
         write_random_llama(model, SHAPE)
         engine = engine_rate(model, args.streams, args.new_tokens, args.repeats)
-        mesh, cpu, rss = mesh_figures(model, args.streams, args.new_tokens, args.repeats)
-    e, m = statistics.median(engine), statistics.median(mesh)
-    print(f"mesh vs in-process, {args.streams} streams x {args.new_tokens} new tokens "
-          f"({PROMPT}-token prompts), {cpu_name()}; medians of {args.repeats}")
-    print(f"in-process {e:,.0f} out tok/s, mesh {m:,.0f}: {m / e:.2f}x")
-    services = [n for n in cpu if n != "worker"]
-    print(f"{'process':<12} {'CPU us/out tok':>15} {'RSS MiB':>8}")
+        mesh = mesh_figures(model, args.streams, args.new_tokens, args.repeats,
+                            args.stream_interval)
+    e = statistics.median(engine)
+    m = {mode: statistics.median(rates) for mode, rates in mesh.rates.items()}
+    print(f"mesh vs in-process, {args.streams} concurrent /generate calls x {args.new_tokens} "
+          f"new tokens ({PROMPT}-token prompts), stream_interval {args.stream_interval}, "
+          f"{cpu_name()}; medians of {args.repeats}")
+    print(f"in-process {e:,.0f} out tok/s")
+    print(f"{'':<22}" + "".join(f"{mode:>12}" for mode in MODES))
+    print(f"{'mesh out tok/s':<22}" + "".join(f"{m[mode]:>12,.0f}" for mode in MODES))
+    print(f"{'mesh / in-process':<22}" + "".join(f"{m[mode] / e:>11.2f}x" for mode in MODES))
+    names = list(mesh.rss)
+    services = [n for n in names if n != "worker"]
+    print("CPU us per output token, and RSS MiB after the run:")
     for name in [*services, "worker"]:
-        print(f"{name:<12} {cpu[name]:>15.1f} {rss[name]:>8.0f}")
-    print(f"{'services':<12} {sum(cpu[n] for n in services):>15.1f}  (all but the worker)")
+        print(f"  {name:<20}" + "".join(f"{mesh.cpu[mode][name]:>12.1f}" for mode in MODES)
+              + f"{mesh.rss[name]:>10.0f}")
+    print(f"  {'services':<20}" + "".join(
+        f"{sum(mesh.cpu[mode][n] for n in services):>12.1f}" for mode in MODES)
+        + "   (all but the worker)")
     if args.json:
-        args.json.write_text(json.dumps({"engine_tok_s": engine, "mesh_tok_s": mesh,
-                                         "cpu_us_per_token": cpu, "rss_mib": rss}, indent=2))
+        args.json.write_text(json.dumps({"engine_tok_s": engine, "mesh_tok_s": mesh.rates,
+                                         "cpu_us_per_token": mesh.cpu, "rss_mib": mesh.rss},
+                                        indent=2))
 
 
 def scheduler_pass(batch: int, page: int, steps: int = 200) -> float:
@@ -239,6 +274,8 @@ def main() -> None:
                         help="the mesh against the in-process engine (see above)")
     parser.add_argument("--streams", type=int, default=256)
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--stream-interval", type=int, default=1,
+                        help="the mesh's --stream-interval")
     args = parser.parse_args()
     if args.mesh:
         mesh_main(args)

@@ -24,7 +24,7 @@ class DetokSpec(_message.Message):
     def __init__(self, stop: _Optional[_Iterable[str]] = ..., no_stop_trim: _Optional[bool] = ..., skip_special_tokens: _Optional[bool] = ..., min_new_tokens: _Optional[int] = ..., prompt_tail: _Optional[_Iterable[int]] = ..., spaces_between_special_tokens: _Optional[bool] = ...) -> None: ...
 
 class EngineRequest(_message.Message):
-    __slots__ = ("rid", "input_ids", "sampling", "cache_salt", "priority", "return_logprob", "top_logprobs_num", "logprob_start_len", "reply_to", "detok", "detok_context", "prefill_engine", "handoff", "lora_path", "pooling", "score_ids")
+    __slots__ = ("rid", "input_ids", "sampling", "cache_salt", "priority", "return_logprob", "top_logprobs_num", "logprob_start_len", "reply_to", "detok", "detok_context", "prefill_engine", "handoff", "lora_path", "pooling", "score_ids", "stream")
     RID_FIELD_NUMBER: _ClassVar[int]
     INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -41,6 +41,7 @@ class EngineRequest(_message.Message):
     LORA_PATH_FIELD_NUMBER: _ClassVar[int]
     POOLING_FIELD_NUMBER: _ClassVar[int]
     SCORE_IDS_FIELD_NUMBER: _ClassVar[int]
+    STREAM_FIELD_NUMBER: _ClassVar[int]
     rid: str
     input_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _worker_pb2.SamplingParams
@@ -57,7 +58,8 @@ class EngineRequest(_message.Message):
     lora_path: str
     pooling: str
     score_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, rid: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_worker_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., priority: _Optional[int] = ..., return_logprob: _Optional[bool] = ..., top_logprobs_num: _Optional[int] = ..., logprob_start_len: _Optional[int] = ..., reply_to: _Optional[str] = ..., detok: _Optional[_Union[DetokSpec, _Mapping]] = ..., detok_context: _Optional[int] = ..., prefill_engine: _Optional[str] = ..., handoff: _Optional[_Union[KVHandoff, _Mapping]] = ..., lora_path: _Optional[str] = ..., pooling: _Optional[str] = ..., score_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    stream: bool
+    def __init__(self, rid: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_worker_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., priority: _Optional[int] = ..., return_logprob: _Optional[bool] = ..., top_logprobs_num: _Optional[int] = ..., logprob_start_len: _Optional[int] = ..., reply_to: _Optional[str] = ..., detok: _Optional[_Union[DetokSpec, _Mapping]] = ..., detok_context: _Optional[int] = ..., prefill_engine: _Optional[str] = ..., handoff: _Optional[_Union[KVHandoff, _Mapping]] = ..., lora_path: _Optional[str] = ..., pooling: _Optional[str] = ..., score_ids: _Optional[_Iterable[int]] = ..., stream: _Optional[bool] = ...) -> None: ...
 
 class KVHandoff(_message.Message):
     __slots__ = ("decode_engine", "start", "dest_slots", "dest_workers", "dest_host", "key")

@@ -337,7 +337,7 @@ class Engine:
         return Req.from_request(request, self._rng.getrandbits(63) if seed is None else seed)
 
     def _submit(self, req: Req, streaming: bool) -> RequestStream:
-        stream = RequestStream(req, self.tokenizer, streaming)
+        stream = RequestStream(req, self.tokenizer, streaming, self.args.stream_interval)
         with self._open():
             self._streams.watch(req, stream)
             self.loop.add(req)

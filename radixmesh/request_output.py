@@ -18,7 +18,8 @@ from radixmesh.engine.request import Req
 class RequestStream:
     """Fed by the scheduler thread; read by the caller, streaming or all at once."""
 
-    def __init__(self, req: Req, tokenizer: Tokenizer, streaming: bool) -> None:
+    def __init__(self, req: Req, tokenizer: Tokenizer, streaming: bool, interval: int = 1
+                 ) -> None:
         self.req = req
         # Only a streaming caller reads chunks; others would pay for a meta dict per step.
         self._streaming = streaming
@@ -36,6 +37,9 @@ class RequestStream:
         # Text nobody reads before the finish (no stream, no stop string to look for) is
         # decoded once, at the finish: the same text as update by update.
         self._at_finish = not streaming and not params.stop
+        # A stream's chunks after its first: one every `interval` tokens, and the finish.
+        # Where stop strings are looked for, every token is.
+        self._interval = 1 if params.stop else interval
         # A stop string ends the text: the update of the engine's abort adds none.
         self._stopped = False
         self._seen = 0
@@ -47,7 +51,8 @@ class RequestStream:
     def update(self) -> str | None:
         """Take the request's new tokens; returns a stop string if one just matched."""
         req = self.req
-        if self._at_finish and req.finish is None:
+        if req.finish is None and (self._at_finish or self._seen and (
+                len(req.output_ids) - self._seen < self._interval)):
             return None
         new_ids = req.output_ids[self._seen :]
         self._seen = len(req.output_ids)

@@ -66,7 +66,8 @@ class FakeGenerationClient:
     def vocab_size(self) -> int:
         return self.tokenizer.vocab_size
 
-    def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+    def generate(self, request: GenerationRequest, stream: bool = True
+                 ) -> AsyncIterator[GenerationChunk]:
         self.requests.append(request)
         if self.error is not None:
             raise self.error

@@ -454,3 +454,23 @@ def test_prompt_tail_stands_in_for_an_empty_context() -> None:
     out = tok.encode(" world")
     with_tail = window_text(tok.decode, TextRules(), Update([], out, 0, True, prompt_tail=prompt))
     assert with_tail.text == " world"
+
+
+@pytest.mark.parametrize(("stop", "sizes"), [([], [1, 3, 3, 3, 2]), (["zzz"], [1] * 12)])
+def test_a_stream_with_an_interval_chunks_every_interval_tokens(stop: list[str],
+                                                                 sizes: list[int]) -> None:
+    """Engine(stream_interval=3): a stream's first token at once, then a chunk every third,
+    and the finish; every token where stop strings are looked for. The text is the same."""
+    tok = tokenizer()
+    out = tok.encode(" Hello world, caf\u00e9 \U0001f600 and the rest of it all, once more")[:12]
+    assert len(out) == 12
+    req = Req("r", tok.encode("Say:"), SamplingParams(max_new_tokens=12, stop=stop), seed=0)
+    stream = RequestStream(req, tok, streaming=True, interval=3)
+    for token in out:
+        req.output_ids.append(token)
+        if len(req.output_ids) == len(out):
+            req.finish = FinishReason(FinishKind.LENGTH, len(out))
+        assert stream.update() is None
+    chunks = list(stream.chunks())
+    assert [len(c["output_ids"]) for c in chunks] == sizes
+    assert "".join(c["text"] for c in chunks) == tok.decode(out) == stream.result()["text"]

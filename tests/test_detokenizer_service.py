@@ -30,7 +30,11 @@ from radixmesh.services.detokenizer.server import (
     StepReplies,
     step_replies,
 )
-from radixmesh.services.scheduler.mesh_io import StepMessage, UpdateBuilder
+from radixmesh.services.scheduler.mesh_io import (
+    UNSTREAMED_INTERVAL,
+    StepMessage,
+    UpdateBuilder,
+)
 
 OWNER_A = subjects.tokenizer_out("a")
 OWNER_B = subjects.tokenizer_out("b")
@@ -239,6 +243,43 @@ def test_packed_updates_read_as_the_same_updates_in_full() -> None:
                    if c.rid == "plain") == tok.decode(answer)
     assert [(subject, abort.rid) for r in got for subject, abort in r.aborts] == [
         (subjects.engine_abort(ENGINE), "stopped")]
+
+
+def test_updates_come_as_often_as_the_caller_reads_the_output() -> None:
+    """After its first token at once: a streamed request's updates every stream_interval
+    tokens, an unstreamed one's every UNSTREAMED_INTERVAL, every token where stop strings
+    are looked for; each finish at once. Each request's chunks still add up to its text."""
+    tok = tokenizer()
+    answer = tok.encode(" The caf\u00e9 is open \U0001f600 until late tonight." * 20)[:150]
+    assert len(answer) == 150
+    builder = UpdateBuilder(ENGINE, stream_interval=4)
+    kinds = {"streamed": (True, []), "unstreamed": (False, []), "stops": (False, ["zzz"])}
+    reqs = []
+    for rid, (stream, stop) in kinds.items():
+        req = Req(rid=rid, input_ids=tok.encode("Say it."),
+                  params=SamplingParams(max_new_tokens=len(answer), stop=stop), seed=0)
+        builder.register(req, mpb.EngineRequest(
+            reply_to=OWNER_A, stream=stream, detok=mpb.DetokSpec(stop=stop),
+            detok_context=detok_context_size(stop)))
+        reqs.append(req)
+    sizes: dict[str, list[int]] = {rid: [] for rid in kinds}
+    texts: dict[str, str] = dict.fromkeys(kinds, "")
+    for n, token in enumerate(answer, 1):
+        step = StepMessage(ENGINE)
+        for req in reqs:
+            req.output_ids.append(token)
+            if n == len(answer):
+                req.finish = FinishReason(FinishKind.LENGTH, n)
+            if builder.due(req):
+                sent = builder.add(step, req)
+                assert sent is not None
+                sizes[req.rid].append(sent.new_tokens)
+        for chunk in unpacked(step_replies(step.to_proto(), tok.decode).chunks[OWNER_A]):
+            texts[chunk.rid] += chunk.text
+    assert sizes["streamed"] == [1, *[4] * 37, 1]
+    assert sizes["unstreamed"] == [1, UNSTREAMED_INTERVAL, UNSTREAMED_INTERVAL, 21]
+    assert sizes["stops"] == [1] * 150
+    assert set(texts.values()) == {tok.decode(answer)}
 
 
 def test_a_bad_update_aborts_only_its_request() -> None:

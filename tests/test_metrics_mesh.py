@@ -27,10 +27,14 @@ WORKLOAD = [PROMPT_A, PROMPT_B, PROMPT_A]  # the repeat hits all of A but its la
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
 
+STREAM_INTERVAL = 3  # a stream's chunks after its first: every third token, and the finish
+
+
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory) -> Iterator[Mesh]:
     log_dir = tmp_path_factory.mktemp("mesh-logs")
-    with running_mesh(log_dir, dtype="bfloat16", max_total_tokens=4096) as m:
+    with running_mesh(log_dir, dtype="bfloat16", max_total_tokens=4096,
+                      stream_interval=STREAM_INTERVAL) as m:
         yield m
 
 
@@ -136,5 +140,47 @@ def test_counters_equal_the_workload_on_every_service(mesh: Mesh) -> None:
 
     detok = scrape(mesh, "detokenizer-0")
     assert sample(detok, "radixmesh:detokenizer_tokens_total", {}) == output_tokens
+    # Each stream's updates: its first token, then tokens 2-4 (the interval), then 5-6 with
+    # the finish.
+    assert first_chunks == [1] * len(WORKLOAD)
+    assert sample(detok, "radixmesh:detokenizer_updates_total", {}) == 3 * len(WORKLOAD)
     assert sample(detok, "radixmesh:detokenizer_finished_requests_total", {}) == 3
     assert sample(detok, "radixmesh:detokenizer_errors_total", {}) == 0
+
+
+def test_an_answer_read_whole_costs_two_updates_unless_stop_strings_are_looked_for(
+        mesh: Mesh) -> None:
+    """A request whose caller waits for the whole answer: the engine sends its first token
+    and its finish (40 tokens, under the 64 between updates); with a stop string to look
+    for, every token; streamed, its first token and every third. The answers are equal."""
+    sampling = {"max_new_tokens": 40, "ignore_eos": True, "temperature": 0}
+
+    def updates() -> float:
+        return sample(scrape(mesh, "detokenizer-0"), "radixmesh:detokenizer_updates_total", {})
+
+    def settled_updates(before: float, expected: int) -> float:
+        deadline = time.monotonic() + 10
+        while (count := updates() - before) < expected and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return count
+
+    texts, counts = [], []
+    with httpx.Client(base_url=mesh.url, timeout=120) as client:
+        for extra in ({}, {"stop": ["never said"]}):
+            before = updates()
+            out = client.post("/generate", json={
+                "input_ids": PROMPT_B, "sampling_params": {**sampling, **extra}})
+            assert out.status_code == 200, out.text
+            texts.append(out.json()["text"])
+            counts.append(settled_updates(before, 40 if extra else 2))
+        before = updates()
+        body = {"input_ids": PROMPT_B, "stream": True, "sampling_params": sampling}
+        with client.stream("POST", "/generate", json=body) as response:
+            events = [json.loads(line[len("data: "):])
+                      for line in response.iter_lines() if line.startswith("data: {")]
+        counts.append(settled_updates(before, 14))
+    # Tokens 1, 2-4, ..., 38-40 (with the finish); the tokenizer may join chunks that
+    # arrive before the client reads.
+    assert counts == [2, 40, 1 + 13]
+    assert all(e["meta_info"]["completion_tokens"] % STREAM_INTERVAL == 1 for e in events)
+    assert texts == [events[-1]["text"]] * 2  # each event holds the text so far

@@ -250,7 +250,8 @@ def test_fanout_closes_streams_on_exit(tok):
 
     async def main() -> None:
         started: asyncio.Queue[_Stream] = asyncio.Queue()
-        fake.generate = lambda request: _Stream(started, request.rid)  # type: ignore[method-assign]
+        fake.generate = lambda request, stream=True: _Stream(  # type: ignore[method-assign]
+            started, request.rid)
         async with GenerationFanout(fake, requests) as fanout:
             streams = [await started.get() for _ in requests]
             fanout.client_gone()

@@ -262,6 +262,13 @@ class ScheduleSettings(Settings):
         "scheduled while the model runs the current one, hiding the scheduler's CPU time "
         "behind the forward pass (turn it off to debug)",
     )
+    stream_interval: int = setting(
+        1,
+        minimum=1,
+        help="output tokens between the chunks of a streamed request (after its first, "
+        "sent at once): 1 streams every token; more sends fewer, larger chunks, which costs "
+        "the services less per token. A request with stop strings streams every token",
+    )
     context_length: int | None = setting(
         None,
         check=_check_context_length,

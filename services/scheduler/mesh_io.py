@@ -128,6 +128,7 @@ class _Route:
     reply_to: str
     detok: mpb.DetokSpec
     context: int
+    interval: int  # output tokens between updates, after the first
     seq: int = 0
     sent_outputs: int = 0
     sent_input_logprobs: int = 0
@@ -196,17 +197,36 @@ class StepMessage:
         return step
 
 
+# Output tokens between the updates of a request whose caller waits for the whole answer:
+# enough to make its updates cost next to nothing, few enough that a long answer still
+# shows progress to the tokenizer (which ends a request that goes silent).
+UNSTREAMED_INTERVAL = 64
+
+
 class UpdateBuilder:
     """Per-request delivery state, keyed by the request object (a refused duplicate id
-    never takes another request's route); the scheduler's requests stay free of transport."""
+    never takes another request's route); the scheduler's requests stay free of transport.
+    A request's first output goes at once, then one update every `stream_interval` tokens
+    if it streams (UNSTREAMED_INTERVAL if not), and its finish; every token where it has
+    stop strings, which the detokenizer looks for."""
 
-    def __init__(self, engine_id: str) -> None:
+    def __init__(self, engine_id: str, stream_interval: int = 1) -> None:
         self.engine_id = engine_id
+        self.stream_interval = stream_interval
         self._routes: dict[Req, _Route] = {}
 
     def register(self, req: Req, msg: mpb.EngineRequest) -> None:
         """Where `req`'s updates go, from the message it came in."""
-        self._routes[req] = _Route(msg.reply_to, msg.detok, max(msg.detok_context, 1))
+        interval = 1
+        if not msg.detok.stop:
+            interval = self.stream_interval if msg.stream else UNSTREAMED_INTERVAL
+        self._routes[req] = _Route(msg.reply_to, msg.detok, max(msg.detok_context, 1), interval)
+
+    def due(self, req: Req) -> bool:
+        """Whether `req`'s news goes out with this step (always once it has finished)."""
+        route = self._routes.get(req)
+        return (route is None or req.finish is not None or not route.seq
+                or len(req.output_ids) - route.sent_outputs >= route.interval)
 
     def add(self, step: StepMessage, req: Req, traceparent: str = "", lost: bool = False
             ) -> Sent | None:

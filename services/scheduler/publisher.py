@@ -33,7 +33,8 @@ class Publisher:
     disaggregation handoffs and the host tier's link as they start."""
 
     def __init__(self, engine_id: str, role: str, nc: nats.NATS, scheduler: Scheduler,
-                 link: WorkerLink, metrics: SchedulerMetrics, traces: RequestTraces) -> None:
+                 link: WorkerLink, metrics: SchedulerMetrics, traces: RequestTraces,
+                 stream_interval: int = 1) -> None:
         self.engine_id = engine_id
         self.role = role
         self.nc = nc
@@ -41,7 +42,7 @@ class Publisher:
         self.link = link
         self.metrics = metrics
         self.traces = traces
-        self.updates = UpdateBuilder(engine_id)
+        self.updates = UpdateBuilder(engine_id, stream_interval)
         self.handoffs: Handoffs | None = None
         self.host_link: HostLink | None = None
         self._refused: list[mpb.TokenUpdate] = []  # published with the next step
@@ -70,26 +71,29 @@ class Publisher:
         self._refused = []
         cached = mpb.CacheEvent(engine_id=self.engine_id)
         embedded: dict[str, mpb.TextChunks] = {}  # by owner
+        updates = self.updates
         for req in updated:
+            if req.finish is None and (req.handoff is not None or not updates.due(req)):
+                # A prefill engine's request waits for its KV to be on its way; the others
+                # for their next update.
+                continue
             if req.finish is not None:
                 self.metrics.ended(req.rid)
             if req.handoff is not None:  # a prefill engine's request goes back to its decode engine
-                if req.finish is None:
-                    continue  # its first token is in; its KV is still on its way
                 handoffs.handed(req)
                 cached.inserted.add(cache_salt=req.namespace or "", token_ids=req.input_ids)
                 continue
             if req.finish is not None:
                 handoffs.ended(req)
             trace = self.traces.sent(req.rid, len(req.output_ids), req.finish, req.cached_tokens)
-            if req.embedding is not None and (chunk := self.updates.embedded(req)) is not None:
+            if req.embedding is not None and (chunk := updates.embedded(req)) is not None:
                 embedded.setdefault(chunk[0], mpb.TextChunks()).chunks.append(chunk[1])
                 self.metrics.update(True, len(req.input_ids), req.cached_tokens, 0,
                                     req.finish.kind.value, req.cached_host_tokens,
                                     req.cached_storage_tokens)
                 cached.inserted.add(cache_salt=req.namespace or "", token_ids=req.input_ids)
                 continue
-            sent = self.updates.add(step, req, trace, self.link.down)
+            sent = updates.add(step, req, trace, self.link.down)
             if sent is None:
                 continue
             finish = req.finish.kind.value if req.finish is not None else None

@@ -83,7 +83,8 @@ class SchedulerService:
             max_loras_per_batch=info.max_loras_per_batch or SchedulerConfig.max_loras_per_batch,
         ))
         self.publisher = Publisher(self.engine_id, self.config.disaggregation_mode, nc,
-                                   self.scheduler, self.link, self.metrics, self.traces)
+                                   self.scheduler, self.link, self.metrics, self.traces,
+                                   self.config.stream_interval)
         self.loop = EngineLoop(
             self.scheduler, self.link, self.publisher, not self.config.disable_overlap_schedule,
             self._scheduled, self._workers_lost,

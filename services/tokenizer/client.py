@@ -193,8 +193,11 @@ class MeshClient:
 
     # ---- generation ----------------------------------------------------------------------
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
-        """Run a request on an engine; closing the iterator early aborts it there."""
+    async def generate(self, request: GenerationRequest, stream: bool = True
+                       ) -> AsyncIterator[GenerationChunk]:
+        """Run a request on an engine; closing the iterator early aborts it there. Without
+        `stream`, its engine sends output now and then rather than token by token (the
+        chunks still add up to the whole answer)."""
         if request.rid in self._in_flight:
             raise GenerationError(f"request id {request.rid!r} is already running", 400)
         if self.max_queued and self.queued >= self.max_queued:
@@ -211,7 +214,7 @@ class MeshClient:
             trace.end("no engine is available")
             raise GenerationError("no engine is available", 503) from None
         try:
-            payload = self._engine_request(request, route)
+            payload = self._engine_request(request, route, stream)
         except ValueError as exc:  # a value the message cannot carry, e.g. out of int32
             trace.end(f"invalid request: {exc}")
             raise GenerationError(f"invalid request: {exc}", 400) from exc
@@ -227,7 +230,7 @@ class MeshClient:
             )
             while not finished:
                 chunk = await flight.take()
-                if not retried and await self._retry(flight, chunk, request, trace):
+                if not retried and await self._retry(flight, chunk, request, trace, stream):
                     retried = True  # once: on another engine, as if new
                     continue
                 if waiting:
@@ -255,7 +258,7 @@ class MeshClient:
             trace.end()
 
     async def _retry(self, flight: _InFlight, chunk: GenerationChunk,
-                     request: GenerationRequest, trace: RequestTrace) -> bool:
+                     request: GenerationRequest, trace: RequestTrace, stream: bool) -> bool:
         """Send a request its engine lost before any output to another engine; whether it
         went (False: nothing to retry, or no other engine)."""
         if chunk.finish is None or not flight.lost or flight.assembler.completion_tokens:
@@ -272,10 +275,11 @@ class MeshClient:
         flight.assembler = ChunkAssembler(request)
         flight.last_output, flight.gap_since = time.monotonic(), None
         await self._nc.publish(subjects.engine_generate(route.engine_id),
-                               self._engine_request(request, route), headers=trace.headers())
+                               self._engine_request(request, route, stream),
+                               headers=trace.headers())
         return True
 
-    def _engine_request(self, request: GenerationRequest, route: Route) -> bytes:
+    def _engine_request(self, request: GenerationRequest, route: Route, stream: bool) -> bytes:
         params = request.params
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         lp = request.logprobs
@@ -302,6 +306,7 @@ class MeshClient:
             ),
             detok_context=detok_context_size(params.stop),
             prefill_engine=route.prefill_engine,
+            stream=stream,
         )
         log.debug("request %s -> engine %s (%d cached)%s", request.rid, route.engine_id,
                   route.matched_tokens,

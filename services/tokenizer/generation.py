@@ -114,10 +114,12 @@ class GenerationClient(Protocol):
         """The model's hidden size (0 while unknown)."""
 
 
-    def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+    def generate(self, request: GenerationRequest, stream: bool = True
+                 ) -> AsyncIterator[GenerationChunk]:
         """Run a request; closing the iterator (or cancelling its task) early aborts it
         and its KV slots return to the pool. Raises GenerationError when no engine can
-        take it."""
+        take it. Without `stream` the caller waits for the whole answer, so output may come
+        in fewer, larger chunks."""
 
 
 def model_limits(client: GenerationClient) -> ModelLimits:

@@ -172,7 +172,7 @@ class NativeApi:
         return json_answer(bodies if parsed.listed else bodies[0])
 
     async def _collect(self, job: GenerationRequest, out: NativeOutput | None) -> None:
-        async with aclosing(self.client.generate(job)) as chunks:
+        async with aclosing(self.client.generate(job, stream=False)) as chunks:
             async for chunk in chunks:
                 if out is not None:
                     out.add(chunk)
@@ -289,7 +289,7 @@ class NativeApi:
         finish: FinishReason | None = None
         try:
             async with asyncio.timeout(self.health_timeout_s):
-                async with aclosing(client.generate(probe)) as chunks:
+                async with aclosing(client.generate(probe, stream=False)) as chunks:
                     async for chunk in chunks:
                         finish = chunk.finish
         except GenerationError as exc:

@@ -152,7 +152,7 @@ class OpenAIRoutes:
             return error_response(exc.text or "the request body is too large", exc.status)
         builder = builder_type(parsed, parsed.model or self.client.model_name, int(time.time()),
                                tokenizer)
-        async with GenerationFanout(self.client, parsed.requests) as fanout:
+        async with GenerationFanout(self.client, parsed.requests, parsed.stream) as fanout:
             watcher = asyncio.create_task(_watch_client(http, fanout))
             try:
                 if parsed.stream:
@@ -239,9 +239,11 @@ class ClientGone(Exception):
 class GenerationFanout:
     """Runs requests concurrently and yields (index, chunk) as chunks arrive."""
 
-    def __init__(self, client: GenerationClient, requests: Sequence[GenerationRequest]) -> None:
+    def __init__(self, client: GenerationClient, requests: Sequence[GenerationRequest],
+                 stream: bool = True) -> None:
         self._client = client
         self._requests = list(requests)
+        self._stream = stream
         self._queue: asyncio.Queue[_Item] = asyncio.Queue()
         self._tasks: list[asyncio.Task[None]] = []
         self._running = 0
@@ -283,8 +285,8 @@ class GenerationFanout:
     async def _pump(self, index: int, request: GenerationRequest) -> None:
         try:
             # Closing a stream that stopped early aborts its request in the mesh.
-            async with aclosing(self._client.generate(request)) as stream:
-                async for chunk in stream:
+            async with aclosing(self._client.generate(request, self._stream)) as chunks:
+                async for chunk in chunks:
                     self._queue.put_nowait((index, chunk))
         except Exception as exc:
             # The reader raises it; a cancellation (BaseException) just ends the pump.
