@@ -53,7 +53,7 @@ def run_once(tok: Tokenizer, outputs: list[list[int]], stop: list[str]
         builder.register(req, mpb.EngineRequest(
             rid=req.rid, reply_to="rm.tokenizer.t0.out",
             detok=mpb.DetokSpec(stop=stop, skip_special_tokens=True, prompt_tail=prompt[-8:]),
-            detok_context=detok_context_size(stop),
+            detok_context=detok_context_size(stop), stream=True,
         ))
         reqs.append(req)
         assemblers.append(ChunkAssembler(GenerationRequest(req.rid, prompt, params)))

@@ -236,11 +236,13 @@ class UpdateBuilder:
         if route is None:
             return None
         offset, end = route.sent_outputs, len(req.output_ids)
-        if (route.seq and offset > route.context and not traceparent and req.finish is None
+        if (route.seq and not traceparent and req.finish is None
                 and not req.logprobs.return_logprob and req.transfer is None
                 and not req.spec_verify_ct):
-            step.pack(req.rid, route, req.output_ids[offset - route.context : offset],
-                      req.output_ids[offset:end])
+            # Packed updates carry no prompt tail: a context of exactly the output so far
+            # takes one prompt id more, as the tail would have come before it.
+            size = route.context + (offset == route.context)
+            step.pack(req.rid, route, _context(req, offset, size), req.output_ids[offset:end])
             route.seq += 1
             route.sent_outputs = end
             return Sent(False, end - offset)
