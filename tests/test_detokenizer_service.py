@@ -31,6 +31,7 @@ from radixmesh.services.detokenizer.server import (
     step_replies,
 )
 from radixmesh.services.scheduler.mesh_io import (
+    MAX_UPDATE_GAP_S,
     UNSTREAMED_INTERVAL,
     StepMessage,
     UpdateBuilder,
@@ -252,7 +253,7 @@ def test_updates_come_as_often_as_the_caller_reads_the_output() -> None:
     tok = tokenizer()
     answer = tok.encode(" The caf\u00e9 is open \U0001f600 until late tonight." * 20)[:150]
     assert len(answer) == 150
-    builder = UpdateBuilder(ENGINE, stream_interval=4)
+    builder = UpdateBuilder(ENGINE, stream_interval=4, clock=lambda: 0.0)
     kinds = {"streamed": (True, []), "unstreamed": (False, []), "stops": (False, ["zzz"])}
     reqs = []
     for rid, (stream, stop) in kinds.items():
@@ -270,7 +271,7 @@ def test_updates_come_as_often_as_the_caller_reads_the_output() -> None:
             req.output_ids.append(token)
             if n == len(answer):
                 req.finish = FinishReason(FinishKind.LENGTH, n)
-            if builder.due(req):
+            if builder.due(req, MAX_UPDATE_GAP_S / 2):
                 sent = builder.add(step, req)
                 assert sent is not None
                 sizes[req.rid].append(sent.new_tokens)
@@ -280,6 +281,21 @@ def test_updates_come_as_often_as_the_caller_reads_the_output() -> None:
     assert sizes["unstreamed"] == [1, UNSTREAMED_INTERVAL, UNSTREAMED_INTERVAL, 21]
     assert sizes["stops"] == [1] * 150
     assert set(texts.values()) == {tok.decode(answer)}
+
+
+def test_new_tokens_wait_at_most_max_update_gap_s_for_their_interval() -> None:
+    """A slow model's unstreamed answer still shows progress: tokens that have waited
+    MAX_UPDATE_GAP_S since the last update go out, however few."""
+    builder = UpdateBuilder(ENGINE, clock=lambda: 100.0)
+    req = Req(rid="slow", input_ids=[1, 2, 3], params=SamplingParams(max_new_tokens=500),
+              seed=0)
+    builder.register(req, mpb.EngineRequest(reply_to=OWNER_A, stream=False))
+    req.output_ids.append(7)
+    assert builder.due(req, 100.0)  # the first token goes at once
+    builder.add(StepMessage(ENGINE), req)
+    req.output_ids.append(8)
+    assert not builder.due(req, 100.0 + MAX_UPDATE_GAP_S / 2)
+    assert builder.due(req, 100.0 + MAX_UPDATE_GAP_S)
 
 
 def test_a_bad_update_aborts_only_its_request() -> None:

@@ -151,9 +151,10 @@ def test_counters_equal_the_workload_on_every_service(mesh: Mesh) -> None:
 def test_an_answer_read_whole_costs_two_updates_unless_stop_strings_are_looked_for(
         mesh: Mesh) -> None:
     """A request whose caller waits for the whole answer: the engine sends its first token
-    and its finish (40 tokens, under the 64 between updates); with a stop string to look
-    for, every token; streamed, its first token and every third. The answers are equal."""
-    sampling = {"max_new_tokens": 40, "ignore_eos": True, "temperature": 0}
+    and its finish (20 tokens, under the 64 between updates and well within the 5 s any
+    tokens wait at most); with a stop string to look for, every token; streamed, its first
+    token and every third. The answers are equal."""
+    sampling = {"max_new_tokens": 20, "ignore_eos": True, "temperature": 0}
 
     def updates() -> float:
         return sample(scrape(mesh, "detokenizer-0"), "radixmesh:detokenizer_updates_total", {})
@@ -172,15 +173,17 @@ def test_an_answer_read_whole_costs_two_updates_unless_stop_strings_are_looked_f
                 "input_ids": PROMPT_B, "sampling_params": {**sampling, **extra}})
             assert out.status_code == 200, out.text
             texts.append(out.json()["text"])
-            counts.append(settled_updates(before, 40 if extra else 2))
+            counts.append(settled_updates(before, 20 if extra else 2))
         before = updates()
         body = {"input_ids": PROMPT_B, "stream": True, "sampling_params": sampling}
         with client.stream("POST", "/generate", json=body) as response:
             events = [json.loads(line[len("data: "):])
                       for line in response.iter_lines() if line.startswith("data: {")]
-        counts.append(settled_updates(before, 14))
-    # Tokens 1, 2-4, ..., 38-40 (with the finish); the tokenizer may join chunks that
+        counts.append(settled_updates(before, 8))
+    # Tokens 1, 2-4, ..., 17-19, 20 (with the finish); the tokenizer may join chunks that
     # arrive before the client reads.
-    assert counts == [2, 40, 1 + 13]
-    assert all(e["meta_info"]["completion_tokens"] % STREAM_INTERVAL == 1 for e in events)
+    assert counts == [2, 20, 1 + 6 + 1]
+    assert all(e["meta_info"]["completion_tokens"] % STREAM_INTERVAL == 1
+               for e in events[:-1])
+    assert events[-1]["meta_info"]["completion_tokens"] == 20
     assert texts == [events[-1]["text"]] * 2  # each event holds the text so far

@@ -6,7 +6,9 @@ of the step's packed arrays when new ids are all it carries."""
 
 from __future__ import annotations
 
+import time
 from array import array
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -130,6 +132,7 @@ class _Route:
     context: int
     interval: int  # output tokens between updates, after the first
     seq: int = 0
+    sent_at: float = 0.0  # when its last update went (UpdateBuilder.clock)
     sent_outputs: int = 0
     sent_input_logprobs: int = 0
     # What its packed updates share with other requests': reply_to and detok less the
@@ -201,18 +204,23 @@ class StepMessage:
 # enough to make its updates cost next to nothing, few enough that a long answer still
 # shows progress to the tokenizer (which ends a request that goes silent).
 UNSTREAMED_INTERVAL = 64
+# Seconds a request's new tokens may wait for their interval: a slow model's answer still
+# shows progress well inside the tokenizer's stall timeout.
+MAX_UPDATE_GAP_S = 5.0
 
 
 class UpdateBuilder:
     """Per-request delivery state, keyed by the request object (a refused duplicate id
     never takes another request's route); the scheduler's requests stay free of transport.
     A request's first output goes at once, then one update every `stream_interval` tokens
-    if it streams (UNSTREAMED_INTERVAL if not), and its finish; every token where it has
-    stop strings, which the detokenizer looks for."""
+    if it streams (UNSTREAMED_INTERVAL if not) or MAX_UPDATE_GAP_S after the last, and its
+    finish; every token where it has stop strings, which the detokenizer looks for."""
 
-    def __init__(self, engine_id: str, stream_interval: int = 1) -> None:
+    def __init__(self, engine_id: str, stream_interval: int = 1,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.engine_id = engine_id
         self.stream_interval = stream_interval
+        self.clock = clock
         self._routes: dict[Req, _Route] = {}
 
     def register(self, req: Req, msg: mpb.EngineRequest) -> None:
@@ -222,11 +230,13 @@ class UpdateBuilder:
             interval = self.stream_interval if msg.stream else UNSTREAMED_INTERVAL
         self._routes[req] = _Route(msg.reply_to, msg.detok, max(msg.detok_context, 1), interval)
 
-    def due(self, req: Req) -> bool:
-        """Whether `req`'s news goes out with this step (always once it has finished)."""
+    def due(self, req: Req, now: float) -> bool:
+        """Whether `req`'s news goes out with this step at `now` (on `clock`): always once
+        it has finished."""
         route = self._routes.get(req)
         return (route is None or req.finish is not None or not route.seq
-                or len(req.output_ids) - route.sent_outputs >= route.interval)
+                or len(req.output_ids) - route.sent_outputs >= route.interval
+                or now - route.sent_at >= MAX_UPDATE_GAP_S)
 
     def add(self, step: StepMessage, req: Req, traceparent: str = "", lost: bool = False
             ) -> Sent | None:
@@ -245,6 +255,7 @@ class UpdateBuilder:
             step.pack(req.rid, route, _context(req, offset, size), req.output_ids[offset:end])
             route.seq += 1
             route.sent_outputs = end
+            route.sent_at = self.clock()
             return Sent(False, end - offset)
         update = self.build(req, traceparent)
         assert update is not None
@@ -299,6 +310,7 @@ class UpdateBuilder:
             del self._routes[req]
         route.seq += 1
         route.sent_outputs = end
+        route.sent_at = self.clock()
         return update
 
     def embedded(self, req: Req) -> tuple[str, mpb.TextChunk] | None:

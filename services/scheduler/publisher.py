@@ -72,8 +72,9 @@ class Publisher:
         cached = mpb.CacheEvent(engine_id=self.engine_id)
         embedded: dict[str, mpb.TextChunks] = {}  # by owner
         updates = self.updates
+        now = updates.clock()
         for req in updated:
-            if req.finish is None and (req.handoff is not None or not updates.due(req)):
+            if req.finish is None and (req.handoff is not None or not updates.due(req, now)):
                 # A prefill engine's request waits for its KV to be on its way; the others
                 # for their next update.
                 continue
