@@ -5,6 +5,7 @@ SIGTERM or SIGINT."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import logging
 import signal
@@ -87,14 +88,30 @@ def stop_event() -> asyncio.Event:
     return stop
 
 
+# Net allocations of tracked objects between collections of the youngest generation
+# (Python's default: 700). A service allocates per token and frees nearly all of it at once
+# by reference counting, yet at 700 the tokenizer's collector ran about 200 times a second
+# serving 256 streams, a tenth of its CPU.
+YOUNG_GC_THRESHOLD = 10_000
+
+
+def settle_heap() -> None:
+    """Once a service has started: what start-up made leaves the collector's sight (it
+    lives as long as the process), and the youngest generation is collected less often."""
+    gc.freeze()
+    gc.set_threshold(YOUNG_GC_THRESHOLD, *gc.get_threshold()[1:])
+
+
 async def run_until_stopped(start: Awaitable[None], stop: asyncio.Event) -> bool:
-    """Run a service's start-up unless a stop signal comes first (then it is cancelled)."""
+    """Run a service's start-up unless a stop signal comes first (then it is cancelled);
+    once started, settle its heap."""
     task = asyncio.ensure_future(start)
     waiter = asyncio.ensure_future(stop.wait())
     await asyncio.wait([task, waiter], return_when=asyncio.FIRST_COMPLETED)
     waiter.cancel()
     if task.done():
         task.result()
+        settle_heap()
         return True
     task.cancel()
     return False

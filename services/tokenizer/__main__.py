@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from radixmesh.core.service_settings import TokenizerServiceConfig
-from radixmesh.mesh.service import configure_service, run_service, stop_event
+from radixmesh.mesh.service import configure_service, run_service, settle_heap, stop_event
 from radixmesh.services.tokenizer.server import TokenizerServer
 
 
@@ -11,6 +11,7 @@ async def _main(config: TokenizerServiceConfig) -> None:
     stop = stop_event()
     server = TokenizerServer(config)
     await server.start()
+    settle_heap()
     try:
         await stop.wait()
     finally:
