@@ -62,9 +62,11 @@ class Stack:
 
 
 @pytest.fixture
-async def stack(nats_url, tokenizer):
+async def stack(nats_url, tokenizer, request):
+    """Indirectly parametrized: more settings of the replica."""
     config = TokenizerServiceConfig(nats_url=nats_url, port=0, grpc_port=-1,
-                                    replica_id=os.urandom(6).hex())
+                                    replica_id=os.urandom(6).hex(),
+                                    **getattr(request, "param", {}))
     server = TokenizerServer(config, tokenizer=tokenizer)
     await server.start()
     nc = await nats.connect(nats_url)
@@ -265,6 +267,32 @@ async def test_generate_stream_sends_cumulative_events_then_done(stack):
     assert counts == sorted(set(counts)) and counts[-1] == 3
     assert all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1])
     assert chunks[-1]["meta_info"]["finish_reason"] == {"type": "length", "length": 3}
+
+
+@pytest.mark.parametrize("stack", [{"incremental_streaming_output": True}], indirect=True)
+async def test_incremental_streaming_output_sends_each_segment_once(stack):
+    """--incremental-streaming-output: each event carries the text, output ids and output
+    logprobs new since the last one; together they are the whole answer, logprobs and all."""
+    await stack.add_engine(delay_s=0.001)
+    body = {"input_ids": [4, 5, 6], "sampling_params": {"max_new_tokens": 7},
+            "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 2}
+    status, whole = await stack.post("/generate", body)
+    assert status == 200
+    events = _events(await stack.stream({**body, "stream": True}))
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert len(chunks) > 1
+    assert "".join(c["text"] for c in chunks) == whole["text"]
+    assert [t for c in chunks for t in c["output_ids"]] == whole["output_ids"] == echo_ids(
+        [4, 5, 6], 7)
+    for key in ("output_token_logprobs", "output_top_logprobs"):
+        assert [x for c in chunks for x in c["meta_info"][key]] == whole["meta_info"][key]
+    assert [len(c["output_ids"]) for c in chunks] == [
+        len(c["meta_info"]["output_token_logprobs"]) for c in chunks]
+    counts = [c["meta_info"]["completion_tokens"] for c in chunks]
+    assert counts == sorted(set(counts)) and counts[-1] == 7
+    final = chunks[-1]["meta_info"]
+    assert final["input_token_logprobs"] == whole["meta_info"]["input_token_logprobs"]
 
 
 async def test_generate_stream_batch_tags_events_with_their_index(stack):

@@ -335,7 +335,7 @@ class ChatSettings(Settings):
 
 @dataclass(frozen=True, kw_only=True)
 class FrontDoorSettings(Settings):
-    """Who may use the front doors, and how many requests may wait."""
+    """Who may use the front doors, how many requests may wait, and what a stream sends."""
 
     TITLE: ClassVar[str] = "front doors"
 
@@ -351,6 +351,12 @@ class FrontDoorSettings(Settings):
         minimum=0,
         help="requests a tokenizer replica lets wait for their first token; past it a new "
         "one gets 503 with Retry-After (gRPC: UNAVAILABLE); 0: no limit",
+    )
+    incremental_streaming_output: bool = setting(
+        False,
+        help="a streamed native /generate sends in each event only the text, output ids "
+        "and output logprobs new since the one before; by default each event holds the "
+        "whole output so far",
     )
 
 @dataclass(frozen=True, kw_only=True)

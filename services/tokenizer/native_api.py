@@ -68,11 +68,13 @@ class NativeApi:
         model_path: str,
         server_args: dict[str, Any],
         health_timeout_s: float = 20.0,
+        incremental_streaming_output: bool = False,
     ) -> None:
         self.client = client
         self.model_path = model_path
         self.server_args = server_args
         self.health_timeout_s = health_timeout_s
+        self.incremental = incremental_streaming_output
 
     def add_routes(self, app: web.Application) -> None:
         """Register every route of the native API on `app`."""
@@ -112,7 +114,8 @@ class NativeApi:
             for k in range(parsed.n):
                 job = prompt if parsed.n == 1 else nth_sample(prompt, f"{prompt.rid}_{k}", k)
                 jobs.append(job)
-                outputs.append(NativeOutput(replace(item, rid=job.rid), started, token_text))
+                outputs.append(NativeOutput(replace(item, rid=job.rid), started, token_text,
+                                            self.incremental))
         if parsed.n > 1:
             try:
                 await self._cache_prompts(prompts)
@@ -197,7 +200,7 @@ class NativeApi:
                         running = 0
                         break
                     outputs[index].add(event)
-                    payload = outputs[index].body()
+                    payload = outputs[index].event()
                     if parsed.listed:
                         payload["index"] = index
                     events.append(sse_event(payload))

@@ -237,17 +237,22 @@ def _str(value: Any, name: str) -> str | None:
 
 
 class NativeOutput:
-    """Accumulates one request's chunks; `body()` is its answer so far."""
+    """Accumulates one request's chunks; `body()` is its answer so far, `event()` what a
+    stream sends of it next: the same, or with `incremental` (SGLang's incremental
+    streaming output) the text, output ids and output logprobs added since the last event."""
 
-    def __init__(self, item: GeneratePrompt, started: float, token_text: TokenText | None) -> None:
+    def __init__(self, item: GeneratePrompt, started: float, token_text: TokenText | None,
+                 incremental: bool = False) -> None:
         self.item = item
         self.started = started
         self._token_text = token_text
+        self._incremental = incremental
         self.text = ""
         self.output_ids: list[int] = []
         self.last: GenerationChunk | None = None
         self._output_logprobs: list[TokenLogprob] = []
         self._output_top: list[list[TokenLogprob]] = []
+        self._sent_text = self._sent_ids = 0  # what the events so far carried
 
     def add(self, chunk: GenerationChunk) -> None:
         """Take the next chunk of this request."""
@@ -261,7 +266,17 @@ class NativeOutput:
         """{"text", "output_ids", "meta_info"} as SGLang answers."""
         return {"text": self.text, "output_ids": list(self.output_ids), "meta_info": self._meta()}
 
-    def _meta(self) -> dict[str, Any]:
+    def event(self) -> dict[str, Any]:
+        """The body of the stream's next event."""
+        if not self._incremental:
+            return self.body()
+        text, ids = self._sent_text, self._sent_ids
+        self._sent_text, self._sent_ids = len(self.text), len(self.output_ids)
+        return {"text": self.text[text:], "output_ids": self.output_ids[ids:],
+                "meta_info": self._meta(ids)}
+
+    def _meta(self, since: int = 0) -> dict[str, Any]:
+        """meta_info, its output logprobs those of the output ids from `since` on."""
         last = self.last
         logprobs: LogprobLists | None = None
         if self.item.return_logprob:
@@ -270,9 +285,9 @@ class NativeOutput:
             tops = self.item.top_logprobs_num > 0
             logprobs = LogprobLists(
                 input_token=final.input_token_logprobs if final else [],
-                output_token=self._output_logprobs,
+                output_token=self._output_logprobs[since:],
                 input_top=(final.input_top_logprobs if final else []) if tops else None,
-                output_top=self._output_top if tops else None,
+                output_top=self._output_top[since:] if tops else None,
             )
         return meta_info(
             self.item.rid,

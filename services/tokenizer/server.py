@@ -78,7 +78,8 @@ class TokenizerServer:
         if cfg.api_key:
             middlewares.append(auth_middleware(cfg.api_key))
         app = web.Application(middlewares=middlewares)
-        NativeApi(client, str(model_path), public_args(cfg)).add_routes(app)
+        NativeApi(client, str(model_path), public_args(cfg),
+                  incremental_streaming_output=cfg.incremental_streaming_output).add_routes(app)
         add_openai_routes(app, client, cfg.tool_call_parser, cfg.reasoning_parser)
         EmbeddingRoutes(client).add_routes(app)
         # Cancelling the handler of a client that hung up closes its generation, which
