@@ -163,7 +163,7 @@ class MeshFigures(NamedTuple):
 
 
 def mesh_figures(model: Path, streams: int, new_tokens: int, repeats: int,
-                 stream_interval: int) -> MeshFigures:
+                 stream_interval: int, incremental: bool) -> MeshFigures:
     """The mesh's output tok/s per repeat of each mode (the modes take turns); each
     process's CPU microseconds per output token over a mode's repeats, and its RSS after
     them all."""
@@ -171,7 +171,7 @@ def mesh_figures(model: Path, streams: int, new_tokens: int, repeats: int,
 
     args = MeshArgs(model_path=str(model), port=0, grpc_port=0, max_running_requests=streams,
                     max_total_tokens=streams * (PROMPT + new_tokens + 16),
-                    stream_interval=stream_interval)
+                    stream_interval=stream_interval, incremental_streaming_output=incremental)
     rates: dict[str, list[float]] = {mode: [] for mode in MODES}
     spent: dict[str, dict[str, float]] = {mode: {} for mode in MODES}
     with tempfile.TemporaryDirectory() as logs, Mesh(replace(args, log_dir=logs)) as mesh:
@@ -200,11 +200,12 @@ def mesh_main(args: argparse.Namespace) -> None:
         write_random_llama(model, SHAPE)
         engine = engine_rate(model, args.streams, args.new_tokens, args.repeats)
         mesh = mesh_figures(model, args.streams, args.new_tokens, args.repeats,
-                            args.stream_interval)
+                            args.stream_interval, args.incremental_streaming_output)
     e = statistics.median(engine)
     m = {mode: statistics.median(rates) for mode, rates in mesh.rates.items()}
     print(f"mesh vs in-process, {args.streams} concurrent /generate calls x {args.new_tokens} "
-          f"new tokens ({PROMPT}-token prompts), stream_interval {args.stream_interval}, "
+          f"new tokens ({PROMPT}-token prompts), stream_interval {args.stream_interval}"
+          f"{', incremental streaming output' if args.incremental_streaming_output else ''}, "
           f"{cpu_name()}; medians of {args.repeats}")
     print(f"in-process {e:,.0f} out tok/s")
     print(f"{'':<22}" + "".join(f"{mode:>12}" for mode in MODES))
@@ -276,6 +277,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--stream-interval", type=int, default=1,
                         help="the mesh's --stream-interval")
+    parser.add_argument("--incremental-streaming-output", action="store_true",
+                        help="the mesh's --incremental-streaming-output")
     args = parser.parse_args()
     if args.mesh:
         mesh_main(args)
