@@ -182,13 +182,13 @@ def step_replies(step: mpb.TokenStep, decode: DecodeFn) -> StepReplies:
     stop_matches = errors = 0
     for reply_to, engine_id, reply in _replies(step, decode):
         if isinstance(reply, PackedChunk):
-            boxes.setdefault(reply_to, _Outbox()).plain(reply)
+            _outbox(boxes, reply_to).plain(reply)
             continue
         errors += reply.failed
         stop_matches += reply.stop_matched
         chunk = reply.chunk
         if reply_to:
-            boxes.setdefault(reply_to, _Outbox()).chunks.append(chunk)
+            _outbox(boxes, reply_to).chunks.append(chunk)
         else:
             log.warning("update %d of %s names no reply subject", chunk.seq, chunk.rid)
         if reply.stops_engine and engine_id:
@@ -196,6 +196,13 @@ def step_replies(step: mpb.TokenStep, decode: DecodeFn) -> StepReplies:
             aborts.append((subjects.engine_abort(engine_id), abort))
     chunks = {subject: box.to_proto() for subject, box in boxes.items()}
     return StepReplies(chunks, aborts, stop_matches, errors)
+
+
+def _outbox(boxes: dict[str, _Outbox], owner: str) -> _Outbox:
+    box = boxes.get(owner)
+    if box is None:
+        box = boxes[owner] = _Outbox()
+    return box
 
 
 def _replies(step: mpb.TokenStep, decode: DecodeFn
