@@ -55,6 +55,9 @@ class ChunkAssembler:
         deliverable, in order."""
         if self.finished or chunk.seq < self._next_seq:
             return []
+        if chunk.seq == self._next_seq and not self._early:  # in order, as nearly always
+            self._next_seq += 1
+            return [self._convert(chunk)]
         self._early[chunk.seq] = chunk
         ready = []
         while not self.finished and self._next_seq in self._early:
