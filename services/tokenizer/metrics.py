@@ -113,7 +113,7 @@ class RequestMetrics:
         self._started = metrics.clock()
         self._last_token_at: float | None = None
         self._tokens = 0
-        self._cached = CachedTokens()
+        self._last: GenerationChunk | None = None  # its prefix hit, split by tier, at the end
         self._ended = False
         metrics.prompt_tokens.inc(prompt_tokens)
         metrics.in_flight.inc()
@@ -134,7 +134,7 @@ class RequestMetrics:
                     self._m.itl.observe(share)
             self._last_token_at = now
             self._tokens = chunk.completion_tokens
-        self._cached = chunk.cached_tokens_details
+        self._last = chunk
         if chunk.finish is not None:
             self._m.e2e.observe(now - self._started)
             # A stop string can trim tokens already counted: the last chunk has the total.
@@ -150,7 +150,8 @@ class RequestMetrics:
         m = self._m
         m.in_flight.dec()
         m.generation_tokens.inc(completion_tokens)
-        for tier, tokens in self._cached.to_dict().items():
+        cached = self._last.cached_tokens_details if self._last else CachedTokens()
+        for tier, tokens in cached.to_dict().items():
             m.cached_tokens[tier].inc(tokens)
         m.num_requests.inc()
         if aborted:
