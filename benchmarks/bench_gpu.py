@@ -11,6 +11,9 @@ Figures (greedy, ignore_eos, exact lengths; each a median of --repeats runs):
               64 tokens of their own, 64 new tokens each: output tok/s
   GPU busy    the share of a batch-256 decode run's wall time the GPU spends inside the
               runner's steps (CUDA events around each step)
+  mesh        the same model behind `radixmesh up` on the same device, 256 concurrent
+              /generate calls as the batch-256 run (answered whole, then streamed):
+              output tok/s and its ratio to the in-process batch-256 figure
 Each decode figure's share of the card's limit: the bytes a step must read (weights + the
 batch's KV) at --bandwidth; the prefill's at --flops. It finishes within 6 minutes on an
 H200 with the default sizes; --quick runs a smoke version anywhere (--device cpu too).
@@ -89,6 +92,7 @@ def main() -> None:
     parser.add_argument("--bandwidth", type=float, default=4.2e12, help="bytes/s (H200)")
     parser.add_argument("--flops", type=float, default=7.9e14, help="bf16 dense FLOP/s (H200)")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--skip-mesh", action="store_true", help="no mesh rows")
     args = parser.parse_args()
     shape = "tiny" if args.quick else "llama-1b"
     prompt, short, long = (16, 4, 12) if args.quick else (256, 32, 256)
@@ -155,16 +159,48 @@ def main() -> None:
                 rows.append(gpu_busy(engine, bench, max(batches), prompt, long))
         finally:
             engine.shutdown()
+        if not args.skip_mesh:
+            batch = next(r for r in rows if r["figure"] == f"batch {max(batches)}")
+            rows += mesh_rows(model, kwargs, bench.prompts(max(batches), prompt), long,
+                              args.repeats, batch["value"])
     print(f"\n{shape} bf16 on {device_name(args.device)}, cuda_graph_max_bs "
           f"{args.cuda_graph_max_bs if args.cuda_graph_max_bs is not None else 'default'}; "
           f"medians of {args.repeats}")
-    print(f"{'figure':<34} {'value':>12} {'unit':<13} {'step ms':>8} {'of limit':>9}")
+    print(f"{'figure':<40} {'value':>12} {'unit':<13} {'step ms':>8} {'of limit':>9}")
     for r in rows:
         step = f"{r['step_ms']:.2f}" if r.get("step_ms") else ""
         share = f"{100 * r['limit_share']:.0f}%" if r.get("limit_share") else ""
-        print(f"{r['figure']:<34} {r['value']:>12,.0f} {r['unit']:<13} {step:>8} {share:>9}")
+        print(f"{r['figure']:<40} {r['value']:>12,.0f} {r['unit']:<13} {step:>8} {share:>9}")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
+
+
+def mesh_rows(model: Path, engine_kwargs: dict[str, Any], calls: list[list[int]],
+              new_tokens: int, repeats: int, in_process: float) -> list[dict[str, Any]]:
+    """The mesh serving `calls` concurrently (answered whole, then streamed): output tok/s
+    and its share of the in-process engine's on the same batch."""
+    import asyncio
+    import dataclasses
+
+    from bench_host import call_all  # this script's folder is on sys.path
+
+    from radixmesh.launcher import Mesh, MeshArgs
+
+    names = {f.name for f in dataclasses.fields(MeshArgs)}
+    args = MeshArgs(port=0, grpc_port=0, model_path=str(model),
+                    **{k: v for k, v in engine_kwargs.items() if k in names})
+    rows = []
+    with tempfile.TemporaryDirectory() as logs, Mesh(dataclasses.replace(args, log_dir=logs)
+                                                     ) as mesh:
+        asyncio.run(call_all(mesh.url, calls, 4, stream=False))  # warm-up
+        for stream in (False, True):
+            rate = statistics.median(asyncio.run(call_all(mesh.url, calls, new_tokens, stream))
+                                     for _ in range(repeats))
+            kind = "streamed" if stream else "answered whole"
+            rows.append({"figure": f"mesh, {len(calls)} calls {kind} ({rate / in_process:.2f}x)",
+                         "value": rate, "unit": "out tok/s", "step_ms": None,
+                         "limit_share": None})
+    return rows
 
 
 def gpu_busy(engine: Any, bench: Bench, batch: int, prompt: int, long: int) -> dict[str, Any]:

@@ -115,8 +115,10 @@ def engine_rate(model: Path, streams: int, new_tokens: int, repeats: int) -> lis
 MODES = ("streamed", "whole")  # streaming /generate calls; calls answered whole
 
 
-async def call_all(url: str, streams: int, new_tokens: int, stream: bool = True) -> float:
-    """Output tok/s of `streams` concurrent /generate calls, streamed or answered whole."""
+async def call_all(url: str, calls: list[list[int]], new_tokens: int, stream: bool = True
+                   ) -> float:
+    """Output tok/s of concurrent /generate calls, one per prompt of `calls` (token ids),
+    streamed or answered whole."""
     import aiohttp
 
     sampling = {"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True}
@@ -138,7 +140,7 @@ async def call_all(url: str, streams: int, new_tokens: int, stream: bool = True)
         async with http.post(url + "/flush_cache") as r:
             r.raise_for_status()
         began = time.perf_counter()
-        done = await asyncio.gather(*(one(http, ids) for ids in prompts(streams)))
+        done = await asyncio.gather(*(one(http, ids) for ids in calls))
         elapsed = time.perf_counter() - began
     assert all(n == new_tokens for n in done), done
     return sum(done) / elapsed
@@ -178,12 +180,12 @@ def mesh_figures(model: Path, streams: int, new_tokens: int, repeats: int,
         pids = {c.service: c.proc.pid for c in mesh.children}
         if mesh.nats is not None and mesh.nats.pid is not None:
             pids["nats"] = mesh.nats.pid
-        asyncio.run(call_all(mesh.url, streams, 4))  # warm-up
+        asyncio.run(call_all(mesh.url, prompts(streams), 4))  # warm-up
         for _ in range(repeats):
             for mode in MODES:
                 before = {name: cpu_seconds(pid) for name, pid in pids.items()}
                 rates[mode].append(asyncio.run(
-                    call_all(mesh.url, streams, new_tokens, mode == "streamed")))
+                    call_all(mesh.url, prompts(streams), new_tokens, mode == "streamed")))
                 for name, pid in pids.items():
                     used = cpu_seconds(pid) - before[name]
                     spent[mode][name] = spent[mode].get(name, 0.0) + used
