@@ -194,8 +194,9 @@ def mesh_rows(model: Path, engine_kwargs: dict[str, Any], calls: list[list[int]]
                                                      ) as mesh:
         asyncio.run(call_all(mesh.url, calls, 4, stream=False))  # warm-up
         for stream in (False, True):
-            rate = statistics.median(asyncio.run(call_all(mesh.url, calls, new_tokens, stream))
-                                     for _ in range(repeats))
+            rate = statistics.median(
+                asyncio.run(call_all(mesh.url, calls, new_tokens, stream)).rate
+                for _ in range(repeats))
             kind = "streamed" if stream else "answered whole"
             rows.append({"figure": f"mesh, {len(calls)} calls {kind} ({rate / in_process:.2f}x)",
                          "value": rate, "unit": "out tok/s", "step_ms": None,

@@ -93,8 +93,14 @@ def prompts(batch: int) -> list[list[int]]:
     return [[(7 * r + 13 * i + 1) % (VOCAB - 1) for i in range(PROMPT)] for r in range(batch)]
 
 
-def engine_rate(model: Path, streams: int, new_tokens: int, repeats: int) -> list[float]:
-    """In-process output tok/s over `streams` prompts run as one batch, per repeat."""
+class EngineFigures(NamedTuple):
+    rates: list[float]  # output tok/s per repeat
+    cpu_us: float  # the process's CPU us per output token over the repeats
+
+
+def engine_rate(model: Path, streams: int, new_tokens: int, repeats: int) -> EngineFigures:
+    """In-process output tok/s over `streams` prompts run as one batch, per repeat, and
+    the CPU it took per output token."""
     from radixmesh.api import Engine
 
     sampling = {"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True}
@@ -104,46 +110,52 @@ def engine_rate(model: Path, streams: int, new_tokens: int, repeats: int) -> lis
                 show_progress=False) as engine:
         engine.generate(input_ids=prompts(streams), sampling_params={**sampling,
                                                                      "max_new_tokens": 4})
+        cpu = 0.0
         for _ in range(repeats):
             engine.flush_cache()
-            began = time.perf_counter()
+            before, began = cpu_seconds(os.getpid()), time.perf_counter()
             engine.generate(input_ids=prompts(streams), sampling_params=sampling)
             rates.append(streams * new_tokens / (time.perf_counter() - began))
-    return rates
+            cpu += cpu_seconds(os.getpid()) - before
+    return EngineFigures(rates, cpu / (streams * new_tokens * repeats) * 1e6)
 
 
 MODES = ("streamed", "whole")  # streaming /generate calls; calls answered whole
 
 
+class Calls(NamedTuple):
+    rate: float  # output tok/s
+    client_cpu_s: float  # the client's own CPU time (its thread's), on the same cores
+
+
 async def call_all(url: str, calls: list[list[int]], new_tokens: int, stream: bool = True
-                   ) -> float:
-    """Output tok/s of concurrent /generate calls, one per prompt of `calls` (token ids),
-    streamed or answered whole."""
+                   ) -> Calls:
+    """Concurrent /generate calls, one per prompt of `calls` (token ids), streamed or
+    answered whole. A stream is read as raw chunks and only its last event is parsed."""
     import aiohttp
 
     sampling = {"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True}
 
     async def one(http: aiohttp.ClientSession, ids: list[int]) -> int:
-        last = b""
         body = {"input_ids": ids, "sampling_params": sampling, "stream": stream}
         async with http.post(url + "/generate", json=body) as r:
             r.raise_for_status()
             if not stream:
                 return int((await r.json())["meta_info"]["completion_tokens"])
-            async for line in r.content:
-                if line.startswith(b"data: {"):
-                    last = line
-        return int(json.loads(last[6:])["meta_info"]["completion_tokens"])
+            read = [data async for data in r.content.iter_any()]
+        events = b"".join(read)
+        last = events[events.rindex(b"data: {") + 6:]
+        return int(json.loads(last[:last.index(b"\n")])["meta_info"]["completion_tokens"])
 
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600),
                                      connector=aiohttp.TCPConnector(limit=0)) as http:
         async with http.post(url + "/flush_cache") as r:
             r.raise_for_status()
-        began = time.perf_counter()
+        cpu, began = time.thread_time(), time.perf_counter()
         done = await asyncio.gather(*(one(http, ids) for ids in calls))
-        elapsed = time.perf_counter() - began
+        elapsed, cpu = time.perf_counter() - began, time.thread_time() - cpu
     assert all(n == new_tokens for n in done), done
-    return sum(done) / elapsed
+    return Calls(sum(done) / elapsed, cpu)
 
 
 def cpu_seconds(pid: int) -> float:
@@ -161,6 +173,7 @@ def rss_mib(pid: int) -> float:
 class MeshFigures(NamedTuple):
     rates: dict[str, list[float]]  # output tok/s per repeat, by mode
     cpu: dict[str, dict[str, float]]  # CPU us per output token, by mode and process
+    # (the benchmark's own client as "client")
     rss: dict[str, float]  # MiB after every repeat, by process
 
 
@@ -184,11 +197,12 @@ def mesh_figures(model: Path, streams: int, new_tokens: int, repeats: int,
         for _ in range(repeats):
             for mode in MODES:
                 before = {name: cpu_seconds(pid) for name, pid in pids.items()}
-                rates[mode].append(asyncio.run(
-                    call_all(mesh.url, prompts(streams), new_tokens, mode == "streamed")))
-                for name, pid in pids.items():
-                    used = cpu_seconds(pid) - before[name]
-                    spent[mode][name] = spent[mode].get(name, 0.0) + used
+                calls = asyncio.run(
+                    call_all(mesh.url, prompts(streams), new_tokens, mode == "streamed"))
+                rates[mode].append(calls.rate)
+                used = {name: cpu_seconds(pid) - before[name] for name, pid in pids.items()}
+                for name, cpu in [*used.items(), ("client", calls.client_cpu_s)]:
+                    spent[mode][name] = spent[mode].get(name, 0.0) + cpu
         tokens = streams * new_tokens * repeats
         cpu = {mode: {name: used / tokens * 1e6 for name, used in by_name.items()}
                for mode, by_name in spent.items()}
@@ -203,13 +217,13 @@ def mesh_main(args: argparse.Namespace) -> None:
         engine = engine_rate(model, args.streams, args.new_tokens, args.repeats)
         mesh = mesh_figures(model, args.streams, args.new_tokens, args.repeats,
                             args.stream_interval, args.incremental_streaming_output)
-    e = statistics.median(engine)
+    e = statistics.median(engine.rates)
     m = {mode: statistics.median(rates) for mode, rates in mesh.rates.items()}
     print(f"mesh vs in-process, {args.streams} concurrent /generate calls x {args.new_tokens} "
           f"new tokens ({PROMPT}-token prompts), stream_interval {args.stream_interval}"
           f"{', incremental streaming output' if args.incremental_streaming_output else ''}, "
           f"{cpu_name()}; medians of {args.repeats}")
-    print(f"in-process {e:,.0f} out tok/s")
+    print(f"in-process {e:,.0f} out tok/s, {engine.cpu_us:.1f} CPU us per output token")
     print(f"{'':<22}" + "".join(f"{mode:>12}" for mode in MODES))
     print(f"{'mesh out tok/s':<22}" + "".join(f"{m[mode]:>12,.0f}" for mode in MODES))
     print(f"{'mesh / in-process':<22}" + "".join(f"{m[mode] / e:>11.2f}x" for mode in MODES))
@@ -222,8 +236,19 @@ def mesh_main(args: argparse.Namespace) -> None:
     print(f"  {'services':<20}" + "".join(
         f"{sum(mesh.cpu[mode][n] for n in services):>12.1f}" for mode in MODES)
         + "   (all but the worker)")
+    print(f"  {'client':<20}" + "".join(f"{mesh.cpu[mode]['client']:>12.1f}" for mode in MODES)
+          + "   (this benchmark's HTTP calls)")
+    # What the cores allow: the mesh cannot outrun its processes' and its client's CPU.
+    cores = os.cpu_count() or 1
+    ceiling = {mode: cores * 1e6 / sum(mesh.cpu[mode].values()) for mode in MODES}
+    print(f"{'CPU ceiling, tok/s':<22}" + "".join(f"{ceiling[mode]:>12,.0f}" for mode in MODES)
+          + f"   ({cores} cores / all processes' CPU per token, client included)")
+    print(f"{'mesh / ceiling':<22}" + "".join(f"{m[mode] / ceiling[mode]:>11.2f}x"
+                                              for mode in MODES))
     if args.json:
-        args.json.write_text(json.dumps({"engine_tok_s": engine, "mesh_tok_s": mesh.rates,
+        args.json.write_text(json.dumps({"engine_tok_s": engine.rates,
+                                         "engine_cpu_us_per_token": engine.cpu_us,
+                                         "mesh_tok_s": mesh.rates,
                                          "cpu_us_per_token": mesh.cpu, "rss_mib": mesh.rss},
                                         indent=2))
 
