@@ -22,8 +22,11 @@ prompts as one batch, in the same run: output tok/s on both sides (prefill inclu
 same on both), their ratio, every service's CPU time per output token and its RSS after
 the run. Two kinds of calls take turns: streamed, and answered whole (the engine then
 sends a request's output every 64 tokens rather than every token). The client reads a
-stream as lines and parses only its last chunk, so that its own CPU (on the same cores)
-takes little from the mesh.
+stream as raw chunks and parses only its last event, so that its own CPU (on the same
+cores) takes little from the mesh; its CPU is printed too, and with it the ceiling the
+cores allow (cores / every process's CPU per token, the client's included). Last, the
+floor under any streaming front door on aiohttp: a bare aiohttp server's CPU per event,
+streaming fixed events of a /generate chunk's size to the same client and streams.
 
 Usage:
     python benchmarks/bench_host.py                  # batches 1, 64, 256
@@ -126,6 +129,7 @@ MODES = ("streamed", "whole")  # streaming /generate calls; calls answered whole
 class Calls(NamedTuple):
     rate: float  # output tok/s
     client_cpu_s: float  # the client's own CPU time (its thread's), on the same cores
+    events: int  # server-sent events read (streams only)
 
 
 async def call_all(url: str, calls: list[list[int]], new_tokens: int, stream: bool = True
@@ -136,16 +140,17 @@ async def call_all(url: str, calls: list[list[int]], new_tokens: int, stream: bo
 
     sampling = {"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True}
 
-    async def one(http: aiohttp.ClientSession, ids: list[int]) -> int:
+    async def one(http: aiohttp.ClientSession, ids: list[int]) -> tuple[int, int]:
         body = {"input_ids": ids, "sampling_params": sampling, "stream": stream}
         async with http.post(url + "/generate", json=body) as r:
             r.raise_for_status()
             if not stream:
-                return int((await r.json())["meta_info"]["completion_tokens"])
+                return int((await r.json())["meta_info"]["completion_tokens"]), 0
             read = [data async for data in r.content.iter_any()]
         events = b"".join(read)
         last = events[events.rindex(b"data: {") + 6:]
-        return int(json.loads(last[:last.index(b"\n")])["meta_info"]["completion_tokens"])
+        meta = json.loads(last[:last.index(b"\n")])["meta_info"]
+        return int(meta["completion_tokens"]), events.count(b"data: {")
 
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600),
                                      connector=aiohttp.TCPConnector(limit=0)) as http:
@@ -154,8 +159,87 @@ async def call_all(url: str, calls: list[list[int]], new_tokens: int, stream: bo
         cpu, began = time.thread_time(), time.perf_counter()
         done = await asyncio.gather(*(one(http, ids) for ids in calls))
         elapsed, cpu = time.perf_counter() - began, time.thread_time() - cpu
-    assert all(n == new_tokens for n in done), done
-    return Calls(sum(done) / elapsed, cpu)
+    assert all(n == new_tokens for n, _ in done), done
+    return Calls(sum(n for n, _ in done) / elapsed, cpu, sum(e for _, e in done))
+
+
+def _sse_server(port: int, new_tokens: int, tick_s: float) -> None:
+    """The floor under a streaming front door: a bare aiohttp server on uvloop whose
+    /generate streams `new_tokens` fixed events (a mid-stream /generate chunk's size), one
+    per stream every `tick_s`, as decode steps would."""
+    import uvloop
+    from aiohttp import web
+
+    meta = {"id": "0" * 32, "finish_reason": None, "prompt_tokens": PROMPT,
+            "completion_tokens": new_tokens, "cached_tokens": 0, "e2e_latency": 0.1}
+    event = b"data: " + json.dumps({"text": " word" * (new_tokens // 2),
+                                    "output_ids": list(range(new_tokens // 2)),
+                                    "meta_info": meta}).encode() + b"\n\n"
+
+    async def serve() -> None:
+        tick = asyncio.Event()
+
+        async def generate(request: web.Request) -> web.StreamResponse:
+            await request.read()
+            response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await response.prepare(request)
+            for _ in range(new_tokens):
+                await tick.wait()
+                await response.write(event)
+            await response.write(b"data: [DONE]\n\n")
+            await response.write_eof()
+            return response
+
+        async def flush(request: web.Request) -> web.Response:
+            return web.Response()
+
+        app = web.Application()
+        app.router.add_post("/generate", generate)
+        app.router.add_post("/flush_cache", flush)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        while True:
+            await asyncio.sleep(tick_s)
+            tick.set()  # wakes every stream waiting; the next ones wait for the next tick
+            tick.clear()
+
+    uvloop.run(serve())
+
+
+def sse_floor(streams: int, new_tokens: int, repeats: int, tick_s: float = 0.005) -> float:
+    """A bare aiohttp server's CPU microseconds per server-sent event, written to
+    `streams` concurrent streams read by this benchmark's client: what any Python front
+    door built on it pays per streamed event before doing anything of its own."""
+    import multiprocessing
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = multiprocessing.get_context("spawn").Process(
+        target=_sse_server, args=(port, new_tokens, tick_s), daemon=True)
+    server.start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:  # until it listens
+            try:
+                socket.create_connection(("127.0.0.1", port)).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline or not server.is_alive():
+                    raise
+                time.sleep(0.05)
+        asyncio.run(call_all(url, prompts(streams), new_tokens))  # warm-up
+        spent, events = 0.0, 0
+        for _ in range(repeats):
+            before = cpu_seconds(server.pid)
+            events += asyncio.run(call_all(url, prompts(streams), new_tokens)).events
+            spent += cpu_seconds(server.pid) - before
+    finally:
+        server.kill()
+    return spent / events * 1e6
 
 
 def cpu_seconds(pid: int) -> float:
@@ -175,6 +259,7 @@ class MeshFigures(NamedTuple):
     cpu: dict[str, dict[str, float]]  # CPU us per output token, by mode and process
     # (the benchmark's own client as "client")
     rss: dict[str, float]  # MiB after every repeat, by process
+    events: float  # server-sent events per output token, streamed
 
 
 def mesh_figures(model: Path, streams: int, new_tokens: int, repeats: int,
@@ -189,6 +274,7 @@ def mesh_figures(model: Path, streams: int, new_tokens: int, repeats: int,
                     stream_interval=stream_interval, incremental_streaming_output=incremental)
     rates: dict[str, list[float]] = {mode: [] for mode in MODES}
     spent: dict[str, dict[str, float]] = {mode: {} for mode in MODES}
+    events = 0
     with tempfile.TemporaryDirectory() as logs, Mesh(replace(args, log_dir=logs)) as mesh:
         pids = {c.service: c.proc.pid for c in mesh.children}
         if mesh.nats is not None and mesh.nats.pid is not None:
@@ -200,6 +286,7 @@ def mesh_figures(model: Path, streams: int, new_tokens: int, repeats: int,
                 calls = asyncio.run(
                     call_all(mesh.url, prompts(streams), new_tokens, mode == "streamed"))
                 rates[mode].append(calls.rate)
+                events += calls.events
                 used = {name: cpu_seconds(pid) - before[name] for name, pid in pids.items()}
                 for name, cpu in [*used.items(), ("client", calls.client_cpu_s)]:
                     spent[mode][name] = spent[mode].get(name, 0.0) + cpu
@@ -207,7 +294,7 @@ def mesh_figures(model: Path, streams: int, new_tokens: int, repeats: int,
         cpu = {mode: {name: used / tokens * 1e6 for name, used in by_name.items()}
                for mode, by_name in spent.items()}
         rss = {name: rss_mib(pid) for name, pid in pids.items()}
-    return MeshFigures(rates, cpu, rss)
+    return MeshFigures(rates, cpu, rss, events / tokens)
 
 
 def mesh_main(args: argparse.Namespace) -> None:
@@ -217,6 +304,7 @@ def mesh_main(args: argparse.Namespace) -> None:
         engine = engine_rate(model, args.streams, args.new_tokens, args.repeats)
         mesh = mesh_figures(model, args.streams, args.new_tokens, args.repeats,
                             args.stream_interval, args.incremental_streaming_output)
+    floor = sse_floor(args.streams, args.new_tokens, args.repeats)
     e = statistics.median(engine.rates)
     m = {mode: statistics.median(rates) for mode, rates in mesh.rates.items()}
     print(f"mesh vs in-process, {args.streams} concurrent /generate calls x {args.new_tokens} "
@@ -245,10 +333,16 @@ def mesh_main(args: argparse.Namespace) -> None:
           + f"   ({cores} cores / all processes' CPU per token, client included)")
     print(f"{'mesh / ceiling':<22}" + "".join(f"{m[mode] / ceiling[mode]:>11.2f}x"
                                               for mode in MODES))
+    # A reader that falls behind gets what arrived meanwhile as one event.
+    print(f"streamed: {mesh.events:.2f} events per output token; the tokenizer "
+          f"{mesh.cpu['streamed']['tokenizer'] / mesh.events:.1f} CPU us per event, a bare "
+          f"aiohttp server {floor:.1f} (the same client and streams, fixed events)")
     if args.json:
         args.json.write_text(json.dumps({"engine_tok_s": engine.rates,
                                          "engine_cpu_us_per_token": engine.cpu_us,
                                          "mesh_tok_s": mesh.rates,
+                                         "events_per_token": mesh.events,
+                                         "sse_floor_us_per_event": floor,
                                          "cpu_us_per_token": mesh.cpu, "rss_mib": mesh.rss},
                                         indent=2))
 
