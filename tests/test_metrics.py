@@ -18,7 +18,11 @@ from radixmesh.proto import mesh_pb2 as mpb
 from radixmesh.services.detokenizer import metrics as detok_metrics
 from radixmesh.services.scheduler.metrics import SchedulerMetrics, ThroughputMeter
 from radixmesh.services.tokenizer.generation import GenerationChunk
-from radixmesh.services.tokenizer.metrics import TokenizerMetrics
+from radixmesh.services.tokenizer.metrics import (
+    INTER_TOKEN_LATENCY,
+    TokenizerMetrics,
+    observe_each,
+)
 from radixmesh.services.worker.metrics import WorkerMetrics, batch_tokens
 
 _names = itertools.count()
@@ -85,6 +89,28 @@ def test_a_finished_request_settles_every_counter_at_its_last_chunk() -> None:
     req.close()  # the generator's cleanup after the last chunk counts nothing twice
     assert value("radixmesh:num_requests_total", model_name=model) == 1
     assert value("radixmesh:tokenizer_num_in_flight_reqs", model_name=model) == 0
+
+
+@pytest.mark.parametrize("share", [0.0005, 0.002, 0.0049, 0.005, 0.3, 5, 7.5])
+def test_observations_at_once_are_those_of_observe_called_for_each(share: float) -> None:
+    """observe_each records what `count` observe() calls would: bucket counts, count and
+    sum, a value on a bucket's bound included."""
+    model = unique("itl")
+    one, many = (INTER_TOKEN_LATENCY.labels(model_name=f"{model}-{k}") for k in ("a", "b"))
+    for _ in range(64):
+        one.observe(share)
+    observe_each(many, share, 64)
+
+    def samples(name: str) -> dict[tuple[str, str], float]:
+        return {(s.name, s.labels.get("le", "")): s.value
+                for family in INTER_TOKEN_LATENCY.collect() for s in family.samples
+                if s.labels["model_name"] == name and not s.name.endswith("_created")}
+
+    one_samples, many_samples = samples(f"{model}-a"), samples(f"{model}-b")
+    total = ("radixmesh:inter_token_latency_seconds_sum", "")
+    assert many_samples.pop(total) == pytest.approx(one_samples.pop(total))
+    assert many_samples == one_samples  # every bucket, and the count
+    assert value("radixmesh:inter_token_latency_seconds_count", model_name=f"{model}-b") == 64
 
 
 def test_a_hang_up_is_an_abort_with_the_tokens_delivered_so_far() -> None:
