@@ -135,10 +135,16 @@ class Calls(NamedTuple):
 async def call_all(url: str, calls: list[list[int]], new_tokens: int, stream: bool = True
                    ) -> Calls:
     """Concurrent /generate calls, one per prompt of `calls` (token ids), streamed or
-    answered whole. A stream is read as raw chunks and only its last event is parsed."""
+    answered whole, each on a connection opened before the clock starts (kept alive, as a
+    load generator's pool keeps them). A stream is read as raw chunks and only its last
+    event is parsed."""
     import aiohttp
 
     sampling = {"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True}
+
+    async def opened(http: aiohttp.ClientSession) -> None:
+        async with http.get(url + "/health") as r:
+            await r.read()
 
     async def one(http: aiohttp.ClientSession, ids: list[int]) -> tuple[int, int]:
         body = {"input_ids": ids, "sampling_params": sampling, "stream": stream}
@@ -156,6 +162,7 @@ async def call_all(url: str, calls: list[list[int]], new_tokens: int, stream: bo
                                      connector=aiohttp.TCPConnector(limit=0)) as http:
         async with http.post(url + "/flush_cache") as r:
             r.raise_for_status()
+        await asyncio.gather(*(opened(http) for _ in calls))
         cpu, began = time.thread_time(), time.perf_counter()
         done = await asyncio.gather(*(one(http, ids) for ids in calls))
         elapsed, cpu = time.perf_counter() - began, time.thread_time() - cpu
@@ -190,12 +197,13 @@ def _sse_server(port: int, new_tokens: int, tick_s: float) -> None:
             await response.write_eof()
             return response
 
-        async def flush(request: web.Request) -> web.Response:
+        async def ok(request: web.Request) -> web.Response:
             return web.Response()
 
         app = web.Application()
         app.router.add_post("/generate", generate)
-        app.router.add_post("/flush_cache", flush)
+        app.router.add_post("/flush_cache", ok)
+        app.router.add_get("/health", ok)
         runner = web.AppRunner(app)
         await runner.setup()
         await web.TCPSite(runner, "127.0.0.1", port).start()
