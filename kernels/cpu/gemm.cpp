@@ -145,7 +145,10 @@ void gemm_bf16(const uint16_t* x, const uint16_t* wp, const uint16_t* bias,
   const int blocks = (n + kFeatures - 1) / kFeatures;
   const int64_t block_elems = static_cast<int64_t>(kFeatures) * k;
   const Epilogue ep{bias, residual};
-#pragma omp parallel for schedule(static) num_threads(threads)
+  // Guided: contiguous runs of blocks, shrinking toward the end, so that a thread the OS
+  // takes away (another process on these cores: the mesh's services, a client) leaves its
+  // last blocks to the others instead of holding up the whole step.
+#pragma omp parallel for schedule(guided) num_threads(threads)
   for (int b = 0; b < blocks; ++b) {
     block(x, wp + b * block_elems, ep, out, m, b * kFeatures, n, k,
           b + 1 < blocks ? wp + (b + 1) * block_elems : nullptr);

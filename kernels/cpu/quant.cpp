@@ -430,7 +430,8 @@ void gemm(const void* xbuf, int m, const QuantWeight* w, const Epilogue& ep, int
   const Rows x(const_cast<void*>(xbuf), m, w->k);
   const GroupFn fn = w->half_scales ? pick_scales<uint16_t>(*w) : pick_scales<float>(*w);
   const int groups = (w->n + kGroup - 1) / kGroup;
-#pragma omp parallel for schedule(static) num_threads(threads)
+  // Guided, as gemm_bf16's blocks: a thread taken away leaves its last groups to the others.
+#pragma omp parallel for schedule(guided) num_threads(threads)
   for (int g = 0; g < groups; ++g) fn(*w, x, g, ep);
 }
 
