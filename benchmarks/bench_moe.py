@@ -31,7 +31,7 @@ from typing import Any
 
 import gguf
 import numpy as np
-from side_by_side import Processes, llama_server, llama_version
+from peer_server import Processes, llama_server, llama_version
 
 from radixmesh.bench.backends import Backend, OpenAIBackend, RadixmeshBackend
 from radixmesh.bench.runner import Load, run_loads
