@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
+from peer_server import proc_stat  # this script's folder is on sys.path
 
 from radixmesh.bench.random_model import LlamaShape, write_random_llama
 from radixmesh.bench.report import cpu_name
@@ -116,10 +117,10 @@ def engine_rate(model: Path, streams: int, new_tokens: int, repeats: int) -> Eng
         cpu = 0.0
         for _ in range(repeats):
             engine.flush_cache()
-            before, began = cpu_seconds(os.getpid()), time.perf_counter()
+            before, began = proc_stat(os.getpid())[0], time.perf_counter()
             engine.generate(input_ids=prompts(streams), sampling_params=sampling)
             rates.append(streams * new_tokens / (time.perf_counter() - began))
-            cpu += cpu_seconds(os.getpid()) - before
+            cpu += proc_stat(os.getpid())[0] - before
     return EngineFigures(rates, cpu / (streams * new_tokens * repeats) * 1e6)
 
 
@@ -220,52 +221,36 @@ def sse_floor(streams: int, new_tokens: int, repeats: int, tick_s: float = 0.005
     `streams` concurrent streams read by this benchmark's client: what any Python front
     door built on it pays per streamed event before doing anything of its own."""
     import multiprocessing
-    import socket
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    from radixmesh.launcher import healthy
+    from radixmesh.mesh.nats_server import free_port
+
+    port = free_port()
     server = multiprocessing.get_context("spawn").Process(
         target=_sse_server, args=(port, new_tokens, tick_s), daemon=True)
     server.start()
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 30
-        while True:  # until it listens
-            try:
-                socket.create_connection(("127.0.0.1", port)).close()
-                break
-            except OSError:
-                if time.monotonic() > deadline or not server.is_alive():
-                    raise
-                time.sleep(0.05)
+        while not healthy(url + "/health"):
+            if time.monotonic() > deadline or not server.is_alive():
+                raise RuntimeError("the bare aiohttp server did not start")
+            time.sleep(0.05)
         asyncio.run(call_all(url, prompts(streams), new_tokens))  # warm-up
         spent, events = 0.0, 0
         for _ in range(repeats):
-            before = cpu_seconds(server.pid)
+            before = proc_stat(server.pid)[0]
             events += asyncio.run(call_all(url, prompts(streams), new_tokens)).events
-            spent += cpu_seconds(server.pid) - before
+            spent += proc_stat(server.pid)[0] - before
     finally:
         server.kill()
     return spent / events * 1e6
 
 
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
-
-
 class MeshFigures(NamedTuple):
     rates: dict[str, list[float]]  # output tok/s per repeat, by mode
-    cpu: dict[str, dict[str, float]]  # CPU us per output token, by mode and process
-    # (the benchmark's own client as "client")
+    # CPU us per output token, by mode and process (the benchmark's own client as "client")
+    cpu: dict[str, dict[str, float]]
     rss: dict[str, float]  # MiB after every repeat, by process
     events: float  # server-sent events per output token, streamed
 
@@ -290,18 +275,18 @@ def mesh_figures(model: Path, streams: int, new_tokens: int, repeats: int,
         asyncio.run(call_all(mesh.url, prompts(streams), 4))  # warm-up
         for _ in range(repeats):
             for mode in MODES:
-                before = {name: cpu_seconds(pid) for name, pid in pids.items()}
+                before = {name: proc_stat(pid)[0] for name, pid in pids.items()}
                 calls = asyncio.run(
                     call_all(mesh.url, prompts(streams), new_tokens, mode == "streamed"))
                 rates[mode].append(calls.rate)
                 events += calls.events
-                used = {name: cpu_seconds(pid) - before[name] for name, pid in pids.items()}
+                used = {name: proc_stat(pid)[0] - before[name] for name, pid in pids.items()}
                 for name, cpu in [*used.items(), ("client", calls.client_cpu_s)]:
                     spent[mode][name] = spent[mode].get(name, 0.0) + cpu
         tokens = streams * new_tokens * repeats
         cpu = {mode: {name: used / tokens * 1e6 for name, used in by_name.items()}
                for mode, by_name in spent.items()}
-        rss = {name: rss_mib(pid) for name, pid in pids.items()}
+        rss = {name: proc_stat(pid)[1] for name, pid in pids.items()}
     return MeshFigures(rates, cpu, rss, events / tokens)
 
 

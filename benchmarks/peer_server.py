@@ -9,12 +9,24 @@ import os
 import subprocess
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+from radixmesh.launcher import healthy
+
+
+def proc_stat(pid: int) -> tuple[float, float]:
+    """(CPU seconds, RSS MiB) of one process, from /proc; zeros once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0, 0.0
+    ticks = os.sysconf("SC_CLK_TCK")
+    # After the command: state is field 3, utime 14, stime 15 and rss (pages) 24.
+    cpu = (int(fields[11]) + int(fields[12])) / ticks
+    return cpu, int(fields[21]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
 class Processes:
@@ -23,19 +35,8 @@ class Processes:
     def __init__(self, pids: dict[str, list[int]]) -> None:
         self.pids = pids
 
-    def _stat(self, pid: int) -> tuple[float, float]:
-        """(CPU seconds, RSS MiB) of one process; zeros once it is gone."""
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            return 0.0, 0.0
-        ticks = os.sysconf("SC_CLK_TCK")
-        # After the command: state is field 3, utime 14, stime 15 and rss (pages) 24.
-        cpu = (int(fields[11]) + int(fields[12])) / ticks
-        return cpu, int(fields[21]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-
     def _total(self, field: int) -> dict[str, float]:
-        return {name: sum(self._stat(p)[field] for p in pids) for name, pids in self.pids.items()}
+        return {name: sum(proc_stat(p)[field] for p in pids) for name, pids in self.pids.items()}
 
     def cpu(self) -> dict[str, float]:
         return self._total(0)
@@ -85,7 +86,7 @@ def llama_server(
                                 stderr=subprocess.STDOUT)
         try:
             deadline = time.monotonic() + 180
-            while not _answers(url + "/health"):
+            while not healthy(url + "/health"):
                 if proc.poll() is not None or time.monotonic() > deadline:
                     logfile.seek(0)
                     tail = logfile.read()[-3000:].decode(errors="replace")
@@ -99,14 +100,6 @@ def llama_server(
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-
-
-def _answers(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=2) as resp:
-            return bool(resp.status == 200)
-    except (urllib.error.URLError, OSError):
-        return False
 
 
 def llama_version(path: str) -> str:

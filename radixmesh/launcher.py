@@ -257,7 +257,7 @@ class Mesh:
         pending = list(self.children)
         while pending:
             self.check_alive()
-            pending = [c for c in pending if not _healthy(c.health_url)]
+            pending = [c for c in pending if not healthy(c.health_url)]
             if time.monotonic() > deadline:
                 names = ", ".join(c.name for c in pending)
                 raise TimeoutError(f"not healthy after {timeout:.0f} s: {names}")
@@ -312,7 +312,8 @@ class Mesh:
         self.stop()
 
 
-def _healthy(url: str) -> bool:
+def healthy(url: str) -> bool:
+    """Whether `url` answers 200 now (a service's /health, say)."""
     try:
         with urllib.request.urlopen(url, timeout=2) as resp:
             return bool(resp.status == 200)
