@@ -41,9 +41,11 @@ PROMPT = 64
 HOPS = ("scheduler", "detokenizer", "tokenizer")
 
 
-def run_once(tok: Tokenizer, outputs: list[list[int]], stop: list[str]
+def run_once(tok: Tokenizer, outputs: list[list[int]], stop: list[str], pieces: bool = True
              ) -> tuple[dict[str, float], dict[str, int]]:
-    """Seconds and bytes of each hop over one batch decoded to its end."""
+    """Seconds and bytes of each hop over one batch decoded to its end (without `pieces`,
+    the detokenizer decodes every update, as it does for tokenizers other than byte-level
+    BPE)."""
     builder = UpdateBuilder("e0")
     reqs, assemblers = [], []
     for i, out in enumerate(outputs):
@@ -70,7 +72,8 @@ def run_once(tok: Tokenizer, outputs: list[list[int]], stop: list[str]
             builder.add(step, req)
         data = step.to_proto().SerializeToString()
         took = time.perf_counter()
-        replies = step_replies(mpb.TokenStep.FromString(data), tok.decode)
+        replies = step_replies(mpb.TokenStep.FromString(data), tok.decode,
+                               tok.pieces if pieces else None)
         (chunks,) = replies.chunks.values()
         text = chunks.SerializeToString()
         detokenized = time.perf_counter()
@@ -101,7 +104,10 @@ def main() -> None:
     stop = STOPS if args.stop else []
     tokens = args.requests * args.tokens
     run_once(tok, outputs, stop)
-    runs = [run_once(tok, outputs, stop) for _ in range(args.runs)]
+    runs, decoding = [], []
+    for _ in range(args.runs):  # taking turns
+        runs.append(run_once(tok, outputs, stop))
+        decoding.append(run_once(tok, outputs, stop, pieces=False)[0]["detokenizer"])
     print(f"{args.requests} requests x {args.tokens} steps, one token each, stop={stop!r}, "
           f"median of {args.runs} runs")
     print(f"{'hop':<13}{'us/token':>10}{'bytes/token':>13}")
@@ -109,6 +115,9 @@ def main() -> None:
         us = statistics.median(r[0][hop] for r in runs) / tokens * 1e6
         sent = f"{runs[0][1][hop] / tokens:.1f}" if hop in runs[0][1] else "-"
         print(f"{hop:<13}{us:>10.2f}{sent:>13}")
+    us = statistics.median(decoding) / tokens * 1e6
+    print(f"the detokenizer decoding every update (no token texts): {us:.2f} us/token, "
+          f"{us / (statistics.median(r[0]['detokenizer'] for r in runs) / tokens * 1e6):.2f}x")
 
 
 if __name__ == "__main__":

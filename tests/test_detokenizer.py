@@ -78,6 +78,18 @@ def project_tokenizer() -> ProjectTokenizer:
     return ProjectTokenizer.from_path(None)
 
 
+@functools.cache
+def _pieces(owner: Tokenizer | ProjectTokenizer) -> tuple[str | None, ...] | None:
+    project = owner if isinstance(owner, ProjectTokenizer) else ProjectTokenizer(owner)
+    return project.pieces
+
+
+def pieces_of(decode: DecodeFn) -> Sequence[str | None] | None:
+    """The ids' own texts (Tokenizer.pieces) of the tokenizer whose decode this is."""
+    owner = getattr(decode, "__self__", None)
+    return _pieces(owner) if isinstance(owner, Tokenizer | ProjectTokenizer) else None
+
+
 class CountingDecode:
     """Wraps a decode function and records the longest id list it was given."""
 
@@ -110,8 +122,10 @@ def run_updates(
 ) -> tuple[list[str], str]:
     """Each chunk's text as an update, then the text of an update that only finishes, in
     process (told which ids are skipped special tokens, which carry no bytes); a replica
-    that sees each update alone must give each the same."""
+    that sees each update alone must give each the same, with the ids' own texts too where
+    the tokenizer has them."""
     rules = rules or TextRules()
+    pieces = pieces_of(decode)
     in_process = RequestText(decode, rules, prompt, specials)
     size = detok_context_size(rules.stop)
     ids = list(prompt)
@@ -122,6 +136,8 @@ def run_updates(
         )
         got = in_process.update(chunk, update.finished)
         assert got == window_text(decode, rules, update)
+        if pieces is not None:
+            assert got == window_text(decode, rules, update, pieces)
         texts.append(got.text)
         ids += chunk
     return texts[:-1], texts[-1]
@@ -460,3 +476,15 @@ def test_holds_back_exactly_what_could_still_become_a_stop(
         assert held == "" or any(stop.startswith(held) for stop in stops)
         for start in range(len(released_text)):
             assert not any(stop.startswith(text[start:]) for stop in stops)
+
+
+def test_pieces_are_whole_characters_of_byte_level_tokens_only() -> None:
+    tok = ProjectTokenizer(byte_level_bpe())
+    pieces = tok.pieces
+    assert pieces is not None and len(pieces) == tok.vocab_size
+    assert pieces[tok.token_to_id(EOS)] is None  # a special token
+    fox = tok.encode("🦊")
+    assert len(fox) > 1 and all(pieces[i] is None for i in fox)  # bytes of one character
+    ids = tok.encode("The quick brown fox")
+    assert "".join(pieces[i] for i in ids) == "The quick brown fox"
+    assert ProjectTokenizer(metaspace_bpe()).pieces is None  # its decoder drops a space

@@ -13,6 +13,7 @@ import threading
 
 import aiohttp
 import nats
+import pytest
 from process_helpers import service_process
 
 from radixmesh.core.detokenize import detok_context_size
@@ -209,9 +210,11 @@ def _registered(builder: UpdateBuilder, tok: Tokenizer, stops: dict[str, list[st
     return reqs
 
 
-def test_packed_updates_read_as_the_same_updates_in_full() -> None:
+@pytest.mark.parametrize("pieces", [False, True], ids=["decodes", "pieces"])
+def test_packed_updates_read_as_the_same_updates_in_full(pieces: bool) -> None:
     """A step's updates of new ids alone travel packed; each request's chunks, and the stop
-    string that ends one (aborting its engine), are what the same updates give in full."""
+    string that ends one (aborting its engine), are what the same updates give in full
+    (decoded, and with `pieces` from the ids' own texts where they can be)."""
     tok = tokenizer()
     answer = tok.encode(" Sure: caf\u00e9 au lait \U0001f600, and more text." * 4 + " THE END")
     stops = {"plain": [], "stopped": ["THE END"]}
@@ -228,7 +231,7 @@ def test_packed_updates_read_as_the_same_updates_in_full() -> None:
             packed_builder.add(step, req)
         packed.append(step.to_proto())
     assert sum(len(s.packed.rids) for s in packed) > len(answer)  # most of them
-    got = [step_replies(s, tok.decode) for s in packed]
+    got = [step_replies(s, tok.decode, tok.pieces if pieces else None) for s in packed]
     want = [step_replies(s, tok.decode) for s in full]
     fields = ("rid", "seq", "text", "output_ids", "completion_tokens", "finish")
 

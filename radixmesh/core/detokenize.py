@@ -129,6 +129,13 @@ class TextRules:
     min_new_tokens: int = 0
     spaces_between_special_tokens: bool = True  # only with skip_special_tokens false
 
+    @functools.cached_property
+    def plain(self) -> bool:
+        """No stop strings and no spaces set around special tokens: the text of new ids is
+        what they add to a decode of the ids before them."""
+        return not any(self.stop) and not (
+            self.spaces_between_special_tokens and not self.skip_special_tokens)
+
 
 class Update(NamedTuple):
     """One update of a request: new output ids and the ids right before them."""
@@ -156,11 +163,12 @@ class WindowText(NamedTuple):
 _NEAR_CONTEXT = 4
 
 
-def window_text(decode: DecodeFn, rules: TextRules, update: Update) -> WindowText:
-    """The text the update adds to the request's output, stop strings applied."""
-    if _stop_matcher(rules.stop, rules.no_stop_trim) is None and not (
-        rules.spaces_between_special_tokens and not rules.skip_special_tokens
-    ):
+def window_text(decode: DecodeFn, rules: TextRules, update: Update,
+                pieces: Sequence[str | None] | None = None) -> WindowText:
+    """The text the update adds to the request's output, stop strings applied. `pieces`:
+    each id's own text where a decode joins them (`Tokenizer.pieces`), which spares the
+    decodes of most updates."""
+    if rules.plain:
         # Most updates: no stop strings, and the text ends in a whole character before the
         # new ids and after them, so what they add is the difference of two decodes.
         # The last few ids of the context do: where their text ends in a whole character,
@@ -171,8 +179,12 @@ def window_text(decode: DecodeFn, rules: TextRules, update: Update) -> WindowTex
         context = update.context
         if len(context) == update.offset:
             context = [*update.prompt_tail, *context]
-        near = context[-_NEAR_CONTEXT:]
         new = update.new[:-1] if update.trim_last and update.new else update.new
+        if pieces is not None and context:
+            text = joined_pieces(pieces, context[-1], new)
+            if text is not None:
+                return WindowText(text)
+        near = context[-_NEAR_CONTEXT:]
         before = decode(near, skip_special_tokens=rules.skip_special_tokens)
         after = decode([*near, *new], skip_special_tokens=rules.skip_special_tokens)
         if before and not before.endswith(REPLACEMENT_CHAR) and not after.endswith(
@@ -180,6 +192,18 @@ def window_text(decode: DecodeFn, rules: TextRules, update: Update) -> WindowTex
             return WindowText(after[len(before) :])
     window = _Window(decode, rules, update.context, update.offset, update.prompt_tail)
     return window.update(update.new, update.finished, update.trim_last)
+
+
+def joined_pieces(pieces: Sequence[str | None], last: int, new: Sequence[int]) -> str | None:
+    """The text `new` adds after an id `last`, from the ids' own texts (`Tokenizer.pieces`)
+    of a plain request (TextRules.plain), where they give it: the text after an id that is
+    whole characters on its own ends in a whole character, and whole characters follow it
+    unchanged. None where they do not."""
+    try:
+        texts = [pieces[i] for i in (last, *new)]
+    except IndexError:  # an id past the tokenizer's vocabulary
+        return None
+    return None if None in texts else "".join(texts[1:])  # type: ignore[arg-type]
 
 
 # Ids a window of RequestText takes on beyond the context it started with before a new one

@@ -18,6 +18,7 @@ from typing import Any
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 
+from radixmesh.core.detokenize import REPLACEMENT_CHAR
 from radixmesh.core.gguf import (
     TOKEN_TYPE_CONTROL,
     TOKEN_TYPE_USER_DEFINED,
@@ -330,6 +331,21 @@ class Tokenizer:
     @property
     def bos_token_id(self) -> int | None:
         return self._bos_id
+
+    @cached_property
+    def pieces(self) -> tuple[str | None, ...] | None:
+        """Each id's own text, where the text of any ids is the join of theirs and of
+        whatever came before them (a byte-level BPE decoder joins their bytes): None for an
+        id whose text is not whole characters, or an added or special token, which a
+        decoder may treat apart. None in place of the table for other decoders."""
+        raw = self._raw
+        if not isinstance(raw.decoder, decoders.ByteLevel):
+            return None
+        added = raw.get_added_tokens_decoder()
+        size = raw.get_vocab_size(with_added_tokens=True)
+        texts = raw.decode_batch([[i] for i in range(size)], skip_special_tokens=False)
+        return tuple(None if i in added or not text or REPLACEMENT_CHAR in text else text
+                     for i, text in enumerate(texts))
 
     @cached_property
     def special_ids(self) -> frozenset[int]:

@@ -14,7 +14,14 @@ from google.protobuf.message import DecodeError
 from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 
-from radixmesh.core.detokenize import DecodeFn, TextRules, Update, WindowText, window_text
+from radixmesh.core.detokenize import (
+    DecodeFn,
+    TextRules,
+    Update,
+    WindowText,
+    joined_pieces,
+    window_text,
+)
 from radixmesh.core.model_files import resolve_model_path
 from radixmesh.core.service_settings import DetokenizerConfig
 from radixmesh.core.step import int_array
@@ -27,6 +34,8 @@ from radixmesh.services.detokenizer import metrics
 from radixmesh.services.detokenizer.step_trace import StepTrace
 
 log = logging.getLogger("radixmesh.detokenizer")
+
+Pieces = Sequence[str | None] | None  # Tokenizer.pieces
 
 
 class StepReplies(NamedTuple):
@@ -76,8 +85,10 @@ class UpdateReply(NamedTuple):
     failed: bool = False  # the update could not be detokenized: the chunk ends the request
 
 
-def text_chunk(update: mpb.TokenUpdate, decode: DecodeFn) -> UpdateReply:
-    """The chunk of one update, with the stop strings of its request applied."""
+def text_chunk(update: mpb.TokenUpdate, decode: DecodeFn, pieces: Pieces = None
+               ) -> UpdateReply:
+    """The chunk of one update, with the stop strings of its request applied (`pieces`:
+    see window_text)."""
     spec = update.detok
     finish = update.finish if update.HasField("finish") else None
     trim_stop_token = (
@@ -89,7 +100,7 @@ def text_chunk(update: mpb.TokenUpdate, decode: DecodeFn) -> UpdateReply:
     window = window_text(decode, _rules(spec), Update(
         update.context_ids, update.new_ids, update.offset, finish is not None, trim_stop_token,
         spec.prompt_tail,
-    ))
+    ), pieces)
     reply = _reply(update.rid, update.seq, update.offset, update.new_ids, window, finish)
     chunk = reply.chunk
     chunk.prompt_tokens = update.prompt_tokens
@@ -133,15 +144,23 @@ def _reply(rid: str, seq: int, offset: int, new_ids: Sequence[int], window: Wind
     return UpdateReply(chunk, matched_here, stopped)
 
 
-def packed_replies(step: mpb.TokenStep, decode: DecodeFn
+def packed_replies(step: mpb.TokenStep, decode: DecodeFn, pieces: Pieces = None
                    ) -> Iterator[tuple[str, UpdateReply | PackedChunk]]:
     """The packed updates' chunks (see PackedUpdates), each with its reply_to subject: a
     packed chunk where it ends nothing."""
     p = step.packed
     rules = [_rules(spec) for spec in p.detok]
+    quick = [pieces if r.plain else None for r in rules]  # whose texts the pieces may give
     for u in packed_updates(p):
+        # A packed update's context holds at least the id before its new ids.
+        if (known := quick[u.route]) is not None and (
+                text := joined_pieces(known, u.context[-1], u.new)) is not None:
+            yield p.reply_to[u.route], PackedChunk(u.rid, u.seq, text, u.new,
+                                                   u.offset + len(u.new))
+            continue
         try:
-            window = window_text(decode, rules[u.route], Update(u.context, u.new, u.offset, False))
+            window = window_text(decode, rules[u.route],
+                                 Update(u.context, u.new, u.offset, False), pieces)
             reply: UpdateReply | PackedChunk = (
                 PackedChunk(u.rid, u.seq, window.text, u.new, u.offset + len(u.new))
                 if window.stop_at is None
@@ -175,12 +194,14 @@ def _failed(update: mpb.TokenUpdate, error: Exception) -> UpdateReply:
     return UpdateReply(chunk, False, not update.HasField("finish"), failed=True)
 
 
-def step_replies(step: mpb.TokenStep, decode: DecodeFn) -> StepReplies:
-    """Detokenize every update of a step: one TextChunks per owner, aborts for the engines."""
+def step_replies(step: mpb.TokenStep, decode: DecodeFn, pieces: Pieces = None
+                 ) -> StepReplies:
+    """Detokenize every update of a step: one TextChunks per owner, aborts for the engines
+    (`pieces`: see window_text)."""
     boxes: dict[str, _Outbox] = {}
     aborts: list[tuple[str, mpb.AbortRequest]] = []
     stop_matches = errors = 0
-    for reply_to, engine_id, reply in _replies(step, decode):
+    for reply_to, engine_id, reply in _replies(step, decode, pieces):
         if isinstance(reply, PackedChunk):
             _outbox(boxes, reply_to).plain(reply)
             continue
@@ -205,19 +226,19 @@ def _outbox(boxes: dict[str, _Outbox], owner: str) -> _Outbox:
     return box
 
 
-def _replies(step: mpb.TokenStep, decode: DecodeFn
+def _replies(step: mpb.TokenStep, decode: DecodeFn, pieces: Pieces
              ) -> Iterator[tuple[str, str, UpdateReply | PackedChunk]]:
     """Every update's chunk, with its reply_to subject and its engine."""
     for update in step.updates:
         try:
-            reply = text_chunk(update, decode)
+            reply = text_chunk(update, decode, pieces)
         except Exception as exc:
             # One bad update must not hold back the other requests of the step.
             log.exception("cannot detokenize update %d of %s", update.seq, update.rid)
             reply = _failed(update, exc)
         yield update.reply_to, update.engine_id, reply
     if step.HasField("packed"):
-        for reply_to, reply in packed_replies(step, decode):
+        for reply_to, reply in packed_replies(step, decode, pieces):
             yield reply_to, step.engine_id, reply
 
 
@@ -244,6 +265,8 @@ class DetokenizerService:
                 resolve_model_path, self.config.model_path, self.config.revision
             )
             self.tokenizer = await asyncio.to_thread(Tokenizer.from_path, str(path))
+        tokenizer = self.tokenizer
+        await asyncio.to_thread(lambda: tokenizer.pieces)  # built before the first step
         self._nc = await connect_bus(self.config.nats_url,
                                      f"detokenizer-{self.config.replica_id}")
         await self._nc.subscribe(subjects.DETOK, queue=subjects.DETOK_QUEUE, cb=self._on_step)
@@ -277,7 +300,7 @@ class DetokenizerService:
             except DecodeError as exc:
                 log.warning("dropping a TokenStep that does not parse: %s", exc)
                 return
-            replies = step_replies(step, tokenizer.decode)
+            replies = step_replies(step, tokenizer.decode, tokenizer.pieces)
             trace.decoded(step, replies)
             metrics.observe_step(step)
             metrics.STOP_MATCHES.inc(replies.stop_matches)
