@@ -5,8 +5,10 @@ A step of N running requests, each one new token, goes from the scheduler to a d
 TextChunks); this runs those hops' own code on the same data, without sockets: the
 scheduler building and serializing the step, the detokenizer parsing it, detokenizing
 every update and serializing the replies, and the tokenizer parsing them and putting each
-request's chunk in order. Printed per hop: microseconds of CPU per output token, and the
-bytes per token of the message it sends on (the tokenizer's answer is HTTP, not counted).
+request's chunk in order for its reader, who takes what arrived every --read-every steps
+(a busy front door's readers fall behind: what arrives meanwhile joins one chunk).
+Printed per hop: microseconds of CPU per output token, and the bytes per token of the
+message it sends on (the tokenizer's answer is HTTP, not counted).
 
 The output streams are the default model's tokens of an assistant-style answer (the same
 text as bench_detokenize.py), the requests' prompts 64 tokens, greedy, no stop strings
@@ -32,22 +34,22 @@ from radixmesh.core.sampling_params import SamplingParams
 from radixmesh.core.tokenizer import Tokenizer
 from radixmesh.engine.request import Req
 from radixmesh.proto import mesh_pb2 as mpb
-from radixmesh.proto.convert import packed_chunks
 from radixmesh.services.detokenizer.server import step_replies
 from radixmesh.services.scheduler.mesh_io import StepMessage, UpdateBuilder
 from radixmesh.services.tokenizer.assembler import ChunkAssembler
+from radixmesh.services.tokenizer.client import InFlight, deliver
 
 PROMPT = 64
 HOPS = ("scheduler", "detokenizer", "tokenizer")
 
 
-def run_once(tok: Tokenizer, outputs: list[list[int]], stop: list[str], pieces: bool = True
-             ) -> tuple[dict[str, float], dict[str, int]]:
+def run_once(tok: Tokenizer, outputs: list[list[int]], stop: list[str], read_every: int,
+             pieces: bool = True) -> tuple[dict[str, float], dict[str, int]]:
     """Seconds and bytes of each hop over one batch decoded to its end (without `pieces`,
     the detokenizer decodes every update, as it does for tokenizers other than byte-level
     BPE)."""
     builder = UpdateBuilder("e0")
-    reqs, assemblers = [], []
+    reqs, flights = [], {}
     for i, out in enumerate(outputs):
         prompt = [(7 * i + k) % 1000 + 100 for k in range(PROMPT)]
         params = SamplingParams(max_new_tokens=len(out), stop=list(stop))
@@ -58,10 +60,10 @@ def run_once(tok: Tokenizer, outputs: list[list[int]], stop: list[str], pieces: 
             detok_context=detok_context_size(stop), stream=True,
         ))
         reqs.append(req)
-        assemblers.append(ChunkAssembler(GenerationRequest(req.rid, prompt, params)))
+        flights[req.rid] = InFlight("e0", ChunkAssembler(GenerationRequest(req.rid, prompt,
+                                                                         params)))
     seconds = dict.fromkeys(HOPS, 0.0)
     nbytes = dict.fromkeys(HOPS[:2], 0)
-    by_rid = {req.rid: a for req, a in zip(reqs, assemblers, strict=True)}
     steps = len(outputs[0])
     for k in range(steps):
         for req, out in zip(reqs, outputs, strict=True):
@@ -77,11 +79,10 @@ def run_once(tok: Tokenizer, outputs: list[list[int]], stop: list[str], pieces: 
         (chunks,) = replies.chunks.values()
         text = chunks.SerializeToString()
         detokenized = time.perf_counter()
-        message = mpb.TextChunks.FromString(text)
-        for chunk in message.chunks:
-            by_rid[chunk.rid].add(chunk)
-        for packed in packed_chunks(message.packed):
-            by_rid[packed.rid].add(packed)
+        deliver(mpb.TextChunks.FromString(text), flights, detokenized)
+        if (k + 1) % read_every == 0:
+            for flight in flights.values():
+                flight.pop()
         ended = time.perf_counter()
         seconds["scheduler"] += took - began
         seconds["detokenizer"] += detokenized - took
@@ -97,19 +98,22 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--stop", action="store_true", help=f"stop strings {STOPS!r}")
+    parser.add_argument("--read-every", type=int, default=2,
+                        help="steps between a request's reader's takes")
     args = parser.parse_args()
 
     tok = Tokenizer.from_path(str(resolve_model_path(None)))
     outputs = streams(tok, args.requests, args.tokens)
     stop = STOPS if args.stop else []
     tokens = args.requests * args.tokens
-    run_once(tok, outputs, stop)
+    run_once(tok, outputs, stop, args.read_every)
     runs, decoding = [], []
     for _ in range(args.runs):  # taking turns
-        runs.append(run_once(tok, outputs, stop))
-        decoding.append(run_once(tok, outputs, stop, pieces=False)[0]["detokenizer"])
+        runs.append(run_once(tok, outputs, stop, args.read_every))
+        decoding.append(run_once(tok, outputs, stop, args.read_every,
+                                 pieces=False)[0]["detokenizer"])
     print(f"{args.requests} requests x {args.tokens} steps, one token each, stop={stop!r}, "
-          f"median of {args.runs} runs")
+          f"readers take every {args.read_every} steps, median of {args.runs} runs")
     print(f"{'hop':<13}{'us/token':>10}{'bytes/token':>13}")
     for hop in HOPS:
         us = statistics.median(r[0][hop] for r in runs) / tokens * 1e6

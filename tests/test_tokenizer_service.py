@@ -22,7 +22,9 @@ from radixmesh.core.meta_info import CachedTokens
 from radixmesh.core.request import GenerationRequest
 from radixmesh.core.sampling_params import LogprobRequest, SamplingParams
 from radixmesh.core.service_settings import TokenizerServiceConfig
+from radixmesh.core.step import int_array
 from radixmesh.proto import mesh_pb2 as mpb
+from radixmesh.proto.convert import PackedChunk
 from radixmesh.services.tokenizer import client as client_module
 from radixmesh.services.tokenizer.assembler import ChunkAssembler
 from radixmesh.services.tokenizer.client import MeshClient
@@ -151,7 +153,7 @@ async def test_logprobs_pass_through_and_prompt_logprobs_arrive_complete_at_the_
 async def test_chunks_that_arrive_before_the_reader_wakes_reach_it_as_one():
     """A reader behind its request's output (a busy front door) takes all of it in one go:
     one chunk with every new token, the latest counts, and the finish."""
-    flight = client_module._InFlight("e", ChunkAssembler(_request([1, 2, 3], rid="t")))
+    flight = client_module.InFlight("e", ChunkAssembler(_request([1, 2, 3], rid="t")))
     assembler = flight.assembler
     for seq, (token, text) in enumerate([(7, " a"), (8, " b"), (9, " c")]):
         finish = mpb.Finish(kind="length", token_id=3) if seq == 2 else None
@@ -164,6 +166,31 @@ async def test_chunks_that_arrive_before_the_reader_wakes_reach_it_as_one():
     assert merged.cached_tokens == 2 and merged.finish.to_dict() == {"type": "length",
                                                                      "length": 3}
     assert flight.ready is None
+
+
+async def test_packed_chunks_join_the_output_the_reader_has_not_taken():
+    """New text and ids alone (packed) join what waits for the reader when they come in
+    order; one that comes early waits for the gap to fill; with nothing waiting, a chunk of
+    its own with the request's counts."""
+    flight = client_module.InFlight("e", ChunkAssembler(_request([1, 2, 3], rid="t")))
+    first = mpb.TextChunk(rid="t", seq=0, text=" a", output_ids=[7], completion_tokens=1,
+                          cached_tokens=2)
+    flight.arrived(flight.assembler.add(first), 1.0)
+    flight.packed(PackedChunk("t", 1, " b", int_array([8]), 2), 2.0)
+    waiting = flight.ready
+    assert waiting is not None and (waiting.text, waiting.completion_tokens) == (" a b", 2)
+    flight.packed(PackedChunk("t", 3, " d", int_array([10]), 4), 3.0)  # early: held
+    assert flight.gap_since == 3.0
+    flight.packed(PackedChunk("t", 2, " c", int_array([9]), 3), 4.0)  # fills the gap
+    merged = await flight.take()
+    assert (merged.text, merged.output_ids, merged.completion_tokens, merged.cached_tokens
+            ) == (" a b c d", [7, 8, 9, 10], 4, 2)
+    assert (flight.gap_since, flight.last_output) == (None, 4.0)
+    flight.packed(PackedChunk("t", 4, " e", int_array([11]), 5), 5.0)
+    alone = flight.pop()
+    assert alone is not None and flight.pop() is None
+    assert (alone.text, alone.output_ids, alone.completion_tokens, alone.cached_tokens
+            ) == (" e", [11], 5, 2)
 
 
 def test_reassembly_keeps_the_cache_tiers_of_the_last_count_through_an_abort():

@@ -67,6 +67,16 @@ class ChunkAssembler:
             self._early.clear()
         return ready
 
+    def next_packed(self, chunk: PackedChunk) -> bool:
+        """Take a packed chunk's place and count where it is the next in order with none
+        held (its text and ids are then the caller's to join); False, taking nothing, where
+        it must go through `add`."""
+        if self.finished or chunk.seq != self._next_seq or self._early:
+            return False
+        self._next_seq += 1
+        self.completion_tokens = max(self.completion_tokens, chunk.completion_tokens)
+        return True
+
     @property
     def has_gap(self) -> bool:
         """Chunks arrived past one that has not: held until it comes."""

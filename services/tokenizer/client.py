@@ -16,7 +16,7 @@ import json
 import logging
 import random
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,7 +31,7 @@ from radixmesh.core.request import GenerationRequest
 from radixmesh.core.tokenizer import Tokenizer
 from radixmesh.mesh import subjects
 from radixmesh.proto import mesh_pb2 as mpb
-from radixmesh.proto.convert import packed_chunks, sampling_to_proto
+from radixmesh.proto.convert import PackedChunk, packed_chunks, sampling_to_proto
 from radixmesh.services.tokenizer import metrics
 from radixmesh.services.tokenizer.assembler import ChunkAssembler
 from radixmesh.services.tokenizer.generation import GenerationChunk, GenerationError
@@ -47,7 +47,7 @@ GAP_TIMEOUT_S = 5.0
 
 
 @dataclass
-class _InFlight:
+class InFlight:
     """One request this replica sent and is waiting on."""
 
     engine_id: str
@@ -70,6 +70,18 @@ class _InFlight:
         elif self.gap_since is None:
             self.gap_since = now
 
+    def packed(self, chunk: PackedChunk, now: float) -> None:
+        """A packed chunk came (new text and ids alone): where it is next in order and
+        output waits for the reader, as with a busy front door, it joins that output."""
+        ready = self.ready
+        if ready is not None and ready.finish is None and self.assembler.next_packed(chunk):
+            ready.text += chunk.text
+            ready.output_ids += chunk.ids
+            ready.completion_tokens = self.assembler.completion_tokens
+            self.last_output = now
+        else:
+            self.arrived(self.assembler.add(chunk), now)
+
     def deliver(self, chunk: GenerationChunk) -> None:
         if self.ready is None:
             self.ready = chunk
@@ -77,12 +89,16 @@ class _InFlight:
             self.ready.merge(chunk)
         self.wake.set()
 
+    def pop(self) -> GenerationChunk | None:
+        """The output that arrived since the last take, if any."""
+        chunk, self.ready = self.ready, None
+        return chunk
+
     async def take(self) -> GenerationChunk:
         """The output that arrived since the last take; waits for some."""
-        while self.ready is None:
+        while (chunk := self.pop()) is None:
             self.wake.clear()
             await self.wake.wait()
-        chunk, self.ready = self.ready, None
         return chunk
 
     def end(self, message: str, lost: bool = False) -> None:
@@ -90,6 +106,21 @@ class _InFlight:
         if not self.assembler.finished:
             self.lost = self.lost or lost
             self.deliver(self.assembler.abort(message))
+
+
+def deliver(message: mpb.TextChunks, flights: Mapping[str, InFlight], now: float) -> None:
+    """A TextChunks' chunks to their requests (those still in `flights`, by id)."""
+    for chunk in message.chunks:
+        flight = flights.get(chunk.rid)
+        if flight is None:
+            continue  # a late chunk of a request that already ended
+        if chunk.finish.engine_lost:
+            flight.lost = True
+        flight.arrived(flight.assembler.add(chunk), now)
+    for packed in packed_chunks(message.packed):
+        flight = flights.get(packed.rid)
+        if flight is not None:
+            flight.packed(packed, now)
 
 
 class MeshClient:
@@ -123,7 +154,7 @@ class MeshClient:
         self._nc = nc
         self._control_timeout_s = control_timeout_s
         self._reply_to = subjects.tokenizer_out(replica_id)
-        self._in_flight: dict[str, _InFlight] = {}
+        self._in_flight: dict[str, InFlight] = {}
         self.max_queued = max_queued  # 0: no limit
         self.stall_timeout_s = stall_timeout_s  # 0: a request may wait for output forever
         self.queued = 0  # requests sent that have no output yet
@@ -218,7 +249,7 @@ class MeshClient:
         except ValueError as exc:  # a value the message cannot carry, e.g. out of int32
             trace.end(f"invalid request: {exc}")
             raise GenerationError(f"invalid request: {exc}", 400) from exc
-        flight = _InFlight(route.engine_id, ChunkAssembler(request))
+        flight = InFlight(route.engine_id, ChunkAssembler(request))
         self._in_flight[request.rid] = flight
         observed = self.metrics.request(len(request.input_ids))
         finished = retried = False
@@ -257,7 +288,7 @@ class MeshClient:
                     await self._abort(flight.engine_id, request.rid, abort_headers)
             trace.end()
 
-    async def _retry(self, flight: _InFlight, chunk: GenerationChunk,
+    async def _retry(self, flight: InFlight, chunk: GenerationChunk,
                      request: GenerationRequest, trace: RequestTrace, stream: bool) -> bool:
         """Send a request its engine lost before any output to another engine; whether it
         went (False: nothing to retry, or no other engine)."""
@@ -413,19 +444,7 @@ class MeshClient:
             self.router.record_cached(event.engine_id, seq.token_ids, seq.cache_salt)
 
     async def _on_output(self, msg: Msg) -> None:
-        message = mpb.TextChunks.FromString(msg.data)
-        now = time.monotonic()
-        for chunk in message.chunks:
-            flight = self._in_flight.get(chunk.rid)
-            if flight is None:
-                continue  # a late chunk of a request that already ended
-            if chunk.finish.engine_lost:
-                flight.lost = True
-            flight.arrived(flight.assembler.add(chunk), now)
-        for packed in packed_chunks(message.packed):
-            flight = self._in_flight.get(packed.rid)
-            if flight is not None:
-                flight.arrived(flight.assembler.add(packed), now)
+        deliver(mpb.TextChunks.FromString(msg.data), self._in_flight, time.monotonic())
 
     async def _reap_loop(self) -> None:
         period = min(self.engines.timeout_s / 4, 1.0)
@@ -451,7 +470,7 @@ class MeshClient:
                 await self._give_up(rid, flight,
                                     "the connection to the mesh's message bus was interrupted")
 
-    async def _give_up(self, rid: str, flight: _InFlight, message: str) -> None:
+    async def _give_up(self, rid: str, flight: InFlight, message: str) -> None:
         """End a request here with `message` and abort it on its engine."""
         flight.end(message)
         await self._abort(flight.engine_id, rid)
