@@ -32,7 +32,7 @@ def write_random_llama(path: Path, shape: LlamaShape, dtype: torch.dtype = torch
     1, embeddings tied) and tokenizer.json at `path`; returns the weights' bytes."""
     import tokenizers
     from safetensors.torch import save_file
-    from tokenizers import models, pre_tokenizers
+    from tokenizers import decoders, models, pre_tokenizers
 
     s = shape
     config = {
@@ -69,9 +69,13 @@ def write_random_llama(path: Path, shape: LlamaShape, dtype: torch.dtype = torch
             f"{p}.mlp.down_proj.weight": rand(s.hidden, s.intermediate),
         }
     save_file(weights, str(path / "model.safetensors"))
+    # Byte-level, as the families served (Llama 3, Qwen, SmolLM2): each id a word, " t<id>".
     tokenizer = tokenizers.Tokenizer(
-        models.WordLevel({f"t{i}": i for i in range(s.vocab)}, unk_token="t0"))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+        models.WordLevel({f"\u0120t{i}": i for i in range(s.vocab)}, unk_token="\u0120t0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.WhitespaceSplit(),
+        pre_tokenizers.ByteLevel(add_prefix_space=True, use_regex=False)])
+    tokenizer.decoder = decoders.ByteLevel()
     tokenizer.save(str(path / "tokenizer.json"))
     return sum(w.numel() * w.element_size() for w in weights.values())
 
