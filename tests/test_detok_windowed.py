@@ -155,11 +155,13 @@ def windowed(
     expected: WholeText | None = None,
 ) -> Outcome:
     """What the request's owner sees from replicas that see each update alone: chunk texts
-    up to the first stop, each checked against `expected` if given."""
+    up to the first stop, each checked against `expected` if given; the same from the ids'
+    own texts where they can be (Tokenizer.pieces)."""
     size = detok_context_size(rules.stop) if context is None else context
     text = ""
     for update in updates(prompt, out, sizes, size, stop_token, rules.no_stop_trim):
         result = window_text(tokenizer().decode, rules, update)
+        assert window_text(tokenizer().decode, rules, update, tokenizer().pieces) == result
         if expected is not None:
             end = update.offset + len(update.new)
             assert result.text == expected.added(update.offset, end, update.finished)

@@ -181,7 +181,7 @@ def window_text(decode: DecodeFn, rules: TextRules, update: Update,
             context = [*update.prompt_tail, *context]
         new = update.new[:-1] if update.trim_last and update.new else update.new
         if pieces is not None and context:
-            text = joined_pieces(pieces, context[-1], new)
+            text = joined_pieces(pieces, new, after=context[-1])
             if text is not None:
                 return WindowText(text)
         near = context[-_NEAR_CONTEXT:]
@@ -190,20 +190,23 @@ def window_text(decode: DecodeFn, rules: TextRules, update: Update,
         if before and not before.endswith(REPLACEMENT_CHAR) and not after.endswith(
                 REPLACEMENT_CHAR):
             return WindowText(after[len(before) :])
-    window = _Window(decode, rules, update.context, update.offset, update.prompt_tail)
+    window = _Window(decode, rules, update.context, update.offset, update.prompt_tail, pieces)
     return window.update(update.new, update.finished, update.trim_last)
 
 
-def joined_pieces(pieces: Sequence[str | None], last: int, new: Sequence[int]) -> str | None:
-    """The text `new` adds after an id `last`, from the ids' own texts (`Tokenizer.pieces`)
-    of a plain request (TextRules.plain), where they give it: the text after an id that is
-    whole characters on its own ends in a whole character, and whole characters follow it
-    unchanged. None where they do not."""
+def joined_pieces(pieces: Sequence[str | None], ids: Sequence[int], after: int | None = None
+                  ) -> str | None:
+    """The text of `ids`, after the id `after` when given, from the ids' own texts
+    (`Tokenizer.pieces`) where every one is whole characters (None where one is not): the
+    text after such an id ends in a whole character, and whole characters follow it
+    unchanged, so a decode joins them. Stop strings are not applied."""
     try:
-        texts = [pieces[i] for i in (last, *new)]
+        texts = [pieces[i] for i in ids]
+        if after is not None and pieces[after] is None:
+            return None
     except IndexError:  # an id past the tokenizer's vocabulary
         return None
-    return None if None in texts else "".join(texts[1:])  # type: ignore[arg-type]
+    return None if None in texts else "".join(texts)  # type: ignore[arg-type]
 
 
 # Ids a window of RequestText takes on beyond the context it started with before a new one
@@ -303,8 +306,10 @@ class _Window:
         context: Sequence[int],
         offset: int,
         prompt_tail: Sequence[int] = (),
+        pieces: Sequence[str | None] | None = None,
     ) -> None:
         self._decode = decode
+        self._pieces = pieces
         self._skip_special_tokens = rules.skip_special_tokens
         # Asked of the decode function only where it changes the text, so one that cannot
         # space special tokens serves every other request.
@@ -375,8 +380,10 @@ class _Window:
         text = self._decoded.get(boundary)
         if text is None:
             ids = self._ids[:boundary]
-            text = self._decode(ids, skip_special_tokens=self._skip_special_tokens,
-                                **self._spacing)
+            text = joined_pieces(self._pieces, ids) if self._pieces is not None else None
+            if text is None:
+                text = self._decode(ids, skip_special_tokens=self._skip_special_tokens,
+                                    **self._spacing)
             self._decoded[boundary] = text
         return text
 

@@ -154,7 +154,7 @@ def packed_replies(step: mpb.TokenStep, decode: DecodeFn, pieces: Pieces = None
     for u in packed_updates(p):
         # A packed update's context holds at least the id before its new ids.
         if (known := quick[u.route]) is not None and (
-                text := joined_pieces(known, u.context[-1], u.new)) is not None:
+                text := joined_pieces(known, u.new, after=u.context[-1])) is not None:
             yield p.reply_to[u.route], PackedChunk(u.rid, u.seq, text, u.new,
                                                    u.offset + len(u.new))
             continue
