@@ -33,7 +33,8 @@ class RequestStream:
         )
         # The same text as the detokenizer service gives, from shorter windows: all the
         # request's ids are at hand here.
-        self._detok = RequestText(tokenizer.decode, rules, req.input_ids, tokenizer.special_ids)
+        self._detok = RequestText(tokenizer.decode, rules, req.input_ids, tokenizer.special_ids,
+                                  tokenizer.pieces)
         # Text nobody reads before the finish (no stream, no stop string to look for) is
         # decoded once, at the finish: the same text as update by update.
         self._at_finish = not streaming and not params.stop

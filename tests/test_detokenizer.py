@@ -127,6 +127,7 @@ def run_updates(
     rules = rules or TextRules()
     pieces = pieces_of(decode)
     in_process = RequestText(decode, rules, prompt, specials)
+    with_pieces = RequestText(decode, rules, prompt, specials, pieces) if pieces else None
     size = detok_context_size(rules.stop)
     ids = list(prompt)
     texts = []
@@ -135,6 +136,8 @@ def run_updates(
             ids[-size:], chunk, len(ids) - len(prompt), k == len(chunks), prompt_tail=prompt[-4:]
         )
         got = in_process.update(chunk, update.finished)
+        if with_pieces is not None:
+            assert with_pieces.update(chunk, update.finished) == got
         assert got == window_text(decode, rules, update)
         if pieces is not None:
             assert got == window_text(decode, rules, update, pieces)

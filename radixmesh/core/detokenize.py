@@ -233,10 +233,12 @@ class RequestText:
     """
 
     def __init__(
-        self, decode: DecodeFn, rules: TextRules, prompt: Sequence[int], specials: Set[int]
+        self, decode: DecodeFn, rules: TextRules, prompt: Sequence[int], specials: Set[int],
+        pieces: Sequence[str | None] | None = None,
     ) -> None:
         self._decode = decode
         self._rules = rules
+        self._pieces = pieces  # see window_text
         self._ids = list(prompt)
         self._prompt_len = len(self._ids)
         # Skipped special tokens decode to nothing, so they carry no byte of context.
@@ -278,7 +280,8 @@ class RequestText:
         if offset - size < armed < offset:
             size = self._context_size(start, offset - armed + MAX_PENDING_TOKENS, reach)
         self._renew_at = size + _SLACK
-        return _Window(self._decode, self._rules, self._ids[start - size : start], offset)
+        return _Window(self._decode, self._rules, self._ids[start - size : start], offset,
+                       pieces=self._pieces)
 
     def _context_size(self, start: int, pending: int, reach: int) -> int:
         """Ids before `start`: the last `pending` and, before them, `reach` carrying bytes."""
