@@ -343,9 +343,13 @@ class Tokenizer:
             return None
         added = raw.get_added_tokens_decoder()
         size = raw.get_vocab_size(with_added_tokens=True)
-        texts = raw.decode_batch([[i] for i in range(size)], skip_special_tokens=False)
-        return tuple(None if i in added or not text or REPLACEMENT_CHAR in text else text
-                     for i, text in enumerate(texts))
+        pieces: list[str | None] = []
+        for start in range(0, size, 4096):  # a slice at a time: a small peak of memory
+            texts = raw.decode_batch([[i] for i in range(start, min(start + 4096, size))],
+                                     skip_special_tokens=False)
+            pieces += (None if start + k in added or not text or REPLACEMENT_CHAR in text
+                       else text for k, text in enumerate(texts))
+        return tuple(pieces)
 
     @cached_property
     def special_ids(self) -> frozenset[int]:
