@@ -36,8 +36,7 @@ from radixmesh.engine.request import Req
 from radixmesh.proto import mesh_pb2 as mpb
 from radixmesh.services.detokenizer.server import step_replies
 from radixmesh.services.scheduler.mesh_io import StepMessage, UpdateBuilder
-from radixmesh.services.tokenizer.assembler import ChunkAssembler
-from radixmesh.services.tokenizer.client import InFlight, deliver
+from radixmesh.services.tokenizer.assembler import ChunkAssembler, InFlight, deliver
 
 PROMPT = 64
 HOPS = ("scheduler", "detokenizer", "tokenizer")

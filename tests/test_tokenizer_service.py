@@ -26,7 +26,7 @@ from radixmesh.core.step import int_array
 from radixmesh.proto import mesh_pb2 as mpb
 from radixmesh.proto.convert import PackedChunk
 from radixmesh.services.tokenizer import client as client_module
-from radixmesh.services.tokenizer.assembler import ChunkAssembler
+from radixmesh.services.tokenizer.assembler import ChunkAssembler, InFlight
 from radixmesh.services.tokenizer.client import MeshClient
 from radixmesh.services.tokenizer.generation import GenerationChunk, GenerationError
 from radixmesh.services.tokenizer.server import TokenizerServer, public_args
@@ -153,7 +153,7 @@ async def test_logprobs_pass_through_and_prompt_logprobs_arrive_complete_at_the_
 async def test_chunks_that_arrive_before_the_reader_wakes_reach_it_as_one():
     """A reader behind its request's output (a busy front door) takes all of it in one go:
     one chunk with every new token, the latest counts, and the finish."""
-    flight = client_module.InFlight("e", ChunkAssembler(_request([1, 2, 3], rid="t")))
+    flight = InFlight("e", ChunkAssembler(_request([1, 2, 3], rid="t")))
     assembler = flight.assembler
     for seq, (token, text) in enumerate([(7, " a"), (8, " b"), (9, " c")]):
         finish = mpb.Finish(kind="length", token_id=3) if seq == 2 else None
@@ -172,7 +172,7 @@ async def test_packed_chunks_join_the_output_the_reader_has_not_taken():
     """New text and ids alone (packed) join what waits for the reader when they come in
     order; one that comes early waits for the gap to fill; with nothing waiting, a chunk of
     its own with the request's counts."""
-    flight = client_module.InFlight("e", ChunkAssembler(_request([1, 2, 3], rid="t")))
+    flight = InFlight("e", ChunkAssembler(_request([1, 2, 3], rid="t")))
     first = mpb.TextChunk(rid="t", seq=0, text=" a", output_ids=[7], completion_tokens=1,
                           cached_tokens=2)
     flight.arrived(flight.assembler.add(first), 1.0)

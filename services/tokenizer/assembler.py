@@ -1,20 +1,24 @@
-"""One request's TextChunks back in order, as GenerationChunks: the conversion from the
-detokenizers' messages to what the front doors render.
+"""The requests' TextChunks back in order, as GenerationChunks for their readers: the
+conversion from the detokenizers' messages to what the front doors render (ChunkAssembler),
+and what waits for each request's reader (InFlight, fed by `deliver`).
 
 Chunks of one request may come from different detokenizer replicas, so they can arrive out
 of order; `seq` numbers them 0, 1, 2, ... and the first finish (in seq order) ends it."""
 
 from __future__ import annotations
 
+import asyncio
 import math
-from collections.abc import Iterable
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 
 from radixmesh.core.finish import FinishKind, FinishReason
 from radixmesh.core.meta_info import Disaggregated, TokenLogprob
 from radixmesh.core.request import GenerationRequest
 from radixmesh.proto import mesh_pb2 as mpb
 from radixmesh.proto import worker_pb2 as wpb
-from radixmesh.proto.convert import PackedChunk, finish_from_proto
+from radixmesh.proto.convert import PackedChunk, finish_from_proto, packed_chunks
 from radixmesh.services.tokenizer.generation import GenerationChunk
 
 
@@ -167,3 +171,78 @@ class ChunkAssembler:
         return token_logprobs, list(self._input_top)
 
 
+@dataclass
+class InFlight:
+    """One request this replica sent and is waiting on."""
+
+    engine_id: str
+    assembler: ChunkAssembler
+    last_output: float = field(default_factory=time.monotonic)  # sent, or its last chunk
+    gap_since: float | None = None  # since when a chunk is missing
+    lost: bool = False  # its engine went away or lost its workers
+    # Output not yet taken by the request's reader: what arrives before it wakes joins one
+    # chunk, so a reader that falls behind catches up in one go.
+    ready: GenerationChunk | None = None
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def arrived(self, chunks: list[GenerationChunk], now: float) -> None:
+        """Output came (`chunks`: what is now in order): deliver it, note any gap."""
+        self.last_output = now
+        for chunk in chunks:
+            self.deliver(chunk)
+        if not self.assembler.has_gap:
+            self.gap_since = None
+        elif self.gap_since is None:
+            self.gap_since = now
+
+    def packed(self, chunk: PackedChunk, now: float) -> None:
+        """A packed chunk came (new text and ids alone): where it is next in order and
+        output waits for the reader, as with a busy front door, it joins that output."""
+        ready = self.ready
+        if ready is not None and ready.finish is None and self.assembler.next_packed(chunk):
+            ready.text += chunk.text
+            ready.output_ids += chunk.ids
+            ready.completion_tokens = self.assembler.completion_tokens
+            self.last_output = now
+        else:
+            self.arrived(self.assembler.add(chunk), now)
+
+    def deliver(self, chunk: GenerationChunk) -> None:
+        if self.ready is None:
+            self.ready = chunk
+        else:
+            self.ready.merge(chunk)
+        self.wake.set()
+
+    def pop(self) -> GenerationChunk | None:
+        """The output that arrived since the last take, if any."""
+        chunk, self.ready = self.ready, None
+        return chunk
+
+    async def take(self) -> GenerationChunk:
+        """The output that arrived since the last take; waits for some."""
+        while (chunk := self.pop()) is None:
+            self.wake.clear()
+            await self.wake.wait()
+        return chunk
+
+    def end(self, message: str, lost: bool = False) -> None:
+        """End it with an abort (the mesh gave up on it; `lost`: with its engine)."""
+        if not self.assembler.finished:
+            self.lost = self.lost or lost
+            self.deliver(self.assembler.abort(message))
+
+
+def deliver(message: mpb.TextChunks, flights: Mapping[str, InFlight], now: float) -> None:
+    """A TextChunks' chunks to their requests (those still in `flights`, by id)."""
+    for chunk in message.chunks:
+        flight = flights.get(chunk.rid)
+        if flight is None:
+            continue  # a late chunk of a request that already ended
+        if chunk.finish.engine_lost:
+            flight.lost = True
+        flight.arrived(flight.assembler.add(chunk), now)
+    for packed in packed_chunks(message.packed):
+        flight = flights.get(packed.rid)
+        if flight is not None:
+            flight.packed(packed, now)
