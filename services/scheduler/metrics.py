@@ -275,21 +275,33 @@ class SchedulerMetrics:
         # Requests not admitted yet: when each arrived, and its priority.
         self._queued: dict[str, tuple[float, int]] = {}
         self._clock = clock
+        # Each metric's child for this engine (and the extra labels): looked up once, not
+        # at every step (a labels() call costs about 3 us).
+        self._children: dict[tuple[Any, ...], Any] = {}
+
+    def _child(self, metric: Any, **extra: str) -> Any:
+        """`metric` labelled for this engine and `extra`."""
+        key = (metric, *extra.items())
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(**self._labels, **extra)
+        return child
 
     def start(self, model_name: str, num_slots: int) -> None:
         """Bind the model's name and show the pool's size."""
         self._labels["model_name"] = model_name
-        MAX_TOTAL_TOKENS.labels(**self._labels).set(num_slots)
+        self._children.clear()
+        self._child(MAX_TOTAL_TOKENS).set(num_slots)
 
     def refused(self) -> None:
         """A request the scheduler could not take."""
-        REFUSED.labels(**self._labels).inc()
+        self._child(REFUSED).inc()
 
     def queued(self, req: Req) -> None:
         """A request arrived and waits for its first admission."""
         self._queued[req.rid] = (self._clock(), req.priority)
         if req.lora:
-            LORA_REQUESTS.labels(**self._labels, adapter=self._adapter(req.lora)).inc()
+            self._child(LORA_REQUESTS, adapter=self._adapter(req.lora)).inc()
 
     def admitted(self, batch: ScheduledBatch) -> None:
         """A step was scheduled: the time in the queue of each request it admits first."""
@@ -297,7 +309,7 @@ class SchedulerMetrics:
             queued = self._queued.pop(new.rid, None)  # a readmission was counted before
             if queued is not None:
                 since, priority = queued
-                QUEUE_SECONDS.labels(**self._labels, priority=self._priority(priority)).observe(
+                self._child(QUEUE_SECONDS, priority=self._priority(priority)).observe(
                     self._clock() - since
                 )
 
@@ -320,17 +332,17 @@ class SchedulerMetrics:
         `storage_tokens` from storage)."""
         if first:
             self._prompt_tokens += prompt_tokens
-            PROMPT_TOKENS.labels(**self._labels).inc(prompt_tokens)
+            self._child(PROMPT_TOKENS).inc(prompt_tokens)
             self._cached_tokens += cached_tokens
             device = cached_tokens - host_tokens - storage_tokens
-            CACHED_TOKENS.labels(**self._labels, tier=DEVICE_TIER).inc(device)
-            CACHED_TOKENS.labels(**self._labels, tier=HOST_TIER).inc(host_tokens)
-            CACHED_TOKENS.labels(**self._labels, tier=STORAGE_TIER).inc(storage_tokens)
+            self._child(CACHED_TOKENS, tier=DEVICE_TIER).inc(device)
+            self._child(CACHED_TOKENS, tier=HOST_TIER).inc(host_tokens)
+            self._child(CACHED_TOKENS, tier=STORAGE_TIER).inc(storage_tokens)
             self._set_hit_rate()
         self._throughput.add(new_tokens)
         self._new_tokens += new_tokens
         if finish_reason is not None:
-            FINISHED.labels(**self._labels, finish_reason=finish_reason).inc()
+            self._child(FINISHED, finish_reason=finish_reason).inc()
 
     def transfer_sent(self, tokens: int, nbytes: int, ms: float, failed: bool) -> None:
         """A prefill engine handed a request back to its decode engine."""
@@ -342,67 +354,65 @@ class SchedulerMetrics:
 
     def _transfer(self, direction: str, tokens: int, nbytes: int, ms: float,
                   failed: bool) -> None:
-        labels = {**self._labels, "direction": direction}
         if failed:
-            KV_TRANSFER_FAILURES.labels(**labels).inc()
+            self._child(KV_TRANSFER_FAILURES, direction=direction).inc()
             return
-        KV_TRANSFERS.labels(**labels).inc()
-        KV_TRANSFER_TOKENS.labels(**labels).inc(tokens)
-        KV_TRANSFER_BYTES.labels(**labels).inc(nbytes)
-        KV_TRANSFER_SECONDS.labels(**labels).observe(ms / 1e3)
+        self._child(KV_TRANSFERS, direction=direction).inc()
+        self._child(KV_TRANSFER_TOKENS, direction=direction).inc(tokens)
+        self._child(KV_TRANSFER_BYTES, direction=direction).inc(nbytes)
+        self._child(KV_TRANSFER_SECONDS, direction=direction).observe(ms / 1e3)
 
     def transfer_fallback(self) -> None:
         """A decode engine gave up on a request's KV and prefills it itself."""
-        KV_TRANSFER_FALLBACKS.labels(**self._labels).inc()
+        self._child(KV_TRANSFER_FALLBACKS).inc()
 
     def batch(self, tokens: int, reqs: int) -> None:
         """One step's size; steps that only release requests compute nothing and are skipped."""
         if reqs:
-            BATCH_TOKENS.labels(**self._labels).observe(tokens)
-            BATCH_REQS.labels(**self._labels).observe(reqs)
+            self._child(BATCH_TOKENS).observe(tokens)
+            self._child(BATCH_REQS).observe(reqs)
 
     def forward_timer(self) -> AbstractContextManager[Any]:
         """Times one step's round trip to the workers."""
-        return FORWARD_SECONDS.labels(**self._labels).time()
+        return self._child(FORWARD_SECONDS).time()
 
     def state(self, sched: Scheduler) -> None:
         """The queue, the KV pool and the cache as they are now, and the tokens generated
         since the last call."""
-        labels = self._labels
         if self._new_tokens:
-            GENERATION_TOKENS.labels(**labels).inc(self._new_tokens)
+            self._child(GENERATION_TOKENS).inc(self._new_tokens)
             self._new_tokens = 0
         used = sched.config.num_slots - sched.allocator.available()
-        NUM_RUNNING.labels(**labels).set(sched.num_running())
-        NUM_QUEUE.labels(**labels).set(len(sched.waiting))
-        NUM_USED_TOKENS.labels(**labels).set(used)
-        TOKEN_USAGE.labels(**labels).set(used / sched.config.num_slots)
-        CACHE_TOKENS.labels(**labels, tier=DEVICE_TIER).set(sched.cache.total_size())
-        NUM_RETRACTED.labels(**labels).inc(sched.num_retractions - self._retractions)
+        self._child(NUM_RUNNING).set(sched.num_running())
+        self._child(NUM_QUEUE).set(len(sched.waiting))
+        self._child(NUM_USED_TOKENS).set(used)
+        self._child(TOKEN_USAGE).set(used / sched.config.num_slots)
+        self._child(CACHE_TOKENS, tier=DEVICE_TIER).set(sched.cache.total_size())
+        self._child(NUM_RETRACTED).inc(sched.num_retractions - self._retractions)
         self._retractions = sched.num_retractions
-        FORCED_TOKENS.labels(**labels).inc(sched.constraints.forced_tokens - self._forced)
+        self._child(FORCED_TOKENS).inc(sched.constraints.forced_tokens - self._forced)
         self._forced = sched.constraints.forced_tokens
         spec = sched.speculation.stats
-        SPEC_VERIFY_STEPS.labels(**labels).inc(spec.verify_steps - self._spec.verify_steps)
-        SPEC_ACCEPTED_TOKENS.labels(**labels).inc(spec.accepted_tokens - self._spec.accepted_tokens)
-        SPEC_ACCEPT_LENGTH.labels(**labels).set(spec.mean_accept_length)
+        self._child(SPEC_VERIFY_STEPS).inc(spec.verify_steps - self._spec.verify_steps)
+        self._child(SPEC_ACCEPTED_TOKENS).inc(spec.accepted_tokens - self._spec.accepted_tokens)
+        self._child(SPEC_ACCEPT_LENGTH).set(spec.mean_accept_length)
         self._spec = dataclasses.replace(spec)
         for priority, n in sched.priority.preemptions.items():
             label = self._priority(priority)
-            PREEMPTIONS.labels(**labels, priority=label).inc(n - self._preempted.get(priority, 0))
+            self._child(PREEMPTIONS, priority=label).inc(n - self._preempted.get(priority, 0))
             self._preempted[priority] = n
         self._host_state(sched)
 
     def host_tier(self, up: bool, lost: int) -> None:
         """Whether the host tier is attached, and how many times it was lost so far."""
-        HOST_UP.labels(**self._labels).set(1 if up else 0)
-        HOST_LOST.labels(**self._labels).inc(lost - self._host_lost)
+        self._child(HOST_UP).set(1 if up else 0)
+        self._child(HOST_LOST).inc(lost - self._host_lost)
         self._host_lost = lost
 
     def _host_state(self, sched: Scheduler) -> None:
-        labels, host = self._labels, sched.tiers.host
-        CACHE_TOKENS.labels(**labels, tier=HOST_TIER).set(sched.cache.host_size())
-        HOST_PENDING.labels(**labels).set(sched.cache.pending_backups())
+        host = sched.tiers.host
+        self._child(CACHE_TOKENS, tier=HOST_TIER).set(sched.cache.host_size())
+        self._child(HOST_PENDING).set(sched.cache.pending_backups())
         if host is None:
             self._host_copied = HostStats()  # a new tier counts from zero
             return
@@ -411,33 +421,32 @@ class SchedulerMetrics:
             ("to_host", now.backups - before.backups, now.backup_tokens - before.backup_tokens),
             ("to_device", now.loads - before.loads, now.load_tokens - before.load_tokens),
         ):
-            HOST_COPIES.labels(**labels, direction=direction).inc(copies)
-            HOST_COPY_BYTES.labels(**labels, direction=direction).inc(tokens * self.token_bytes)
-        HOST_SKIPPED.labels(**labels).inc(now.backups_skipped - before.backups_skipped)
+            self._child(HOST_COPIES, direction=direction).inc(copies)
+            self._child(HOST_COPY_BYTES, direction=direction).inc(tokens * self.token_bytes)
+        self._child(HOST_SKIPPED).inc(now.backups_skipped - before.backups_skipped)
         self._host_copied = dataclasses.replace(now)
         storage = sched.tiers.storage
         if storage is None:
             self._storage_counted = (0, 0)
             return
         stored, queries = storage.stats.pages_stored, storage.stats.queries
-        STORAGE_PAGES_STORED.labels(**labels).inc(stored - self._storage_counted[0])
-        STORAGE_QUERIES.labels(**labels).inc(queries - self._storage_counted[1])
+        self._child(STORAGE_PAGES_STORED).inc(stored - self._storage_counted[0])
+        self._child(STORAGE_QUERIES).inc(queries - self._storage_counted[1])
         self._storage_counted = (stored, queries)
 
     def prefetched(self, outcome: PrefetchOutcome) -> None:
         """A request stopped waiting for its pages from storage."""
-        labels = self._labels
         kind = ("none" if not outcome.pages_arrived else
                 "complete" if outcome.pages_arrived == outcome.pages_asked else "partial")
-        PREFETCHES.labels(**labels, policy=outcome.policy, outcome=kind).inc()
-        PREFETCH_TOKENS.labels(**labels).inc(outcome.tokens)
-        PREFETCH_WAIT.labels(**labels, policy=outcome.policy).observe(outcome.waited_s)
+        self._child(PREFETCHES, policy=outcome.policy, outcome=kind).inc()
+        self._child(PREFETCH_TOKENS).inc(outcome.tokens)
+        self._child(PREFETCH_WAIT, policy=outcome.policy).observe(outcome.waited_s)
 
     def throughput(self) -> None:
         """Show the output rate since the previous call (the status heartbeat)."""
-        GEN_THROUGHPUT.labels(**self._labels).set(self._throughput.read())
+        self._child(GEN_THROUGHPUT).set(self._throughput.read())
 
     def _set_hit_rate(self) -> None:
         if self._prompt_tokens:
             rate = self._cached_tokens / self._prompt_tokens
-            CACHE_HIT_RATE.labels(**self._labels).set(rate)
+            self._child(CACHE_HIT_RATE).set(rate)
