@@ -40,6 +40,11 @@ class DecodeFn(Protocol):
     ) -> str: ...
 
 
+# Each id's own text where a decode joins them, None where it does not; the whole table None
+# for a tokenizer whose decoder does not join (see Tokenizer.pieces).
+Pieces = Sequence[str | None] | None
+
+
 class StopResult(NamedTuple):
     """Text safe to release now, and the stop string that ended the stream, if any."""
 
@@ -164,7 +169,7 @@ _NEAR_CONTEXT = 4
 
 
 def window_text(decode: DecodeFn, rules: TextRules, update: Update,
-                pieces: Sequence[str | None] | None = None) -> WindowText:
+                pieces: Pieces = None) -> WindowText:
     """The text the update adds to the request's output, stop strings applied. `pieces`:
     each id's own text where a decode joins them (`Tokenizer.pieces`), which spares the
     decodes of most updates."""
@@ -201,9 +206,9 @@ def joined_pieces(pieces: Sequence[str | None], ids: Sequence[int], after: int |
     text after such an id ends in a whole character, and whole characters follow it
     unchanged, so a decode joins them. Stop strings are not applied."""
     try:
-        texts = [pieces[i] for i in ids]
         if after is not None and pieces[after] is None:
             return None
+        texts = [pieces[i] for i in ids]
     except IndexError:  # an id past the tokenizer's vocabulary
         return None
     return None if None in texts else "".join(texts)  # type: ignore[arg-type]
@@ -234,7 +239,7 @@ class RequestText:
 
     def __init__(
         self, decode: DecodeFn, rules: TextRules, prompt: Sequence[int], specials: Set[int],
-        pieces: Sequence[str | None] | None = None,
+        pieces: Pieces = None,
     ) -> None:
         self._decode = decode
         self._rules = rules
@@ -309,7 +314,7 @@ class _Window:
         context: Sequence[int],
         offset: int,
         prompt_tail: Sequence[int] = (),
-        pieces: Sequence[str | None] | None = None,
+        pieces: Pieces = None,
     ) -> None:
         self._decode = decode
         self._pieces = pieces

@@ -16,6 +16,7 @@ from nats.errors import Error as NatsError
 
 from radixmesh.core.detokenize import (
     DecodeFn,
+    Pieces,
     TextRules,
     Update,
     WindowText,
@@ -34,8 +35,6 @@ from radixmesh.services.detokenizer import metrics
 from radixmesh.services.detokenizer.step_trace import StepTrace
 
 log = logging.getLogger("radixmesh.detokenizer")
-
-Pieces = Sequence[str | None] | None  # Tokenizer.pieces
 
 
 class StepReplies(NamedTuple):

@@ -59,8 +59,7 @@ class ChunkAssembler:
         deliverable, in order."""
         if self.finished or chunk.seq < self._next_seq:
             return []
-        if chunk.seq == self._next_seq and not self._early:  # in order, as nearly always
-            self._next_seq += 1
+        if self._take_next(chunk):  # in order, as nearly always
             return [self._convert(chunk)]
         self._early[chunk.seq] = chunk
         ready = []
@@ -75,10 +74,17 @@ class ChunkAssembler:
         """Take a packed chunk's place and count where it is the next in order with none
         held (its text and ids are then the caller's to join); False, taking nothing, where
         it must go through `add`."""
-        if self.finished or chunk.seq != self._next_seq or self._early:
+        if self.finished or not self._take_next(chunk):
+            return False
+        self.completion_tokens = max(self.completion_tokens, chunk.completion_tokens)
+        return True
+
+    def _take_next(self, chunk: mpb.TextChunk | PackedChunk) -> bool:
+        """Whether `chunk` is the next in order with none held early; its place is then
+        taken."""
+        if chunk.seq != self._next_seq or self._early:
             return False
         self._next_seq += 1
-        self.completion_tokens = max(self.completion_tokens, chunk.completion_tokens)
         return True
 
     @property
