@@ -19,7 +19,7 @@ class WorkerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("num_slots", "vocab_size", "max_position_embeddings", "eos_token_ids", "model_path", "dtype", "tp_rank", "tp_size", "num_layers", "num_kv_heads", "head_dim", "quantization", "architecture", "num_experts", "num_experts_per_tok", "host_id", "lora_names", "max_loras_per_batch", "hidden_size")
+    __slots__ = ("num_slots", "vocab_size", "max_position_embeddings", "eos_token_ids", "model_path", "dtype", "tp_rank", "tp_size", "num_layers", "num_kv_heads", "head_dim", "quantization", "architecture", "num_experts", "num_experts_per_tok", "host_id", "lora_names", "max_loras_per_batch", "hidden_size", "pinned_loras")
     NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_POSITION_EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
@@ -39,6 +39,7 @@ class WorkerInfo(_message.Message):
     LORA_NAMES_FIELD_NUMBER: _ClassVar[int]
     MAX_LORAS_PER_BATCH_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PINNED_LORAS_FIELD_NUMBER: _ClassVar[int]
     num_slots: int
     vocab_size: int
     max_position_embeddings: int
@@ -58,7 +59,8 @@ class WorkerInfo(_message.Message):
     lora_names: _containers.RepeatedScalarFieldContainer[str]
     max_loras_per_batch: int
     hidden_size: int
-    def __init__(self, num_slots: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_position_embeddings: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., model_path: _Optional[str] = ..., dtype: _Optional[str] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., quantization: _Optional[str] = ..., architecture: _Optional[str] = ..., num_experts: _Optional[int] = ..., num_experts_per_tok: _Optional[int] = ..., host_id: _Optional[str] = ..., lora_names: _Optional[_Iterable[str]] = ..., max_loras_per_batch: _Optional[int] = ..., hidden_size: _Optional[int] = ...) -> None: ...
+    pinned_loras: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, num_slots: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_position_embeddings: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., model_path: _Optional[str] = ..., dtype: _Optional[str] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., quantization: _Optional[str] = ..., architecture: _Optional[str] = ..., num_experts: _Optional[int] = ..., num_experts_per_tok: _Optional[int] = ..., host_id: _Optional[str] = ..., lora_names: _Optional[_Iterable[str]] = ..., max_loras_per_batch: _Optional[int] = ..., hidden_size: _Optional[int] = ..., pinned_loras: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens", "stop_token_ids", "seed", "ignore_eos", "json_schema", "regex", "ebnf", "structural_tag", "logit_bias", "max_new_tokens")

@@ -119,6 +119,7 @@ class Engine:
             ),
             lora_names=frozenset(self.runner.lora.adapters) if self.runner.lora else frozenset(),
             max_loras_per_batch=a.max_loras_per_batch,
+            lora_pinned=frozenset(self.runner.lora.pinned) if self.runner.lora else frozenset(),
         ))
         self.context_length = self.scheduler.config.context_length
         self.limits = ModelLimits(self.context_length, loaded.vocab_size, a.grammar_backend,

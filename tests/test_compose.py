@@ -292,7 +292,7 @@ def test_workers_take_lora_adapters_from_the_hosts_environment(monkeypatch):
     monkeypatch.setenv("RADIXMESH_ENABLE_LORA", "true")
     monkeypatch.setenv("RADIXMESH_LORA_PATHS", "poet=org/poet-lora")
     on = render()["services"]["worker"]["environment"]
-    for env, enabled, paths in [(off, False, None), (on, True, "poet=org/poet-lora")]:
+    for env, enabled, paths in [(off, False, ()), (on, True, ("poet=org/poet-lora",))]:
         for name, value in env.items():
             monkeypatch.setenv(name, value)
         config = from_environment(WorkerConfig)

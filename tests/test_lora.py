@@ -24,7 +24,8 @@ from tiny_model import (
 )
 
 from radixmesh.api import Engine
-from radixmesh.engine.model.lora import LoraError, load_adapter, parse_lora_paths
+from radixmesh.engine.lora_adapters import LoraAdapters
+from radixmesh.engine.model.lora import LoraAdapter, LoraError, LoraPool, load_adapter
 from radixmesh.engine.model.model_config import ModelConfig
 
 SHAPES = {"q_proj": (HIDDEN, HEADS * HEAD_DIM), "k_proj": (HIDDEN, KV_HEADS * HEAD_DIM),
@@ -106,9 +107,17 @@ def references(models: dict[str, Path]) -> dict[str | None, list[list[int]]]:
 
 @pytest.fixture(scope="module")
 def lora_engine(models: dict[str, Path]) -> Iterator[Engine]:
-    paths = ",".join(f"{name}={models[name]}" for name in ADAPTERS)
+    """Both adapters, given as SGLang's Engine takes them: a list, "beta" pinned."""
+    paths = [f"alpha={models['alpha']}",
+             {"lora_name": "beta", "lora_path": str(models["beta"]), "pinned": True}]
     with _engine(models["base"], enable_lora=True, lora_paths=paths) as engine:
         yield engine
+
+
+def test_a_pinned_adapter_holds_its_slot_in_the_runner_and_the_scheduler(lora_engine):
+    assert lora_engine.runner.lora.pinned == {"beta"}
+    assert lora_engine.scheduler.adapters.pinned == {"beta"}
+    assert lora_engine.server_info()["lora_adapters"] == ["alpha", "beta"]
 
 
 def test_each_adapter_gives_what_its_merged_weights_give(lora_engine: Engine, references):
@@ -216,13 +225,6 @@ def test_lora_on_the_lm_head_or_a_wrong_shape_is_refused(tmp_path: Path):
               str(folder / "adapter_model.safetensors"))
     with pytest.raises(LoraError, match="layer 0 q_proj: lora_A"):
         load_adapter("a", folder, _config())
-
-
-def test_lora_paths_name_each_adapter():
-    assert parse_lora_paths("a=/x/one, b=/y") == {"a": "/x/one", "b": "/y"}
-    assert parse_lora_paths("/x/sql-writer") == {"sql-writer": "/x/sql-writer"}
-    with pytest.raises(LoraError, match="named twice"):
-        parse_lora_paths("a=/x,a=/y")
 
 
 def test_an_engine_refuses_an_adapter_its_runners_do_not_serve():
@@ -338,3 +340,52 @@ def test_the_native_layers_add_adapters_as_the_python_layers_do(models, quantiza
             [lp for lp, _, _ in ours["meta_info"]["output_token_logprobs"]],
             [lp for lp, _, _ in theirs["meta_info"]["output_token_logprobs"]],
             atol=0.05, rtol=0)
+
+
+def _pool(slots: int, pinned: list[str], names: str = "pab") -> LoraPool:
+    """A pool of one-layer q_proj adapters (rank 2), one per letter of `names`."""
+    g = torch.Generator().manual_seed(0)
+    adapters = {n: LoraAdapter(n, {(0, "q_proj"): (torch.randn(2, HIDDEN, generator=g),
+                                                   torch.randn(HEADS * HEAD_DIM, 2, generator=g))})
+                for n in names}
+    return LoraPool(adapters, _config(), slots, 0, torch.float32, torch.device("cpu"),
+                    pinned=pinned)
+
+
+def test_a_pinned_adapter_keeps_its_slot_while_the_others_take_turns():
+    pool = _pool(2, ["p"])
+    assert pool.pinned == {"p"} and pool.slot_loads == 1  # copied in at once
+    slot = pool.acquire("p")
+    pool.release(slot)
+    for name in ("a", "b", "a", "b"):  # one slot left for two adapters
+        pool.release(pool.acquire(name))
+    assert (pool.slot_loads, pool.slot_evictions) == (5, 3)
+    assert pool.acquire("p") == slot and pool.slot_loads == 5  # never put out
+    pool.remove("p")
+    assert pool.pinned == set()
+    pool.release(slot)
+    pool.release(pool.acquire("a"))
+    pool.release(pool.acquire("b"))  # the slot "p" held is free for the others now
+    assert pool.slot_evictions == 4
+
+
+def test_one_slot_at_least_stays_unpinned():
+    with pytest.raises(LoraError, match="'b' cannot be pinned: 2 of the 3 slots are"):
+        _pool(3, ["p", "a", "b"])
+
+
+def test_the_scheduler_counts_pinned_adapters_apart():
+    from radixmesh.core.sampling_params import SamplingParams
+    from radixmesh.engine.request import Req
+
+    def req(lora: str) -> Req:
+        return Req(lora, [1, 2], SamplingParams(), 0, lora=lora)
+
+    adapters = LoraAdapters({"p", "a", "b"}, 2, pinned={"p"})
+    running = [req("a"), req("p")]
+    assert adapters.fits(req("p"), [])
+    assert adapters.fits(req("a"), running)
+    assert not adapters.fits(req("b"), running)  # "a" has the one slot "p" leaves
+    assert adapters.fits(req("b"), [req("p")])
+    adapters.stop("p", [])
+    assert adapters.pinned == set() and adapters.fits(req("b"), [req("a")])

@@ -299,6 +299,7 @@ BAD_VALUES: dict[str, list[Any]] = {
     "tool_call_parser": ["hermes", "QWEN25"],
     "reasoning_parser": ["deepseek"],
     "max_loras_per_batch": [0],
+    "lora_paths": [["a=/x", "a=/y"], "a=", [None]],
     "max_lora_rank": [-1],
     "max_loaded_loras": [0],
 }
@@ -500,6 +501,7 @@ def test_launcher_hands_every_service_the_settings_it_shares(monkeypatch) -> Non
         chunked_prefill_size=128, schedule_policy="fcfs", radix_eviction_policy="lfu",
         disable_overlap_schedule=True, context_length=None, host="127.0.0.2", log_level="DEBUG",
         tp_size=2, port=0, grpc_port=0, nats_url="nats://bus:4222",
+        lora_paths=("a=/x", {"lora_name": "b", "lora_path": "/y y", "pinned": True}),
     )
     mesh = Mesh(args)
     mesh._pick_front_ports()

@@ -5,8 +5,11 @@ A setting is a field of a small frozen dataclass (a settings group) declared wit
 `setting(...)`: its type (the annotation), default, help text, environment variable
 (RADIXMESH_<NAME>, plus any `env` aliases) and validation (`choices`, `minimum`, `check`).
 Its flag is `--<name>` with dashes, unless the declaration names another (`flag`) or more
-(`aliases`). A config inherits the groups it uses; `Settings` validates every declared field
-on construction, then runs the groups' cross-field checks. The groups and configs are
+(`aliases`). A setting typed `tuple[str, ...]` takes a list: its flag takes one or more
+items (and adds more when given again), its variable a JSON array of them or one item, and a
+config keyword one item or a list (an item that is a dict stands for its JSON text). A config
+inherits the groups it uses; `Settings` validates every declared field on construction, then
+runs the groups' cross-field checks. The groups and configs are
 declared in `radixmesh.core.settings` (the engine's) and `radixmesh.core.service_settings`
 (the services' and the mesh's).
 
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -82,7 +86,14 @@ class Settings:
 
     def __post_init__(self) -> None:
         for declared in _declared(type(self)):
-            declared.validate(getattr(self, declared.name))
+            value = getattr(self, declared.name)
+            if declared.many:
+                try:
+                    value = as_items(value)
+                except ValueError as exc:
+                    raise ValueError(f"{declared.name}: {exc}") from None
+                object.__setattr__(self, declared.name, value)
+            declared.validate(value)
         self.cross_check()
 
     def cross_check(self) -> None:
@@ -109,6 +120,34 @@ def _optional_int(text: str) -> int | None:
     return int(text) if text else None
 
 
+def as_items(value: Any) -> tuple[str, ...]:
+    """A list setting's value from what a caller gives: none, one item or a list or tuple of
+    them; an item that is a dict stands for its JSON text."""
+    if value is None:
+        return ()
+    items = []
+    for item in value if isinstance(value, list | tuple) else [value]:
+        if isinstance(item, dict):
+            item = json.dumps(item)
+        if not isinstance(item, str):
+            raise ValueError(f"expected strings (or objects), got {item!r}")
+        items.append(item)
+    return tuple(items)
+
+
+def _items(text: str) -> tuple[str, ...]:
+    """A list setting's value as a variable spells it: a JSON array of its items, or one
+    item; empty: none."""
+    if not text.strip():
+        return ()
+    if not text.lstrip().startswith("["):
+        return (text,)
+    try:
+        return as_items(json.loads(text))
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"not a JSON array ({exc.msg})") from None
+
+
 _CONVERTERS: dict[Any, Callable[[str], Any]] = {
     bool: _parse_bool,
     int: int,
@@ -116,6 +155,7 @@ _CONVERTERS: dict[Any, Callable[[str], Any]] = {
     str: str,
     str | None: _optional_str,
     int | None: _optional_int,
+    tuple[str, ...]: _items,
 }
 
 
@@ -127,6 +167,7 @@ class _Declared:
     spec: Setting
     kind: type  # bool, int, float or str
     optional: bool  # None allowed
+    many: bool  # a list of items (tuple[str, ...])
     owner: type[Settings]  # the group that declares it
     default: Any  # MISSING when a factory makes it
     convert: Callable[[str], Any]
@@ -183,7 +224,8 @@ def _declared(cls: type[Settings]) -> tuple[_Declared, ...]:
         if spec is None:
             continue
         hint = hints[f.name]
-        kinds = [k for k in get_args(hint) if k is not NoneType] or [hint]
+        many = hint == tuple[str, ...]
+        kinds = [str] if many else [k for k in get_args(hint) if k is not NoneType] or [hint]
         owner = next(  # the most basic class that has the field declares it
             k for k in reversed(cls.__mro__) if f.name in vars(k).get("__dataclass_fields__", {})
         )
@@ -193,6 +235,7 @@ def _declared(cls: type[Settings]) -> tuple[_Declared, ...]:
                 spec=spec,
                 kind=kinds[0],
                 optional=NoneType in get_args(hint),
+                many=many,
                 owner=owner,
                 default=f.default,
                 convert=_CONVERTERS[hint],
@@ -207,6 +250,8 @@ def _show(value: Any) -> str:
         return ""
     if isinstance(value, bool):
         return str(value).lower()
+    if isinstance(value, tuple):
+        return " ".join(value)
     return str(value)
 
 
@@ -220,6 +265,21 @@ def _help(declared: _Declared, default: Any, source: str | None) -> str:
     else:
         tail = f"default {_show(default) or 'empty'}; env {envs}"
     return f"{text} ({tail})".replace("%", "%%")
+
+
+class _Items(argparse.Action):
+    """A list setting's flag: its arguments are items, and the flag given again adds more;
+    the first replaces what the environment or the default gave."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        given = getattr(namespace, self.dest, None)
+        setattr(namespace, self.dest, [*(given if isinstance(given, list) else ()), *values])
 
 
 class _NegativeBool(argparse.Action):
@@ -245,7 +305,8 @@ def add_arguments(
     with the declaration's help; its default comes from the environment when set there.
 
     A boolean takes --<flag>, --<flag>=BOOL (true/false, yes/no, on/off, 1/0) and
-    --no-<flag>; an optional value is none when empty."""
+    --no-<flag>; an optional value is none when empty; a list takes its items after the
+    flag (none: empty)."""
     wanted = None if only is None else set(only)
     sections: dict[str, Any] = {}
     for d in _declared(cls):
@@ -268,6 +329,9 @@ def add_arguments(
             section.add_argument(*["--no-" + f.removeprefix("--") for f in d.flags],
                                  dest=d.name, action=_NegativeBool, default=argparse_default,
                                  help=f"the same as {d.flags[0]}=false")
+        elif d.many:
+            section.add_argument(*d.flags, dest=d.name, nargs="*", action=_Items,
+                                 default=argparse_default, help=help_text)
         else:
             section.add_argument(*d.flags, dest=d.name, type=d.convert, metavar=metavar,
                                  default=argparse_default, help=help_text)
@@ -340,6 +404,14 @@ def secrets_env(cls: type[Settings], values: Mapping[str, Any]) -> tuple[dict[st
 
 
 def to_flags(cls: type[Settings], values: Mapping[str, Any]) -> list[str]:
-    """`--flag=value` for each setting of `cls` named in `values`, as its parser reads it."""
+    """`--flag=value` for each setting of `cls` named in `values`, as its parser reads it (a
+    list: `--flag=item` for each item, or `--flag` alone for none)."""
     declared = {d.name: d for d in _declared(cls)}
-    return [f"{declared[name].flags[0]}={_show(value)}" for name, value in values.items()]
+    out = []
+    for name, value in values.items():
+        flag = declared[name].flags[0]
+        if not declared[name].many:
+            out.append(f"{flag}={_show(value)}")
+        else:
+            out += [f"{flag}={item}" for item in as_items(value)] or [flag]
+    return out

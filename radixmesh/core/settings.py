@@ -10,6 +10,7 @@ from typing import ClassVar
 
 from radixmesh.core.flags import Settings, setting
 from radixmesh.core.hicache import HiCacheSettings, HiCacheStorageSettings
+from radixmesh.core.lora_paths import parse_lora_paths
 
 DTYPES = ("bfloat16", "float32")
 QUANTIZATIONS = ("auto", "gguf", "bf16", "q8_0")
@@ -48,6 +49,10 @@ def check_device(device: str) -> None:
 def _check_protected_ratio(value: float) -> None:
     if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < 1:
         raise ValueError(f"radix_slru_protected_ratio must be in (0, 1), got {value!r}")
+
+
+def _check_lora_paths(value: tuple[str, ...]) -> None:
+    parse_lora_paths(value)
 
 
 def _check_context_length(value: int) -> None:
@@ -403,11 +408,14 @@ class LoraSettings(Settings):
     enable_lora: bool = setting(
         False, help="serve LoRA adapters (lora_paths) over the base model, mixed in a batch"
     )
-    lora_paths: str | None = setting(
-        None,
-        help="the adapters, NAME=PATH[,NAME=PATH...] (a bare PATH is named after its folder): "
-        "each a PEFT folder (adapter_config.json + adapter_model.safetensors), requested by "
-        "NAME as lora_path",
+    lora_paths: tuple[str, ...] = setting(
+        (),
+        check=_check_lora_paths,
+        help="the adapters, each a PEFT folder (adapter_config.json + "
+        "adapter_model.safetensors) or a Hugging Face repo of one, requested by its name as "
+        "lora_path: one or more of PATH (named by its path), NAME=PATH, NAME=PATH,NAME=PATH "
+        'or {"lora_name": NAME, "lora_path": PATH, "pinned": BOOL} (a pinned adapter keeps a '
+        "device slot of its own); as a variable, one of them or a JSON array of them",
     )
     max_loras_per_batch: int = setting(
         8, minimum=1, help="adapters one step may mix: device slots for them; requests for "
@@ -427,6 +435,15 @@ class LoraSettings(Settings):
         "v_proj, o_proj, gate_proj, up_proj, down_proj (or all); empty: what lora_paths' "
         "target",
     )
+
+    def cross_check(self) -> None:
+        super().cross_check()
+        pinned = sum(ref.pinned for ref in parse_lora_paths(self.lora_paths))
+        if pinned >= self.max_loras_per_batch:
+            raise ValueError(
+                f"lora_paths pins {pinned} adapter(s): at most max_loras_per_batch - 1 "
+                f"({self.max_loras_per_batch - 1}) may be, so that the others have a slot"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)

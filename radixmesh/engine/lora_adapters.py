@@ -1,5 +1,6 @@
 """The scheduler's view of LoRA adapters: which ones the runners serve, and how many the
-running requests may use at once (the runners' device slots, max_loras_per_batch)."""
+running requests may use at once (the runners' device slots, max_loras_per_batch, less the
+ones pinned adapters hold for good)."""
 
 from __future__ import annotations
 
@@ -11,9 +12,10 @@ from radixmesh.engine.request import Req
 class LoraAdapters:
     """The adapters an engine takes requests for, and its admission by adapter slots."""
 
-    def __init__(self, names: Iterable[str], slots: int) -> None:
+    def __init__(self, names: Iterable[str], slots: int, pinned: Iterable[str] = ()) -> None:
         self.names = set(names)
         self.slots = slots
+        self.pinned = set(pinned)
 
     def check(self, req: Req) -> None:
         """ValueError unless the runners serve the request's adapter (if it has one)."""
@@ -21,12 +23,12 @@ class LoraAdapters:
             raise ValueError(f"lora_path: this engine does not serve LoRA adapter {req.lora!r}")
 
     def fits(self, req: Req, running: Iterable[Req]) -> bool:
-        """Whether its adapter, if any, can run beside the running requests': theirs, or one
-        more while a slot is free."""
-        if not req.lora:
+        """Whether its adapter, if any, can run beside the running requests': a pinned one,
+        theirs, or one more while a slot that no pinned adapter holds is free."""
+        if not req.lora or req.lora in self.pinned:
             return True
-        held = {r.lora for r in running if r.lora}
-        return req.lora in held or len(held) < self.slots
+        held = {r.lora for r in running if r.lora and r.lora not in self.pinned}
+        return req.lora in held or len(held) < self.slots - len(self.pinned)
 
     def serve(self, name: str) -> None:
         """The runners serve adapter `name` from now on."""
@@ -39,3 +41,4 @@ class LoraAdapters:
         if users:
             raise ValueError(f"LoRA adapter {name!r} is in use by {users} request(s)")
         self.names.discard(name)
+        self.pinned.discard(name)

@@ -55,7 +55,8 @@ class Scheduler:
         self.speculation = make_speculation(config.speculative)
         self.priority = make_priority(config)
         self.disagg = Disaggregation(config.transfer_timeout)
-        self.adapters = LoraAdapters(config.lora_names, config.max_loras_per_batch)
+        self.adapters = LoraAdapters(config.lora_names, config.max_loras_per_batch,
+                                     config.lora_pinned)
         self.reset()
 
     def lose_all(self, reason: FinishReason) -> list[Req]:

@@ -40,10 +40,11 @@ class SchedulerConfig:
     enable_priority_scheduling: bool = False
     low_priority_values_first: bool = False
     preemption_threshold: int = 10
-    # LoRA: the adapters the runners serve, and how many the running requests may use at
-    # once (the runners' device slots).
+    # LoRA: the adapters the runners serve, how many the running requests may use at once
+    # (the runners' device slots), and those that hold a slot for good.
     lora_names: frozenset[str] = frozenset()
     max_loras_per_batch: int = 8
+    lora_pinned: frozenset[str] = frozenset()
 
     @classmethod
     def from_settings(
@@ -64,9 +65,7 @@ class SchedulerConfig:
             schedule_policy=settings.schedule_policy,
             eviction_policy=settings.radix_eviction_policy,
             slru_protected_ratio=settings.radix_slru_protected_ratio,
-            context_length=min(
-                settings.context_length or max_position_embeddings, max_position_embeddings
-            ),
+            context_length=settings.context_limit(max_position_embeddings),
             eos_token_ids=tuple(dict.fromkeys(eos_token_ids)),
             host_write_policy=settings.hicache_write_policy,
             host_write_threshold=settings.hicache_write_through_threshold,

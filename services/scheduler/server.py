@@ -81,6 +81,7 @@ class SchedulerService:
             transfer_timeout=self.config.disaggregation_timeout,
             lora_names=frozenset(info.lora_names),
             max_loras_per_batch=info.max_loras_per_batch or SchedulerConfig.max_loras_per_batch,
+            lora_pinned=frozenset(info.pinned_loras),
         ))
         self.publisher = Publisher(self.engine_id, self.config.disaggregation_mode, nc,
                                    self.scheduler, self.link, self.metrics, self.traces,

@@ -96,6 +96,7 @@ def worker_info(runner: ModelRunner, config: WorkerConfig) -> wpb.WorkerInfo:
         host_id=host_id(),
         lora_names=sorted(runner.lora.adapters) if runner.lora else [],
         max_loras_per_batch=runner.lora.slots if runner.lora else 0,
+        pinned_loras=sorted(runner.lora.pinned) if runner.lora else [],
         **model_shape(model),
     )
 

@@ -15,6 +15,7 @@ import json
 import math
 import re
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -44,25 +45,6 @@ _KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])
 
 class LoraError(ValueError):
     """An adapter that cannot be served, or a request for one that is not loaded."""
-
-
-def parse_lora_paths(text: str | None) -> dict[str, str]:
-    """`NAME=PATH[,NAME=PATH...]` (a bare PATH is named after its folder) as {name: path}."""
-    paths: dict[str, str] = {}
-    for item in (text or "").split(","):
-        item = item.strip()
-        if not item:
-            continue
-        name, eq, path = item.partition("=")
-        if not eq:
-            name, path = Path(item).name, item
-        name, path = name.strip(), path.strip()
-        if not name or not path:
-            raise LoraError(f"lora_paths: expected NAME=PATH, got {item!r}")
-        if name in paths:
-            raise LoraError(f"lora_paths: adapter {name!r} is named twice")
-        paths[name] = path
-    return paths
 
 
 def module_name(layer: int, target: str) -> str:
@@ -201,11 +183,13 @@ class LoraPool:
 
     A slot is taken for an adapter when a request for it is admitted and given back when
     the last one leaves; an adapter stays in its slot until the slot is needed again (least
-    recently used first)."""
+    recently used first). A pinned adapter is copied into a slot when it is added and keeps
+    it until it is removed; one slot at least stays for the others."""
 
     def __init__(self, adapters: dict[str, LoraAdapter], cfg: ModelConfig, slots: int,
                  max_rank: int, dtype: torch.dtype, device: torch.device,
-                 targets: set[str] | None = None, max_loaded: int | None = None) -> None:
+                 targets: set[str] | None = None, max_loaded: int | None = None,
+                 pinned: Iterable[str] = ()) -> None:
         if slots < 1:
             raise LoraError(f"max_loras_per_batch must be at least 1, got {slots}")
         if not adapters and not (max_rank and targets):
@@ -256,11 +240,19 @@ class LoraPool:
         self._held: list[str | None] = [None] * slots  # the adapter in each slot
         self._users = [0] * slots  # requests using each slot
         self._recent: OrderedDict[int, None] = OrderedDict((s, None) for s in range(slots))
+        self._pinned: set[int] = set()  # the slots pinned adapters hold for good
+        pinned = set(pinned)
         for adapter in adapters.values():
-            self.add(adapter)
+            self.add(adapter, adapter.name in pinned)
 
-    def add(self, adapter: LoraAdapter) -> None:
-        """Serve `adapter` from now on (in host memory until a request needs it)."""
+    @property
+    def pinned(self) -> set[str]:
+        """The adapters that hold a slot for good."""
+        return {held for s in self._pinned if (held := self._held[s]) is not None}
+
+    def add(self, adapter: LoraAdapter, pinned: bool = False) -> None:
+        """Serve `adapter` from now on: in host memory until a request needs it, or pinned
+        in a slot of its own at once."""
         name = adapter.name
         if name in self.adapters:
             raise LoraError(f"LoRA adapter {name!r} is already loaded")
@@ -274,7 +266,15 @@ class LoraPool:
             raise LoraError(f"LoRA adapter {name!r} targets "
                             f"{', '.join(sorted(adapter.targets - self.targets))}, which the "
                             f"adapters' slots were not made for (lora_target_modules)")
+        if pinned and len(self._pinned) >= self.slots - 1:
+            raise LoraError(f"LoRA adapter {name!r} cannot be pinned: {len(self._pinned)} of "
+                            f"the {self.slots} slots are, and one must stay for the others "
+                            "(max_loras_per_batch)")
         self.adapters[name] = adapter
+        if pinned:
+            slot = self.acquire(name)
+            self.release(slot)
+            self._pinned.add(slot)
 
     def remove(self, name: str) -> None:
         """Stop serving adapter `name`. Requests still running with it keep its slot, which
@@ -284,6 +284,7 @@ class LoraPool:
         for slot, held in enumerate(self._held):
             if held == name:
                 self._held[slot] = None
+                self._pinned.discard(slot)
 
     def acquire(self, name: str) -> int:
         """The slot holding adapter `name` for one more request, copied in if need be."""
@@ -291,7 +292,8 @@ class LoraPool:
             raise LoraError(f"LoRA adapter {name!r} is not loaded")
         slot = next((s for s, held in enumerate(self._held) if held == name), None)
         if slot is None:
-            slot = next((s for s in self._recent if not self._users[s]), None)
+            slot = next((s for s in self._recent
+                         if not self._users[s] and s not in self._pinned), None)
             if slot is None:
                 raise LoraError(f"no LoRA slot is free for {name!r}: every one of the "
                                 f"{len(self._held)} is in use")

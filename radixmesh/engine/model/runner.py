@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from radixmesh.core.lora_paths import parse_lora_paths
 from radixmesh.core.model_files import resolve_model_path
 from radixmesh.core.settings import LoraSettings, RunnerSettings
 from radixmesh.core.step import (
@@ -42,7 +43,6 @@ from radixmesh.engine.model.lora import (
     LoraError,
     LoraPool,
     load_adapter,
-    parse_lora_paths,
     shard_adapter,
 )
 from radixmesh.engine.model.memory import keep_freed_memory, release_free_memory
@@ -472,9 +472,9 @@ def lora_pool(settings: LoraSettings, config: ModelConfig, dtype: torch.dtype,
               device: torch.device, tp: TensorParallel | None = None) -> LoraPool:
     """The adapters of `settings` loaded and checked against the model, in their pool (this
     tensor-parallel rank's share of each, with `tp`)."""
-    paths = parse_lora_paths(settings.lora_paths)
-    adapters = {name: rank_share(load_adapter(name, path, config), tp)
-                for name, path in paths.items()}
+    refs = parse_lora_paths(settings.lora_paths)
+    adapters = {ref.name: rank_share(load_adapter(ref.name, ref.path, config), tp)
+                for ref in refs}
     allowed = settings.lora_target_modules
     targets = None
     if allowed:
@@ -485,7 +485,8 @@ def lora_pool(settings: LoraSettings, config: ModelConfig, dtype: torch.dtype,
                             f"choose among {', '.join(TARGETS)} or all")
     shape = config if tp is None else local_config(config, tp.size)
     return LoraPool(adapters, shape, settings.max_loras_per_batch, settings.max_lora_rank,
-                    dtype, device, targets, settings.max_loaded_loras)
+                    dtype, device, targets, settings.max_loaded_loras,
+                    [ref.name for ref in refs if ref.pinned])
 
 
 def rank_share(adapter: LoraAdapter, tp: TensorParallel | None) -> LoraAdapter:
