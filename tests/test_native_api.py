@@ -166,6 +166,17 @@ async def test_sglang_sampling_fields_reach_the_engine(stack):
     assert engine.requests[1].detok.spaces_between_special_tokens  # SGLang's default
 
 
+async def test_sglang_names_of_seed_and_cache_salt_reach_the_engine(stack):
+    engine = await stack.add_engine()
+    for body in ({"sampling_params": {"sampling_seed": 1234, "temperature": 0.7}, "extra_key": "t"},
+                 {"sampling_params": {"seed": 1234, "sampling_seed": 1234, "temperature": 0.7},
+                  "cache_salt": "t", "extra_key": "t"}):
+        status, _ = await stack.post("/generate", {"input_ids": [1, 2], **body})
+        assert status == 200
+    for sent in engine.requests:
+        assert sent.sampling.seed == 1234 and sent.cache_salt == "t"
+
+
 async def test_n_samples_of_one_prompt_answer_a_list(stack):
     engine = await stack.add_engine()
     status, body = await stack.post("/generate", {
@@ -383,6 +394,10 @@ BAD_REQUESTS = [
     ({"text": "a", "sampling_params": {"json_schema": "{oops"}}, "json_schema is not valid JSON"),
     ({"text": "a", "sampling_params": {"json_schema": '{"type": "nope"}'}}, "invalid json_schema"),
     ({"text": "a", "sampling_params": {"regex": "a", "ebnf": 'root ::= "a"'}}, "at most one"),
+    ({"text": "a", "sampling_params": {"seed": 1, "sampling_seed": 2}},
+     "sampling_seed (2) and seed (1) are one parameter under two names"),
+    ({"text": "a", "cache_salt": "x", "extra_key": "y"},
+     "extra_key ('y') and cache_salt ('x') are one field under two names"),
     ({"text": "a", "sampling_params": {"regex": 5}}, "regex must be a non-empty string"),
     ({"text": "a", "sampling_params": [{}]}, "sampling_params"),
     ({"text": ["a", "b"], "sampling_params": [{}]}, "sampling_params"),

@@ -54,6 +54,14 @@ def test_completion_requests_are_prompt_major_with_seeds_per_sample(tok):
     assert not parsed.stream and parsed.top_logprobs is None and parsed.echo == []
 
 
+def test_sglang_sampling_seed_is_the_seed(tok):
+    parsed = parse_completion({"prompt": "a", "sampling_seed": 10}, tok, MODEL, "c")
+    assert [r.params.seed for r in parsed.requests] == [10]
+    with pytest.raises(OpenAIError, match=r"sampling_seed \(10\) and seed \(11\)") as refused:
+        parse_completion({"prompt": "a", "seed": 11, "sampling_seed": 10}, tok, MODEL, "c")
+    assert refused.value.status == 400 and refused.value.param == "sampling_seed"
+
+
 def test_logit_bias_reaches_every_sample(tok):
     body = {"prompt": "a", "n": 2, "logit_bias": {"11": 100, "12": -100.0}}
     parsed = parse_completion(body, tok, MODEL, "c")

@@ -98,6 +98,7 @@ SHARED = {
     "device": [EngineArgs, MeshArgs, WorkerConfig],
     "attention_backend": [EngineArgs, MeshArgs, WorkerConfig],
     "cuda_graph_max_bs": [EngineArgs, MeshArgs, WorkerConfig],
+    "disable_cuda_graph": [EngineArgs, MeshArgs, WorkerConfig],
     "page_size": [EngineArgs, MeshArgs, WorkerConfig, SchedulerServiceConfig],
     "max_total_tokens": [EngineArgs, MeshArgs, WorkerConfig],
     "max_running_requests": [EngineArgs, MeshArgs, SchedulerServiceConfig],

@@ -25,6 +25,8 @@ _BOOL_FIELDS = (
 # OpenAI's bounds: -100 bans a token and +100 all but forces it.
 MAX_LOGIT_BIAS = 100.0
 GRAMMAR_KINDS = ("json_schema", "regex", "ebnf", "structural_tag")  # SGLang's names
+# Other names a request may give a field by: SGLang's per-request seed is sampling_seed.
+ALIASES = {"sampling_seed": "seed"}
 
 
 def _is_int(value: object) -> bool:
@@ -86,14 +88,23 @@ class SamplingParams:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SamplingParams:
-        """Build from a user-supplied dictionary, rejecting unknown keys and bad values."""
+        """Build from a user-supplied dictionary, rejecting unknown keys and bad values; a
+        field may be given by its alias (ALIASES), but not by both names with two values."""
         if not isinstance(d, dict):
             raise ValueError(f"sampling params must be a dict, got {type(d).__name__}")
-        known = {f.name for f in fields(cls)}
+        known = {f.name for f in fields(cls)} | set(ALIASES)
         for key in d:
             if key not in known:
                 raise ValueError(f"unknown sampling parameter {key!r}")
         kwargs = dict(d)
+        for alias, name in ALIASES.items():
+            if alias not in kwargs:
+                continue
+            value = kwargs.pop(alias)
+            if name in kwargs and kwargs[name] != value:
+                raise ValueError(f"{alias} ({value!r}) and {name} ({kwargs[name]!r}) are one "
+                                 "parameter under two names: give one, or the same value")
+            kwargs[name] = value
         for name in ("stop", "stop_token_ids"):
             if name in kwargs:
                 kwargs[name] = _as_list(kwargs[name])

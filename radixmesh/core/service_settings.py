@@ -98,13 +98,13 @@ class MeshSettings(Settings):
     tp_size: int = setting(
         1,
         minimum=1,
-        aliases=("tp",),
+        aliases=("tp", "tensor-parallel-size"),
         help="tensor-parallel ranks per engine, one worker process each",
     )
     dp_size: int = setting(
         1,
         minimum=1,
-        aliases=("engines",),
+        aliases=("engines", "data-parallel-size"),
         help="engine replicas (data parallel), each a scheduler and its workers, each "
         "doing prefill and decode",
     )
@@ -354,6 +354,7 @@ class FrontDoorSettings(Settings):
     )
     incremental_streaming_output: bool = setting(
         False,
+        aliases=("stream-output",),
         help="a streamed native /generate sends in each event only the text, output ids "
         "and output logprobs new since the one before; by default each event holds the "
         "whole output so far",

@@ -165,10 +165,15 @@ class DeviceSettings(Settings):
         f"engine's max_running_requests ({GRAPH_BATCH_DEFAULT} for a worker started alone); "
         "0: no CUDA graphs",
     )
+    disable_cuda_graph: bool = setting(
+        False, help="decode without CUDA graphs, whatever cuda_graph_max_bs says"
+    )
 
     def graph_batch_limit(self, max_running_requests: int = 0) -> int:
-        """The largest decode batch with a CUDA graph: the setting, else the engine's
-        running-request limit where it is known."""
+        """The largest decode batch with a CUDA graph: none with disable_cuda_graph, the
+        setting, else the engine's running-request limit where it is known."""
+        if self.disable_cuda_graph:
+            return 0
         if self.cuda_graph_max_bs is not None:
             return self.cuda_graph_max_bs
         return max_running_requests or GRAPH_BATCH_DEFAULT

@@ -1,6 +1,7 @@
 """SGLang's native /generate body and answer: the body read into one GeneratePrompt per
 prompt (fields SGLang knows but this server does not implement are accepted only with a
-value that changes nothing), and each prompt's answer built up from its GenerationChunks.
+value that changes nothing; one this server names otherwise, by either name), and each
+prompt's answer built up from its GenerationChunks.
 Like SGLang, every answer (and every streamed event) carries the text and output ids so
 far, not just the new part; its clients slice off what they already have."""
 
@@ -50,7 +51,18 @@ _NEUTRAL_FIELDS: dict[str, Callable[[Any], bool]] = {
     "bootstrap_room": _empty,
     "data_parallel_rank": _empty,
     "log_metrics": lambda v: isinstance(v, bool),
+    "lora_id": _empty,
+    "bootstrap_pair_key": _empty,
+    "validation_time": _empty,
+    "background": _empty,
+    "conversation_id": _empty,
+    "no_logs": _empty,
+    "custom_labels": _empty,
+    "return_bytes": _empty,
+    "return_entropy": _empty,
 }
+# Top-level fields SGLang names otherwise: its name -> ours.
+_ALIASES = {"extra_key": "cache_salt"}
 # Sampling parameters of SGLang not implemented here: only their neutral values pass.
 _NEUTRAL_SAMPLING: dict[str, Callable[[Any], bool]] = {
     "stop_regex": _empty,
@@ -99,6 +111,7 @@ def parse_generate(body: Any) -> GenerateCall:
     """Read a decoded JSON body; raises ValueError naming the first bad field."""
     if not isinstance(body, dict):
         raise ValueError(f"the body must be a JSON object, got {type(body).__name__}")
+    body = _unaliased(body)
     for key, value in body.items():
         if key in _FIELDS:
             continue
@@ -143,6 +156,22 @@ def parse_generate(body: Any) -> GenerateCall:
                                       "return_text_in_logprobs"),
         n=samples.pop(),
     )
+
+
+def _unaliased(body: dict[str, Any]) -> dict[str, Any]:
+    """The body with SGLang's names of fields (_ALIASES) under ours; both names with two
+    values are refused."""
+    out = dict(body)
+    for alias, name in _ALIASES.items():
+        if alias not in out:
+            continue
+        value = out.pop(alias)
+        if out.get(name) is not None and value is not None and out[name] != value:
+            raise ValueError(f"{alias} ({value!r}) and {name} ({out[name]!r}) are one field "
+                             "under two names: give one, or the same value")
+        if value is not None:
+            out[name] = value
+    return out
 
 
 def _n(value: Any) -> int:

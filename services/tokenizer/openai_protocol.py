@@ -51,6 +51,7 @@ _PASSTHROUGH = (
     "ebnf",
     "structural_tag",
     "stop_token_ids",
+    "sampling_seed",  # SGLang's name of seed
 )
 # OpenAI's error `type` by HTTP status; any other 4xx is an invalid request, 5xx a server error.
 _ERROR_TYPES = {
