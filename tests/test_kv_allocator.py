@@ -1,4 +1,4 @@
-"""KVAllocator: whole pages, FIFO reuse, double frees caught."""
+"""KVAllocator: whole pages, freed pages reused first, double frees caught."""
 
 import pytest
 
@@ -29,8 +29,26 @@ def test_pages_are_whole_and_consecutive():
     allocator.free([4])
     allocator.free([0, 1, 2, 3])
     assert allocator.available() == 16
-    # FIFO reuse: untouched pages first, then the freed ones in the order they were freed.
-    assert allocator.alloc(16) == [8, 9, 10, 11, 12, 13, 14, 15, 4, 5, 6, 7, 0, 1, 2, 3]
+    # Freed pages first (the last freed first), then the lowest of those never handed out.
+    assert allocator.alloc(4) == [0, 1, 2, 3]
+    assert allocator.alloc(12) == [4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]
+
+
+def test_a_light_load_stays_in_the_low_pages():
+    """Requests that come and go reuse the slots the last ones gave back: the highest slot
+    ever handed out is the most ever held at once, not the pool's end."""
+    allocator = KVAllocator(1 << 16)
+    highest = 0
+    for length in [5, 17, 3, 40, 9] * 20:
+        slots = allocator.alloc(length)
+        assert slots is not None
+        highest = max(highest, *slots)
+        allocator.free(slots)
+    assert highest == 39
+    assert allocator.available() == 1 << 16
+    again = allocator.alloc(40)
+    assert again is not None and sorted(again) == list(range(40))
+    assert allocator.alloc(1) == [40]
 
 
 def test_free_of_a_partial_page_frees_the_page():

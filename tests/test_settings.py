@@ -101,14 +101,16 @@ SHARED = {
     "disable_cuda_graph": [EngineArgs, MeshArgs, WorkerConfig],
     "page_size": [EngineArgs, MeshArgs, WorkerConfig, SchedulerServiceConfig],
     "max_total_tokens": [EngineArgs, MeshArgs, WorkerConfig],
-    "max_running_requests": [EngineArgs, MeshArgs, SchedulerServiceConfig],
+    "mem_fraction_static": [EngineArgs, MeshArgs, WorkerConfig],
+    # The workers size the KV pool by these, the scheduler admits by them.
+    "max_running_requests": [EngineArgs, MeshArgs, SchedulerServiceConfig, WorkerConfig],
     "chunked_prefill_size": [EngineArgs, MeshArgs, SchedulerServiceConfig],
     "schedule_policy": [EngineArgs, MeshArgs, SchedulerServiceConfig],
     "radix_eviction_policy": [EngineArgs, MeshArgs, SchedulerServiceConfig],
     "radix_slru_protected_ratio": [EngineArgs, MeshArgs, SchedulerServiceConfig],
     "disable_overlap_schedule": [EngineArgs, MeshArgs, SchedulerServiceConfig],
     "stream_interval": [EngineArgs, MeshArgs, SchedulerServiceConfig],
-    "context_length": [EngineArgs, MeshArgs, SchedulerServiceConfig],
+    "context_length": [EngineArgs, MeshArgs, SchedulerServiceConfig, WorkerConfig],
     "enable_priority_scheduling": [EngineArgs, MeshArgs, SchedulerServiceConfig],
     "schedule_low_priority_values_first": [EngineArgs, MeshArgs, SchedulerServiceConfig],
     "priority_scheduling_preemption_threshold": [EngineArgs, MeshArgs, SchedulerServiceConfig],
@@ -242,6 +244,7 @@ BAD_VALUES: dict[str, list[Any]] = {
     "cuda_graph_max_bs": [-1, "8"],
     "page_size": [0, None, 2.0],
     "max_total_tokens": [0],
+    "mem_fraction_static": [0, 1.5, -0.2, True, "0.5"],
     "max_running_requests": [0],
     "chunked_prefill_size": [-5],
     "stream_interval": [0],
@@ -427,15 +430,6 @@ def test_slru_and_its_ratio_reach_the_radix_cache(monkeypatch) -> None:
     assert isinstance(policy, eviction.SegmentedLRU) and policy.protected_ratio == 0.3
 
 
-# ---- KV slots ---------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("config", [EngineArgs, MeshArgs, WorkerConfig])
-def test_num_slots_rounds_down_to_whole_pages(config) -> None:
-    assert config(page_size=16, max_total_tokens=100).num_slots == 96
-    assert config(page_size=1, max_total_tokens=100).num_slots == 100
-
-
 # ---- flags: names, booleans, optional values -----------------------------------------------
 
 
@@ -499,6 +493,7 @@ def test_launcher_hands_every_service_the_settings_it_shares(monkeypatch) -> Non
     args = MeshArgs(
         model_path="/models/m.gguf", dtype="float32", device="cpu", attention_backend="torch",
         cuda_graph_max_bs=0, page_size=4, max_total_tokens=4096, max_running_requests=3,
+        mem_fraction_static=0.5,
         chunked_prefill_size=128, schedule_policy="fcfs", radix_eviction_policy="lfu",
         disable_overlap_schedule=True, context_length=None, host="127.0.0.2", log_level="DEBUG",
         tp_size=2, port=0, grpc_port=0, nats_url="nats://bus:4222",

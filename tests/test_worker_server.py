@@ -159,6 +159,24 @@ def test_worker_serves_forward(model_dir, reference) -> None:
         worker.kill()
 
 
+def test_worker_sizes_its_pool_by_the_engines_limits_and_reports_it(model_dir) -> None:
+    """No max_total_tokens: the worker sizes the pool for max_running_requests requests of
+    the tiny model's whole context (256, shorter than a typical request) and tells the
+    scheduler that size."""
+    worker = WorkerProcess(f"--model-path={model_dir}", "--dtype=float32", "--page-size=16",
+                           "--max-running-requests=3")
+    try:
+        worker.wait_serving()
+        assert worker.stub.GetInfo(wpb.WorkerInfoRequest()).num_slots == 3 * 256
+        token_bytes = 2 * LAYERS * KV_HEADS * HEAD_DIM * 4
+        assert any(f"KV pool: 768 tokens x {token_bytes:,} bytes = 0.00 GiB, bound by the "
+                   "requests (3 max_running_requests x 256 tokens; memory allows" in line
+                   for line in worker.log)
+        assert worker.terminate() == 0
+    finally:
+        worker.kill()
+
+
 def test_worker_info_carries_the_experts_of_a_mixture_of_experts() -> None:
     moe = ModelConfig(
         architecture="qwen3_moe", vocab_size=256, hidden_size=64, intermediate_size=128,

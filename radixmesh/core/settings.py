@@ -1,7 +1,8 @@
 """The engine's settings, each declared once (see `radixmesh.core.flags`): the model, its
 device and KV pool, decoding, scheduling, and `EngineArgs`, every knob of the in-process
 Engine. The host and storage tiers' groups are with their contract (`radixmesh.core.hicache`),
-the services' and the mesh's own settings in `radixmesh.core.service_settings`."""
+speculative decoding's in `radixmesh.core.speculative_settings`, the services' and the mesh's
+own settings in `radixmesh.core.service_settings`."""
 
 from __future__ import annotations
 
@@ -11,17 +12,19 @@ from typing import ClassVar
 from radixmesh.core.flags import Settings, setting
 from radixmesh.core.hicache import HiCacheSettings, HiCacheStorageSettings
 from radixmesh.core.lora_paths import parse_lora_paths
+from radixmesh.core.speculative_settings import SpeculativeSettings
 
 DTYPES = ("bfloat16", "float32")
 QUANTIZATIONS = ("auto", "gguf", "bf16", "q8_0")
 GRAMMAR_BACKENDS = ("xgrammar", "llguidance", "none")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs")
-SPECULATIVE_ALGORITHMS = ("NGRAM",)
-NGRAM_MATCH_TYPES = ("BFS", "PROB")
 EVICTION_POLICIES = ("lru", "lfu", "fifo", "priority", "slru")
 # The largest CUDA-graph decode batch of a worker that does not know its engine's limit.
 GRAPH_BATCH_DEFAULT = 256
+# The tokens per running request an automatic KV pool on the CPU is sized for (a chat turn's
+# prompt and answer; a prefix requests share is held once), or the context when shorter.
+TYPICAL_REQUEST_TOKENS = 1024
 
 # ---- checks of single settings ------------------------------------------------------------
 
@@ -53,6 +56,11 @@ def _check_protected_ratio(value: float) -> None:
 
 def _check_lora_paths(value: tuple[str, ...]) -> None:
     parse_lora_paths(value)
+
+
+def _check_mem_fraction(value: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 1:
+        raise ValueError(f"mem_fraction_static must be in (0, 1], got {value!r}")
 
 
 def _check_context_length(value: int) -> None:
@@ -207,24 +215,53 @@ class PageSettings(Settings):
 
 
 @dataclass(frozen=True, kw_only=True)
-class KVSettings(PageSettings):
-    """The KV pool: its page and its size."""
+class CapacitySettings(Settings):
+    """How much an engine serves at once: its scheduler admits requests by these, and its
+    workers size the KV pool for them."""
 
-    max_total_tokens: int = setting(
-        65536,
-        minimum=1,
-        help="size of the KV-cache pool in tokens (rounded down to whole pages): what all "
-        "running and cached requests hold together",
+    TITLE: ClassVar[str] = "scheduling"
+
+    max_running_requests: int = setting(
+        64, minimum=1, help="most requests running at once in an engine; the others wait"
+    )
+    context_length: int | None = setting(
+        None,
+        check=_check_context_length,
+        help="most tokens of a request, prompt and output together, never more than the "
+        "model's; empty or 0: the model's (max_position_embeddings)",
     )
 
-    @property
-    def num_slots(self) -> int:
-        """KV slots: max_total_tokens rounded down to whole pages."""
-        return self.max_total_tokens - self.max_total_tokens % self.page_size
+    def context_limit(self, model_context: int) -> int:
+        """Most tokens of a request on a model of `model_context` positions."""
+        return min(self.context_length or model_context, model_context)
+
+
+@dataclass(frozen=True, kw_only=True)
+class KVSettings(PageSettings, CapacitySettings):
+    """The KV pool: its page and its size."""
+
+    max_total_tokens: int | None = setting(
+        None,
+        minimum=1,
+        help="size of the KV-cache pool in tokens (rounded down to whole pages): what all "
+        "running and cached requests hold together; empty: sized by the worker once the "
+        "weights are loaded, from the memory mem_fraction_static leaves free for it: all of "
+        "it on a GPU; on the CPU, where the pool's memory is taken only as it fills, enough "
+        f"for max_running_requests requests of {TYPICAL_REQUEST_TOKENS} tokens (or of the "
+        "context, if shorter) within it; never less than one request of the whole context. "
+        "The worker logs the size, the bytes per token and which bound won",
+    )
+    mem_fraction_static: float = setting(
+        0.85,
+        check=_check_mem_fraction,
+        help="share of the device's memory (a GPU's, or the host's on the CPU) that the "
+        "weights and the KV pool may take together, in (0, 1]; the rest stays for "
+        "activations and everything else. It sizes the pool when max_total_tokens is empty",
+    )
 
     def cross_check(self) -> None:
         super().cross_check()
-        if self.max_total_tokens < 2 * self.page_size:
+        if self.max_total_tokens is not None and self.max_total_tokens < 2 * self.page_size:
             raise ValueError(
                 f"max_total_tokens must hold at least two pages ({2 * self.page_size} tokens "
                 f"at page_size {self.page_size}), got {self.max_total_tokens}"
@@ -232,14 +269,11 @@ class KVSettings(PageSettings):
 
 
 @dataclass(frozen=True, kw_only=True)
-class ScheduleSettings(Settings):
+class ScheduleSettings(CapacitySettings):
     """How an engine's scheduler admits, batches and caches requests."""
 
     TITLE: ClassVar[str] = "scheduling"
 
-    max_running_requests: int = setting(
-        64, minimum=1, help="most requests running at once in an engine; the others wait"
-    )
     chunked_prefill_size: int = setting(
         1024,
         minimum=1,
@@ -279,12 +313,6 @@ class ScheduleSettings(Settings):
         "sent at once): 1 streams every token; more sends fewer, larger chunks, which costs "
         "the services less per token. A request with stop strings streams every token",
     )
-    context_length: int | None = setting(
-        None,
-        check=_check_context_length,
-        help="most tokens of a request, prompt and output together, never more than the "
-        "model's; empty or 0: the model's (max_position_embeddings)",
-    )
     enable_priority_scheduling: bool = setting(
         False,
         help="admit waiting requests by their priority class first (schedule_policy orders "
@@ -302,92 +330,6 @@ class ScheduleSettings(Settings):
         help="with priority scheduling, how much more important than a running request an "
         "arrival must be to preempt it (equal importance never preempts)",
     )
-
-
-@dataclass(frozen=True, kw_only=True)
-class SpeculativeSettings(Settings):
-    """Speculative decoding: drafts from an n-gram store, verified by the model (SGLang's
-    names)."""
-
-    TITLE: ClassVar[str] = "speculative decoding"
-
-    speculative_algorithm: str | None = setting(
-        None,
-        choices=SPECULATIVE_ALGORITHMS,
-        help="NGRAM: guess the next tokens from what the request's prompt and output and the "
-        "engine's recent output continued the same words with, and verify the guesses in one "
-        "forward (greedy output is unchanged, sampling keeps its distribution); empty: off",
-    )
-    speculative_num_draft_tokens: int = setting(
-        8,
-        minimum=1,
-        help="most draft tokens verified for a request in one step (the draft tree's size)",
-    )
-    speculative_ngram_min_match_window_size: int = setting(
-        1,
-        minimum=1,
-        help="fewest trailing tokens of a request that must match the n-gram store to draft",
-    )
-    speculative_ngram_max_match_window_size: int = setting(
-        12,
-        minimum=1,
-        help="most trailing tokens matched against the n-gram store (the longest match wins)",
-    )
-    speculative_ngram_min_bfs_breadth: int = setting(
-        1,
-        minimum=1,
-        help="branches a draft tree takes at a node after a long match, and below its first "
-        "level",
-    )
-    speculative_ngram_max_bfs_breadth: int = setting(
-        10,
-        minimum=1,
-        help="branches a draft tree takes at its root after the shortest match (the breadth "
-        "narrows as the match grows longer)",
-    )
-    speculative_ngram_match_type: str = setting(
-        "BFS",
-        choices=NGRAM_MATCH_TYPES,
-        help="how the draft tree is grown: BFS (level by level, the most recent continuations "
-        "first) or PROB (the most frequent paths first)",
-    )
-    speculative_ngram_branch_length: int = setting(
-        18,
-        minimum=1,
-        help="most draft tokens along one branch of the tree",
-    )
-    speculative_ngram_max_trie_depth: int = setting(
-        18,
-        minimum=2,
-        help="longest token sequence the n-gram store keeps (match window plus continuation)",
-    )
-    speculative_ngram_capacity: int = setting(
-        1_000_000,
-        minimum=1000,
-        help="most nodes the engine's n-gram store holds; beyond it the oldest half is dropped",
-    )
-
-    def cross_check(self) -> None:
-        super().cross_check()
-        lo, hi = (self.speculative_ngram_min_match_window_size,
-                  self.speculative_ngram_max_match_window_size)
-        if lo > hi:
-            raise ValueError(
-                f"speculative_ngram_min_match_window_size ({lo}) must not exceed "
-                f"speculative_ngram_max_match_window_size ({hi})"
-            )
-        if self.speculative_ngram_min_bfs_breadth > self.speculative_ngram_max_bfs_breadth:
-            raise ValueError(
-                f"speculative_ngram_min_bfs_breadth ({self.speculative_ngram_min_bfs_breadth}) "
-                "must not exceed speculative_ngram_max_bfs_breadth "
-                f"({self.speculative_ngram_max_bfs_breadth})"
-            )
-        if self.speculative_ngram_max_trie_depth <= hi:
-            raise ValueError(
-                f"speculative_ngram_max_trie_depth ({self.speculative_ngram_max_trie_depth}) "
-                f"must exceed speculative_ngram_max_match_window_size ({hi}): a match needs "
-                "room for a continuation"
-            )
 
 
 @dataclass(frozen=True, kw_only=True)

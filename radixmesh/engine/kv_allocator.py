@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Collection
 
 
 class KVAllocator:
     """Hands out KV-cache slots of the worker's pool, a page at a time.
 
-    Free pages are reused first in, first out: at start (and after reset) pages go out in
-    ascending order, and a freed page joins the back of the queue, so recently freed KV is
-    overwritten last.
+    A freed page is handed out again before any page the pool has not handed out yet (the
+    last freed first), and those go in ascending order: the pages in use stay packed at the
+    low end of the pool, so a light load touches (and on the CPU commits the memory of) only
+    as many pages as it ever held at once, however large the pool.
     """
 
     def __init__(self, num_slots: int, page_size: int = 1) -> None:
@@ -24,14 +24,15 @@ class KVAllocator:
         self.page_size = page_size
         self.num_slots = num_slots
         self._num_pages = num_slots // page_size
-        self._free_pages: deque[int] = deque()
+        self._freed: list[int] = []  # pages given back, reused from the end
+        self._fresh = 0  # pages [_fresh, _num_pages) not handed out since the last reset
         # One byte per page rather than a set: double frees are caught in O(1) with no hashing.
         self._is_free = bytearray(self._num_pages)
         self.reset()
 
     def available(self) -> int:
         """Number of free slots."""
-        return len(self._free_pages) * self.page_size
+        return (len(self._freed) + self._num_pages - self._fresh) * self.page_size
 
     def alloc(self, num_slots: int) -> list[int] | None:
         """Slots of whole fresh pages covering num_slots, or None (allocating nothing) if short."""
@@ -40,10 +41,16 @@ class KVAllocator:
                 f"can only allocate a multiple of page_size {self.page_size}, got {num_slots}"
             )
         num_pages = num_slots // self.page_size
-        if num_pages > len(self._free_pages):
+        freed, is_free = self._freed, self._is_free
+        if num_pages > len(freed) + self._num_pages - self._fresh:
             return None
-        free, is_free = self._free_pages, self._is_free
-        pages = [free.popleft() for _ in range(num_pages)]
+        reused = len(freed) - min(num_pages, len(freed))
+        pages = freed[reused:]
+        del freed[reused:]
+        if len(pages) < num_pages:
+            start = self._fresh
+            self._fresh += num_pages - len(pages)
+            pages.extend(range(start, self._fresh))
         for page in pages:
             is_free[page] = 0
         if self.page_size == 1:
@@ -57,7 +64,7 @@ class KVAllocator:
     def free(self, slots: Collection[int]) -> None:
         """Frees every page any of the slots belongs to; all or nothing on error."""
         page_size = self.page_size
-        # Insertion-ordered dict: dedups a page's several slots and keeps the reuse order stable.
+        # Insertion-ordered dict: dedups a page's several slots and keeps their order.
         pages = dict.fromkeys(slots if page_size == 1 else [s // page_size for s in slots])
         if not pages:
             return
@@ -67,7 +74,7 @@ class KVAllocator:
             self._refuse(slots)
         for page in pages:
             is_free[page] = 1
-        self._free_pages.extend(pages)
+        self._freed.extend(pages)
 
     def _refuse(self, slots: Collection[int]) -> None:
         """Raise for the first slot `free` may not free: outside the pool, or free already."""
@@ -79,6 +86,7 @@ class KVAllocator:
                 raise ValueError(f"double free: slot {slot} (page {page}) is already free")
 
     def reset(self) -> None:
-        """Marks every page free again."""
-        self._free_pages = deque(range(self._num_pages))
+        """Marks every page free again, handed out from the lowest."""
+        self._freed = []
+        self._fresh = 0
         self._is_free[:] = b"\x01" * self._num_pages

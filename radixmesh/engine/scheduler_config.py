@@ -65,9 +65,7 @@ class SchedulerConfig:
             schedule_policy=settings.schedule_policy,
             eviction_policy=settings.radix_eviction_policy,
             slru_protected_ratio=settings.radix_slru_protected_ratio,
-            context_length=min(
-                settings.context_length or max_position_embeddings, max_position_embeddings
-            ),
+            context_length=settings.context_limit(max_position_embeddings),
             eos_token_ids=tuple(dict.fromkeys(eos_token_ids)),
             host_write_policy=settings.hicache_write_policy,
             host_write_threshold=settings.hicache_write_through_threshold,

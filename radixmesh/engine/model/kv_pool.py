@@ -4,9 +4,15 @@ from __future__ import annotations
 
 import torch
 
+from radixmesh.engine.model.memory import lazy_zeros
+
 
 class KVPool:
-    """K/V storage for `num_slots` tokens; the scheduler decides which slot holds what."""
+    """K/V storage for `num_slots` tokens; the scheduler decides which slot holds what.
+
+    On the CPU its memory is committed as slots are first written (memory.lazy_zeros): a
+    pool sized for a full load costs only what the cache has held. On a GPU it is all
+    allocated at once."""
 
     def __init__(
         self,
@@ -19,8 +25,8 @@ class KVPool:
     ) -> None:
         shape = (num_slots, num_kv_heads, head_dim)
         self.num_slots = num_slots
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.k = [lazy_zeros(shape, dtype, device) for _ in range(num_layers)]
+        self.v = [lazy_zeros(shape, dtype, device) for _ in range(num_layers)]
 
     def store(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write new tokens' K/V [T, Hkv, D] into their slots [T]."""

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from radixmesh.core.model_files import resolve_adapter_path
+from radixmesh.engine.model.memory import lazy_zeros
 from radixmesh.engine.model.model_config import ModelConfig
 from radixmesh.engine.model.parallel import COLUMN_SPLIT
 from radixmesh.kernels.native_layer import LoraArgs, LoraProjection
@@ -221,10 +222,11 @@ class LoraPool:
                 column += shapes[target][1]
             fan_in = shapes[parts[0]][0]
             for layer in range(cfg.num_layers):
-                self.a[(layer, fused)] = torch.zeros(slots, len(held) * self.rank, fan_in,
-                                                     dtype=dtype, device=device)
-                self.bt[(layer, fused)] = torch.zeros(slots, len(held) * self.rank, column,
-                                                      dtype=dtype, device=device)
+                # Slots no adapter has held yet take no memory on the CPU.
+                self.a[(layer, fused)] = lazy_zeros((slots, len(held) * self.rank, fan_in),
+                                                    dtype, device)
+                self.bt[(layer, fused)] = lazy_zeros((slots, len(held) * self.rank, column),
+                                                     dtype, device)
         # As the native CPU layers take them (kernels/native_layer.LoraArgs).
         blocks: dict[str, list[tuple[int, int, int, int]]] = {fused: [] for fused in FUSED}
         for fused, row, column, width in self.places.values():

@@ -44,6 +44,12 @@ class TensorParallel:
         dist.all_reduce(x)
         return x
 
+    def smallest(self, value: int) -> int:
+        """The smallest of the ranks' values, on every rank."""
+        t = torch.tensor([value], dtype=torch.long, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return int(t.item())
+
     def broadcast_tokens(self, tokens: list[int]) -> list[int]:
         """Rank 0's tokens on every rank (the others pass a placeholder of the same length)."""
         t = torch.tensor(tokens, dtype=torch.long, device=self.device)

@@ -13,12 +13,8 @@ import torch
 
 from radixmesh.core.lora_paths import parse_lora_paths
 from radixmesh.core.model_files import resolve_model_path
-from radixmesh.core.settings import LoraSettings, RunnerSettings
-from radixmesh.core.step import (
-    EntryResult,
-    StepBatch,
-    StepResult,
-)
+from radixmesh.core.settings import KVSettings, LoraSettings, RunnerSettings
+from radixmesh.core.step import EntryResult, StepBatch, StepResult
 from radixmesh.core.tokenizer import Tokenizer
 from radixmesh.engine.model.attention import (
     AttentionBackend,
@@ -56,6 +52,7 @@ from radixmesh.engine.model.parallel import (
     local_config,
     shard_weights,
 )
+from radixmesh.engine.model.pool_size import size_pool
 from radixmesh.engine.model.req_table import ReqTable
 from radixmesh.engine.model.row_sampling import is_plain
 from radixmesh.engine.model.step_sampler import RequestState, StepLayout, StepSampler, TokenRead
@@ -74,7 +71,8 @@ class ModelRunner:
 
     Under tensor parallelism `weights` hold this rank's shards (parallel.shard_weights)
     and the pool only this rank's KV heads; rank 0 samples and the others take its tokens.
-    `attention` is a backend or its name (see attention_choice.make_attention).
+    `attention` is a backend or its name (see attention_choice.make_attention). The KV pool
+    holds `num_slots` tokens, or as many as the settings say (pool_size.size_pool).
 
     With the Triton backend on CUDA, decode-only steps of up to `cuda_graph_max_bs`
     requests replay CUDA graphs (cuda_graphs.DecodeGraphs; 0: never; never for a
@@ -89,7 +87,7 @@ class ModelRunner:
         config: ModelConfig,
         weights: dict[str, torch.Tensor],
         dtype: torch.dtype,
-        num_slots: int,
+        num_slots: int | KVSettings,
         attention: AttentionBackend | str = "auto",
         tp: TensorParallel | None = None,
         device: torch.device | str = "cpu",
@@ -111,10 +109,11 @@ class ModelRunner:
         check_runs_on(self.attention, self.device)
         with current(self.device):
             self.model = CausalLM(shard, weights, dtype, tp, self.device)
+            slots = size_pool(num_slots, shard, dtype, self.device, tp).tokens
             self.pool = KVPool(
-                shard.num_layers, num_slots, shard.num_kv_heads, shard.head_dim, dtype, self.device
+                shard.num_layers, slots, shard.num_kv_heads, shard.head_dim, dtype, self.device
             )
-            self.graphs = self._decode_graphs(cuda_graph_max_bs, eager_graphs, num_slots)
+            self.graphs = self._decode_graphs(cuda_graph_max_bs, eager_graphs, slots)
             rank = 0 if tp is None else tp.rank
             self.host_copies = HostCopier(self.pool, config.num_kv_heads, rank)
         self.graph_steps = 0  # steps that ran through self.graphs
@@ -421,7 +420,7 @@ def load_runner(
         loaded.config,
         loaded.weights,
         DTYPES[settings.dtype],
-        settings.num_slots,
+        settings,
         attention=settings.attention_backend,
         tp=tp,
         device=where,
