@@ -90,6 +90,7 @@ def size_pool(sizing: int | KVSettings, shard: ModelConfig, dtype: torch.dtype,
                               device_memory(device), on_cpu, ranks)
         agreed = size.tokens if tp is None else tp.smallest(size.tokens)
         if agreed < size.tokens:
-            size = PoolSize(agreed, token_bytes, f"another rank's size (this one's: {size})")
+            size = PoolSize(agreed, token_bytes, f"the smallest rank's size (this rank's "
+                            f"would be {size.tokens:,}, {size.reason})")
     log.info("%s", size)
     return size
