@@ -18,6 +18,7 @@ from radixmesh.engine.model import pool_size
 from radixmesh.engine.model.memory import Memory, host_memory
 from radixmesh.engine.model.model_config import ModelConfig
 from radixmesh.engine.model.pool_size import PoolSize, auto_pool_size, size_pool
+from radixmesh.mesh.nats_server import free_port
 
 GIB = 2**30
 SMOLLM2_TOKEN = 2 * 30 * 3 * 64 * 2  # K and V of 30 layers, 3 KV heads of 64, bfloat16
@@ -100,6 +101,40 @@ def test_the_automatic_size_reads_the_devices_memory(monkeypatch, caplog) -> Non
     assert size == auto_pool_size(args, 512, 1024, memory, True)
     assert size.tokens == 1_500_000 // 1024
     assert caplog.messages == [str(size)]
+
+
+_RANK = """
+import json, sys, torch
+from radixmesh.core.settings import EngineArgs
+from radixmesh.engine.model import pool_size
+from radixmesh.engine.model.memory import Memory
+from radixmesh.engine.model.model_config import ModelConfig
+from radixmesh.engine.model.parallel import destroy_tensor_parallel, init_tensor_parallel
+rank = int(sys.argv[1])
+pool_size.device_memory = lambda device: Memory(10_000_000, (4_000_000, 3_000_000)[rank])
+tp = init_tensor_parallel(sys.argv[2], rank, 2)
+shard = ModelConfig(architecture="llama", vocab_size=256, hidden_size=64, intermediate_size=128,
+                    num_heads=4, num_layers=2, num_kv_heads=2, head_dim=32,
+                    max_position_embeddings=512)
+args = EngineArgs(mem_fraction_static=0.75)
+size = pool_size.size_pool(args, shard, torch.float32, torch.device("cpu"), tp)
+destroy_tensor_parallel()
+print(json.dumps([size.tokens, size.reason]))
+"""
+
+
+def test_the_ranks_of_a_group_agree_on_the_smallest_size() -> None:
+    """On the CPU two ranks share the host's memory (each counts it for both); the rank that
+    sees less memory sizes the pool of both."""
+    addr = f"tcp://127.0.0.1:{free_port()}"
+    ranks = [subprocess.Popen([sys.executable, "-c", _RANK, str(rank), addr],
+                              stdout=subprocess.PIPE, text=True) for rank in range(2)]
+    got = [json.loads(rank.communicate(timeout=120)[0]) for rank in ranks]
+    assert [tokens for tokens, _ in got] == [513, 513]  # 500,000 // 2,048 raised to 512 + 1
+    assert got[0][1].startswith("the smallest rank's size (this rank's would be 732, bound by "
+                                "memory (mem_fraction_static 0.75")
+    assert got[1][1].startswith("raised to one request of the whole context (512 tokens) "
+                                "from 244, bound by memory")
 
 
 def test_host_memory_within_a_cgroups_limit(tmp_path) -> None:
