@@ -1,28 +1,34 @@
 """What agent frameworks and gateways do, through `radixmesh up` on the real SmolLM2 with
 the `openai` client: tool calls in auto mode in each parser's format, streamed and whole, a
-started call held to its tool's schema, reasoning split from the answer, a tool's result
-sent back; and interactive traffic ahead of batch jobs (priority scheduling with room for
-two running requests).
+started call held to its tool's schema, reasoning split from the answer, every kind of
+constrained answer after the thinking under every reasoning parser, a tool's result sent
+back; and interactive traffic ahead of batch jobs (priority scheduling with room for two
+running requests).
 
 SmolLM2 does not call tools by itself; shown one earlier turn that called a tool in a
 format, it calls again in that format for the next question (greedy, so the same every
 run). One mesh serves all formats: its tokenizer parses the qwen25 format, and a tokenizer
-started beside it for each other format joins the same engine (a front door scales on its
-own)."""
+started beside it for each other format and each reasoning parser joins the same engine (a
+front door scales on its own)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 
 import httpx
 import jsonschema
 import openai
 import pytest
+from openai.types.chat.chat_completion import Choice
 from process_helpers import running_mesh, service_process
 
+from radixmesh.core.reasoning import REASONING_PARSERS, thinking_enabled
 from radixmesh.launcher import Mesh
 from radixmesh.mesh.nats_server import free_port
 
@@ -69,21 +75,23 @@ def mesh(tmp_path_factory) -> Iterator[Mesh]:
 @pytest.fixture(scope="module")
 def fronts(mesh: Mesh) -> Iterator[dict[str, openai.OpenAI]]:
     """An OpenAI client per tool-call format, each on a tokenizer parsing that format, and
-    one ("qwen3") on a tokenizer parsing reasoning."""
+    one per reasoning parser (named after it) on a tokenizer parsing that reasoning and the
+    qwen25 format."""
     urls = {"qwen25": mesh.url}
-    tool_call, reasoning = "--tool-call-parser", "--reasoning-parser"
-    with (service_process("radixmesh.services.tokenizer",
-                          *_flags(mesh, urls, tool_call, "llama3")),
-          service_process("radixmesh.services.tokenizer",
-                          *_flags(mesh, urls, tool_call, "mistral")),
-          service_process("radixmesh.services.tokenizer",
-                          *_flags(mesh, urls, tool_call, "pythonic")),
-          service_process("radixmesh.services.tokenizer",
-                          *_flags(mesh, urls, reasoning, "qwen3"))):
+    with ExitStack() as stack:
+        for fmt in ("llama3", "mistral", "pythonic"):
+            stack.enter_context(service_process(
+                "radixmesh.services.tokenizer",
+                *_flags(mesh, urls, fmt, "--tool-call-parser", fmt)))
+        for kind in REASONING_PARSERS:
+            stack.enter_context(service_process(
+                "radixmesh.services.tokenizer",
+                *_flags(mesh, urls, kind, "--tool-call-parser", "qwen25",
+                        "--reasoning-parser", kind)))
         for url in urls.values():
             _wait_healthy(url)
-        yield {fmt: openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
-               for fmt, url in urls.items()}
+        yield {name: openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+               for name, url in urls.items()}
 
 
 @pytest.fixture(scope="module")
@@ -92,11 +100,11 @@ def served(fronts: dict[str, openai.OpenAI]) -> str:
     return fronts["qwen25"].models.list().data[0].id
 
 
-def _flags(mesh: Mesh, urls: dict[str, str], flag: str, parser: str) -> list[str]:
+def _flags(mesh: Mesh, urls: dict[str, str], name: str, *parsers: str) -> list[str]:
     port = free_port()
-    urls[parser] = f"http://127.0.0.1:{port}"
+    urls[name] = f"http://127.0.0.1:{port}"
     return ["--nats-url", mesh.nats_url, "--host", "127.0.0.1", "--port", str(port),
-            "--grpc-port", "-1", "--replica-id", f"t-{parser}", flag, parser]
+            "--grpc-port", "-1", "--replica-id", f"t-{name}", *parsers]
 
 
 def _wait_healthy(url: str, timeout: float = 120) -> None:
@@ -205,6 +213,99 @@ def test_a_json_answer_follows_the_reasoning(fronts, served):
     ).choices[0].message
     assert message.reasoning_content
     jsonschema.validate(json.loads(message.content), schema)
+
+
+# ---- a constrained answer after the thinking, under every reasoning parser and none ----------
+
+ANSWER = {"type": "object", "properties": {"answer": {"type": "integer"}},
+          "required": ["answer"], "additionalProperties": False}
+# Bounded strings: a model free to write a string runs on in it as long as it likes.
+PLACE = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+         "required": ["city"], "additionalProperties": False}
+ZONE = {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 20}},
+        "required": ["zone"], "additionalProperties": False}
+PARAMETERS = {"get_weather": PLACE, "get_time": ZONE}
+TOOLS = [*tools(PLACE), {"type": "function", "function": {
+    "name": "get_time", "description": "The time in a zone.", "parameters": ZONE}}]
+QUESTION = [{"role": "user", "content": "What is 3 + 5?"}]
+CONSTRAINED = {
+    "regex": {"extra_body": {"regex": r"(yes|no), [0-9]{1,2}"}},
+    "json_schema": {"response_format": {"type": "json_schema",
+                                        "json_schema": {"name": "a", "schema": ANSWER}}},
+    "ebnf": {"extra_body": {"ebnf": 'root ::= "3 + 5 = " [0-9] [0-9]?'}},
+    "structural_tag": {"extra_body": {"structural_tag": json.dumps({
+        "type": "structural_tag", "format": {
+            "type": "tag", "begin": "<answer>", "end": "</answer>",
+            "content": {"type": "json_schema", "json_schema": ANSWER}}})}},
+    "required": {"tools": TOOLS, "tool_choice": "required"},
+    "named": {"tools": TOOLS,
+              "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+}
+# Each kind reads its own switch: together they turn thinking on for all of them.
+THINKING_ON = {"enable_thinking": True, "thinking": True}
+# SmolLM2 was never taught to close a thinking block (nor to open one, but offered `<think>`
+# before a JSON answer it takes it): it may think this many tokens before the block is closed
+# for it.
+BUDGET = 8
+CASES = [(kind, constraint) for kind in ("none", *REASONING_PARSERS) for constraint in CONSTRAINED]
+
+
+@pytest.fixture(scope="module")
+def constrained(fronts, served) -> dict[tuple[str, str], Choice]:
+    """Each case's choice, the requests sent all at once."""
+    assert all(thinking_enabled(kind, THINKING_ON) for kind in REASONING_PARSERS)
+
+    def ask(kind: str, constraint: str) -> Choice:
+        fields = dict(CONSTRAINED[constraint])
+        extra = dict(fields.pop("extra_body", {}))
+        if kind != "none":
+            extra.update(chat_template_kwargs=THINKING_ON, thinking_budget=BUDGET)
+        api = fronts["qwen25" if kind == "none" else kind]
+        return api.chat.completions.create(model=served, messages=QUESTION, temperature=0,
+                                           max_tokens=64, extra_body=extra,
+                                           **fields).choices[0]
+
+    with ThreadPoolExecutor(4) as pool:
+        asked = {case: pool.submit(ask, *case) for case in CASES}
+        return {case: future.result() for case, future in asked.items()}
+
+
+@pytest.mark.parametrize(("kind", "constraint"), CASES)
+def test_a_constrained_answer_follows_the_thinking(constrained, kind, constraint):
+    """The answer after the thinking is whole and valid for its constraint, whichever
+    reasoning parser reads it (or none), and ends because it is complete, not by length."""
+    choice = constrained[kind, constraint]
+    message = choice.message
+    if constraint in ("required", "named"):
+        assert choice.finish_reason == "tool_calls", message
+        (call,) = message.tool_calls
+        assert constraint == "required" or call.function.name == "get_weather"
+        jsonschema.validate(json.loads(call.function.arguments),
+                            PARAMETERS[call.function.name])
+        return
+    assert choice.finish_reason == "stop", message
+    answer = message.content
+    if constraint == "regex":
+        assert re.fullmatch(r"(yes|no), [0-9]{1,2}", answer), answer
+    elif constraint == "ebnf":
+        assert re.fullmatch(r"3 \+ 5 = [0-9]{1,2}", answer), answer
+    else:
+        if constraint == "structural_tag":
+            tagged = re.fullmatch(r"<answer>(.*)</answer>", answer, re.DOTALL)
+            assert tagged, answer
+            answer = tagged[1]
+        jsonschema.validate(json.loads(answer), ANSWER)
+
+
+def test_an_unclosed_thinking_is_cut_by_length_without_a_budget(fronts, served):
+    """Where the template opens the thinking, the constraint waits for `</think>`: without a
+    thinking_budget, a model that never writes it is cut by max_tokens, all it wrote being
+    reasoning and no answer."""
+    choice = fronts["deepseek-r1"].chat.completions.create(
+        model=served, messages=QUESTION, temperature=0, max_tokens=12,
+        **CONSTRAINED["json_schema"]).choices[0]
+    assert choice.finish_reason == "length"
+    assert choice.message.content == "" and choice.message.reasoning_content
 
 
 def test_an_urgent_request_preempts_a_batch_job(mesh):

@@ -150,9 +150,10 @@ def test_a_forced_call_is_parsed_after_the_reasoning(tok):
     fake = run(tok, scenario, reasoning_parser="qwen3")
     form = json.loads(fake.requests[0].params.structural_tag)["format"]
     assert form["type"] == "sequence"
-    thinking, _, answer = form["elements"]
+    thinking, answer = form["elements"]
     assert thinking["type"] == "optional"  # qwen3 may answer without thinking
-    assert (thinking["content"]["begin"], thinking["content"]["end"]) == ("<think>", "</think>")
+    block = thinking["content"]["elements"][0]
+    assert (block["begin"], block["end"]) == ("<think>", "</think>")
     assert answer["json_schema"] == WEATHER
 
 
@@ -285,6 +286,106 @@ def test_thinking_is_optional_only_where_the_model_opens_the_block(tok, kind, sw
     assert not as_json(opened + '{"town": "Oslo"}')
 
 
+def test_only_a_templates_blanks_come_between_the_thinking_and_the_answer(tok):
+    """After `</think>`, what chat templates write there ("\n\n" at most) and no other
+    blank, so a small model cannot fill its budget with them; without a block the answer
+    starts at once, so the content is the answer exactly."""
+    form = {"type": "json_schema", "json_schema": {"name": "w", "schema": WEATHER}}
+
+    async def scenario(api, fake):
+        await api.chat.completions.create(model=MODEL, messages=USER, response_format=form)
+
+    fake = run(tok, scenario, reasoning_parser="qwen3")
+    takes = _matcher(tok, fake.requests[0].params.structural_tag)
+    answer = '{"city": "Oslo"}'
+    assert takes(answer)
+    for lead in ("", "\n", "\n\n", " "):
+        assert takes(f"<think>\nhmm\n</think>{lead}{answer}")
+    for lead in ("\n\n\n", "\u205f", "\u3000", "\t"):
+        assert not takes(f"<think>hmm</think>{lead}{answer}")
+    assert not takes("\n" + answer) and not takes("\u205f" + answer)
+
+
+def test_a_structural_tags_json_takes_one_blank_between_tokens(tok):
+    tag = {"type": "structural_tag", "format": {
+        "type": "tag", "begin": "<a>", "end": "</a>",
+        "content": {"type": "json_schema", "json_schema": WEATHER}}}
+    loose = json.loads(json.dumps(tag))
+    loose["format"]["content"]["max_whitespace_cnt"] = 3
+
+    async def scenario(api, fake):
+        for given in (tag, loose):
+            await api.chat.completions.create(model=MODEL, messages=USER,
+                                              extra_body={"structural_tag": json.dumps(given)})
+
+    fake = run(tok, scenario)
+    bounded, own = (_matcher(tok, r.params.structural_tag) for r in fake.requests)
+    assert bounded('<a>{"city": "Oslo"}</a>') and bounded('<a>{ "city" : "Oslo" }</a>')
+    assert not bounded('<a>{\n\n"city": "Oslo"}</a>')
+    assert own('<a>{\n\n"city": "Oslo"}</a>')  # a bound it sets itself is kept
+
+
+def _allowed_after(tok, structural_tag: str, text: str) -> set[str]:
+    """The texts of the tokens the engine's constraint allows after `text`'s tokens."""
+    import xgrammar
+
+    from radixmesh.engine.model.grammar_mask import tokenizer_info
+
+    compiler = xgrammar.GrammarCompiler(tokenizer_info(tok, tok.vocab_size, tok.eos_token_ids))
+    matcher = xgrammar.GrammarMatcher(compiler.compile_structural_tag(structural_tag))
+    assert all(matcher.accept_token(t) for t in tok.encode(text, add_special_tokens=False))
+    mask = xgrammar.allocate_token_bitmask(1, tok.vocab_size)
+    matcher.fill_next_token_bitmask(mask)
+    words = mask[0].tolist()
+    return {tok.raw.decode([i]) for i in range(tok.vocab_size) if words[i // 32] >> i % 32 & 1}
+
+
+@pytest.mark.parametrize(("kind", "opening"), [("deepseek-r1", ""), ("qwen3", "<think>")])
+def test_a_thinking_budget_closes_the_thinking(tok, kind, opening):
+    """Past thinking_budget tokens only `</think>` may follow; then the answer, constrained
+    or (without a constraint) free."""
+    form = {"type": "json_schema", "json_schema": {"name": "w", "schema": WEATHER}}
+    thought = " one two three four"
+
+    async def scenario(api, fake):
+        for extra in ({"response_format": form}, {}):
+            await api.chat.completions.create(model=MODEL, messages=USER,
+                                              extra_body={"thinking_budget": 4, **extra})
+
+    fake = run(tok, scenario, reasoning_parser=kind)
+    constrained, free = (r.params.structural_tag for r in fake.requests)
+    assert len(tok.encode(thought, add_special_tokens=False)) == 4
+    for tag in (constrained, free):
+        assert _allowed_after(tok, tag, opening + thought) == {"<", "</"}
+        assert len(_allowed_after(tok, tag, opening + " one two")) > 1000
+    assert _matcher(tok, constrained)(f'{opening}{thought}</think>\n\n{{"city": "Oslo"}}')
+    assert _matcher(tok, free)(f"{opening}{thought}</think>\n\nOslo, I think.")
+    # A free answer after a block the model opens itself never opens another one.
+    assert _matcher(tok, free)("a</think>b<think>c") == (not opening)
+    assert fake.requests[1].params.json_schema is None
+
+
+def test_a_thinking_budget_without_thinking_changes_nothing(tok):
+    async def scenario(api, fake):
+        await api.chat.completions.create(
+            model=MODEL, messages=USER, extra_body={
+                "thinking_budget": 4, "chat_template_kwargs": {"enable_thinking": False}})
+
+    (request,) = run(tok, scenario, reasoning_parser="qwen3").requests
+    assert request.params.grammar is None
+
+
+def test_a_thinking_budget_needs_a_reasoning_parser(tok):
+    async def scenario(api, fake):
+        with pytest.raises(openai.BadRequestError) as err:
+            await api.chat.completions.create(model=MODEL, messages=USER,
+                                              extra_body={"thinking_budget": 4})
+        assert err.value.param == "thinking_budget"
+        assert "needs a server that parses reasoning" in err.value.body["message"]
+
+    assert run(tok, scenario).requests == []
+
+
 def test_a_conversation_with_tool_results_renders(tok, monkeypatch):
     seen: list[list[dict]] = []
     render = Tokenizer.apply_chat_template
@@ -311,6 +412,9 @@ def test_a_conversation_with_tool_results_renders(tok, monkeypatch):
     ({"chat_template_kwargs": "x"}, "chat_template_kwargs", "must be an object"),
     ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs", "may not set tools"),
     ({"separate_reasoning": "yes"}, "separate_reasoning", "must be a boolean"),
+    ({"thinking_budget": -1}, "thinking_budget", "must be an integer >= 0, got -1"),
+    ({"thinking_budget": "8"}, "thinking_budget", "must be an integer >= 0, got '8'"),
+    ({"thinking_budget": True}, "thinking_budget", "must be an integer >= 0, got True"),
     ({"parallel_tool_calls": 1, "tools": TOOLS}, "parallel_tool_calls", "must be a boolean"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
         "type": "bogus"}}}]}, "tools", "parameters of tool 'f'"),

@@ -12,8 +12,9 @@ those it lists unless it says otherwise.
 
 A structural tag (xgrammar's format, `{"type": "structural_tag", "format": {...}}`, or SGLang's
 older `{"structures": [{"begin", "schema", "end"}], "triggers": [...]}`) leaves the output free
-except where it says: after a trigger the text must be one of the tags to its end. Only
-xgrammar runs them."""
+except where it says: after a trigger the text must be one of the tags to its end. Its JSON
+parts allow one blank between two tokens unless they set max_whitespace_cnt themselves
+(xgrammar's default is no bound). Only xgrammar runs them."""
 
 from __future__ import annotations
 
@@ -35,6 +36,10 @@ _SOURCE = re.compile(r"^\[[\d:]+\] [^:]+:\d+: (Check failed: .*? is false: )?")
 # cannot fill its budget with newlines (the json_schema constraint allows none beyond its
 # separators; a structural tag's JSON cannot be held to those).
 _JSON_WHITESPACE = 1
+# What may come between the end of a model's thinking and its answer: what chat templates
+# write there (Qwen3 "\n\n", DeepSeek-V3.1 nothing). Bounded and ASCII: under `\s*` a small
+# model filled its whole budget with U+205F and never started the answer.
+_ANSWER_LEAD = r"[ \n]{0,2}"
 
 
 def check_kind(kind: str, text: str) -> None:
@@ -169,8 +174,8 @@ def check(
 
 
 def structural_tag(text: str) -> str:
-    """A structural tag's text in xgrammar's current format (SGLang's older shape converted);
-    ValueError when it is neither."""
+    """A structural tag's text in xgrammar's current format (SGLang's older shape converted),
+    its JSON parts' whitespace bounded; ValueError when it is neither."""
     try:
         tag = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -178,7 +183,7 @@ def structural_tag(text: str) -> str:
     if not isinstance(tag, dict):
         raise ValueError(f"structural_tag must be a JSON object, got {text!r}")
     if "format" in tag:
-        return text
+        return json.dumps({**tag, "format": _bounded(tag["format"])})
     structures, triggers = tag.get("structures"), tag.get("triggers")
     if not isinstance(structures, list) or not isinstance(triggers, list) or not all(
         isinstance(s, dict) and {"begin", "schema", "end"} <= s.keys() for s in structures
@@ -200,29 +205,54 @@ def tool_calls_tag(trigger: str, calls: Sequence[tuple[str, Mapping[str, Any], s
     return "structural_tag", _tag_text(form)
 
 
-def after_reasoning(constraint: tuple[str, str] | None, start: str, end: str
-                    ) -> tuple[str, str] | None:
+def after_reasoning(constraint: tuple[str, str] | None, start: str, end: str,
+                    budget: int | None = None) -> tuple[str, str] | None:
     """`constraint` moved past a reasoning model's thinking: free text between `start` and
-    `end`, then whitespace, then the constrained answer. Where the model opens the block
-    itself (`start` given) it may answer without one, as a model that decides not to think
-    does; where the prompt opened it (`start` "") the thinking is there to be closed."""
-    if constraint is None:
+    `end` and the few blanks a chat template writes after it, then the constrained answer (or
+    free text). Where the model opens the block itself (`start` given) it may answer without
+    one, as a model that decides not to think does; where the prompt opened it (`start` "")
+    the thinking is there to be closed. `budget`: the most tokens the thinking may take, after
+    which only `end` may follow. None where there is neither a constraint nor a budget."""
+    if constraint is None and budget is None:
         return None
-    kind, text = constraint
-    answer: dict[str, Any]
-    if kind == "json_schema":
-        answer = _json(json.loads(text))
-    elif kind == "regex":
-        answer = {"type": "regex", "pattern": text}
-    elif kind == "ebnf":
-        answer = {"type": "grammar", "grammar": text}
-    else:
-        answer = json.loads(structural_tag(text))["format"]
-    thinking = _tag(start, {"type": "any_text"}, end)
+    # Free text, when there is no constraint, may not open the block again: it would be
+    # thinking that no budget bounds.
+    answer = _format(*constraint) if constraint is not None else {
+        "type": "any_text", "excludes": [start] if start else []}
+    thinking_text: dict[str, Any] = {"type": "any_text"}
+    if budget is not None:
+        thinking_text["max_tokens"] = budget
+    # The blanks go with the block, as the reasoning parser reads them: an answer without
+    # one starts at once, so the content is the constrained answer exactly.
+    thinking = {"type": "sequence", "elements": [
+        _tag(start, thinking_text, end), {"type": "regex", "pattern": _ANSWER_LEAD}]}
     if start:
         thinking = {"type": "optional", "content": thinking}
-    space = {"type": "regex", "pattern": r"\s*"}
-    return "structural_tag", _tag_text({"type": "sequence", "elements": [thinking, space, answer]})
+    return "structural_tag", _tag_text({"type": "sequence", "elements": [thinking, answer]})
+
+
+def _format(kind: str, text: str) -> dict[str, Any]:
+    """A constraint as a part of a structural tag."""
+    if kind == "json_schema":
+        return _json(json.loads(text))
+    if kind == "regex":
+        return {"type": "regex", "pattern": text}
+    if kind == "ebnf":
+        return {"type": "grammar", "grammar": text}
+    return json.loads(structural_tag(text))["format"]
+
+
+def _bounded(form: Any) -> Any:
+    """A structural tag's format with each JSON part that does not bound its whitespace held
+    to _JSON_WHITESPACE (JSON schemas inside are left as they are)."""
+    if isinstance(form, list):
+        return [_bounded(item) for item in form]
+    if not isinstance(form, dict):
+        return form
+    if form.get("type") == "json_schema":
+        return {"max_whitespace_cnt": _JSON_WHITESPACE, **form}
+    return {key: value if key == "json_schema" else _bounded(value)
+            for key, value in form.items()}
 
 
 def _tag(begin: str, content: dict[str, Any], end: str) -> dict[str, Any]:

@@ -9,8 +9,9 @@ constrained to one call's JSON (no parser needed). `auto` with a parser: the mod
 text and calls in its own format; once it opens a call, the rest of that call is constrained
 to the tool's schema (a structural tag), so a started call is always valid. `auto` without a
 parser, or `none`: text. A reasoning model thinks first, unconstrained; any constraint
-applies to the answer after its thinking. The messages themselves are reduced to what a
-chat template renders (`chat_messages`)."""
+applies to the answer after its thinking, and `thinking_budget` (tokens) closes the thinking
+where the model has not by then. The messages themselves are reduced to what a chat template
+renders (`chat_messages`)."""
 
 from __future__ import annotations
 
@@ -57,8 +58,8 @@ class ChatSetup:
 
 def chat_setup(body: Json, tool_call_parser: str | None, reasoning_parser: str | None
                ) -> ChatSetup:
-    """Check tools, tool_choice, parallel_tool_calls, chat_template_kwargs and
-    separate_reasoning; write the answer's constraint into the body (json_schema or
+    """Check tools, tool_choice, parallel_tool_calls, chat_template_kwargs, thinking_budget
+    and separate_reasoning; write the answer's constraint into the body (json_schema or
     structural_tag, SGLang's fields) and return how to read the answer back."""
     template_kwargs = _template_kwargs(body)
     tools, functions = _tools(body.get("tools"))
@@ -73,13 +74,17 @@ def chat_setup(body: Json, tool_call_parser: str | None, reasoning_parser: str |
         constraint = tool_constraint(parser, functions, None, single=not parallel)
         if constraint is not None:
             body[constraint[0]] = constraint[1]
+    budget = _thinking_budget(body, reasoning_parser)
     thinking = bool(reasoning_parser) and thinking_enabled(reasoning_parser, template_kwargs)
-    if thinking and (given := _constraint(body)) is not None:
+    if thinking:
+        given = _constraint(body)
         reader = ReasoningParser(reasoning_parser, thinking=True)
         start = "" if reader.in_reasoning_at_start else "<think>"
-        kind, text = grammar.after_reasoning(given, start, reader.end_tag)
-        body[given[0]] = None
-        body[kind] = text
+        moved = grammar.after_reasoning(given, start, reader.end_tag, budget)
+        if moved is not None:
+            if given is not None:
+                body[given[0]] = None
+            body[moved[0]] = moved[1]
     separate = body.get("separate_reasoning", True)
     if not isinstance(separate, bool):
         raise RequestError(f"separate_reasoning must be a boolean, got {separate!r}",
@@ -103,6 +108,20 @@ def _template_kwargs(body: Json) -> Json:
         raise RequestError(f"chat_template_kwargs may not set {', '.join(taken)}",
                           "chat_template_kwargs")
     return dict(raw)
+
+
+def _thinking_budget(body: Json, reasoning_parser: str | None) -> int | None:
+    """The most tokens the model may think for (None: as many as it likes)."""
+    budget = body.get("thinking_budget")
+    if budget is None:
+        return None
+    if not isinstance(budget, int) or isinstance(budget, bool) or budget < 0:
+        raise RequestError(f"thinking_budget must be an integer >= 0, got {budget!r}",
+                           "thinking_budget")
+    if reasoning_parser is None:
+        raise RequestError("thinking_budget needs a server that parses reasoning "
+                           "(reasoning_parser)", "thinking_budget")
+    return budget
 
 
 def _tools(raw: Any) -> tuple[list[Json], dict[str, Json]]:
