@@ -19,6 +19,7 @@ from typing import NamedTuple
 from unittest import mock
 
 import pytest
+from test_sglang_names import FLAGS_NOT_TAKEN
 
 from radixmesh.cli import build_parser
 
@@ -35,6 +36,8 @@ FOREIGN_FLAGS = {
     "--build-arg",  # docker build
     "--profile",  # docker compose
     "--no-repack", "--spec-type", "--embedding", "--pooling",  # llama-server
+    # SGLang's flags that radixmesh does not take (docs/sglang_names.md lists them)
+    *(flag for flags in FLAGS_NOT_TAKEN.values() for flag in flags),
 }
 # A command of another program: its flags are that program's business.
 FOREIGN_PROGRAMS = {"curl", "docker", "grpcurl", "llama-server", "nats-server", "pip"}

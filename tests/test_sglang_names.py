@@ -7,6 +7,8 @@ NOT_TAKEN parts, so they keep it true."""
 from __future__ import annotations
 
 import argparse
+import re
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -36,6 +38,7 @@ FLAGS_TAKEN: dict[str, tuple[list[str], str, Any]] = {
     "--disable-cuda-graph": ([], "disable_cuda_graph", True),
     "--page-size": (["16"], "page_size", 16),
     "--max-total-tokens": (["4096"], "max_total_tokens", 4096),
+    "--mem-fraction-static": (["0.5"], "mem_fraction_static", 0.5),
     "--max-running-requests": (["32"], "max_running_requests", 32),
     "--max-queued-requests": (["100"], "max_queued_requests", 100),
     "--chunked-prefill-size": (["512"], "chunked_prefill_size", 512),
@@ -418,3 +421,24 @@ def test_engine_generate_samples_the_same_with_sampling_seed_as_with_seed(engine
     by_seed = run(seed=11)
     assert run(sampling_seed=11) == by_seed
     assert run(sampling_seed=12) != by_seed  # the seed is what decides
+
+
+# ---- the documentation ----------------------------------------------------------------------
+
+DOCS_PAGE = Path(__file__).resolve().parents[1] / "docs" / "sglang_names.md"
+
+
+def _documented(heading: str) -> dict[str, tuple[str, ...]]:
+    """The table under `heading` of the docs page: why -> the names it lists."""
+    section = DOCS_PAGE.read_text().split(f"### {heading}\n", 1)[1].split("\n#", 1)[0]
+    rows = re.findall(r"^\| (`.+?) \| (.+) \|$", section, re.M)
+    return {why: tuple(re.findall(r"`([^`]+)`", names)) for names, why in rows}
+
+
+@pytest.mark.parametrize(("heading", "table"), [
+    ("`radixmesh up` flags", FLAGS_NOT_TAKEN),
+    ("`/generate` fields", FIELDS_NOT_TAKEN),
+    ("Sampling parameters", SAMPLING_NOT_TAKEN),
+])
+def test_the_docs_list_exactly_what_is_not_taken(heading: str, table: dict) -> None:
+    assert _documented(heading) == table
