@@ -50,6 +50,8 @@ PROTOBUF_MODULES = {
     "radixmesh.services.cachectl.server",
     "radixmesh.services.tokenizer.client",
     "radixmesh.services.tokenizer.assembler",
+    "radixmesh.services.tokenizer.flights",
+    "radixmesh.services.tokenizer.membership",
     "radixmesh.services.tokenizer.grpc_api",
     "radixmesh.lang.backends",  # the frontend language's gRPC backend is a client
 }

@@ -25,7 +25,7 @@ from radixmesh.core.service_settings import TokenizerServiceConfig
 from radixmesh.core.step import int_array
 from radixmesh.proto import mesh_pb2 as mpb
 from radixmesh.proto.convert import PackedChunk
-from radixmesh.services.tokenizer import client as client_module
+from radixmesh.services.tokenizer import flights as flights_module
 from radixmesh.services.tokenizer.assembler import ChunkAssembler, InFlight
 from radixmesh.services.tokenizer.client import MeshClient
 from radixmesh.services.tokenizer.generation import GenerationChunk, GenerationError
@@ -301,7 +301,7 @@ async def test_a_constraint_its_engine_cannot_compile_is_an_error_naming_it(mesh
 
 
 async def test_output_with_a_lasting_hole_ends_and_is_aborted(mesh, monkeypatch):
-    monkeypatch.setattr(client_module, "GAP_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(flights_module, "GAP_TIMEOUT_S", 0.3)
     engine = await mesh.add_engine("e", gap=True)
     chunks = await _run(mesh.client, _request([1, 2, 3], rid="holed", max_new_tokens=3))
     assert chunks[-1].finish.to_dict() == {

@@ -232,6 +232,12 @@ class InFlight:
             await self.wake.wait()
         return chunk
 
+    def restart(self, engine_id: str) -> None:
+        """Start over on `engine_id`, as if new (its engine lost it before any output)."""
+        self.engine_id, self.lost = engine_id, False
+        self.assembler = ChunkAssembler(self.assembler.request)
+        self.last_output, self.gap_since = time.monotonic(), None
+
     def end(self, message: str, lost: bool = False) -> None:
         """End it with an abort (the mesh gave up on it; `lost`: with its engine)."""
         if not self.assembler.finished:

@@ -1,18 +1,17 @@
 """The mesh client: the tokenizer's NATS client that runs what its front doors ask.
 
 A front door checks and tokenizes a prompt into a GenerationRequest (`build_request`), then
-iterates `MeshClient.generate`: the request is admitted, routed to an engine, sent as an
-EngineRequest, and the TextChunks that come back on this replica's own subject are put in
-order (`assembler.py`) as GenerationChunks. The client also retries a request its engine lost
-before any output, ends requests whose output stalls, and makes the control calls
-(server_info, flush_cache)."""
+iterates `MeshClient.generate`: the request is admitted, routed to an engine (`router.py`),
+sent as an EngineRequest, and the TextChunks that come back on this replica's own subject are
+delivered to it (`flights.py`) and put in order (`assembler.py`) as GenerationChunks; a
+request its engine lost before any output is sent once more, to another engine. Which
+engines there are is `membership.py`'s, the control calls (server info, flush_cache, LoRA
+adapters) `engine_control.py`'s; the client composes them."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
-import json
 import logging
 import random
 import time
@@ -20,7 +19,6 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from nats.aio.client import Client as NATS
-from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.errors import Error as NatsError
 
@@ -32,22 +30,24 @@ from radixmesh.mesh import subjects
 from radixmesh.proto import mesh_pb2 as mpb
 from radixmesh.proto.convert import sampling_to_proto
 from radixmesh.services.tokenizer import metrics
-from radixmesh.services.tokenizer.assembler import ChunkAssembler, InFlight, deliver
+from radixmesh.services.tokenizer.assembler import InFlight
+from radixmesh.services.tokenizer.engine_control import EngineControl
+from radixmesh.services.tokenizer.flights import Flights
 from radixmesh.services.tokenizer.generation import GenerationChunk, GenerationError
+from radixmesh.services.tokenizer.membership import Membership
 from radixmesh.services.tokenizer.request_trace import RequestTrace
-from radixmesh.services.tokenizer.router import EngineRegistry, EngineStatus, Route, Router
+from radixmesh.services.tokenizer.router import EngineRegistry, Route, Router
 
 log = logging.getLogger("radixmesh.tokenizer.mesh")
 
 _PROMPT_TAIL = 4  # prompt tokens the detokenizer gets as left context for the first output
-# How long output may stay out of order before the missing part counts as lost (two
-# detokenizer replicas deliver out of order by milliseconds; a dead one never delivers).
-GAP_TIMEOUT_S = 5.0
 
 
 class MeshClient:
     """GenerationClient over NATS with cache-aware routing among the live engines, found
-    by their heartbeats; output comes back on this replica's own subject."""
+    by their heartbeats; output comes back on this replica's own subject. Its parts:
+    `flights` (the requests waiting on output), `membership` (the engines known) and
+    `control` (the calls to every engine's scheduler)."""
 
     def __init__(
         self,
@@ -73,16 +73,16 @@ class MeshClient:
         self.replica_id = replica_id
         self.router = router or Router()
         self.engines = EngineRegistry(engine_timeout_s)
-        self._nc = nc
-        self._control_timeout_s = control_timeout_s
-        self._reply_to = subjects.tokenizer_out(replica_id)
-        self._in_flight: dict[str, InFlight] = {}
+        self.flights = Flights(nc)
+        self.membership = Membership(self.engines, self.router, self.flights)
+        self.control = EngineControl(nc, self.engines, self.router, control_timeout_s)
         self.max_queued = max_queued  # 0: no limit
         self.stall_timeout_s = stall_timeout_s  # 0: a request may wait for output forever
         self.queued = 0  # requests sent that have no output yet
+        self._nc = nc
+        self._reply_to = subjects.tokenizer_out(replica_id)
         self._subs: list[Subscription] = []
         self._reaper: asyncio.Task[None] | None = None
-        self._changed = asyncio.Condition()
 
     # ---- lifecycle -----------------------------------------------------------------------
 
@@ -90,9 +90,9 @@ class MeshClient:
         """Listen for engines, their cache events and this replica's output."""
         nc = self._nc
         self._subs = [
-            await nc.subscribe(subjects.ENGINES, cb=self._on_status),
-            await nc.subscribe(subjects.CACHE_EVENTS_ALL, cb=self._on_cache_event),
-            await nc.subscribe(self._reply_to, cb=self._on_output),
+            await nc.subscribe(subjects.ENGINES, cb=self.membership.on_status),
+            await nc.subscribe(subjects.CACHE_EVENTS_ALL, cb=self.membership.on_cache_event),
+            await nc.subscribe(self._reply_to, cb=self.flights.on_output),
         ]
         self._reaper = asyncio.create_task(self._reap_loop())
 
@@ -106,9 +106,22 @@ class MeshClient:
             with contextlib.suppress(NatsError):
                 await sub.unsubscribe()
         self._subs.clear()
-        for rid, flight in list(self._in_flight.items()):
-            if not flight.assembler.finished:
-                await self._give_up(rid, flight, "the tokenizer is shutting down")
+        await self.flights.end_all("the tokenizer is shutting down")
+
+    async def bus_interrupted(self) -> None:
+        """NATS came back: output sent meanwhile is lost, so every request in flight ends
+        (aborted on its engine), with a clear error rather than a hole in its text."""
+        await self.flights.end_all("the connection to the mesh's message bus was interrupted")
+
+    async def _reap_loop(self) -> None:
+        period = min(self.engines.timeout_s / 4, 1.0)
+        while True:
+            slept = time.monotonic()
+            await asyncio.sleep(period)
+            if time.monotonic() - slept > 2 * period:
+                continue  # this loop was busy: heartbeats may be waiting to be read
+            await self.membership.expire()
+            await self.flights.end_stalled(self.stall_timeout_s)
 
     # ---- what the front doors read -------------------------------------------------------
 
@@ -135,14 +148,23 @@ class MeshClient:
     @property
     def in_flight(self) -> int:
         """Requests sent to engines and not finished."""
-        return len(self._in_flight)
+        return len(self.flights)
 
     async def wait_for_engines(self, count: int = 1, timeout_s: float = 10.0) -> None:
         """Block until at least `count` engines are known."""
-        async with self._changed:
-            await asyncio.wait_for(
-                self._changed.wait_for(lambda: len(self.engines) >= count), timeout_s
-            )
+        await self.membership.wait_for(count, timeout_s)
+
+    async def change_lora(self, load: bool, lora_name: str, lora_path: str = "") -> str:
+        """EngineControl.change_lora: the first engine's reason when one refuses, else ""."""
+        return await self.control.change_lora(load, lora_name, lora_path)
+
+    async def flush_cache(self) -> bool:
+        """EngineControl.flush_cache: True when every engine dropped its prefix cache."""
+        return await self.control.flush_cache()
+
+    async def engine_infos(self) -> list[dict[str, Any]]:
+        """EngineControl.engine_infos: each engine's server info, else its last heartbeat."""
+        return await self.control.engine_infos()
 
     # ---- generation ----------------------------------------------------------------------
 
@@ -151,7 +173,7 @@ class MeshClient:
         """Run a request on an engine; closing the iterator early aborts it there. Without
         `stream`, its engine sends output now and then rather than token by token (the
         chunks still add up to the whole answer)."""
-        if request.rid in self._in_flight:
+        if request.rid in self.flights:
             raise GenerationError(f"request id {request.rid!r} is already running", 400)
         if self.max_queued and self.queued >= self.max_queued:
             self.metrics.overloaded()
@@ -171,8 +193,7 @@ class MeshClient:
         except ValueError as exc:  # a value the message cannot carry, e.g. out of int32
             trace.end(f"invalid request: {exc}")
             raise GenerationError(f"invalid request: {exc}", 400) from exc
-        flight = InFlight(route.engine_id, ChunkAssembler(request))
-        self._in_flight[request.rid] = flight
+        flight = self.flights.open(request, route.engine_id)
         observed = self.metrics.request(len(request.input_ids))
         finished = retried = False
         waiting = True
@@ -203,11 +224,11 @@ class MeshClient:
         finally:
             if waiting:
                 self.queued -= 1
-            del self._in_flight[request.rid]
+            self.flights.close(request.rid)
             observed.close()
             if not finished and not flight.assembler.finished:
                 with trace.aborting("the caller stopped reading") as abort_headers:
-                    await self._abort(flight.engine_id, request.rid, abort_headers)
+                    await self.flights.abort(flight.engine_id, request.rid, abort_headers)
             trace.end()
 
     async def _retry(self, flight: InFlight, chunk: GenerationChunk,
@@ -224,9 +245,7 @@ class MeshClient:
             return False
         log.warning("request %s: engine %s lost it before any output; retrying on %s",
                     request.rid, lost, route.engine_id)
-        flight.engine_id, flight.lost = route.engine_id, False
-        flight.assembler = ChunkAssembler(request)
-        flight.last_output, flight.gap_since = time.monotonic(), None
+        flight.restart(route.engine_id)
         await self._nc.publish(subjects.engine_generate(route.engine_id),
                                self._engine_request(request, route, stream),
                                headers=trace.headers())
@@ -265,170 +284,3 @@ class MeshClient:
                   route.matched_tokens,
                   f", prefilled on {route.prefill_engine}" if route.prefill_engine else "")
         return message.SerializeToString()
-
-    async def _abort(
-        self, engine_id: str, rid: str, abort_headers: dict[str, str] | None = None
-    ) -> None:
-        try:
-            await self._nc.publish(
-                subjects.engine_abort(engine_id), mpb.AbortRequest(rid=rid).SerializeToString(),
-                headers=abort_headers,
-            )
-        except NatsError as exc:
-            log.warning("could not abort %s on engine %s: %s", rid, engine_id, exc)
-
-    # ---- control -------------------------------------------------------------------------
-
-    async def control(self, engine_id: str, op: str, **fields: str) -> dict[str, Any]:
-        """One JSON request/reply with an engine's scheduler."""
-        reply = await self._nc.request(
-            subjects.engine_control(engine_id),
-            json.dumps({"op": op, **fields}).encode(),
-            timeout=self._control_timeout_s,
-        )
-        return json.loads(reply.data)
-
-    async def change_lora(self, load: bool, lora_name: str, lora_path: str = "") -> str:
-        """Load (or unload) a LoRA adapter on every engine; the first engine's reason when
-        one refuses ("" when all did it). Requests may name it as soon as this returns."""
-        ids = self.engines.ids
-        if not ids:
-            return "no engine is available"
-        op = "load_lora" if load else "unload_lora"
-        replies = await asyncio.gather(
-            *(self.control(e, op, lora_name=lora_name, lora_path=lora_path) for e in ids),
-            return_exceptions=True)
-        error = ""
-        for engine_id, reply in zip(ids, replies, strict=True):
-            if isinstance(reply, dict) and reply.get("success"):
-                self.engines.served(engine_id, reply.get("lora_names", []))
-            else:
-                why = reply.get("error") if isinstance(reply, dict) else repr(reply)
-                log.warning("engine %s did not %s %r: %s", engine_id, op, lora_name, why)
-                error = error or f"engine {engine_id}: {why}"
-        return error
-
-    async def flush_cache(self) -> bool:
-        """Ask every engine to drop its prefix cache; True when all did."""
-        ids = self.engines.ids
-        replies = await asyncio.gather(*(self.control(e, "flush") for e in ids),
-                                       return_exceptions=True)
-        ok = bool(ids)
-        for engine_id, reply in zip(ids, replies, strict=True):
-            if isinstance(reply, dict) and reply.get("success"):
-                self.router.flush(engine_id)
-            else:
-                log.warning("engine %s did not flush its cache: %s", engine_id, reply)
-                ok = False
-        return ok
-
-    async def engine_infos(self) -> list[dict[str, Any]]:
-        """Each engine's own server info, or its last heartbeat when it does not answer."""
-        ids = self.engines.ids
-        replies = await asyncio.gather(*(self.control(e, "info") for e in ids),
-                                       return_exceptions=True)
-        out = []
-        for engine_id, reply in zip(ids, replies, strict=True):
-            if isinstance(reply, dict):
-                out.append(reply)
-            elif engine_id in self.engines:
-                out.append(dataclasses.asdict(self.engines.status(engine_id)))
-        return out
-
-    # ---- NATS callbacks ------------------------------------------------------------------
-
-    async def _on_status(self, msg: Msg) -> None:
-        status = _status_from_proto(mpb.EngineStatus.FromString(msg.data))
-        if not status.engine_id:
-            return
-        if status.down:  # lost its workers: it ends its requests itself, route around it
-            if self.engines.forget(status.engine_id):
-                log.warning("engine %s is down; routing around it", status.engine_id)
-                self.router.remove_engine(status.engine_id)
-                await self._membership_changed()
-            return
-        heard = self.engines.heard(status)
-        if heard == "restarted":  # the requests sent to the one before are lost
-            log.warning("engine %s restarted", status.engine_id)
-            self.router.remove_engine(status.engine_id)
-            self._engine_lost(status.engine_id, f"engine {status.engine_id} restarted")
-        self.router.update_engine(status.engine_id, status.running + status.waiting,
-                                  status.role)
-        if heard:
-            log.info("engine %s joined (context %d)", status.engine_id, status.context_length)
-            await self._membership_changed()
-
-    async def _on_cache_event(self, msg: Msg) -> None:
-        event = mpb.CacheEvent.FromString(msg.data)
-        if event.flushed:
-            self.router.flush(event.engine_id)
-        for seq in event.inserted:
-            self.router.record_cached(event.engine_id, seq.token_ids, seq.cache_salt)
-
-    async def _on_output(self, msg: Msg) -> None:
-        deliver(mpb.TextChunks.FromString(msg.data), self._in_flight, time.monotonic())
-
-    async def _reap_loop(self) -> None:
-        period = min(self.engines.timeout_s / 4, 1.0)
-        while True:
-            slept = time.monotonic()
-            await asyncio.sleep(period)
-            if time.monotonic() - slept > 2 * period:
-                continue  # this loop was busy: heartbeats may be waiting to be read
-            gone = self.engines.expire()
-            for engine_id in gone:
-                log.warning("engine %s fell silent; dropping it", engine_id)
-                self.router.remove_engine(engine_id)
-                self._engine_lost(engine_id, f"engine {engine_id} went away")
-            if gone:
-                await self._membership_changed()
-            await self._end_stalled()
-
-    async def bus_interrupted(self) -> None:
-        """NATS came back: output sent meanwhile is lost, so every request in flight ends
-        (aborted on its engine), with a clear error rather than a hole in its text."""
-        for rid, flight in list(self._in_flight.items()):
-            if not flight.assembler.finished:
-                await self._give_up(rid, flight,
-                                    "the connection to the mesh's message bus was interrupted")
-
-    async def _give_up(self, rid: str, flight: InFlight, message: str) -> None:
-        """End a request here with `message` and abort it on its engine."""
-        flight.end(message)
-        await self._abort(flight.engine_id, rid)
-
-    def _engine_lost(self, engine_id: str, message: str) -> None:
-        """End the requests sent to an engine that is gone (retried when they had no
-        output yet)."""
-        for flight in self._in_flight.values():
-            if flight.engine_id == engine_id:
-                flight.end(message, lost=True)
-
-    async def _end_stalled(self) -> None:
-        """End requests whose output has a hole that is not filling (a detokenizer died
-        holding part of it), or that had no output for stall_timeout_s."""
-        now = time.monotonic()
-        for rid, flight in list(self._in_flight.items()):
-            if flight.assembler.finished:
-                continue
-            if flight.gap_since is not None and now - flight.gap_since > GAP_TIMEOUT_S:
-                message = "part of the output was lost on its way (a detokenizer went away)"
-            elif self.stall_timeout_s and now - flight.last_output > self.stall_timeout_s:
-                message = f"no output for {self.stall_timeout_s:g} s"
-            else:
-                continue
-            log.warning("request %s: %s; ending it", rid, message)
-            await self._give_up(rid, flight, message)
-
-    async def _membership_changed(self) -> None:
-        metrics.ENGINES.set(len(self.engines))
-        async with self._changed:
-            self._changed.notify_all()
-
-
-def _status_from_proto(msg: mpb.EngineStatus) -> EngineStatus:
-    """An engine's heartbeat as the registry keeps it."""
-    values = {f.name: getattr(msg, f.name) for f in dataclasses.fields(EngineStatus)}
-    # Repeated fields (the adapters' names) as tuples, not protobuf containers.
-    return EngineStatus(**{name: value if isinstance(value, str | int | float) else tuple(value)
-                           for name, value in values.items()})
