@@ -23,12 +23,13 @@ import asyncio
 import json
 import math
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from bench_mesh import FIGURES, _mesh_run, medians, prompts, spawn_side, workload
+from bench_mesh import FIGURES, greedy, http_calls, prompts, summarize
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
@@ -39,8 +40,12 @@ def run_side(traced: bool, work: list[list[int]], new_tokens: int, dtype: str) -
     with tempfile.TemporaryDirectory() as folder:
         spans = str(Path(folder) / "spans.jsonl") if traced else None
         args = MeshArgs(dtype=dtype, port=0, grpc_port=0, log_dir=folder, trace_file=spans)
+        bodies = [{"input_ids": ids, "sampling_params": greedy(new_tokens)} for ids in work]
         with Mesh(args).start() as mesh:
-            figures = asyncio.run(_mesh_run(mesh.url, work, new_tokens))
+            asyncio.run(http_calls(mesh.url, bodies[:1], "streamed", False))  # warm-up
+            started = time.perf_counter()
+            figures = summarize(started,
+                                asyncio.run(http_calls(mesh.url, bodies, "streamed", False)))
             received = mesh.spans
         figures["spans"] = len(received.spans) if received is not None else 0
         return figures
@@ -145,6 +150,17 @@ def step_cost(traced: bool, requests: int = 8, new_tokens: int = 32, rounds: int
     return cpu / steps * 1e6
 
 
+def spawn_side(side: str, args: argparse.Namespace) -> dict[str, float]:
+    """This script's `side` in a process of its own: the figures it prints last."""
+    cmd = [sys.executable, __file__, "--side", side, "--requests", str(args.requests),
+           "--prompt-len", str(args.prompt_len), "--new-tokens", str(args.new_tokens),
+           "--dtype", args.dtype]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode:
+        sys.exit(f"the tracing-{side} side failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--requests", type=int, default=16)
@@ -166,12 +182,13 @@ def main() -> None:
     for r in range(args.repeats):
         for side in ("off", "on") if r % 2 == 0 else ("on", "off"):
             time.sleep(args.pause)
-            runs[side].append(spawn_side(__file__, side, args, f"tracing-{side}"))
+            runs[side].append(spawn_side(side, args))
             print(f"repeat {r + 1} tracing {side}: {json.dumps(runs[side][-1])}",
                   file=sys.stderr)
-    med = medians(runs)
-    off, on = med["off"], med["on"]
-    print(workload(args))
+    off, on = ({k: statistics.median(run[k] for run in runs[side]) for k in runs[side][0]}
+               for side in ("off", "on"))
+    print(f"workload: {args.requests} concurrent streams x {args.new_tokens} new tokens, "
+          f"{args.prompt_len}-token prompts, {args.dtype}, median of {args.repeats}")
     print(f"{'figure':<16}{'tracing off':>13}{'tracing on':>13}{'on/off':>9}")
     for key in FIGURES:
         print(f"{key:<16}{off[key]:>13.2f}{on[key]:>13.2f}{on[key] / off[key]:>9.3f}")

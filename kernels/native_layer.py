@@ -102,7 +102,7 @@ class _Step(ctypes.Structure):
 
 
 class LayerStack:
-    """The decoder layers of a bf16 model run natively, a call per layer (cpu/layer.cpp):
+    """The decoder layers of a bf16 model run natively, one call for them all (cpu/layer.cpp):
     the Python layer's kernels in its order, so the same bits.
 
     Each entry of `layers` names a layer's tensors: input_norm, post_norm, qkv_bias, q_norm
@@ -123,7 +123,7 @@ class LayerStack:
         self._tensors = layers  # keeps every pointer below alive
         self._parts: list[ctypes.Array[_QuantWeight]] = []
         self._experts: list[_Experts] = []
-        self._weights = []
+        structs = []
         for w in layers:
             fields = {}
             for name, _ in _LayerWeights._fields_:
@@ -135,7 +135,11 @@ class LayerStack:
                 else:
                     assert value is None or isinstance(value, torch.Tensor)
                     fields[name] = None if value is None else value.data_ptr()
-            self._weights.append(_LayerWeights(**fields))
+            structs.append(_LayerWeights(**fields))
+        self._weights = (_LayerWeights * len(structs))(*structs)
+        # The K and V pools' addresses as C arrays: (the pools they were made for, the arrays).
+        self._pools: tuple[tuple[int, int, int], tuple[ctypes.Array[ctypes.c_void_p], ...]
+                           ] | None = None
         self._shape = (hidden, heads, kv_heads, head_dim, intermediate, eps)
         # The LoRA pool's projections as structs, made once: (its layers' list, the structs,
         # the block arrays they point into).
@@ -206,11 +210,25 @@ class LayerStack:
             ctypes.addressof(table), len(runs), scratch.data_ptr(),
             threads_for(tokens * self._layer_work + keys * self._shape[1] * self._shape[3]),
         )
-        adapters = [None] * len(self._weights) if lora is None else self._lora_layers(lora)
-        for weights, k, v, adapter in zip(self._weights, k_pools, v_pools, adapters, strict=True):
-            lib.decoder_layer_bf16(hidden.data_ptr(), k.data_ptr(), v.data_ptr(),
-                                   ctypes.byref(weights), ctypes.byref(shape), ctypes.byref(step),
-                                   None if adapter is None else ctypes.byref(adapter))
+        layers = len(self._weights)
+        assert len(k_pools) == len(v_pools) == layers
+        pools = self._pool_pointers(k_pools, v_pools)
+        adapters = None if lora is None else (_LoraLayer * layers)(*self._lora_layers(lora))
+        # One call for every layer: the torch thread takes the interpreter's lock back once a
+        # step, where a call a layer waited for it after every layer (up to the interpreter's
+        # switch interval, while the service's other threads run Python).
+        lib.decoder_layers_bf16(hidden.data_ptr(), *pools, self._weights, layers,
+                                ctypes.byref(shape), ctypes.byref(step), adapters)
+
+    def _pool_pointers(self, k_pools: list[torch.Tensor], v_pools: list[torch.Tensor]
+                       ) -> tuple[ctypes.Array[ctypes.c_void_p], ctypes.Array[ctypes.c_void_p]]:
+        """The layers' K and V pool addresses as two C arrays (made once per pool)."""
+        key = (k_pools[0].data_ptr(), v_pools[0].data_ptr(), len(k_pools))
+        if self._pools is None or self._pools[0] != key:
+            arrays = tuple((ctypes.c_void_p * len(pools))(*(p.data_ptr() for p in pools))
+                           for pools in (k_pools, v_pools))
+            self._pools = (key, arrays)
+        return self._pools[1]
 
     def _lora_layers(self, lora: LoraArgs) -> list[_LoraLayer]:
         """Each layer's LoRA struct for this step (the projections' made once per pool)."""
@@ -245,4 +263,10 @@ def _layer_library() -> ctypes.CDLL:
         ctypes.POINTER(_LoraLayer),
     ]
     lib.decoder_layer_bf16.restype = None
+    lib.decoder_layers_bf16.argtypes = [_PTR, ctypes.POINTER(ctypes.c_void_p),
+                                        ctypes.POINTER(ctypes.c_void_p),
+                                        ctypes.POINTER(_LayerWeights), _INT,
+                                        ctypes.POINTER(_LayerShape), ctypes.POINTER(_Step),
+                                        ctypes.POINTER(_LoraLayer)]
+    lib.decoder_layers_bf16.restype = None
     return lib

@@ -12,7 +12,6 @@ import random
 import threading
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, replace
 from typing import Any
 
@@ -30,6 +29,7 @@ from radixmesh.engine.host_link import HostLink
 from radixmesh.engine.loop import EngineLoop
 from radixmesh.engine.model.launch import LaunchAhead
 from radixmesh.engine.model.runner import ModelRunner, load_runner
+from radixmesh.engine.model.torch_thread import TorchThread
 from radixmesh.engine.request import Req
 from radixmesh.engine.scheduler import ScheduledBatch, Scheduler
 from radixmesh.engine.scheduler_config import SchedulerConfig
@@ -43,7 +43,7 @@ log = logging.getLogger("radixmesh.engine")
 class _DirectExecutor:
     """The in-process executor: each step straight to the runner on the torch thread."""
 
-    def __init__(self, runner: ModelRunner, torch_thread: ThreadPoolExecutor) -> None:
+    def __init__(self, runner: ModelRunner, torch_thread: TorchThread) -> None:
         self._runner = runner
         self._steps: LaunchAhead[StepResult] = LaunchAhead(torch_thread)
 
@@ -94,9 +94,7 @@ class Engine:
 
     def __init__(self, model_path: str | None = None, **kwargs: Any) -> None:
         self.args = a = EngineArgs(model_path=model_path, **kwargs)
-        # Every torch call runs on this one thread: a second thread running parallel torch
-        # ops starts a second OpenMP team, and the two slow each other down by ~1.5x.
-        self._torch = ThreadPoolExecutor(1, thread_name_prefix="radixmesh-worker")
+        self._torch = TorchThread("radixmesh-worker")
         self.runner = self._torch.submit(load_runner, a, progress=a.show_progress,
                                          max_running_requests=a.max_running_requests,
                                          lora=a).result()

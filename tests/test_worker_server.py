@@ -29,6 +29,7 @@ from tiny_model import (
     tokens,
 )
 
+from radixmesh.core.model_files import mlp_work, resolve_model_path
 from radixmesh.core.service_settings import WorkerConfig
 from radixmesh.core.step import StepResult
 from radixmesh.engine.model.model_config import ModelConfig
@@ -223,17 +224,27 @@ def test_two_ranks_behind_grpc(model_dir, reference) -> None:
             worker.kill()
 
 
-def test_the_worker_sets_a_short_openmp_spin_before_torch_loads() -> None:
+def test_the_worker_picks_its_openmp_spin_by_the_model_before_torch_loads(tmp_path) -> None:
     """libgomp reads its spin count once, when torch loads it: the worker's main module must
-    not load torch before main() sets it, and a wait policy the user chose wins."""
+    not load torch before main() sets it. A model with layers as small as the host
+    benchmark's spins briefly; the bundled model keeps libgomp's default; a wait policy the
+    user chose wins."""
+    tiny = tmp_path / "tiny"
+    tiny.mkdir()
+    (tiny / "config.json").write_text('{"hidden_size": 64, "intermediate_size": 256}')
     script = (
         "import sys, radixmesh.services.worker.__main__ as m; "
         "print('torch' in sys.modules); "
-        "env = {}; m.spin_briefly(env); print(env); "
-        "env = {'GOMP_SPINCOUNT': '5'}; m.spin_briefly(env); print(env); "
-        "env = {'OMP_WAIT_POLICY': 'active'}; m.spin_briefly(env); print(env)"
+        f"env = {{}}; m.openmp_spin(env, {str(tiny)!r}); print(env); "
+        "env = {}; m.openmp_spin(env, None); print(env); "
+        f"env = {{'GOMP_SPINCOUNT': '5'}}; m.openmp_spin(env, {str(tiny)!r}); print(env); "
+        f"env = {{'OMP_WAIT_POLICY': 'active'}}; m.openmp_spin(env, {str(tiny)!r}); print(env); "
+        "print('torch' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                          check=True).stdout.splitlines()
-    assert out == ["False", "{'GOMP_SPINCOUNT': '1000'}", "{'GOMP_SPINCOUNT': '5'}",
-                   "{'OMP_WAIT_POLICY': 'active'}"]
+    assert out == ["False", "{'GOMP_SPINCOUNT': '1000'}", "{}", "{'GOMP_SPINCOUNT': '5'}",
+                   "{'OMP_WAIT_POLICY': 'active'}", "False"]
+    assert mlp_work(tiny) == 64 * 256
+    assert mlp_work(resolve_model_path(None)) == 576 * 1536  # the bundled GGUF's metadata
+    assert mlp_work(tmp_path) is None

@@ -194,4 +194,17 @@ void decoder_layer_bf16(uint16_t* hidden, uint16_t* k_pool, uint16_t* v_pool,
   }
 }
 
+
+// Every layer of a step in one call, so the caller's thread leaves the interpreter (and its
+// lock) once a step, not once a layer: layer i runs weights[i] over k_pools[i]/v_pools[i],
+// with lora[i] when lora is given.
+void decoder_layers_bf16(uint16_t* hidden, uint16_t* const* k_pools, uint16_t* const* v_pools,
+                         const LayerWeights* weights, int layers, const LayerShape* s,
+                         const Step* step, const LoraLayer* lora) {
+  for (int i = 0; i < layers; ++i) {
+    decoder_layer_bf16(hidden, k_pools[i], v_pools[i], weights + i, s, step,
+                       lora == nullptr ? nullptr : lora + i);
+  }
+}
+
 }  // extern "C"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
+import json
 import re
 from pathlib import Path
 
@@ -116,3 +117,20 @@ def model_fingerprint(model_path: Path) -> str:
                 f.seek(size - _FINGERPRINT_SPAN)
                 digest.update(f.read(_FINGERPRINT_SPAN))
     return digest.hexdigest()
+
+
+def mlp_work(model_path: Path) -> int | None:
+    """Multiply-adds of one layer's MLP for one token (hidden x intermediate size), read from
+    the model's config.json or GGUF metadata without loading it; None where neither says."""
+    try:
+        if is_gguf(model_path):
+            from radixmesh.core.gguf import read_gguf
+
+            meta = read_gguf(model_path, tensors=False).metadata
+            arch = meta["general.architecture"]
+            return int(meta[f"{arch}.embedding_length"]) * int(meta[f"{arch}.feed_forward_length"])
+        config = json.loads((model_path / "config.json").read_text())
+        config = config.get("text_config", config)
+        return int(config["hidden_size"]) * int(config["intermediate_size"])
+    except (OSError, KeyError, TypeError, ValueError):
+        return None

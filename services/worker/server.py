@@ -9,7 +9,6 @@ import logging
 import socket
 import warnings
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -28,6 +27,7 @@ from radixmesh.engine.model.kv_transfer import KVInbox, KVPorter
 from radixmesh.engine.model.launch import LaunchAhead, PendingStep
 from radixmesh.engine.model.parallel import destroy_tensor_parallel
 from radixmesh.engine.model.runner import ModelRunner, load_runner
+from radixmesh.engine.model.torch_thread import TorchThread
 from radixmesh.kernels import native
 from radixmesh.mesh.discovery import Announcer, WorkerRank
 from radixmesh.mesh.service import StatusServer
@@ -71,12 +71,6 @@ class _WorkerStep:
         return result, sends, self.rids
 
 
-def _set_threads(num_threads: int) -> None:
-    # On the torch thread itself: OpenMP's thread count is per calling thread.
-    if num_threads > 0:
-        torch.set_num_threads(num_threads)
-
-
 def worker_info(runner: ModelRunner, config: WorkerConfig) -> wpb.WorkerInfo:
     """What GetInfo answers for `runner`."""
     model = runner.config
@@ -109,11 +103,7 @@ class WorkerService(wgrpc.WorkerServicer):
         self.runner: ModelRunner | None = None
         self.info: wpb.WorkerInfo | None = None
         self.port = 0
-        # A second thread running torch ops would start a second OpenMP team, and the two
-        # slow each other down by ~1.5x.
-        self._torch = ThreadPoolExecutor(
-            1, "radixmesh-torch", initializer=_set_threads, initargs=(config.num_threads,)
-        )
+        self._torch = TorchThread("radixmesh-torch", config.num_threads)
         self._health = health.aio.HealthServicer()
         opts = [
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
