@@ -337,11 +337,13 @@ def serve(args: MeshArgs) -> int:
                if args.prefill_dp_size else f"{args.dp_size} engine(s)")
     print(f"radixmesh: starting {engines} x tp {args.tp_size}, "
           f"{args.tokenizers} tokenizer(s), {args.detokenizers} detokenizer(s)", flush=True)
+    started = time.monotonic()
     try:
         mesh.start()
     except (RuntimeError, OSError) as exc:
         print(f"radixmesh: failed to start: {exc}", file=sys.stderr)
         return 1
+    print(f"radixmesh: ready in {time.monotonic() - started:.1f} s", flush=True)
     for url, addr in zip(mesh.http_urls, mesh.grpc_addrs, strict=True):
         print(f"radixmesh: serving at {url} (OpenAI: {url}/v1, gRPC Generate: {addr})",
               flush=True)

@@ -5,6 +5,7 @@ and the mesh fails only when every replica of a needed service is given up."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -142,3 +143,4 @@ def test_ctrl_c_stops_the_whole_mesh_without_a_traceback(tmp_path: Path) -> None
     log = err.read_text()
     assert "Traceback" not in log and "Error" not in log, log[-3000:]
     assert "radixmesh: stopping" in out.read_text()
+    assert re.search(r"^radixmesh: ready in \d+\.\d s$", out.read_text(), re.M)
