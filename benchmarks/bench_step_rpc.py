@@ -1,11 +1,10 @@
 """What a step's call from the scheduler to a worker costs in gRPC itself, per step.
 
-The scheduler runs each step as one unary `Worker.Forward` call (grpc.aio, on uvloop, as
-the services run). This serves Forward from a worker that does nothing but answer, in a
-process of its own, and times a step's round trip and both sides' CPU (every thread of the
-process), against the same messages over one bidirectional stream per worker (a
-`stream StepBatch -> stream StepResult` method registered beside it here), the other way
-a step could travel.
+The scheduler sends its steps over one bidirectional stream per worker rank
+(`Worker.Steps`, grpc.aio on uvloop, as the services run). This serves Steps from a worker
+that does nothing but answer, in a process of its own, and times a step's round trip and
+both sides' CPU (every thread of the process), against the same messages as one unary call a
+step (a method registered beside it here: how steps travelled before the stream).
 
 Usage:
     python benchmarks/bench_step_rpc.py              # 4,000 steps each way, 3 rounds
@@ -27,27 +26,27 @@ from peer_server import proc_stat
 from radixmesh.proto import worker_pb2 as wpb
 from radixmesh.proto import worker_pb2_grpc as wgrpc
 
-STREAM = "/bench.Steps/Stream"
+UNARY = "/bench.Steps/Unary"
 
 
 def _serve(port: mp.Queue) -> None:
-    """A worker whose steps do nothing: Forward, and the same as a stream."""
+    """A worker whose steps do nothing: Steps, and the same as one unary call a step."""
 
     class Idle(wgrpc.WorkerServicer):
-        async def Forward(self, request: wpb.StepBatch, context: Any) -> wpb.StepResult:
-            return wpb.StepResult(step=request.step)
+        async def Steps(self, requests: AsyncIterator[wpb.StepBatch], context: Any
+                        ) -> AsyncIterator[wpb.StepResult]:
+            async for request in requests:
+                yield wpb.StepResult(step=request.step)
 
-    async def steps(requests: AsyncIterator[wpb.StepBatch], context: Any
-                    ) -> AsyncIterator[wpb.StepResult]:
-        async for request in requests:
-            yield wpb.StepResult(step=request.step)
+    async def unary(request: wpb.StepBatch, context: Any) -> wpb.StepResult:
+        return wpb.StepResult(step=request.step)
 
     async def main() -> None:
         server = grpc.aio.server()
         wgrpc.add_WorkerServicer_to_server(Idle(), server)
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("bench.Steps", {
-            "Stream": grpc.stream_stream_rpc_method_handler(
-                steps, request_deserializer=wpb.StepBatch.FromString,
+            "Unary": grpc.unary_unary_rpc_method_handler(
+                unary, request_deserializer=wpb.StepBatch.FromString,
                 response_serializer=wpb.StepResult.SerializeToString),
         }),))
         port.put(server.add_insecure_port("127.0.0.1:0"))
@@ -74,9 +73,9 @@ async def _timed(step: Callable[[wpb.StepBatch], Awaitable[Any]], steps: int, se
 async def _client(port: int, server: int, steps: int, rounds: int
                   ) -> dict[str, list[tuple[float, float, float]]]:
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-    stub = wgrpc.WorkerStub(channel)
-    stream = channel.stream_stream(STREAM, request_serializer=wpb.StepBatch.SerializeToString,
-                                   response_deserializer=wpb.StepResult.FromString)()
+    stream = wgrpc.WorkerStub(channel).Steps()
+    per_call = channel.unary_unary(UNARY, request_serializer=wpb.StepBatch.SerializeToString,
+                                   response_deserializer=wpb.StepResult.FromString)
 
     async def over_stream(msg: wpb.StepBatch) -> wpb.StepResult:
         await stream.write(msg)
@@ -84,7 +83,7 @@ async def _client(port: int, server: int, steps: int, rounds: int
 
     figures: dict[str, list[tuple[float, float, float]]] = {"unary": [], "stream": []}
     for _ in range(rounds):  # taking turns
-        figures["unary"].append(await _timed(stub.Forward, steps, server))
+        figures["unary"].append(await _timed(per_call, steps, server))
         figures["stream"].append(await _timed(over_stream, steps, server))
     await stream.done_writing()
     await channel.close()
@@ -108,7 +107,7 @@ def main() -> None:
     print(f"{args.steps} steps a round, {args.rounds} rounds taking turns; medians, "
           "microseconds per step")
     print(f"{'':<28}{'round trip':>12}{'scheduler CPU':>15}{'worker CPU':>12}")
-    for way, label in (("unary", "unary Forward (today)"), ("stream", "one bidirectional stream")):
+    for way, label in (("unary", "a unary call a step"), ("stream", "Worker.Steps (today)")):
         wall, mine, theirs = (statistics.median(f[k] for f in figures[way]) for k in range(3))
         print(f"{label:<28}{wall:>12.0f}{mine:>15.0f}{theirs:>12.0f}")
 

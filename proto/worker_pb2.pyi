@@ -186,7 +186,7 @@ class HostPool(_message.Message):
     def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., num_slots: _Optional[int] = ..., layout: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., page_size: _Optional[int] = ...) -> None: ...
 
 class StepBatch(_message.Message):
-    __slots__ = ("step", "new_requests", "entries", "release", "copies", "host_pool", "grammars", "sends", "expects", "decode_rows", "decode_slots")
+    __slots__ = ("step", "new_requests", "entries", "release", "copies", "host_pool", "grammars", "sends", "expects", "decode_rows", "decode_slots", "traceparent")
     STEP_FIELD_NUMBER: _ClassVar[int]
     NEW_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
@@ -198,6 +198,7 @@ class StepBatch(_message.Message):
     EXPECTS_FIELD_NUMBER: _ClassVar[int]
     DECODE_ROWS_FIELD_NUMBER: _ClassVar[int]
     DECODE_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     step: int
     new_requests: _containers.RepeatedCompositeFieldContainer[NewRequest]
     entries: _containers.RepeatedCompositeFieldContainer[StepEntry]
@@ -209,7 +210,8 @@ class StepBatch(_message.Message):
     expects: _containers.RepeatedCompositeFieldContainer[KVExpect]
     decode_rows: bytes
     decode_slots: bytes
-    def __init__(self, step: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., entries: _Optional[_Iterable[_Union[StepEntry, _Mapping]]] = ..., release: _Optional[_Iterable[str]] = ..., copies: _Optional[_Iterable[_Union[KVCopy, _Mapping]]] = ..., host_pool: _Optional[_Union[HostPool, _Mapping]] = ..., grammars: _Optional[_Iterable[_Union[Constraint, _Mapping]]] = ..., sends: _Optional[_Iterable[_Union[KVSend, _Mapping]]] = ..., expects: _Optional[_Iterable[_Union[KVExpect, _Mapping]]] = ..., decode_rows: _Optional[bytes] = ..., decode_slots: _Optional[bytes] = ...) -> None: ...
+    traceparent: str
+    def __init__(self, step: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., entries: _Optional[_Iterable[_Union[StepEntry, _Mapping]]] = ..., release: _Optional[_Iterable[str]] = ..., copies: _Optional[_Iterable[_Union[KVCopy, _Mapping]]] = ..., host_pool: _Optional[_Union[HostPool, _Mapping]] = ..., grammars: _Optional[_Iterable[_Union[Constraint, _Mapping]]] = ..., sends: _Optional[_Iterable[_Union[KVSend, _Mapping]]] = ..., expects: _Optional[_Iterable[_Union[KVExpect, _Mapping]]] = ..., decode_rows: _Optional[bytes] = ..., decode_slots: _Optional[bytes] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class KVSend(_message.Message):
     __slots__ = ("rid", "slots", "dest_slots", "dest_workers", "key", "backend", "dest_rid")

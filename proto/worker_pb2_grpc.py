@@ -34,8 +34,8 @@ class WorkerStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.Forward = channel.unary_unary(
-                '/radixmesh.worker.Worker/Forward',
+        self.Steps = channel.stream_stream(
+                '/radixmesh.worker.Worker/Steps',
                 request_serializer=radixmesh_dot_proto_dot_worker__pb2.StepBatch.SerializeToString,
                 response_deserializer=radixmesh_dot_proto_dot_worker__pb2.StepResult.FromString,
                 _registered_method=True)
@@ -64,8 +64,10 @@ class WorkerStub:
 class WorkerServicer:
     """Missing associated documentation comment in .proto file."""
 
-    def Forward(self, request, context):
-        """Run one model step.
+    def Steps(self, request_iterator, context):
+        """The scheduler's steps, one stream per scheduler: each step's result comes back in the
+        order sent, and the scheduler sends step N+1 before it has read step N's result (the
+        worker keeps N's tokens, which N+1 feeds). A new stream is a scheduler that started over.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -103,8 +105,8 @@ class WorkerServicer:
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'Forward': grpc.unary_unary_rpc_method_handler(
-                    servicer.Forward,
+            'Steps': grpc.stream_stream_rpc_method_handler(
+                    servicer.Steps,
                     request_deserializer=radixmesh_dot_proto_dot_worker__pb2.StepBatch.FromString,
                     response_serializer=radixmesh_dot_proto_dot_worker__pb2.StepResult.SerializeToString,
             ),
@@ -140,7 +142,7 @@ class Worker:
     """Missing associated documentation comment in .proto file."""
 
     @staticmethod
-    def Forward(request,
+    def Steps(request_iterator,
             target,
             options=(),
             channel_credentials=None,
@@ -150,10 +152,10 @@ class Worker:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
+        return grpc.experimental.stream_stream(
+            request_iterator,
             target,
-            '/radixmesh.worker.Worker/Forward',
+            '/radixmesh.worker.Worker/Steps',
             radixmesh_dot_proto_dot_worker__pb2.StepBatch.SerializeToString,
             radixmesh_dot_proto_dot_worker__pb2.StepResult.FromString,
             options,

@@ -374,19 +374,24 @@ def test_a_backup_is_done_once_every_rank_reported_it() -> None:
 
 
 class _FakeRank:
-    """A worker rank's Forward that answers the given copies_done, one list per step."""
+    """A worker rank's stream of steps that answers the given copies_done, one list a step."""
+
+    failed = None
 
     def __init__(self, done: list[list[int]]) -> None:
         self.done = iter(done)
 
-    async def Forward(self, msg: wpb.StepBatch, metadata: object = None) -> wpb.StepResult:
+    async def step(self, msg: wpb.StepBatch) -> wpb.StepResult:
         return wpb.StepResult(step=msg.step, copies_done=next(self.done))
+
+    async def close(self) -> None:
+        pass
 
 
 def test_the_worker_client_reports_a_backup_after_both_ranks() -> None:
     async def run() -> list[list[int]]:
         client = WorkerClient(["127.0.0.1:1", "127.0.0.1:2"])
-        client._stubs = [_FakeRank([[5], [], [6]]), _FakeRank([[], [5, 6], []])]
+        client._streams = [_FakeRank([[5], [], [6]]), _FakeRank([[], [5, 6], []])]
         try:
             return [(await client.forward(StepBatch(s))).copies_done for s in (1, 2, 3)]
         finally:

@@ -7,6 +7,7 @@ import asyncio
 import os
 import random
 import threading
+from collections.abc import AsyncIterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -305,8 +306,9 @@ def test_in_process_steps_launch_before_the_one_before_is_read() -> None:
 
 def test_worker_service_launches_a_step_before_reading_the_one_before() -> None:
     """Over gRPC too: the worker launches step N+1, which the overlapped scheduler sends
-    while N runs, before it reads N's tokens; each call answers its own step."""
+    while N runs, before it reads N's tokens; the stream answers each step in order."""
     from radixmesh.core.service_settings import WorkerConfig
+    from radixmesh.proto import worker_pb2 as wpb
     from radixmesh.proto.convert import batch_to_proto
     from radixmesh.services.worker.server import WorkerService
 
@@ -321,11 +323,14 @@ def test_worker_service_launches_a_step_before_reading_the_one_before() -> None:
         service.sender = SimpleNamespace(pending=False, finished=list)  # type: ignore[assignment]
         # Hold the torch thread so that both steps are queued before either launches.
         held = service._torch.submit(gate.wait)
-        first = asyncio.ensure_future(service.Forward(batch_to_proto(StepBatch(1)), None))
-        second = asyncio.ensure_future(service.Forward(batch_to_proto(StepBatch(2)), None))
-        await asyncio.sleep(0.05)
-        gate.set()
-        answers = [(await first).step, (await second).step]
+
+        async def steps() -> AsyncIterator[wpb.StepBatch]:
+            for step in (1, 2):
+                yield batch_to_proto(StepBatch(step))
+            await asyncio.sleep(0.05)  # both queued before either launches
+            gate.set()
+
+        answers = [result.step async for result in service.Steps(steps(), None)]
         held.result()
         service._torch.shutdown()
         return answers

@@ -29,20 +29,13 @@ MOE_SHAPE = {"architecture": "qwen3_moe", "num_experts": 8, "num_experts_per_tok
 class FakeWorkerServicer(wgrpc.WorkerServicer):
     def __init__(self) -> None:
         self.worker = FakeWorker(NUM_SLOTS)
-        self._order = asyncio.Condition()
-        self._last_step = 0
 
-    async def Forward(self, request: wpb.StepBatch, context: object) -> wpb.StepResult:
-        # With overlap, step N+1 is sent before N returns and gRPC may hand it over
-        # first; like the real worker, run steps in their numbered order.
-        async with self._order:
-            await self._order.wait_for(lambda: request.step == self._last_step + 1)
-        await asyncio.sleep(0.002)  # a step takes time, so requests overlap
-        result = result_to_proto(self.worker.forward(batch_from_proto(request)))
-        async with self._order:
-            self._last_step = request.step
-            self._order.notify_all()
-        return result
+    async def Steps(self, requests: AsyncIterator[wpb.StepBatch], context: object
+                    ) -> AsyncIterator[wpb.StepResult]:
+        # With overlap, step N+1 is on the stream before N's result is read.
+        async for request in requests:
+            await asyncio.sleep(0.002)  # a step takes time, so steps overlap
+            yield result_to_proto(self.worker.forward(batch_from_proto(request)))
 
     async def GetInfo(self, request: wpb.WorkerInfoRequest, context: object) -> wpb.WorkerInfo:
         return wpb.WorkerInfo(

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -141,13 +142,14 @@ def test_worker_serves_forward(model_dir, reference) -> None:
             host_id=host_id(),
             hidden_size=HIDDEN,
         )
-        got = [result_from_proto(worker.stub.Forward(batch_to_proto(b))) for b in forward_script()]
+        steps = worker.stub.Steps(iter([batch_to_proto(b) for b in forward_script()]))
+        got = [result_from_proto(r) for r in steps]
         assert_same_results(got, reference)
         assert all(r.forward_ms > 0 for r in got)
         unknown = wpb.StepBatch(step=len(got) + 1)
         unknown.entries.add(rid="nobody", slots=[0], sample=True)
         with pytest.raises(grpc.RpcError) as err:
-            worker.stub.Forward(unknown)
+            list(worker.stub.Steps(iter([unknown])))
         assert err.value.code() == grpc.StatusCode.INTERNAL
         metrics = urllib.request.urlopen(worker.metrics_url, timeout=10).read().decode()
         labels = f'{{model_name="{model_dir.name}",tp_rank="0"}}'
@@ -210,12 +212,12 @@ def test_two_ranks_behind_grpc(model_dir, reference) -> None:
         assert {(i.num_layers, i.num_kv_heads, i.head_dim) for i in infos} == {
             (LAYERS, KV_HEADS, HEAD_DIM)
         }
-        results: list[list[StepResult]] = [[], []]
-        for batch in forward_script():
-            # Every rank gets the same batch at once: they meet in collectives.
-            calls = [w.stub.Forward.future(batch_to_proto(batch)) for w in ranks]
-            for out, call in zip(results, calls, strict=True):
-                out.append(result_from_proto(call.result(timeout=60)))
+        messages = [batch_to_proto(b) for b in forward_script()]
+        # Every rank gets the same steps at once: they meet in collectives.
+        with ThreadPoolExecutor(2) as pool:
+            streams = [pool.submit(lambda w=w: list(w.stub.Steps(iter(messages), timeout=120)))
+                       for w in ranks]
+            results = [[result_from_proto(r) for r in s.result()] for s in streams]
         assert_same_results(results[0], reference)
         assert tokens(results[1]) == tokens(results[0])
         assert [w.terminate() for w in ranks] == [0, 0]

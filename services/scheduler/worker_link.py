@@ -1,13 +1,15 @@
 """The scheduler's link to its worker ranks, the engine loop's executor: which ranks it
-drives (configured, or a group claimed on NATS), gRPC Forward to every rank (the batch
-converted to protobuf once, rank 0's result back, with the backups every rank has
+drives (configured, or a group claimed on NATS), a gRPC stream of steps to every rank (the
+batch converted to protobuf once, rank 0's result back, with the backups every rank has
 finished), and whether they are there."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 
 import grpc
@@ -23,6 +25,7 @@ from radixmesh.proto import worker_pb2_grpc as wgrpc
 from radixmesh.proto.convert import batch_to_proto, result_from_proto
 from radixmesh.services.scheduler.metrics import SchedulerMetrics
 from radixmesh.services.scheduler.request_traces import RequestTraces
+from radixmesh.tracing.propagation import TRACEPARENT
 
 log = logging.getLogger("radixmesh.scheduler")
 
@@ -57,8 +60,48 @@ class BackupTally:
         return done
 
 
+class StepStream:
+    """One rank's stream of steps: each step goes out behind the one before, and its result
+    comes back in that order. Once the stream fails (the worker went away), every step
+    waiting on it and every later one fails with the same AioRpcError."""
+
+    def __init__(self, stub: wgrpc.WorkerStub) -> None:
+        self._call = stub.Steps()
+        self._waiting: deque[asyncio.Future[wpb.StepResult]] = deque()
+        self._writing = asyncio.Lock()  # first come, first served: steps go out in order
+        self.failed: grpc.aio.AioRpcError | None = None
+        self._reading = asyncio.ensure_future(self._read())
+
+    async def step(self, msg: wpb.StepBatch) -> wpb.StepResult:
+        answer = asyncio.get_running_loop().create_future()
+        async with self._writing:
+            if self.failed is not None:
+                raise self.failed
+            self._waiting.append(answer)
+            # A write to a failed call fails; the read fails too, and the answer with it.
+            with contextlib.suppress(grpc.aio.AioRpcError):
+                await self._call.write(msg)
+        return await answer
+
+    async def _read(self) -> None:
+        try:
+            while (result := await self._call.read()) is not grpc.aio.EOF:
+                self._waiting.popleft().set_result(result)
+            self.failed = grpc.aio.AioRpcError(
+                grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                "the worker ended its stream of steps")
+        except grpc.aio.AioRpcError as exc:
+            self.failed = exc
+        while self._waiting:
+            self._waiting.popleft().set_exception(self.failed)
+
+    async def close(self) -> None:
+        self._call.cancel()
+        await asyncio.gather(self._reading, return_exceptions=True)
+
+
 class WorkerClient:
-    """Drives the worker ranks of one engine replica."""
+    """Drives the worker ranks of one engine replica: a stream of steps to each."""
 
     def __init__(self, addrs: list[str]) -> None:
         self._channels: list[grpc.aio.Channel] = []
@@ -67,6 +110,7 @@ class WorkerClient:
     def _open(self, addrs: list[str]) -> None:
         self._channels = [grpc.aio.insecure_channel(a, options=_OPTIONS) for a in addrs]
         self._stubs = [wgrpc.WorkerStub(c) for c in self._channels]
+        self._streams: list[StepStream] = []
         self.addrs = addrs
         self._backups = BackupTally(len(addrs))
 
@@ -108,17 +152,17 @@ class WorkerClient:
         await asyncio.gather(*(s.GetInfo(wpb.WorkerInfoRequest(), timeout=timeout)
                                for s in self._stubs))
 
-    async def forward(
-        self, batch: StepBatch, metadata: tuple[tuple[str, str], ...] | None = None
-    ) -> StepResult:
+    async def forward(self, batch: StepBatch, traceparent: str = "") -> StepResult:
         """Run one step on every rank; they stay in lockstep, rank 0 answers, and a backup
-        is done once every rank has reported it. `metadata` goes with each call (the step's
-        trace context)."""
+        is done once every rank has reported it. `traceparent`: the step's trace context."""
         msg = batch_to_proto(batch)
-        if len(self._stubs) == 1:
-            return result_from_proto(await self._stubs[0].Forward(msg, metadata=metadata))
-        results = await asyncio.gather(*(s.Forward(msg, metadata=metadata)
-                                         for s in self._stubs))
+        msg.traceparent = traceparent
+        if not self._streams or any(s.failed is not None for s in self._streams):
+            await self._close_streams()  # a scheduler that starts over opens new ones
+            self._streams = [StepStream(stub) for stub in self._stubs]
+        if len(self._streams) == 1:
+            return result_from_proto(await self._streams[0].step(msg))
+        results = await asyncio.gather(*(s.step(msg) for s in self._streams))
         result = result_from_proto(results[0])
         result.copies_done = self._backups.add([list(r.copies_done) for r in results])
         return result
@@ -136,7 +180,12 @@ class WorkerClient:
             raise ValueError(exc.details()) from None
         return infos[0]
 
+    async def _close_streams(self) -> None:
+        streams, self._streams = self._streams, []
+        await asyncio.gather(*(s.close() for s in streams))
+
     async def close(self) -> None:
+        await self._close_streams()
         await asyncio.gather(*(c.close() for c in self._channels))
 
 
@@ -229,7 +278,8 @@ class WorkerLink:
     async def _forward(self, batch: ScheduledBatch) -> StepResult:
         with self.metrics.forward_timer(), self.traces.forward(batch) as metadata:
             try:
-                result = await self.client.forward(batch.batch, metadata)
+                result = await self.client.forward(batch.batch, dict(metadata or ()).get(
+                    TRACEPARENT, ""))
             except grpc.aio.AioRpcError as exc:
                 raise self._going_down(f"{exc.code().name}: {exc.details()}") from exc
             self.traces.verified(batch, result)

@@ -1,14 +1,13 @@
-"""The worker service: gRPC Forward and GetInfo over one model runner, gRPC health, and
-/health + /metrics over HTTP."""
+"""The worker service: gRPC Steps (its scheduler's stream of steps) and GetInfo over one model
+runner, gRPC health, and /health + /metrics over HTTP."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import socket
 import warnings
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -17,7 +16,7 @@ from typing import Any
 import grpc
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from opentelemetry.trace import get_current_span
+from opentelemetry.trace import Span
 
 from radixmesh.core.model_files import served_name
 from radixmesh.core.model_info import model_shape
@@ -34,10 +33,10 @@ from radixmesh.mesh.service import StatusServer
 from radixmesh.proto import worker_pb2 as wpb
 from radixmesh.proto import worker_pb2_grpc as wgrpc
 from radixmesh.proto.convert import batch_from_proto, result_to_proto
-from radixmesh.services.worker.forward_trace import TRACED_RPCS, note_forward
+from radixmesh.services.worker.forward_trace import forward_span, note_forward
 from radixmesh.services.worker.kv_stream import KVSender, host_id, piece_bytes
 from radixmesh.services.worker.metrics import WorkerMetrics
-from radixmesh.tracing.grpc_server import tracing_interceptors
+from radixmesh.tracing.spans import end_span
 
 log = logging.getLogger("radixmesh.worker")
 
@@ -46,7 +45,6 @@ MAX_MESSAGE_BYTES = 64 << 20
 STOP_GRACE_S = 2.0
 # How long a stop waits for the torch thread (a step or a model load) to finish.
 SETTLE_TIMEOUT_S = 15.0
-ORDER_WAIT_S = 1.0
 
 # A step's result, the KV it sends (each with its data) and its requests' ids.
 Stepped = tuple[StepResult, list[tuple[KVSend, torch.Tensor]], list[str]]
@@ -95,6 +93,15 @@ def worker_info(runner: ModelRunner, config: WorkerConfig) -> wpb.WorkerInfo:
     )
 
 
+@dataclass
+class _Queued:
+    """A step taken from the scheduler's stream: queued on the torch thread, its span open."""
+
+    batch: StepBatch
+    span: Span | None
+    pending: Awaitable[Stepped]
+
+
 class WorkerService(wgrpc.WorkerServicer):
     """One rank: every torch call runs on one dedicated thread, in the order batches came."""
 
@@ -109,19 +116,13 @@ class WorkerService(wgrpc.WorkerServicer):
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
         ]
-        self._server = grpc.aio.server(
-            options=opts, interceptors=tracing_interceptors(TRACED_RPCS)
-        )
+        self._server = grpc.aio.server(options=opts)
         wgrpc.add_WorkerServicer_to_server(self, self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         self._status = StatusServer(config.host, config.metrics_port, self._check)
         self.metrics = WorkerMetrics(config.tp_rank)
         self._started = False
         self._announcer: Announcer | None = None
-        # Overlapped steps are in flight together and gRPC may hand them over in either
-        # order; each must reach the torch thread after the step before it.
-        self._order = asyncio.Condition()
-        self._submitted_step = 0
         self._steps: LaunchAhead[Stepped] = LaunchAhead(self._torch)
         # Disaggregation: KV this rank sends to decode engines, and accepts from prefill ones.
         self.inbox = KVInbox()
@@ -214,42 +215,55 @@ class WorkerService(wgrpc.WorkerServicer):
 
     # ---- RPCs -----------------------------------------------------------------------------
 
-    async def Forward(
-        self, request: wpb.StepBatch, context: grpc.aio.ServicerContext
-    ) -> wpb.StepResult:
-        """Run one step on the torch thread."""
+    async def Steps(
+        self, requests: AsyncIterator[wpb.StepBatch], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[wpb.StepResult]:
+        """The scheduler's steps, each queued on the torch thread as it comes (so step N+1
+        is there when step N ends) and answered in the order sent."""
         runner = self.runner
         if runner is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
-        async with self._order:
-            # A step at or below the last one is a scheduler that started over; a gap that
-            # does not fill within ORDER_WAIT_S is one that will never fill.
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(
-                    self._order.wait_for(lambda: request.step <= self._submitted_step + 1),
-                    ORDER_WAIT_S,
-                )
-            batch = batch_from_proto(request)
-            traced = get_current_span().is_recording()
-            pending = self._steps.submit(partial(self._launch, runner, batch, traced))
-            self._submitted_step = request.step
-            self._order.notify_all()
+        assert runner is not None
+        queued: asyncio.Queue[_Queued | None] = asyncio.Queue()
+
+        async def take() -> None:
+            try:
+                async for request in requests:
+                    batch = batch_from_proto(request)
+                    span = forward_span(request.traceparent)
+                    launch = partial(self._launch, runner, batch, span is not None)
+                    queued.put_nowait(_Queued(batch, span, self._steps.submit(launch)))
+            finally:
+                queued.put_nowait(None)
+
+        taking = asyncio.ensure_future(take())
         try:
-            result, reads, rids = await pending
+            while (step := await queued.get()) is not None:
+                yield await self._answer(step, context)
+        finally:
+            taking.cancel()
+
+    async def _answer(self, step: _Queued, context: grpc.aio.ServicerContext) -> wpb.StepResult:
+        """A queued step's result once it has run, with the KV sends it started."""
+        try:
+            result, reads, rids = await step.pending
         except Exception as exc:
-            log.exception("step %d failed", request.step)
+            log.exception("step %d failed", step.batch.step)
+            end_span(step.span, error=repr(exc))
             await context.abort(grpc.StatusCode.INTERNAL, f"forward failed: {exc!r}")
         sender = self.sender
         assert sender is not None
         for send, data in reads:
             sender.start(send, data)
-        if not batch.num_requests and sender.pending:
+        if not step.batch.num_requests and sender.pending:
             await sender.wait(0.05)  # an idle step waits a little for a send to end
         result.sends_done = sender.finished()
-        self.metrics.forward(batch, result.forward_ms)
+        self.metrics.forward(step.batch, result.forward_ms)
         if self.runner is not None and self.runner.lora is not None:
             self.metrics.lora(self.runner.lora)
-        note_forward(batch, result, self.config.tp_rank, rids)
+        if step.span is not None:
+            note_forward(step.span, step.batch, result, self.config.tp_rank, rids)
+            end_span(step.span)
         return result_to_proto(result)
 
     def _launch(self, runner: ModelRunner, batch: StepBatch, traced: bool) -> _WorkerStep:

@@ -66,16 +66,13 @@ class LaunchAhead(Generic[R]):
         self._queued: deque[None] = deque()  # one per launch submitted and not yet run
 
     def submit(self, launch: Callable[[], Launched[R]]) -> Awaitable[R]:
+        """Queue the launch and, behind it, the read of its tokens (which a later launch
+        queued meanwhile does instead); the step's result, awaitable on the calling loop."""
         done: Future[R] = Future()
         self._queued.append(None)
         self._thread.submit(self._launch, launch, done)
-        return self._result(done)
-
-    async def _result(self, done: Future[R]) -> R:
-        if not done.done():
-            # Read it now unless a later step, launched first, reads it.
-            self._thread.submit(self._read, done)
-        return await asyncio.wrap_future(done)
+        self._thread.submit(self._read, done)
+        return asyncio.wrap_future(done)
 
     def _launch(self, launch: Callable[[], Launched[R]], done: Future[R]) -> None:
         self._queued.popleft()
