@@ -427,7 +427,7 @@ class DetokenizerSettings(Settings):
 @dataclass(frozen=True, kw_only=True)
 class WorkerConfig(StatusSettings, NatsSettings, ServiceSettings, RoleSettings, WorkerSettings,
                    LoraSettings, RunnerSettings):
-    """One worker rank: loads the model, holds the KV pool, runs Forward over gRPC."""
+    """One worker rank: loads the model, holds the KV pool, runs its scheduler's steps over gRPC."""
 
 @dataclass(frozen=True, kw_only=True)
 class SchedulerServiceConfig(
