@@ -321,6 +321,7 @@ def test_worker_service_launches_a_step_before_reading_the_one_before() -> None:
         service.runner = runner  # type: ignore[assignment]
         service.porter = object()  # type: ignore[assignment]
         service.sender = SimpleNamespace(pending=False, finished=list)  # type: ignore[assignment]
+        service.metrics.loaded("fake", 0)
         # Hold the torch thread so that both steps are queued before either launches.
         held = service._torch.submit(gate.wait)
 

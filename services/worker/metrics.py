@@ -60,18 +60,24 @@ class WorkerMetrics:
     def __init__(self, tp_rank: int) -> None:
         self._labels = {"model_name": "", "tp_rank": str(tp_rank)}
         self._lora_counted = (0, 0)  # slot loads and evictions counted so far
+        # The step metrics' children for the model, looked up once it is loaded.
+        self._steps: tuple[Histogram, Histogram, Histogram] | None = None
 
     def loaded(self, model_name: str, num_slots: int) -> None:
         """Bind the model's name and show the pool's size."""
         self._labels["model_name"] = model_name
+        self._steps = (FORWARD_SECONDS.labels(**self._labels),
+                       BATCH_TOKENS.labels(**self._labels), BATCH_REQS.labels(**self._labels))
         KV_POOL_TOKENS.labels(**self._labels).set(num_slots)
 
     def forward(self, batch: StepBatch, forward_ms: float) -> None:
         """One step run; steps that only release requests compute nothing and add no size."""
-        FORWARD_SECONDS.labels(**self._labels).observe(forward_ms / 1e3)
+        assert self._steps is not None, "a step before the model loaded"
+        seconds, tokens, reqs = self._steps
+        seconds.observe(forward_ms / 1e3)
         if batch.num_requests:
-            BATCH_TOKENS.labels(**self._labels).observe(batch_tokens(batch))
-            BATCH_REQS.labels(**self._labels).observe(batch.num_requests)
+            tokens.observe(batch_tokens(batch))
+            reqs.observe(batch.num_requests)
 
     def lora(self, pool: LoraPool) -> None:
         """The LoRA pool's slot loads and evictions since the last call."""
