@@ -219,8 +219,9 @@ def run_llama(work: list[list[int]], streams: list[int], new_tokens: int) -> dic
     """llama-server with its default flags, as many slots as the most streams."""
     from peer_server import Processes, llama_server
 
+    # Its default flags, but a slot for every call (a later -np wins over peer_server's 16).
     args = argparse.Namespace(llama_server=os.environ["LLAMA_SERVER"], threads=os.cpu_count(),
-                              llama_args=os.environ.get("LLAMA_ARGS", ""))
+                              llama_args=f"-np {max(streams)} {os.environ.get('LLAMA_ARGS', '')}")
     bodies = [{"prompt": ids, "n_predict": new_tokens, "ignore_eos": True, "temperature": 0,
                "cache_prompt": False} for ids in work]
     with llama_server(args) as (url, pid):
