@@ -9,6 +9,11 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from radixmesh.core.tokenizer import Tokenizer
 
+# Hybrid linear-attention families (Hugging Face model types of their text models): some
+# layers keep a recurrent state per request instead of KV, which a cached prefix's KV cannot
+# rebuild.
+HYBRID_FAMILIES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
+
 # The model's shape as users see it: attributes named alike on the worker's ModelConfig, its
 # WorkerInfo, the engine's EngineStatus heartbeat and the tokenizer's record of it.
 MODEL_SHAPE = ("architecture", "num_experts", "num_experts_per_tok", "hidden_size")

@@ -132,3 +132,27 @@ class KVHoldings:
         assert free + cached + held == num_slots, (
             f"slot leak: free {free} + cached {cached} + held {held} != pool {num_slots}"
         )
+
+
+class PrivateHoldings(KVHoldings):
+    """Holdings whose slots never enter the radix tree, for a model whose cached prefix
+    another request cannot take (a hybrid linear-attention model: its linear layers' state
+    after a prefix is not kept): every match is empty, and a request's slots all free with
+    it."""
+
+    def cache_progress(self, req: Req) -> None:
+        """Nothing is published: no other request could use it."""
+
+    def release(self, req: Req) -> None:
+        """Free all of a request's slots."""
+        self.allocator.free(req.slots + req.orphans)
+        self.unlock(req.rid)
+        req.slots, req.cached_len, req.orphans = [], 0, []
+
+
+def make_holdings(allocator: KVAllocator, cache: RadixCache, page: int,
+                  share_prefixes: bool = True) -> KVHoldings:
+    """The holdings of a scheduler whose requests share cached prefixes, or keep their slots
+    to themselves (PrivateHoldings)."""
+    holdings = KVHoldings if share_prefixes else PrivateHoldings
+    return holdings(allocator, cache, page)

@@ -12,7 +12,7 @@ from radixmesh.engine.constraints import Constraints
 from radixmesh.engine.decode_steps import Decodes
 from radixmesh.engine.disaggregation import Disaggregation, Transfers
 from radixmesh.engine.kv_allocator import KVAllocator
-from radixmesh.engine.kv_holdings import KVHoldings
+from radixmesh.engine.kv_holdings import make_holdings
 from radixmesh.engine.lora_adapters import LoraAdapters
 from radixmesh.engine.priority import Capacity, KVRoom, make_priority
 from radixmesh.engine.radix_cache import RadixCache
@@ -75,7 +75,8 @@ class Scheduler:
         self.allocator = KVAllocator(config.num_slots, config.page_size)
         self.cache = RadixCache(self.allocator, config.page_size, config.eviction_policy,
                                 protected_ratio=config.slru_protected_ratio)
-        self.kv = KVHoldings(self.allocator, self.cache, config.page_size)
+        self.kv = make_holdings(self.allocator, self.cache, config.page_size,
+                                config.share_prefixes)
         self.policy = SchedulePolicy(config.schedule_policy, self.cache)
         self.waiting: list[Req] = []
         self.running: list[Req] = []  # decoding, oldest first

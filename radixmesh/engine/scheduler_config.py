@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from radixmesh.core.model_info import HYBRID_FAMILIES
 from radixmesh.core.settings import ReplicaSettings, SpeculativeSettings
 
 
@@ -45,6 +46,9 @@ class SchedulerConfig:
     lora_names: frozenset[str] = frozenset()
     max_loras_per_batch: int = 8
     lora_pinned: frozenset[str] = frozenset()
+    # Whether a request may start from another's cached prefix: not on a hybrid
+    # linear-attention model, whose linear layers' state after a prefix is not cached.
+    share_prefixes: bool = True
 
     @classmethod
     def from_settings(
@@ -55,8 +59,15 @@ class SchedulerConfig:
         max_position_embeddings: int,
         eos_token_ids: Iterable[int],
         model_fingerprint: str = "",
+        architecture: str = "",
+        disaggregation_mode: str = "null",
     ) -> SchedulerConfig:
-        """An engine's scheduler: its settings on the model and KV pool it got."""
+        """An engine's scheduler: its settings on the model (of family `architecture`) and
+        KV pool it got, in its disaggregation role; raises ValueError for a combination it
+        cannot serve (check_hybrid)."""
+        hybrid = architecture in HYBRID_FAMILIES
+        if hybrid:
+            check_hybrid(architecture, settings, disaggregation_mode)
         return cls(
             num_slots=num_slots,
             page_size=page_size,
@@ -78,4 +89,21 @@ class SchedulerConfig:
             enable_priority_scheduling=settings.enable_priority_scheduling,
             low_priority_values_first=settings.schedule_low_priority_values_first,
             preemption_threshold=settings.priority_scheduling_preemption_threshold,
+            share_prefixes=not hybrid,
         )
+
+
+def check_hybrid(architecture: str, settings: ReplicaSettings, disaggregation_mode: str) -> None:
+    """Refuse what a hybrid linear-attention model cannot run with yet: each needs the linear
+    layers' state, which lives in the worker's state pool alone (no snapshot of it is kept),
+    to be rolled back (speculative decoding's rejected drafts) or to travel with the KV
+    (prefill/decode disaggregation, the hierarchical cache's tiers)."""
+    refused = [name for name, on in (
+        (f"speculative_algorithm {settings.speculative_algorithm}",
+         settings.speculative_algorithm is not None),
+        (f"disaggregation_mode {disaggregation_mode}", disaggregation_mode != "null"),
+        ("enable_hierarchical_cache", settings.enable_hierarchical_cache),
+    ) if on]
+    if refused:
+        raise ValueError(f"{architecture} is a hybrid linear-attention model: it cannot run "
+                         f"with {' or '.join(refused)}")

@@ -77,6 +77,8 @@ class SchedulerService:
                 info.max_position_embeddings,
                 [*info.eos_token_ids, *tokenizer.eos_token_ids],
                 model_fingerprint(model_path) if self.config.enable_hierarchical_cache else "",
+                info.architecture,
+                self.config.disaggregation_mode,
             ),
             transfer_timeout=self.config.disaggregation_timeout,
             lora_names=frozenset(info.lora_names),

@@ -1,5 +1,6 @@
-"""A Llama-family decoder (Llama/SmolLM2, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2 and 3, and the
-mixture-of-experts Qwen3-MoE and Mixtral) over a slot-indexed KV pool."""
+"""A Llama-family decoder (Llama/SmolLM2, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2 and 3, the
+mixture-of-experts Qwen3-MoE and Mixtral, and the hybrid linear-attention Qwen3-Next and
+Qwen3.5) over a slot-indexed KV pool and, for the hybrids, a per-request state pool."""
 
 from __future__ import annotations
 
@@ -13,11 +14,13 @@ import torch.nn.functional as F
 from radixmesh.engine.model.attention import AttentionBackend
 from radixmesh.engine.model.kv_pool import KVPool
 from radixmesh.engine.model.linear import Linear, Weight
+from radixmesh.engine.model.linear_attention import GatedDeltaNet
 from radixmesh.engine.model.mlp import GatedMLP
 from radixmesh.engine.model.model_config import ModelConfig
 from radixmesh.engine.model.moe import SparseMoE
 from radixmesh.engine.model.parallel import TensorParallel, row_parallel
 from radixmesh.engine.model.rope import RotaryEmbedding, RotaryStep
+from radixmesh.engine.model.state_pool import StateStep
 from radixmesh.kernels import native
 from radixmesh.kernels.native_layer import LayerStack, SparseLayer
 from radixmesh.kernels.native_quant import QuantizedWeight
@@ -66,9 +69,10 @@ class _Cast(Mapping[str, Weight]):
 
 
 class DecoderLayer:
-    """Attention + MLP with pre-norms (and Gemma's norms of their outputs too); q/k/v and
-    gate/up are fused into one matmul each. The MLP is dense, or the experts of a sparse
-    layer (`sparse`).
+    """A token mixer + MLP with pre-norms (and Gemma's norms of their outputs too). The mixer
+    is attention, q/k/v fused into one matmul (with the hybrids' output gate, a fourth part
+    of it), or a hybrid's Gated DeltaNet (`layer` in cfg.linear_layers); gate/up are fused
+    too. The MLP is dense, or the experts of a sparse layer (`sparse`).
 
     Under tensor parallelism `cfg` is this rank's share (see parallel.local_config)."""
 
@@ -79,9 +83,12 @@ class DecoderLayer:
         prefix: str,
         tp: TensorParallel | None = None,
         sparse: bool = False,
+        layer: int = 0,
     ) -> None:
         attn = f"{prefix}.self_attn"
         self.cfg = cfg
+        # Its layer in the KV pool (attention) or in the state pool (a Gated DeltaNet).
+        self.mixer_index = cfg.mixer_index(layer)
         self.input_norm = w.tensor(f"{prefix}.input_layernorm.weight")
         # Without sandwich norms post_attention_layernorm is the MLP's pre-norm; with them it
         # norms the attention's output, and the MLP has a norm on each side.
@@ -91,24 +98,36 @@ class DecoderLayer:
              w.tensor(f"{prefix}.post_feedforward_layernorm.weight"))
             if cfg.sandwich_norms else None
         )
-        qkv_bias = (
-            torch.cat([w.tensor(f"{attn}.{p}_proj.bias") for p in "qkv"])
-            if cfg.attention_bias
-            else None
-        )
-        self.qkv = Linear([w[f"{attn}.{p}_proj.weight"] for p in "qkv"], qkv_bias)
-        self.o = row_parallel(w[f"{attn}.o_proj.weight"], tp)
-        self.q_norm = w.tensor(f"{attn}.q_norm.weight") if cfg.qk_norm else None
-        self.k_norm = w.tensor(f"{attn}.k_norm.weight") if cfg.qk_norm else None
         mlp = f"{prefix}.mlp"
         self.mlp: GatedMLP | SparseMoE = (
-            SparseMoE(w, mlp, cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob, tp)
+            SparseMoE(w, mlp, cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob, tp,
+                      shared=cfg.shared_expert_intermediate_size > 0)
             if sparse
             else GatedMLP(w[f"{mlp}.gate_proj.weight"], w[f"{mlp}.up_proj.weight"],
                           w[f"{mlp}.down_proj.weight"], tp, cfg.hidden_act)
         )
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.linear_attn: GatedDeltaNet | None = None
+        if layer in cfg.linear_layers:
+            assert cfg.linear is not None
+            self.linear_attn = GatedDeltaNet(cfg.linear, w, f"{prefix}.linear_attn",
+                                             cfg.rms_norm_eps, w.device)
+            return
+        qkv_bias = (
+            torch.cat([w.tensor(f"{attn}.{p}_proj.bias") for p in "qkv"])
+            if cfg.attention_bias
+            else None
+        )
+        q = w[f"{attn}.q_proj.weight"]
+        parts = [q, w[f"{attn}.k_proj.weight"], w[f"{attn}.v_proj.weight"]]
+        if cfg.attn_output_gate:
+            parts[0], gate = _query_and_gate(q, cfg.num_heads, cfg.head_dim)
+            parts.append(gate)
+        self.qkv = Linear(parts, qkv_bias)
+        self.o = row_parallel(w[f"{attn}.o_proj.weight"], tp)
+        self.q_norm = w.tensor(f"{attn}.q_norm.weight") if cfg.qk_norm else None
+        self.k_norm = w.tensor(f"{attn}.k_norm.weight") if cfg.qk_norm else None
 
     def __call__(
         self,
@@ -118,10 +137,20 @@ class DecoderLayer:
         attn: AttentionBackend,
         pool: KVPool,
         lora: LoraBatch | None = None,
+        states: StateStep | None = None,
     ) -> torch.Tensor:
         cfg = self.cfg
-        x = rms_norm(hidden, self.input_norm, cfg.rms_norm_eps)
+        eps = cfg.rms_norm_eps
+        x = rms_norm(hidden, self.input_norm, eps)
+        if self.linear_attn is not None:
+            if states is None:
+                raise ValueError("a linear-attention layer needs the step's states")
+            hidden = self.linear_attn(x, states, self.mixer_index, hidden)
+            return self.mlp(rms_norm(hidden, self.post_norm, eps), hidden, lora, layer)
         qkv = self.qkv(x, extra=None if lora is None else functools.partial(lora.add, layer, "qkv"))
+        gate = None
+        if cfg.attn_output_gate:
+            qkv, gate = qkv.split([self.q_size + 2 * self.kv_size, self.q_size], dim=-1)
         qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         qk = qk.view(-1, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
         v = v.reshape(-1, cfg.num_kv_heads, cfg.head_dim)
@@ -129,15 +158,16 @@ class DecoderLayer:
             q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
             qk = torch.cat(
                 (
-                    rms_norm(q, self.q_norm, cfg.rms_norm_eps),
-                    rms_norm(k, self.k_norm, cfg.rms_norm_eps),
+                    rms_norm(q, self.q_norm, eps),
+                    rms_norm(k, self.k_norm, eps),
                 ),
                 dim=1,
             )
         # q and k heads rotate together: one set of elementwise ops instead of two.
         q, k = rope(qk).split([cfg.num_heads, cfg.num_kv_heads], dim=1)
-        out = attn.forward(layer, q, k, v, pool).reshape(-1, self.q_size)
-        eps = cfg.rms_norm_eps
+        out = attn.forward(self.mixer_index, q, k, v, pool).reshape(-1, self.q_size)
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
         extra = None if lora is None else functools.partial(lora.add, layer, "o")
         if self.mlp_norms is None:
             hidden = self.o(out, residual=hidden, extra=extra)
@@ -146,6 +176,16 @@ class DecoderLayer:
         hidden = hidden + rms_norm(self.o(out, extra=extra), self.post_norm, eps)
         return hidden + rms_norm(self.mlp(rms_norm(hidden, pre, eps), None, lora, layer), post,
                                  eps)
+
+
+def _query_and_gate(q_proj: Weight, heads: int, head_dim: int) -> tuple[Weight, Weight]:
+    """A gated attention's q_proj [heads x (query | gate) x head_dim, hidden] split into the
+    queries' rows and the output gate's, each [heads x head_dim, hidden]."""
+    if not isinstance(q_proj, torch.Tensor):
+        raise ValueError("a gated attention's q_proj must be a float tensor")
+    per_head = q_proj.view(heads, 2, head_dim, q_proj.shape[-1])
+    query, gate = per_head.unbind(1)
+    return query.reshape(heads * head_dim, -1), gate.reshape(heads * head_dim, -1)
 
 
 class CausalLM:
@@ -167,7 +207,7 @@ class CausalLM:
         self.lm_head = Linear(self.embed if cfg.tie_word_embeddings else w["lm_head.weight"])
         self.norm = w.tensor("model.norm.weight")
         self.layers = [
-            DecoderLayer(cfg, w, f"model.layers.{i}", tp, i in cfg.sparse_layers)
+            DecoderLayer(cfg, w, f"model.layers.{i}", tp, i in cfg.sparse_layers, i)
             for i in range(cfg.num_layers)
         ]
         self.native_layers = self._native_layers(tp)
@@ -194,9 +234,11 @@ class CausalLM:
         attn: AttentionBackend,
         pool: KVPool,
         lora: LoraBatch | None = None,
+        states: StateStep | None = None,
     ) -> torch.Tensor:
         """Token ids [T] at positions [T] -> final hidden states [T, hidden], each token's
-        LoRA adapter (`lora`, if any) added to the projections it targets."""
+        LoRA adapter (`lora`, if any) added to the projections it targets; a hybrid model's
+        linear layers advance the requests' `states`."""
         if isinstance(self.embed, QuantizedWeight):
             hidden = self.embed.rows(input_ids, self.dtype)
         else:
@@ -216,16 +258,18 @@ class CausalLM:
             windows = self.cfg.layer_windows
             for i, layer in enumerate(self.layers):
                 hidden = layer(i, hidden, local if windows and windows[i] else rope, attn, pool,
-                               lora)
+                               lora, states)
         return rms_norm(hidden, self.norm, self.cfg.rms_norm_eps)
 
     def _native_layers(self, tp: TensorParallel | None) -> LayerStack | None:
         """Every layer as one native call, where each of its parts runs natively here (bf16
         activations, weights in bf16 on an AVX512-BF16 CPU or quantized, RoPE over whole
-        heads, one rank, SiLU MLPs with pre-norms only, experts all quantized: Gemma's
-        layers run layer by layer in Python) and the attention backend plans it."""
+        heads, one rank, SiLU MLPs with pre-norms only, experts all quantized and none
+        shared, no linear attention: Gemma's and the hybrids' layers run layer by layer in
+        Python) and the attention backend plans it."""
         cfg = self.cfg
-        if (tp is not None or cfg.rope_dim != cfg.head_dim
+        if (tp is not None or cfg.rope_dim != cfg.head_dim or cfg.is_hybrid
+                or cfg.shared_expert_intermediate_size
                 or cfg.sandwich_norms or cfg.hidden_act != "silu" or cfg.embed_scale != 1.0
                 or self.dtype != torch.bfloat16):
             return None

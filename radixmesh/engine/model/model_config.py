@@ -1,5 +1,5 @@
-"""The shape of a Llama-family model (Gemma 2 and 3 included), independent of where its
-weights come from."""
+"""The shape of a Llama-family model (Gemma 2 and 3, and the hybrid linear-attention Qwen3-Next
+and Qwen3.5 included), independent of where its weights come from."""
 
 from __future__ import annotations
 
@@ -8,12 +8,23 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from radixmesh.core.model_info import HYBRID_FAMILIES
+
 log = logging.getLogger("radixmesh.worker")
 
 # Hugging Face model types served; the Qwen3 family norms q and k per head.
 _MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "phi3", "gemma2",
-                "gemma3_text")
-_QK_NORM = ("qwen3", "qwen3_moe", "gemma3_text")
+                "gemma3_text", *HYBRID_FAMILIES)
+_QK_NORM = ("qwen3", "qwen3_moe", "gemma3_text", *HYBRID_FAMILIES)
+# Multimodal files whose text model is served (under `text_config`), by the type it takes.
+_TEXT_MODELS = {"gemma3": "gemma3_text", "qwen3_5": "qwen3_5_text",
+                "qwen3_5_moe": "qwen3_5_moe_text"}
+# Families whose every layer's MLP is the experts (no decoder_sparse_step, always renormalized).
+_ALL_SPARSE = ("qwen3_5_moe_text",)
+# What the hybrid configs take for a file that leaves them out (transformers' defaults): the
+# share of each head RoPE rotates, and every how many layers one is full attention.
+_HYBRID_PARTIAL_ROTARY = 0.25
+_HYBRID_FULL_ATTENTION_INTERVAL = 4
 GEMMA = ("gemma2", "gemma3_text")
 # Gemma's layers windowed by default: every second from the first (Gemma 2), five of every
 # six (Gemma 3), as transformers and llama.cpp lay them out when the file says nothing.
@@ -31,10 +42,37 @@ _PHI3_ORIGINAL_CONTEXT = 4096
 
 
 @dataclass(frozen=True)
+class LinearAttentionShape:
+    """A Gated DeltaNet layer's shape (linear_attention.py): q/k heads and v heads (each
+    q/k head serves num_v_heads / num_k_heads of the v heads) and their widths, and the
+    causal depthwise convolution's kernel over the q|k|v channels."""
+
+    num_k_heads: int
+    num_v_heads: int
+    k_head_dim: int
+    v_head_dim: int
+    conv_kernel: int
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_k_heads * self.k_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_v_heads * self.v_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """The channels the convolution runs over: q, k and v side by side."""
+        return 2 * self.key_dim + self.value_dim
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """Architecture of a Llama / Mistral / Qwen2 / Qwen3 / Phi-3 / Gemma 2 / Gemma 3 style
     decoder, dense or with sparse mixture-of-experts MLPs (Qwen3-MoE, Mixtral) in
-    `sparse_layers`."""
+    `sparse_layers`, and of the hybrid ones (Qwen3-Next, Qwen3.5) whose `linear_layers` mix
+    tokens with a Gated DeltaNet."""
 
     architecture: str  # one of _MODEL_TYPES
     vocab_size: int
@@ -73,11 +111,35 @@ class ModelConfig:
     query_pre_attn_scalar: float = 0.0
     attn_logit_softcap: float = 0.0
     final_logit_softcap: float = 0.0
+    # Hybrid linear attention (Qwen3-Next, Qwen3.5): the layers whose token mixer is a Gated
+    # DeltaNet of shape `linear` instead of attention; attention gates its output by the
+    # sigmoid of a second half of q_proj (attn_output_gate); a sparse MLP adds a shared
+    # expert of this width, gated by a sigmoid (0: none).
+    linear_layers: tuple[int, ...] = ()
+    linear: LinearAttentionShape | None = None
+    attn_output_gate: bool = False
+    shared_expert_intermediate_size: int = 0
 
     @property
     def is_moe(self) -> bool:
         """Whether any layer's MLP is a mixture of experts."""
         return bool(self.sparse_layers)
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Whether some layers keep a recurrent state per request instead of KV."""
+        return bool(self.linear_layers)
+
+    @property
+    def num_kv_layers(self) -> int:
+        """The layers that attend, and so hold KV in the pool."""
+        return self.num_layers - len(self.linear_layers)
+
+    def mixer_index(self, layer: int) -> int:
+        """Layer `layer`'s place among its kind: its KV pool layer if it attends, else its
+        state pool layer."""
+        linear = layer in self.linear_layers
+        return sum((i in self.linear_layers) == linear for i in range(layer))
 
     @property
     def attention_scale(self) -> float:
@@ -94,10 +156,10 @@ class ModelConfig:
     def from_hf_dict(cls, cfg: dict[str, Any], name: str = "model") -> ModelConfig:
         """Build from a Hugging Face config.json dictionary."""
         model_type = cfg.get("model_type", "llama")
-        if model_type == "gemma3" and "text_config" in cfg:  # the multimodal file's text part
+        if model_type in _TEXT_MODELS and "text_config" in cfg:  # a multimodal file's text part
             outer = {k: v for k, v in cfg.items() if not k.endswith("_config")}
-            cfg = {**outer, **cfg["text_config"], "model_type": "gemma3_text"}
-            model_type = "gemma3_text"
+            model_type = _TEXT_MODELS[model_type]
+            cfg = {**outer, **cfg["text_config"], "model_type": model_type}
         if model_type not in _MODEL_TYPES:
             raise ValueError(f"unsupported model_type {model_type!r}")
         heads = cfg["num_attention_heads"]
@@ -109,7 +171,13 @@ class ModelConfig:
         if model_type == "gemma3_text":
             rope, local_theta = _gemma3_rope(rope, cfg)
         theta = rope.pop("rope_theta", None) or cfg.get("rope_theta", 10000.0)
-        partial = rope.pop("partial_rotary_factor", None) or cfg.get("partial_rotary_factor", 1.0)
+        partial = rope.pop("partial_rotary_factor", None) or cfg.get(
+            "partial_rotary_factor", _HYBRID_PARTIAL_ROTARY if model_type in HYBRID_FAMILIES
+            else 1.0)
+        # Qwen3.5's multimodal rotary: a text token's three position axes are one, which
+        # rotates as plain RoPE does.
+        for key in ("mrope_section", "mrope_interleaved"):
+            rope.pop(key, None)
         scaling = _rope_scaling(rope, cfg, model_type)
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
@@ -117,7 +185,9 @@ class ModelConfig:
             architecture=model_type,
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
+            # Qwen3.5-MoE has no dense MLP.
+            intermediate_size=(cfg.get("intermediate_size", 0) if model_type in _ALL_SPARSE
+                               else cfg["intermediate_size"]),
             num_layers=cfg["num_hidden_layers"],
             num_heads=heads,
             num_kv_heads=cfg.get("num_key_value_heads") or heads,
@@ -139,6 +209,7 @@ class ModelConfig:
             layer_windows=_layer_windows(cfg, model_type),
             local_rope_theta=local_theta,
             **_gemma_fields(cfg, model_type),
+            **_hybrid_fields(cfg, model_type),
         )
 
 
@@ -200,10 +271,11 @@ def _moe_shape(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
     """The ModelConfig fields of a mixture-of-experts config.json (none for dense types).
 
     Mixtral routes every layer through experts as wide as `intermediate_size` and always
-    renormalizes; Qwen3-MoE makes every `decoder_sparse_step`-th layer sparse except
-    `mlp_only_layers` (dense MLPs of `intermediate_size` there) with experts of
-    `moe_intermediate_size`."""
-    if model_type not in ("qwen3_moe", "mixtral"):
+    renormalizes; Qwen3-MoE and Qwen3-Next make every `decoder_sparse_step`-th layer sparse
+    except `mlp_only_layers` (dense MLPs of `intermediate_size` there) with experts of
+    `moe_intermediate_size`; Qwen3.5-MoE makes every layer sparse and always renormalizes.
+    Qwen3-Next's and Qwen3.5-MoE's sparse layers add a shared expert."""
+    if model_type not in ("qwen3_moe", "mixtral", "qwen3_next", *_ALL_SPARSE):
         return {}
     layers = cfg["num_hidden_layers"]
     # transformers 5 writes num_local_experts for both; Qwen's own files say num_experts.
@@ -211,18 +283,58 @@ def _moe_shape(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
     if model_type == "mixtral":
         sparse = tuple(range(layers)) if experts else ()
         width, renormalize = cfg["intermediate_size"], True
+    elif model_type in _ALL_SPARSE:
+        sparse = tuple(range(layers)) if experts else ()
+        width, renormalize = cfg["moe_intermediate_size"], True
     else:
         step = cfg.get("decoder_sparse_step", 1)
         dense = set(cfg.get("mlp_only_layers") or ())
         sparse = tuple(i for i in range(layers)
                        if experts and i not in dense and (i + 1) % step == 0)
-        width, renormalize = cfg["moe_intermediate_size"], cfg.get("norm_topk_prob", False)
+        # Qwen3-Next renormalizes unless its file says not to; Qwen3-MoE only if it says to.
+        width = cfg["moe_intermediate_size"]
+        renormalize = cfg.get("norm_topk_prob", model_type == "qwen3_next")
     return {
         "num_experts": experts,
         "num_experts_per_tok": cfg["num_experts_per_tok"],
         "moe_intermediate_size": width,
         "norm_topk_prob": renormalize,
         "sparse_layers": sparse,
+        "shared_expert_intermediate_size": cfg.get("shared_expert_intermediate_size") or 0,
+    }
+
+
+def _hybrid_fields(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
+    """The ModelConfig fields of a hybrid linear-attention family (none for the others): its
+    Gated DeltaNet layers, from `layer_types` or else one full-attention layer closing each
+    `full_attention_interval`, their shape, and attention's output gate."""
+    if model_type not in HYBRID_FAMILIES:
+        return {}
+    layers = cfg["num_hidden_layers"]
+    types = cfg.get("layer_types") or [
+        "full_attention" if (i + 1) % cfg.get("full_attention_interval",
+                                               _HYBRID_FULL_ATTENTION_INTERVAL) == 0
+        else "linear_attention"
+        for i in range(layers)
+    ]
+    unknown = set(types) - {"linear_attention", "full_attention"}
+    if len(types) != layers or unknown:
+        raise ValueError(f"layer_types: expected {layers} of linear_attention and "
+                         f"full_attention, got {types}")
+    shape = LinearAttentionShape(
+        num_k_heads=cfg["linear_num_key_heads"],
+        num_v_heads=cfg["linear_num_value_heads"],
+        k_head_dim=cfg["linear_key_head_dim"],
+        v_head_dim=cfg["linear_value_head_dim"],
+        conv_kernel=cfg.get("linear_conv_kernel_dim", 4),
+    )
+    if shape.num_v_heads % shape.num_k_heads:
+        raise ValueError(f"linear_num_value_heads {shape.num_v_heads} is not a multiple of "
+                         f"linear_num_key_heads {shape.num_k_heads}")
+    return {
+        "linear_layers": tuple(i for i, t in enumerate(types) if t == "linear_attention"),
+        "linear": shape,
+        "attn_output_gate": True,
     }
 
 

@@ -10,7 +10,11 @@ Otherwise each expert's weights, in whatever form the loader gave (float tensors
 kernels as the dense MLP run them, one expert after another. Experts are named one by one,
 as Hugging Face's per-expert checkpoints spell them:
 `{prefix}.experts.{e}.{gate,up,down}_proj.weight`, router `{prefix}.gate.weight`; the
-loaders bring every other layout to these names."""
+loaders bring every other layout to these names.
+
+Qwen3-Next and Qwen3.5-MoE add a shared expert every token goes through, a gated MLP
+`{prefix}.shared_expert.{gate,up,down}_proj.weight` whose output is scaled by
+sigmoid(x . `{prefix}.shared_expert_gate.weight`) and added to the routed experts'."""
 
 from __future__ import annotations
 
@@ -97,6 +101,7 @@ class SparseMoE:
         renormalize: bool,
         tp: TensorParallel | None = None,
         fused: bool | None = None,
+        shared: bool = False,
     ) -> None:
         router = w[f"{prefix}.gate.weight"]
         # The router runs as transformers runs it (F.linear on the float weight, in the
@@ -126,6 +131,14 @@ class SparseMoE:
             # Every expert quantized: all of a step's experts in one native call.
             self.native = ExpertWeights.of(weights)
         self.top_k, self.renormalize, self.tp = top_k, renormalize, tp
+        self.shared: GatedMLP | None = None
+        if shared:
+            self.shared = GatedMLP(*(w[f"{prefix}.shared_expert.{p}.weight"]
+                                     for p in EXPERT_PROJECTIONS))
+            gate = w[f"{prefix}.shared_expert_gate.weight"]
+            if not isinstance(gate, torch.Tensor):
+                raise ValueError(f"{prefix}.shared_expert_gate.weight must be a float tensor")
+            self.shared_gate = gate
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor, lora: object = None,
                  layer: int = 0) -> torch.Tensor:
@@ -139,6 +152,9 @@ class SparseMoE:
             routing = route(F.linear(x, self.router), self.top_k, self.renormalize)
             mixed = (self._fused(x, routing) if self.fused
                      else self._expert_by_expert(x, routing))
+        if self.shared is not None:
+            gate = torch.sigmoid(F.linear(x, self.shared_gate))
+            mixed = mixed + (gate * self.shared(x)).to(mixed.dtype)
         if self.tp is not None:
             mixed = self.tp.all_reduce(mixed)
         return residual + mixed.to(residual.dtype)

@@ -103,7 +103,10 @@ def destroy_tensor_parallel() -> None:
 
 def check_divisible(config: ModelConfig, size: int) -> None:
     """Raise ValueError unless heads, KV heads and the MLP widths (the experts' too) split
-    evenly over `size`."""
+    evenly over `size`, and the model has no linear-attention layer (not split yet)."""
+    if config.is_hybrid:
+        raise ValueError(f"{config.architecture}: a hybrid linear-attention model is not split "
+                         "over tensor-parallel ranks")
     names = ("num_heads", "num_kv_heads", "intermediate_size") + (
         ("moe_intermediate_size",) if config.is_moe else ()
     )

@@ -55,6 +55,7 @@ from radixmesh.engine.model.parallel import (
 from radixmesh.engine.model.pool_size import size_pool
 from radixmesh.engine.model.req_table import ReqTable
 from radixmesh.engine.model.row_sampling import is_plain
+from radixmesh.engine.model.state_pool import StatePool, StateStep
 from radixmesh.engine.model.step_sampler import RequestState, StepLayout, StepSampler, TokenRead
 from radixmesh.engine.model.torch_attention import TorchAttention
 
@@ -80,7 +81,8 @@ class ModelRunner:
     device: how it is tested without a GPU.
 
     A step's KVCopy list moves KV between the pool and the engine's host pool
-    (host_copies.HostCopier): loads before the forward, backups started after it."""
+    (host_copies.HostCopier): loads before the forward, backups started after it. A hybrid
+    model's linear layers keep each request's state in `states` (state_pool.py)."""
 
     def __init__(
         self,
@@ -109,11 +111,11 @@ class ModelRunner:
         check_runs_on(self.attention, self.device)
         with current(self.device):
             self.model = CausalLM(shard, weights, dtype, tp, self.device)
-            slots = size_pool(num_slots, shard, dtype, self.device, tp).tokens
-            self.pool = KVPool(
-                shard.num_layers, slots, shard.num_kv_heads, shard.head_dim, dtype, self.device
-            )
-            self.graphs = self._decode_graphs(cuda_graph_max_bs, eager_graphs, slots)
+            size = size_pool(num_slots, shard, dtype, self.device, tp)
+            self.pool = KVPool(shard.num_kv_layers, size.tokens, shard.num_kv_heads,
+                               shard.head_dim, dtype, self.device)
+            self.states = StatePool(shard, size.state_slots, dtype, self.device)
+            self.graphs = self._decode_graphs(cuda_graph_max_bs, eager_graphs, size.tokens)
             rank = 0 if tp is None else tp.rank
             self.host_copies = HostCopier(self.pool, config.num_kv_heads, rank)
         self.graph_steps = 0  # steps that ran through self.graphs
@@ -140,8 +142,9 @@ class ModelRunner:
 
     def _decode_graphs(self, max_batch: int, eager: bool, num_slots: int) -> DecodeGraphs | None:
         # A sparse MLP reads how many tokens each expert got back on the host: no graph can
-        # hold that.
-        if max_batch == 0 or isinstance(self.attention, TorchAttention) or self.config.is_moe:
+        # hold that; nor a linear-attention layer's steps, which read their rows' states.
+        if (max_batch == 0 or isinstance(self.attention, TorchAttention) or self.config.is_moe
+                or self.config.is_hybrid):
             return None
         if self.device.type != "cuda" and not eager:
             return None
@@ -171,12 +174,14 @@ class ModelRunner:
         if batch.step == 1:  # a scheduler (re)started: what the one before sent is gone
             self.requests.clear()
             self._by_row.clear()
+            self.states.reset()
             if self.lora is not None:
                 self.lora.reset()
         for rid in batch.release:
             gone = self.requests.pop(rid, None)
             if gone is not None and self._by_row.get(gone.row) is gone:
                 del self._by_row[gone.row]
+                self.states.release(gone.row)
             if gone is not None and gone.spec.lora and self.lora is not None:
                 self.lora.release(int(self.table.lora[gone.row]))
         for spec in batch.new_requests:
@@ -184,6 +189,7 @@ class ModelRunner:
             with current(self.device):
                 self.table.admit(spec.row, spec.prefix_ids, spec.prefix_slots,
                                  self._lora_slot(spec.lora))
+                self.states.admit(spec.row, len(spec.prefix_slots))
             self.sampler.row_sampling.set(spec.row, spec.params, spec.seed, state.plain)
             self.requests[spec.rid] = self._by_row[spec.row] = state
         result = StepResult(batch.step)
@@ -283,8 +289,9 @@ class ModelRunner:
             self.attention.prepare(meta)
             lora = None if lora_slots is None or self.lora is None else LoraBatch(self.lora,
                                                                                   lora_slots)
+            states = StateStep.of_layout(self.states, step) if self.config.is_hybrid else None
             hidden = self.model.forward(input_ids, input_positions, self.attention, self.pool,
-                                        lora)
+                                        lora, states)
         outs = result.results = [EntryResult(e.rid) for e in batch.entries]
         # Every rank broadcasts a token per plain decode and per sampling entry, void ones
         # included (as -1), and after a draft's token the accepted path (see _follow).
@@ -471,6 +478,9 @@ def lora_pool(settings: LoraSettings, config: ModelConfig, dtype: torch.dtype,
               device: torch.device, tp: TensorParallel | None = None) -> LoraPool:
     """The adapters of `settings` loaded and checked against the model, in their pool (this
     tensor-parallel rank's share of each, with `tp`)."""
+    if config.is_hybrid:
+        raise LoraError(f"{config.architecture}: LoRA adapters on a hybrid linear-attention "
+                        "model are not supported")
     refs = parse_lora_paths(settings.lora_paths)
     adapters = {ref.name: rank_share(load_adapter(ref.name, ref.path, config), tp)
                 for ref in refs}

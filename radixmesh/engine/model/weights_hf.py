@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from radixmesh.engine.model.model_config import GEMMA, ModelConfig
+from radixmesh.engine.model.model_config import GEMMA, LinearAttentionShape, ModelConfig
 from radixmesh.engine.model.moe import expert_weight_name
 
 if TYPE_CHECKING:
@@ -26,7 +26,12 @@ _TEXT_PREFIXES = (("model.language_model.", "model."), ("language_model.model.",
                   ("language_model.lm_head.", "lm_head."), ("embed_tokens.", "model.embed_tokens."),
                   ("layers.", "model.layers."), ("norm.", "model.norm."))
 _VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
-                    "model.multi_modal_projector.")
+                    "model.multi_modal_projector.", "model.visual.", "visual.")
+# Qwen3-Next's and Qwen3.5's multi-token-prediction head, which serving does not read.
+_UNREAD_PREFIXES = ("mtp.", "model.mtp.")
+# The hybrids' linear-attention output norm scales by its weight; their other norms by
+# 1 + weight, which the loader stores as Gemma's are.
+_PLAIN_NORM = ".linear_attn.norm.weight"
 # Mixtral's per-expert projections (w1 gate, w3 up, w2 down) under moe.py's names.
 _MIXTRAL_EXPERT = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
@@ -108,15 +113,22 @@ def checkpoint_tensors(
     splits q/k/v and gate/up by name; the model fuses them again into one matmul each.
 
     Gemma's norms scale by 1 + weight: the weight is stored plus one (as llama.cpp's files
-    hold it), so every family's norm is the same product. A multimodal Gemma 3 file gives
-    its text model's tensors under the text model's names, nothing of its vision parts."""
-    if key.startswith(_VISION_PREFIXES):
+    hold it), so every family's norm is the same product; the hybrid families' norms too
+    (all but their linear attention's). A multimodal Gemma 3 or Qwen3.5 file gives its text
+    model's tensors under the text model's names, nothing of its vision parts. Qwen3-Next's
+    linear-attention projections are reordered as Qwen3.5 lays them out (linear_tensors)."""
+    if key.startswith(_VISION_PREFIXES + _UNREAD_PREFIXES):
         return
     for old, new in _TEXT_PREFIXES:
         if key.startswith(old):
             key = new + key.removeprefix(old)
-    if config.architecture in GEMMA and key.endswith("norm.weight"):
+    zero_centred = config.architecture in GEMMA or (
+        config.is_hybrid and not key.endswith(_PLAIN_NORM))
+    if zero_centred and key.endswith("norm.weight"):
         yield key, tensor + 1
+        return
+    if config.linear is not None and ".linear_attn.in_proj_" in key:
+        yield from linear_tensors(key, tensor, config.linear)
         return
     head, _, last = key.rpartition(".")
     if head.endswith(".self_attn.qkv_proj"):
@@ -134,6 +146,38 @@ def checkpoint_tensors(
                          f"{' + '.join(f'{n} {r}' for n, r in parts.items())}")
     for name, part in zip(parts, tensor.split(list(parts.values())), strict=True):
         yield f"{prefix}{name}.{last}", part
+
+
+def linear_tensors(
+    key: str, tensor: torch.Tensor, shape: LinearAttentionShape
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """A linear-attention input projection under Qwen3.5's names and layout: in_proj_qkv
+    (q of every k head, then k, then v of every v head), in_proj_z, in_proj_b, in_proj_a.
+
+    Qwen3-Next groups its rows by k head instead: in_proj_qkvz holds, for each k head, its q,
+    its k, then the v and z of the v heads it serves; in_proj_ba, for each k head, the b and
+    then the a of those v heads."""
+    import torch
+
+    head, _, name = key.rpartition(".in_proj_")
+    if name not in ("qkvz.weight", "ba.weight"):
+        yield key, tensor
+        return
+    group = shape.num_v_heads // shape.num_k_heads
+    if name == "ba.weight":
+        parts = {"b": group, "a": group}
+    else:
+        parts = {"q": shape.k_head_dim, "k": shape.k_head_dim,
+                 "v": group * shape.v_head_dim, "z": group * shape.v_head_dim}
+    per_head = tensor.view(shape.num_k_heads, sum(parts.values()), tensor.shape[-1])
+    split = dict(zip(parts, per_head.split(list(parts.values()), dim=1), strict=True))
+    flat = {part: rows.reshape(-1, tensor.shape[-1]) for part, rows in split.items()}
+    if name == "ba.weight":
+        yield f"{head}.in_proj_b.weight", flat["b"]
+        yield f"{head}.in_proj_a.weight", flat["a"]
+        return
+    yield f"{head}.in_proj_qkv.weight", torch.cat([flat["q"], flat["k"], flat["v"]])
+    yield f"{head}.in_proj_z.weight", flat["z"]
 
 
 def load_hf_dir(
