@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -82,17 +82,26 @@ def spread(model: Any) -> Any:
     return model.eval()
 
 
+class Saved(NamedTuple):
+    """A family's transformers model, its checkpoint with a word-level tokenizer, and the
+    model's greedy tokens for each of PROMPTS and for BRANCH."""
+
+    family: str
+    model: Any
+    path: Path
+    refs: list[list[int]]
+    branch_ref: list[int]
+
+
 @pytest.fixture(scope="module", params=list(FAMILIES))
-def saved(request, tmp_path_factory) -> tuple[str, Path, list[list[int]], list[int]]:
-    """(family, its checkpoint with a word-level tokenizer, transformers' greedy tokens for
-    each of PROMPTS, and for BRANCH)."""
+def saved(request, tmp_path_factory) -> Saved:
     family = request.param
     torch.manual_seed(0)
     model = spread(transformers.AutoModelForCausalLM.from_config(hf_text_config(family)))
     path = save_with_word_tokenizer(model, tmp_path_factory.mktemp(family) / "model")
     refs = [hf_greedy(model, ids, NEW_TOKENS) for ids in PROMPTS]
     assert len({t for ref in refs for t in ref}) > NEW_TOKENS  # the model says something
-    return family, path, refs, hf_greedy(model, BRANCH, NEW_TOKENS)
+    return Saved(family, model, path, refs, hf_greedy(model, BRANCH, NEW_TOKENS))
 
 
 def wait_for(condition: Any, timeout: float = 10.0) -> bool:
@@ -119,11 +128,11 @@ def all_returned(engine: Engine) -> bool:
 
 
 @pytest.mark.parametrize("mode", list(MODES))
-def test_engine_greedy_matches_transformers(saved, mode: str) -> None:
+def test_engine_greedy_matches_transformers(saved: Saved, mode: str) -> None:
     """The four prompts at once and each alone, token-identical to transformers; the third
     again and a prompt sharing its first 40 tokens, each computed from the start (no cached
     prefix); every slot back once they are done."""
-    family, path, refs, branch_ref = saved
+    family, _, path, refs, branch_ref = saved
     with Engine(str(path), dtype="float32", max_total_tokens=512, show_progress=False,
                 **MODES[mode]) as engine:
         assert engine.model_config.architecture == family
@@ -139,6 +148,39 @@ def test_engine_greedy_matches_transformers(saved, mode: str) -> None:
         assert isinstance(branch, dict)
         assert branch["output_ids"] == branch_ref
         assert branch["meta_info"]["cached_tokens"] == 0
+        assert wait_for(lambda: all_returned(engine))
+
+
+def test_logprob_requests_decode_beside_packed_ones(saved: Saved) -> None:
+    """Requests that report logprobs (each decode an entry of its own) beside plain ones
+    (packed decodes): the same tokens, each output logprob transformers' log-softmax."""
+    with Engine(str(saved.path), dtype="float32", max_total_tokens=512,
+                chunked_prefill_size=16, show_progress=False) as engine:
+        reporting = in_thread(engine.generate, input_ids=PROMPTS[:2], sampling_params=GREEDY,
+                              return_logprob=True)
+        plain = engine.generate(input_ids=PROMPTS[2:], sampling_params=GREEDY)
+        outs = [*reporting.result(timeout=60), *plain]
+    assert [o["output_ids"] for o in outs] == saved.refs
+    for ids, out in zip(PROMPTS[:2], outs, strict=False):
+        sequence = ids + out["output_ids"]
+        with torch.inference_mode():
+            logits = saved.model(torch.tensor([sequence[:-1]])).logits[0, len(ids) - 1 :]
+        expected = logits.log_softmax(-1).gather(1, torch.tensor(out["output_ids"])[:, None])
+        ours = [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
+        torch.testing.assert_close(torch.tensor(ours), expected[:, 0], rtol=1e-4, atol=1e-4)
+
+
+def test_retracted_requests_start_over(saved: Saved) -> None:
+    """A pool too small for four requests at once: those retracted for room start over from
+    a zero state (prompt and output so far) and still answer transformers' tokens."""
+    steps = 40
+    greedy = {**GREEDY, "max_new_tokens": steps}
+    refs = [hf_greedy(saved.model, ids, steps) for ids in PROMPTS]
+    with Engine(str(saved.path), dtype="float32", max_total_tokens=192,
+                chunked_prefill_size=16, show_progress=False) as engine:
+        outs = engine.generate(input_ids=PROMPTS, sampling_params=greedy)
+        assert engine.server_info()["num_retractions"] > 0
+        assert [o["output_ids"] for o in outs] == refs
         assert wait_for(lambda: all_returned(engine))
 
 
