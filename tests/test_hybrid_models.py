@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from engine_helpers import in_thread
+from test_model_vs_hf import greedy
 from tiny_model import hf_greedy, save_with_word_tokenizer, spread_weights
 
 from radixmesh.api import Engine
@@ -28,6 +29,7 @@ from radixmesh.engine.model.model_config import ModelConfig
 from radixmesh.engine.model.model_source import load_model
 from radixmesh.engine.model.parallel import check_divisible
 from radixmesh.engine.model.pool_size import auto_pool_size, size_pool
+from radixmesh.engine.model.runner import ModelRunner
 from radixmesh.engine.model.state_pool import StatePool, request_state_bytes
 from radixmesh.engine.scheduler_config import SchedulerConfig
 
@@ -170,15 +172,18 @@ def test_logprob_requests_decode_beside_packed_ones(saved: Saved) -> None:
         torch.testing.assert_close(torch.tensor(ours), expected[:, 0], rtol=1e-4, atol=1e-4)
 
 
-def test_retracted_requests_start_over(saved: Saved) -> None:
+def test_retracted_requests_start_over(tmp_path) -> None:
     """A pool too small for four requests at once: those retracted for room start over from
     a zero state (prompt and output so far) and still answer transformers' tokens."""
+    torch.manual_seed(0)
+    model = spread(transformers.AutoModelForCausalLM.from_config(hf_text_config("qwen3_5_text")))
+    path = save_with_word_tokenizer(model, tmp_path / "model")
     steps = 40
-    greedy = {**GREEDY, "max_new_tokens": steps}
-    refs = [hf_greedy(saved.model, ids, steps) for ids in PROMPTS]
-    with Engine(str(saved.path), dtype="float32", max_total_tokens=192,
-                chunked_prefill_size=16, show_progress=False) as engine:
-        outs = engine.generate(input_ids=PROMPTS, sampling_params=greedy)
+    refs = [hf_greedy(model, ids, steps) for ids in PROMPTS]
+    with Engine(str(path), dtype="float32", max_total_tokens=192, chunked_prefill_size=16,
+                show_progress=False) as engine:
+        outs = engine.generate(input_ids=PROMPTS,
+                               sampling_params={**GREEDY, "max_new_tokens": steps})
         assert engine.server_info()["num_retractions"] > 0
         assert [o["output_ids"] for o in outs] == refs
         assert wait_for(lambda: all_returned(engine))
@@ -214,16 +219,18 @@ def test_aborted_requests_give_their_slots_back(tmp_path) -> None:
         assert wait_for(lambda: all_returned(engine))
 
 
-def test_a_checkpoint_with_a_vision_tower_serves_its_text_model(tmp_path) -> None:
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_checkpoint_with_a_vision_tower_serves_its_text_model(tmp_path, tied: bool) -> None:
     """Qwen3.5 as released: config.json nests the text model's config beside the vision
     tower's, the weights sit under model.language_model and model.visual; the text model
-    answers as transformers' multimodal model does for text alone."""
+    answers as transformers' multimodal model does for text alone. The multimodal model's
+    own tie_word_embeddings ties its lm_head, whatever its text config says."""
     vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
               "out_hidden_size": HIDDEN, "patch_size": 4, "num_position_embeddings": 16}
     config = transformers.Qwen3_5Config(
         text_config=hf_text_config("qwen3_5_text").to_dict(), vision_config=vision,
         image_token_id=250, video_token_id=251, vision_start_token_id=252,
-        vision_end_token_id=253)
+        vision_end_token_id=253, tie_word_embeddings=tied)
     torch.manual_seed(0)
     model = spread(transformers.Qwen3_5ForConditionalGeneration(config))
     path = save_with_word_tokenizer(model, tmp_path / "model")
@@ -233,6 +240,23 @@ def test_a_checkpoint_with_a_vision_tower_serves_its_text_model(tmp_path) -> Non
         out = engine.generate(input_ids=ids, sampling_params=GREEDY)
         assert isinstance(out, dict)
         assert out["output_ids"] == hf_greedy(model, ids, NEW_TOKENS)
+
+
+def test_gated_attention_with_biases(tmp_path) -> None:
+    """attention_bias: q_proj's bias split between the queries and the output gate as its
+    rows are, and o_proj's bias too."""
+    config = hf_text_config("qwen3_next")
+    config.attention_bias = True
+    torch.manual_seed(0)
+    model = spread(transformers.AutoModelForCausalLM.from_config(config))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("_proj.bias"):
+                p.normal_(0.0, 0.5)
+    model.save_pretrained(tmp_path)
+    loaded = load_model(str(tmp_path), progress=False)
+    runner = ModelRunner(loaded.config, loaded.weights, torch.float32, num_slots=256)
+    assert greedy(runner, PROMPTS[2], NEW_TOKENS) == hf_greedy(model, PROMPTS[2], NEW_TOKENS)
 
 
 # ---- the layer --------------------------------------------------------------------------

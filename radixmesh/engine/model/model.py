@@ -114,18 +114,19 @@ class DecoderLayer:
             self.linear_attn = GatedDeltaNet(cfg.linear, w, f"{prefix}.linear_attn",
                                              cfg.rms_norm_eps, w.device)
             return
-        qkv_bias = (
-            torch.cat([w.tensor(f"{attn}.{p}_proj.bias") for p in "qkv"])
-            if cfg.attention_bias
-            else None
-        )
-        q = w[f"{attn}.q_proj.weight"]
-        parts = [q, w[f"{attn}.k_proj.weight"], w[f"{attn}.v_proj.weight"]]
-        if cfg.attn_output_gate:
-            parts[0], gate = _query_and_gate(q, cfg.num_heads, cfg.head_dim)
+        parts = [w[f"{attn}.{p}_proj.weight"] for p in "qkv"]
+        biases = [w.tensor(f"{attn}.{p}_proj.bias") for p in "qkv"] if cfg.attention_bias else []
+        if cfg.attn_output_gate:  # q_proj's output gate rows (and bias) go last
+            parts[0], gate = _query_and_gate(parts[0], cfg.num_heads, cfg.head_dim)
             parts.append(gate)
-        self.qkv = Linear(parts, qkv_bias)
-        self.o = row_parallel(w[f"{attn}.o_proj.weight"], tp)
+            if biases:
+                biases[0], gate_bias = _query_and_gate(biases[0], cfg.num_heads, cfg.head_dim)
+                biases.append(gate_bias)
+        self.qkv = Linear(parts, torch.cat(biases) if biases else None)
+        # The hybrids' attention_bias covers o_proj too (they run on one rank).
+        self.o = (Linear(w[f"{attn}.o_proj.weight"], w.tensor(f"{attn}.o_proj.bias"))
+                  if cfg.attention_bias and cfg.attn_output_gate
+                  else row_parallel(w[f"{attn}.o_proj.weight"], tp))
         self.q_norm = w.tensor(f"{attn}.q_norm.weight") if cfg.qk_norm else None
         self.k_norm = w.tensor(f"{attn}.k_norm.weight") if cfg.qk_norm else None
 
@@ -178,14 +179,15 @@ class DecoderLayer:
                                  eps)
 
 
-def _query_and_gate(q_proj: Weight, heads: int, head_dim: int) -> tuple[Weight, Weight]:
-    """A gated attention's q_proj [heads x (query | gate) x head_dim, hidden] split into the
-    queries' rows and the output gate's, each [heads x head_dim, hidden]."""
+def _query_and_gate(q_proj: Weight, heads: int, head_dim: int) -> tuple[torch.Tensor,
+                                                                          torch.Tensor]:
+    """A gated attention's q_proj weight [heads x (query | gate) x head_dim, hidden] (or its
+    bias) split into the queries' rows and the output gate's, [heads x head_dim, ...] each."""
     if not isinstance(q_proj, torch.Tensor):
         raise ValueError("a gated attention's q_proj must be a float tensor")
-    per_head = q_proj.view(heads, 2, head_dim, q_proj.shape[-1])
-    query, gate = per_head.unbind(1)
-    return query.reshape(heads * head_dim, -1), gate.reshape(heads * head_dim, -1)
+    rest = q_proj.shape[1:]
+    query, gate = q_proj.view(heads, 2, head_dim, *rest).unbind(1)
+    return query.reshape(heads * head_dim, *rest), gate.reshape(heads * head_dim, *rest)
 
 
 class CausalLM:

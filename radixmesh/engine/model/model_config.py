@@ -160,6 +160,8 @@ class ModelConfig:
             outer = {k: v for k, v in cfg.items() if not k.endswith("_config")}
             model_type = _TEXT_MODELS[model_type]
             cfg = {**outer, **cfg["text_config"], "model_type": model_type}
+            if "tie_word_embeddings" in outer:  # the multimodal model's own lm_head
+                cfg["tie_word_embeddings"] = outer["tie_word_embeddings"]
         if model_type not in _MODEL_TYPES:
             raise ValueError(f"unsupported model_type {model_type!r}")
         heads = cfg["num_attention_heads"]
