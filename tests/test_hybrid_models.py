@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from engine_helpers import in_thread
+from process_helpers import mesh_generates
 from test_model_vs_hf import greedy
 from tiny_model import hf_greedy, save_with_word_tokenizer, spread_weights
 
@@ -95,15 +96,20 @@ class Saved(NamedTuple):
     branch_ref: list[int]
 
 
-@pytest.fixture(scope="module", params=list(FAMILIES))
-def saved(request, tmp_path_factory) -> Saved:
-    family = request.param
+def build(family: str, directory: Path, context: int = 256) -> Saved:
+    """A random `family` model saved in `directory`, and its greedy tokens."""
     torch.manual_seed(0)
-    model = spread(transformers.AutoModelForCausalLM.from_config(hf_text_config(family)))
-    path = save_with_word_tokenizer(model, tmp_path_factory.mktemp(family) / "model")
+    model = spread(transformers.AutoModelForCausalLM.from_config(
+        hf_text_config(family, context)))
+    path = save_with_word_tokenizer(model, directory / "model")
     refs = [hf_greedy(model, ids, NEW_TOKENS) for ids in PROMPTS]
     assert len({t for ref in refs for t in ref}) > NEW_TOKENS  # the model says something
     return Saved(family, model, path, refs, hf_greedy(model, BRANCH, NEW_TOKENS))
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def saved(request, tmp_path_factory) -> Saved:
+    return build(request.param, tmp_path_factory.mktemp(request.param))
 
 
 def wait_for(condition: Any, timeout: float = 10.0) -> bool:
@@ -153,6 +159,16 @@ def test_engine_greedy_matches_transformers(saved: Saved, mode: str) -> None:
         assert wait_for(lambda: all_returned(engine))
 
 
+def test_the_mesh_serves_qwen3_next(tmp_path) -> None:
+    """Through the mesh's processes (the scheduler learns the family from its worker): the
+    same tokens, the third prompt twice."""
+    saved = build("qwen3_next", tmp_path)
+    prompts = [*PROMPTS[:3], PROMPTS[2]]
+    info, outputs = mesh_generates(saved.path, tmp_path / "logs", prompts, GREEDY)
+    assert info["architecture"] == "qwen3_next"
+    assert outputs == [*saved.refs[:3], saved.refs[2]]
+
+
 def test_logprob_requests_decode_beside_packed_ones(saved: Saved) -> None:
     """Requests that report logprobs (each decode an entry of its own) beside plain ones
     (packed decodes): the same tokens, each output logprob transformers' log-softmax."""
@@ -175,12 +191,10 @@ def test_logprob_requests_decode_beside_packed_ones(saved: Saved) -> None:
 def test_retracted_requests_start_over(tmp_path) -> None:
     """A pool too small for four requests at once: those retracted for room start over from
     a zero state (prompt and output so far) and still answer transformers' tokens."""
-    torch.manual_seed(0)
-    model = spread(transformers.AutoModelForCausalLM.from_config(hf_text_config("qwen3_5_text")))
-    path = save_with_word_tokenizer(model, tmp_path / "model")
+    saved = build("qwen3_5_text", tmp_path)
     steps = 40
-    refs = [hf_greedy(model, ids, steps) for ids in PROMPTS]
-    with Engine(str(path), dtype="float32", max_total_tokens=192, chunked_prefill_size=16,
+    refs = [hf_greedy(saved.model, ids, steps) for ids in PROMPTS]
+    with Engine(str(saved.path), dtype="float32", max_total_tokens=192, chunked_prefill_size=16,
                 show_progress=False) as engine:
         outs = engine.generate(input_ids=PROMPTS,
                                sampling_params={**GREEDY, "max_new_tokens": steps})
@@ -192,14 +206,10 @@ def test_retracted_requests_start_over(tmp_path) -> None:
 def test_aborted_requests_give_their_slots_back(tmp_path) -> None:
     """Requests aborted while they decode give their state and KV slots back; the rows they
     leave start the next requests from a zero state (transformers' tokens)."""
-    torch.manual_seed(0)
-    model = spread(transformers.AutoModelForCausalLM.from_config(
-        hf_text_config("qwen3_5_text", context=8192)))
-    path = save_with_word_tokenizer(model, tmp_path / "model")
-    refs = [hf_greedy(model, ids, NEW_TOKENS) for ids in PROMPTS]
+    saved = build("qwen3_5_text", tmp_path, context=8192)
     # Far more tokens than they get to: aborted, never finished.
     long = {"max_new_tokens": 8000, "temperature": 0, "ignore_eos": True}
-    with Engine(str(path), dtype="float32", max_total_tokens=16384, chunked_prefill_size=8,
+    with Engine(str(saved.path), dtype="float32", max_total_tokens=16384, chunked_prefill_size=8,
                 max_running_requests=4, show_progress=False) as engine:
         states = engine.runner.states
         assert (states.num_slots, states.free_slots) == (4, 4)
@@ -215,7 +225,7 @@ def test_aborted_requests_give_their_slots_back(tmp_path) -> None:
         assert list(chunks)[-1]["meta_info"]["finish_reason"]["type"] == "abort"
         assert wait_for(lambda: all_returned(engine))
         outs = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)
-        assert [o["output_ids"] for o in outs] == refs
+        assert [o["output_ids"] for o in outs] == saved.refs
         assert wait_for(lambda: all_returned(engine))
 
 
