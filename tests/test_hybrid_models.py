@@ -10,6 +10,7 @@ what a hybrid model refuses to run with."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -80,6 +81,7 @@ def hf_text_config(family: str, context: int = 256) -> Any:
 
 
 def spread(model: Any) -> Any:
+    """`model` with every weight redrawn (from seed 0) so that each matters, in eval mode."""
     torch.manual_seed(0)
     spread_weights(model, router_scale=4.0)
     return model.eval()
@@ -98,7 +100,6 @@ class Saved(NamedTuple):
 
 def build(family: str, directory: Path, context: int = 256) -> Saved:
     """A random `family` model saved in `directory`, and its greedy tokens."""
-    torch.manual_seed(0)
     model = spread(transformers.AutoModelForCausalLM.from_config(
         hf_text_config(family, context)))
     path = save_with_word_tokenizer(model, directory / "model")
@@ -112,7 +113,7 @@ def saved(request, tmp_path_factory) -> Saved:
     return build(request.param, tmp_path_factory.mktemp(request.param))
 
 
-def wait_for(condition: Any, timeout: float = 10.0) -> bool:
+def wait_for(condition: Callable[[], bool], timeout: float = 10.0) -> bool:
     """Whether `condition()` holds within `timeout` seconds (a step releases what the one
     before finished)."""
     end = time.monotonic() + timeout
