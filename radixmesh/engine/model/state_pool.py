@@ -54,11 +54,6 @@ class StatePool:
         self._grow(max(slots, 1))
 
     @property
-    def request_bytes(self) -> int:
-        """What one request's state takes."""
-        return request_state_bytes(self.config, self.dtype)
-
-    @property
     def free_slots(self) -> int:
         """Slots no running request holds."""
         return self.num_slots - len(self._used)
