@@ -28,7 +28,7 @@ import pytest
 from openai.types.chat.chat_completion import Choice
 from process_helpers import running_mesh, service_process
 
-from radixmesh.core.reasoning import REASONING_PARSERS, thinking_enabled
+from radixmesh.core.reasoning import HARMONY, REASONING_PARSERS, thinking_enabled
 from radixmesh.launcher import Mesh
 from radixmesh.mesh.nats_server import free_port
 
@@ -41,6 +41,9 @@ CALLS = {
     "llama3": '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}',
     "mistral": '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}]',
     "pythonic": '[get_weather(city="Paris")]',
+    # gpt-oss's harmony call (its tokenizer reads it with both gpt-oss parsers); SmolLM2
+    # copies it without the `<|constrain|>json` that gpt-oss itself writes.
+    HARMONY: '<|channel|>commentary to=functions.get_weather<|message|>{"city": "Paris"}<|call|>',
 }
 GREEDY = {"temperature": 0, "max_tokens": 60}
 
@@ -76,7 +79,7 @@ def mesh(tmp_path_factory) -> Iterator[Mesh]:
 def fronts(mesh: Mesh) -> Iterator[dict[str, openai.OpenAI]]:
     """An OpenAI client per tool-call format, each on a tokenizer parsing that format, and
     one per reasoning parser (named after it) on a tokenizer parsing that reasoning and the
-    qwen25 format."""
+    qwen25 format (gpt-oss: its own format, as gpt-oss is served)."""
     urls = {"qwen25": mesh.url}
     with ExitStack() as stack:
         for fmt in ("llama3", "mistral", "pythonic"):
@@ -86,8 +89,8 @@ def fronts(mesh: Mesh) -> Iterator[dict[str, openai.OpenAI]]:
         for kind in REASONING_PARSERS:
             stack.enter_context(service_process(
                 "radixmesh.services.tokenizer",
-                *_flags(mesh, urls, kind, "--tool-call-parser", "qwen25",
-                        "--reasoning-parser", kind)))
+                *_flags(mesh, urls, kind, "--tool-call-parser",
+                        HARMONY if kind == HARMONY else "qwen25", "--reasoning-parser", kind)))
         for url in urls.values():
             _wait_healthy(url)
         yield {name: openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
@@ -204,6 +207,54 @@ def test_reasoning_comes_back_apart(fronts, served):
     assert off.content.startswith("<think>") and getattr(off, "reasoning_content", None) is None
 
 
+# Two earlier turns in harmony, which SmolLM2 then keeps to: it thinks in the analysis
+# channel and answers in the final one.
+HARMONY_THINKING = [
+    {"role": "system", "content": "Think in the analysis channel, then answer in the final "
+                                  "channel."},
+    *[turn for question, thought, answer in [
+        ("What is 2 + 2?", "Two plus two makes four.", "The answer is 4."),
+        ("What is 1 + 6?", "One plus six makes seven.", "The answer is 7.")]
+      for turn in [{"role": "user", "content": question}, {"role": "assistant", "content": (
+          f"<|channel|>analysis<|message|>{thought}<|end|><|start|>assistant<|channel|>final"
+          f"<|message|>{answer}")}]],
+    {"role": "user", "content": "What is 3 + 5?"},
+]
+
+
+def test_gpt_oss_reasoning_comes_back_apart(fronts, served):
+    api = fronts[HARMONY]
+    message = api.chat.completions.create(model=served, messages=HARMONY_THINKING,
+                                          **GREEDY).choices[0].message
+    assert message.reasoning_content and message.content
+    assert "<|" not in message.reasoning_content + message.content
+    reasoning, content = "", ""
+    for chunk in api.chat.completions.create(model=served, messages=HARMONY_THINKING,
+                                             stream=True, **GREEDY):
+        delta = chunk.choices[0].delta
+        reasoning += getattr(delta, "reasoning_content", None) or ""
+        content += delta.content or ""
+    assert (reasoning, content) == (message.reasoning_content, message.content)
+    # Unparsed, the answer is the harmony text the parser read.
+    raw = api.chat.completions.create(model=served, messages=HARMONY_THINKING, **GREEDY,
+                                      extra_body={"separate_reasoning": False})
+    assert raw.choices[0].message.content == (
+        f"<|channel|>analysis<|message|>{message.reasoning_content}<|end|><|start|>assistant"
+        f"<|channel|>final<|message|>{message.content}")
+
+
+def test_gpt_oss_refuses_what_it_cannot_constrain(fronts, served):
+    for fields in (CONSTRAINED["json_schema"], {"extra_body": {"thinking_budget": 8}},
+                   CONSTRAINED["required"]):
+        with pytest.raises(openai.BadRequestError, match="gpt-oss reasoning parser") as err:
+            fronts[HARMONY].chat.completions.create(model=served, messages=QUESTION,
+                                                    **GREEDY, **fields)
+        assert err.value.body["param"] == "reasoning_parser"
+    with pytest.raises(openai.BadRequestError, match="reasoning_effort must be one of"):
+        fronts[HARMONY].chat.completions.create(model=served, messages=QUESTION, **GREEDY,
+                                                extra_body={"reasoning_effort": "max"})
+
+
 def test_a_json_answer_follows_the_reasoning(fronts, served):
     schema = {"type": "object", "properties": {"answer": {"type": "integer"}},
               "required": ["answer"], "additionalProperties": False}
@@ -247,7 +298,8 @@ THINKING_ON = {"enable_thinking": True, "thinking": True}
 # before a JSON answer it takes it): it may think this many tokens before the block is closed
 # for it.
 BUDGET = 8
-CASES = [(kind, constraint) for kind in ("none", *REASONING_PARSERS) for constraint in CONSTRAINED]
+CASES = [(kind, constraint) for kind in ("none", *REASONING_PARSERS) if kind != HARMONY
+         for constraint in CONSTRAINED]
 
 
 @pytest.fixture(scope="module")

@@ -4,10 +4,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from radixmesh.core.harmony import HarmonyReader, marker_tail, read_header
 from radixmesh.core.reasoning import (
     REASONING_PARSERS,
+    THINK_TAG_PARSERS,
     ReasoningParser,
     check_kind,
+    reasoning_parser,
     thinking_enabled,
 )
 
@@ -51,13 +54,13 @@ ALL_TEXTS = [*QWEN3_TEXTS, *R1_TEXTS]
 
 
 def stream(kind: str, chunks: list[str], thinking: bool = True) -> tuple[str, str]:
-    parser = ReasoningParser(kind, thinking)
+    parser = reasoning_parser(kind, thinking)
     deltas = [parser.feed(chunk) for chunk in chunks] + [parser.finish()]
     return "".join(d.reasoning for d in deltas), "".join(d.content for d in deltas)
 
 
 def expected_stream(kind: str, text: str, thinking: bool = True) -> tuple[str, str]:
-    reasoning, content = ReasoningParser(kind, thinking).parse(text)
+    reasoning, content = reasoning_parser(kind, thinking).parse(text)
     return reasoning or "", content
 
 
@@ -66,7 +69,7 @@ def test_parse(kind, text, want):
     assert ReasoningParser(kind).parse(text) == want
 
 
-@pytest.mark.parametrize("kind", REASONING_PARSERS)
+@pytest.mark.parametrize("kind", THINK_TAG_PARSERS)
 @pytest.mark.parametrize("text", ALL_TEXTS)
 def test_thinking_off_is_all_content(kind, text):
     parser = ReasoningParser(kind, thinking=False)
@@ -75,7 +78,7 @@ def test_thinking_off_is_all_content(kind, text):
     assert stream(kind, [text], thinking=False) == ("", text)
 
 
-@pytest.mark.parametrize("kind", REASONING_PARSERS)
+@pytest.mark.parametrize("kind", THINK_TAG_PARSERS)
 @pytest.mark.parametrize("text", ALL_TEXTS)
 def test_stream_matches_parse_at_every_split(kind, text):
     want = expected_stream(kind, text)
@@ -111,7 +114,7 @@ FRAGMENTS = ["<think>", "</think>", "<", "</", "<thi", "</thi", ">", "\n", " ", 
 
 
 @given(
-    kind=st.sampled_from(REASONING_PARSERS),
+    kind=st.sampled_from(THINK_TAG_PARSERS),
     pieces=st.lists(st.sampled_from(FRAGMENTS), max_size=12),
     cuts=st.lists(st.integers(min_value=0, max_value=80), max_size=6),
 )
@@ -123,7 +126,7 @@ def test_stream_matches_parse_for_any_chunking(kind, pieces, cuts):
 
 
 def test_tags():
-    for kind in REASONING_PARSERS:
+    for kind in THINK_TAG_PARSERS:
         assert ReasoningParser(kind).end_tag == "</think>"
     assert not ReasoningParser("qwen3").in_reasoning_at_start
     assert ReasoningParser("deepseek-r1").in_reasoning_at_start
@@ -136,8 +139,90 @@ def test_unknown_kind():
         check_kind("qwen")
     with pytest.raises(ValueError, match="deepseek-r1"):
         ReasoningParser("deepseek")
-    with pytest.raises(ValueError, match="unknown"):
-        thinking_enabled("gpt-oss", {})
+    with pytest.raises(ValueError, match="unknown.*gpt-oss"):
+        thinking_enabled("harmony", {})
+    with pytest.raises(ValueError, match="not a reasoning parser of <think> blocks"):
+        ReasoningParser("gpt-oss")
+
+
+# ---- gpt-oss: harmony messages ---------------------------------------------------------------
+
+ANALYSIS = "<|channel|>analysis<|message|>"
+FINAL = "<|start|>assistant<|channel|>final<|message|>"
+TO_WEATHER = "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
+# (answer as the model writes it, (reasoning, content)); the content keeps a tool call's
+# message as harmony text, for the gpt-oss tool-call parser.
+HARMONY_TEXTS = {
+    f"{ANALYSIS}Two plus two.<|end|>{FINAL}It is 4.": ("Two plus two.", "It is 4."),
+    f"{ANALYSIS}Two plus two.<|end|>{FINAL}It is 4.<|return|>": ("Two plus two.", "It is 4."),
+    f"{ANALYSIS}Need the weather.<|end|><|start|>assistant{TO_WEATHER}"
+    '{"city": "Paris"}<|call|>': (
+        "Need the weather.", f'{TO_WEATHER}{{"city": "Paris"}}<|call|>'),
+    # The recipient may come before the channel; the header is written back in one form.
+    '<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>{}': (
+        None, f"{TO_WEATHER}{{}}<|call|>"),
+    # Commentary for the user is content; messages of one kind are a blank line apart.
+    f"{ANALYSIS}a<|end|><|start|>assistant<|channel|>commentary<|message|>Looking it up."
+    f"<|end|>{ANALYSIS}b<|end|>{FINAL}Done.": ("a\n\nb", "Looking it up.\n\nDone."),
+    f"{ANALYSIS}x < y <| and <|end of it": ("x < y <| and <|end of it", ""),
+    f"{ANALYSIS}cut inside <|en": ("cut inside <|en", ""),
+    "A model that ignores the format.": (None, "A model that ignores the format."),
+    "<|channel|>final but no message marker": (None, "<|channel|>final but no message marker"),
+    f"{ANALYSIS}<|end|>{FINAL}": (None, ""),
+    "": (None, ""),
+}
+
+
+@pytest.mark.parametrize(("text", "want"), HARMONY_TEXTS.items())
+def test_harmony_parse(text, want):
+    assert reasoning_parser("gpt-oss").parse(text) == want
+
+
+@pytest.mark.parametrize("text", HARMONY_TEXTS)
+def test_harmony_stream_matches_parse_at_every_split(text):
+    want = expected_stream("gpt-oss", text)
+    for cut in range(len(text) + 1):
+        assert stream("gpt-oss", [text[:cut], text[cut:]]) == want, cut
+    assert stream("gpt-oss", list(text)) == want
+
+
+HARMONY_FRAGMENTS = ["<|channel|>", "analysis", "final", "<|message|>", "<|end|>", "<|start|>",
+                     "assistant", "<|", "<|e", " ", "a", "x<y", "to=functions.f", "<|call|>"]
+
+
+@given(pieces=st.lists(st.sampled_from(HARMONY_FRAGMENTS), max_size=14),
+       cuts=st.lists(st.integers(min_value=0, max_value=120), max_size=6))
+def test_harmony_stream_matches_parse_for_any_chunking(pieces, cuts):
+    text = "".join(pieces)
+    bounds = sorted({0, len(text), *(c for c in cuts if c <= len(text))})
+    chunks = [text[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+    assert stream("gpt-oss", chunks) == expected_stream("gpt-oss", text)
+
+
+def test_harmony_reasoning_streams_as_it_arrives():
+    parser = reasoning_parser("gpt-oss")
+    assert parser.feed("<|channel|>analy").reasoning == ""
+    assert parser.feed("sis<|message|>Step one <|").reasoning == "Step one "
+    assert parser.feed("end|><|start|>assistant<|channel|>final<|message|>Hi").content == "Hi"
+    assert parser.finish() == parser.feed("")
+    assert thinking_enabled("gpt-oss", {}) and not parser.in_reasoning_at_start
+
+
+def test_harmony_headers_and_markers():
+    assert read_header("<|start|>assistant<|channel|>commentary to=functions.f "
+                       "<|constrain|>json").function == "f"
+    header = read_header("<|channel|>commentary to=browser.search json")
+    assert (header.channel, header.recipient, header.content_type, header.function) == (
+        "commentary", "browser.search", "json", None)
+    assert read_header("<|channel|>final").render() == "<|channel|>final<|message|>"
+    assert [marker_tail(t) for t in ("ab<", "ab<|", "ab<|st", "ab<|x", "<|end|>", "a<")] == [
+        1, 2, 4, 0, 0, 1]
+    reader = HarmonyReader()
+    pieces = reader.feed(f"{ANALYSIS}a<|end|>{FINAL}b") + reader.finish()
+    assert [(p.index, p.header.channel, p.text, p.opens, p.closes) for p in pieces] == [
+        (0, "analysis", "", True, False), (0, "analysis", "a", False, True),
+        (1, "final", "", True, False), (1, "final", "b", False, False),
+        (1, "final", "", False, True)]
     for kind in REASONING_PARSERS:
         check_kind(kind)
 

@@ -54,6 +54,15 @@ def call_text(name: str, arguments: dict[str, object], key: str = "arguments") -
 QWEN_PARIS = qwen(CALL_PARIS)
 QWEN_NOW = qwen(CALL_NOW)
 
+
+def harmony(name: str, arguments: str, start: str = "<|start|>assistant") -> str:
+    """gpt-oss's call message, as its reasoning parser passes it on (start "") or raw."""
+    return (f"{start}<|channel|>commentary to=functions.{name} <|constrain|>json<|message|>"
+            f"{arguments}<|call|>")
+
+
+HARMONY_PARIS = harmony("get_weather", json.dumps(PARIS))
+
 # (kind, answer, content, calls as (name, arguments)); streaming must agree with all of them.
 CASES = [
     ("qwen25", QWEN_PARIS, "", [("get_weather", PARIS)]),
@@ -254,6 +263,24 @@ CASES = [
     ("pythonic", '[get_weather(city="Zürich 東京 🌧")]', "", [("get_weather", UNICODE)]),
 ]
 
+CASES += [
+    ("gpt-oss", HARMONY_PARIS, "", [("get_weather", PARIS)]),
+    ("gpt-oss", harmony("get_weather", json.dumps(PARIS), start=""), "",
+     [("get_weather", PARIS)]),
+    ("gpt-oss", f"{HARMONY_PARIS}{harmony('now', '{}')}", "", [("get_weather", PARIS),
+                                                                ("now", {})]),
+    ("gpt-oss", "<|start|>assistant to=functions.search<|channel|>commentary json<|message|>"
+     + json.dumps(NESTED), "", [("search", NESTED)]),
+    ("gpt-oss", f"Checking the weather.\n{HARMONY_PARIS}", "Checking the weather.",
+     [("get_weather", PARIS)]),
+    ("gpt-oss", harmony("launch_rocket", "{}"), harmony("launch_rocket", "{}"), []),
+    ("gpt-oss", harmony("get_weather", '"Paris"'), harmony("get_weather", '"Paris"'), []),
+    ("gpt-oss", "<|start|>assistant<|channel|>final<|message|>Hi",
+     "<|start|>assistant<|channel|>final<|message|>Hi", []),
+    ("gpt-oss", "Write <| or <|start or <|channel alone.",
+     "Write <| or <|start or <|channel alone.", []),
+]
+
 # Calls committed on their name whose arguments then fail: `parse` keeps the text as content,
 # the stream keeps the call with its arguments as written (kind, answer, raw arguments).
 COMMITTED = [
@@ -273,6 +300,7 @@ COMMITTED = [
         '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"unit": "kelvin"}}]',
         '{"unit": "kelvin"}',
     ),
+    ("gpt-oss", harmony("get_weather", '{"city": 5}'), '{"city": 5}'),
 ]
 
 

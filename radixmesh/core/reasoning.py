@@ -7,6 +7,10 @@ thinking on) and the Qwen3 thinking-only models are prompted with the block alre
 their text is reasoning up to `</think>`, all of it when the answer is cut before the tag;
 an echoed `<think>` at the start is dropped. The whitespace right around the tags goes with
 them; an answer that never enters a reasoning block is returned exactly as written.
+
+gpt-oss (`gpt-oss`) writes harmony messages instead (radixmesh.core.harmony): its reasoning
+is the text of its `analysis` messages, its answer the text of the others. A tool call's
+message stays in the answer as harmony text, for the gpt-oss tool-call parser to read.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum, auto
 from typing import Any
+
+from radixmesh.core.harmony import CALL, HarmonyReader, Piece
 
 _OPEN = "<think>"
 _CLOSE = "</think>"
@@ -35,12 +41,14 @@ _KINDS: dict[str, _Kind] = {
     "qwen3": _Kind(prompt_opens=False, switch="enable_thinking", default_on=True),
     "qwen3-thinking": _Kind(prompt_opens=True, switch=None, default_on=True),
 }
-REASONING_PARSERS: tuple[str, ...] = tuple(_KINDS)
+THINK_TAG_PARSERS: tuple[str, ...] = tuple(_KINDS)
+HARMONY = "gpt-oss"
+REASONING_PARSERS: tuple[str, ...] = (*THINK_TAG_PARSERS, HARMONY)
 
 
 def check_kind(kind: str) -> None:
     """Raise ValueError unless `kind` names a known reasoning parser."""
-    if kind not in _KINDS:
+    if kind not in REASONING_PARSERS:
         raise ValueError(
             f"unknown reasoning parser {kind!r}; known: {', '.join(REASONING_PARSERS)}"
         )
@@ -49,8 +57,8 @@ def check_kind(kind: str) -> None:
 def thinking_enabled(kind: str, chat_template_kwargs: Mapping[str, Any]) -> bool:
     """Whether a request with these chat_template_kwargs has the model think."""
     check_kind(kind)
-    spec = _KINDS[kind]
-    if spec.switch is None:
+    spec = _KINDS.get(kind)
+    if spec is None or spec.switch is None:  # gpt-oss always reasons (reasoning_effort: how much)
         return True
     value = chat_template_kwargs.get(spec.switch)
     # As the chat templates read it: a default-on switch is turned off only by a literal
@@ -84,10 +92,12 @@ def _undecided_tail(text: str) -> int:
 
 
 class ReasoningParser:
-    """One answer's parser."""
+    """One answer's parser, for the kinds that write `<think>` blocks."""
 
     def __init__(self, kind: str, thinking: bool = True) -> None:
         check_kind(kind)
+        if kind not in _KINDS:
+            raise ValueError(f"{kind!r} is not a reasoning parser of <think> blocks")
         self._in_reasoning_at_start = thinking and _KINDS[kind].prompt_opens
         self._phase = _Phase.START if thinking else _Phase.ANSWER
         self._thinking = thinking
@@ -159,3 +169,57 @@ class ReasoningParser:
         if self._phase is _Phase.REASONING:
             return ReasoningDelta(held.rstrip(), "")
         return ReasoningDelta("", "")
+
+
+class HarmonyReasoning:
+    """One gpt-oss answer's parser: `analysis` messages are reasoning; `final` messages,
+    commentary for the user and text outside the format are content; a tool call's message
+    goes to the content as harmony text (header, arguments, `<|call|>`). Messages of the same
+    kind are joined by a blank line."""
+
+    in_reasoning_at_start = False
+
+    def __init__(self) -> None:
+        self._reader = HarmonyReader()
+        self._said = {True: False, False: False}  # reasoning / content had text
+        self._apart = {True: False, False: False}  # a new message opened after that text
+
+    def parse(self, text: str) -> tuple[str | None, str]:
+        """(reasoning, or None when there was none; content) of a whole answer."""
+        parser = HarmonyReasoning()
+        first, rest = parser.feed(text), parser.finish()
+        reasoning = first.reasoning + rest.reasoning
+        return reasoning or None, first.content + rest.content
+
+    def feed(self, text: str) -> ReasoningDelta:
+        """The next piece of the answer; holds back what may still be part of a marker."""
+        return self._deltas(self._reader.feed(text))
+
+    def finish(self) -> ReasoningDelta:
+        """What was held back, once the answer has ended."""
+        return self._deltas(self._reader.finish())
+
+    def _deltas(self, pieces: list[Piece]) -> ReasoningDelta:
+        out: dict[bool, list[str]] = {True: [], False: []}
+        for piece in pieces:
+            if piece.header.function is not None:
+                out[False].append(
+                    (piece.header.render() if piece.opens else "") + piece.text
+                    + (CALL if piece.closes else ""))
+                continue
+            reasoning = piece.header.channel == "analysis"
+            if piece.opens and self._said[reasoning]:
+                self._apart[reasoning] = True
+            if piece.text:
+                if self._apart[reasoning]:
+                    out[reasoning].append("\n\n")
+                    self._apart[reasoning] = False
+                out[reasoning].append(piece.text)
+                self._said[reasoning] = True
+        return ReasoningDelta("".join(out[True]), "".join(out[False]))
+
+
+def reasoning_parser(kind: str, thinking: bool = True) -> ReasoningParser | HarmonyReasoning:
+    """One answer's parser for the `--reasoning-parser` named `kind`."""
+    check_kind(kind)
+    return HarmonyReasoning() if kind == HARMONY else ReasoningParser(kind, thinking)

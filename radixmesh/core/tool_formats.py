@@ -1,5 +1,5 @@
 """The tool-call formats of SGLang's `--tool-call-parser` (qwen25/qwen, llama3, mistral,
-pythonic), each a ToolParser (radixmesh.core.tool_parsers) that recognises its own unit of
+pythonic, gpt-oss), each a ToolParser (radixmesh.core.tool_parsers) that recognises its own unit of
 call text; `tool_parser` picks one by name and `tool_constraint` holds a format's calls to
 their tools' schemas."""
 
@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from radixmesh.core.grammar import tool_calls_tag
+from radixmesh.core.harmony import CALL, CHANNEL, END, MESSAGE, START, read_header
 from radixmesh.core.tool_parsers import INVALID, Call, ToolParser, Unit, loads, skip_space
 
 _IDENTIFIER = re.compile(r"[A-Za-z_]\w*")
@@ -152,12 +153,71 @@ class PythonicToolParser(ToolParser):
         return call
 
 
+class GptOssToolParser(ToolParser):
+    """gpt-oss's harmony messages addressed to a function (radixmesh.core.harmony):
+    `<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}<|call|>`, with
+    or without `<|start|>assistant` before it, the recipient before or after the channel. One
+    message is one call; other harmony text is content (the gpt-oss reasoning parser takes
+    the reasoning and the answer's headers out first)."""
+
+    name = "gpt-oss"
+    trigger = None  # calls are read, not constrained: the format has no single opening text
+    _opener = START
+
+    def _find(self, text: str, fresh: bool) -> int | None:
+        at = 0
+        while True:
+            starts = [i for m in (START, CHANNEL) if (i := text.find(m, at)) >= 0]
+            if not starts:
+                return None
+            at = min(starts)
+            header = text[at:].split(MESSAGE, 1)[0]
+            if MESSAGE not in text[at:] or read_header(header).function is not None:
+                return at  # a call's header, or one that may still name a function
+            at += 1
+
+    def _hold(self, text: str) -> int:
+        for marker in (START, CHANNEL):
+            for size in range(min(len(text), len(marker) - 1), 0, -1):
+                if text.endswith(marker[:size]):
+                    return size
+        return 0
+
+    def _scan(self, text: str, final: bool) -> Unit | None:
+        head_end = text.find(MESSAGE)
+        if head_end < 0:
+            return None if final else Unit([Call(0)], None)
+        name = read_header(text[:head_end]).function
+        if name is None:
+            return None
+        args_start = skip_space(text, head_end + len(MESSAGE))
+        if args_start == len(text):
+            return None if final else Unit([Call(0, name)], None)
+        if text[args_start] != "{":
+            return None
+        args_end = self._span(text, args_start)
+        call = Call(0, name, args_start=args_start, args_end=args_end)
+        if args_end is None:
+            return Unit([call], len(text) if final else None)
+        call.arguments = loads(text[args_start:args_end])
+        close = skip_space(text, args_end)
+        for marker in (CALL, END):
+            if text.startswith(marker, close):
+                call.end = close + len(marker)
+                return Unit([call], call.end)
+            if not final and marker.startswith(text[close:]):
+                return Unit([call], None)  # the closing marker may still be coming
+        call.end = args_end
+        return Unit([call], args_end)
+
+
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "qwen25": Qwen25ToolParser,
     "qwen": Qwen25ToolParser,
     "llama3": Llama3ToolParser,
     "mistral": MistralToolParser,
     "pythonic": PythonicToolParser,
+    "gpt-oss": GptOssToolParser,
 }
 
 

@@ -21,7 +21,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from radixmesh.core import grammar
-from radixmesh.core.reasoning import ReasoningParser, check_kind, thinking_enabled
+from radixmesh.core.reasoning import (
+    HARMONY,
+    HarmonyReasoning,
+    ReasoningParser,
+    check_kind,
+    reasoning_parser,
+    thinking_enabled,
+)
 from radixmesh.core.request import RequestError
 from radixmesh.core.sampling_params import GRAMMAR_KINDS
 from radixmesh.core.tool_formats import tool_constraint, tool_parser
@@ -32,6 +39,8 @@ Json = dict[str, Any]
 # function with an empty parameter list"): its arguments are {}.
 _NO_PARAMETERS: Json = {"type": "object", "properties": {}, "additionalProperties": False}
 # What the chat template itself is given; chat_template_kwargs may not replace them.
+# OpenAI's reasoning_effort values.
+_EFFORTS = ("none", "minimal", "low", "medium", "high")
 _TEMPLATE_ARGS = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token")
 
 
@@ -62,6 +71,13 @@ def chat_setup(body: Json, tool_call_parser: str | None, reasoning_parser: str |
     and separate_reasoning; write the answer's constraint into the body (json_schema or
     structural_tag, SGLang's fields) and return how to read the answer back."""
     template_kwargs = _template_kwargs(body)
+    effort = body.get("reasoning_effort")
+    if effort is not None:
+        if effort not in _EFFORTS:
+            raise RequestError(f"reasoning_effort must be one of {', '.join(_EFFORTS)}, got "
+                               f"{effort!r}", "reasoning_effort")
+        # The chat templates that know it (gpt-oss's) write it into the system message.
+        template_kwargs.setdefault("reasoning_effort", effort)
     tools, functions = _tools(body.get("tools"))
     forced = _tool_choice(body, functions)
     parallel = body.get("parallel_tool_calls", True)
@@ -76,7 +92,15 @@ def chat_setup(body: Json, tool_call_parser: str | None, reasoning_parser: str |
             body[constraint[0]] = constraint[1]
     budget = _thinking_budget(body, reasoning_parser)
     thinking = bool(reasoning_parser) and thinking_enabled(reasoning_parser, template_kwargs)
-    if thinking:
+    if HARMONY in (parser, reasoning_parser):
+        # Harmony's channels and calls are marked by special tokens: the parsers read them.
+        body["skip_special_tokens"] = False
+    if reasoning_parser == HARMONY and (budget is not None or _constraint(body) is not None):
+        raise RequestError(
+            "thinking_budget and constrained answers (response_format, a required or named "
+            "tool_choice, json_schema, regex, ebnf, structural_tag) are not supported with the "
+            "gpt-oss reasoning parser", "reasoning_parser")
+    if thinking and reasoning_parser != HARMONY:
         given = _constraint(body)
         reader = ReasoningParser(reasoning_parser, thinking=True)
         start = "" if reader.in_reasoning_at_start else "<think>"
@@ -202,14 +226,14 @@ class AnswerParts:
     shape: AnswerShape
     call_id: str  # the first call's id; later calls add their index
     called: bool = False
-    _reasoning: ReasoningParser | None = field(default=None, init=False)
+    _reasoning: ReasoningParser | HarmonyReasoning | None = field(default=None, init=False)
     _tools: ToolParser | None = field(default=None, init=False)
     _held: str = field(default="", init=False)  # a forced call's text, read at the end
 
     def __post_init__(self) -> None:
         shape = self.shape
         if shape.reasoning_parser is not None:
-            self._reasoning = ReasoningParser(shape.reasoning_parser, shape.thinking)
+            self._reasoning = reasoning_parser(shape.reasoning_parser, shape.thinking)
         if shape.tool_parser is not None:
             self._tools = tool_parser(shape.tool_parser, shape.functions)
 
@@ -338,7 +362,7 @@ def separate_reasoning(body: Json) -> Json:
     except (ValueError, TypeError):
         raise RequestError(f"reasoning_parser must name a reasoning parser, got {kind!r}",
                            "reasoning_parser") from None
-    reasoning, content = ReasoningParser(kind).parse(text)
+    reasoning, content = reasoning_parser(kind).parse(text)
     return {"text": content, "reasoning_text": reasoning or ""}
 
 
