@@ -53,8 +53,16 @@ FAMILIES: dict[str, tuple[str, dict[str, Any], int]] = {
     "phi3_longrope": ("phi3", {"max_position_embeddings": 512,
                                "original_max_position_embeddings": 48,
                                "partial_rotary_factor": 0.75, "rope_scaling": LONGROPE}, 48),
+    # YaRN as Llama/Qwen long-context files write it, and as gpt-oss does (no rounding of
+    # the ramp's ends, its own betas).
+    "llama_yarn": ("llama", {"max_position_embeddings": 256, "rope_parameters": {
+        "rope_type": "yarn", "rope_theta": 5000.0, "factor": 4.0,
+        "original_max_position_embeddings": 64}}, 256),
+    "qwen3_yarn": ("qwen3", {"max_position_embeddings": 256, "rope_parameters": {
+        "rope_type": "yarn", "rope_theta": 5000.0, "factor": 8.0, "beta_fast": 16.0,
+        "beta_slow": 2.0, "truncate": False, "original_max_position_embeddings": 32}}, 256),
 }
-GGUF_ARCH = {"mistral": "llama", "phi3": "phi3"}  # llama.cpp writes Mistral as "llama"
+GGUF_ARCH = {"mistral": "llama", "phi3": "phi3", "llama": "llama"}  # llama.cpp writes Mistral as "llama"
 PROMPTS = [[(7 * i + 3 * p + 1) % VOCAB for i in range(n)] for p, n in enumerate((37, 5, 21, 1))]
 NEW_TOKENS = 8  # the longest prompt and its output fit every context above (45 <= 48)
 GREEDY = {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
@@ -141,6 +149,32 @@ def test_longrope_tables_never_pass_the_original_context():
         RotaryEmbedding(16, 64, 10000.0, torch.float32, scaling, rotary_dim=12)
 
 
+@pytest.mark.parametrize("rope", [
+    {"factor": 4.0, "original_max_position_embeddings": 64},
+    {"factor": 32.0, "original_max_position_embeddings": 4096, "beta_fast": 32.0,
+     "beta_slow": 1.0, "truncate": False},
+    {"factor": 40.0, "original_max_position_embeddings": 4096, "mscale": 1.0,
+     "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1},
+    {"factor": None, "original_max_position_embeddings": 1024, "attention_factor": 1.25},
+])
+def test_yarn_tables_are_transformers(rope):
+    """YaRN's frequencies and the factor cos/sin are scaled by, as transformers computes them
+    (DeepSeek's mscale pair, a factor derived from the context, a given attention factor)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    fields = {"rope_type": "yarn", "rope_theta": 10000.0, **rope}
+    config = transformers.LlamaConfig(hidden_size=256, num_attention_heads=4,
+                                      max_position_embeddings=8192, rope_parameters=fields)
+    inv_freq, factor = ROPE_INIT_FUNCTIONS["yarn"](config)
+    ours = ModelConfig.from_hf_dict(hf_dict("llama", hidden_size=256, rope_parameters=fields,
+                                            max_position_embeddings=8192))
+    table = RotaryEmbedding(ours.head_dim, 64, ours.rope_theta, torch.float32, ours.rope_scaling)
+    angles = torch.outer(torch.arange(64, dtype=torch.float32), inv_freq)
+    assert torch.allclose(table.cos[:, :32], angles.cos() * factor, atol=1e-6)
+    assert torch.allclose(table.sin[:, 32:], angles.sin() * factor, atol=1e-6)
+    assert ours.max_position_embeddings == 8192
+
+
 # ---- the Engine against transformers ----------------------------------------------------
 
 
@@ -195,7 +229,7 @@ def greedy_ids(config: ModelConfig, weights: dict) -> list[int]:
 
 
 # llama.cpp's converter writes no window for Mistral: mistral_window's file is mistral's.
-@pytest.mark.parametrize("family", ["mistral", "phi3", "phi3_longrope"])
+@pytest.mark.parametrize("family", ["mistral", "phi3", "phi3_longrope", "llama_yarn"])
 def test_f32_gguf_loads_exactly_and_generates_the_same(family, tmp_path):
     """Every weight exactly (Phi-3's fused attn_qkv and ffn_up split), the same shape,
     context (Phi-3's window and LongRoPE's cap) and rope tables (LongRoPE's short factors

@@ -265,6 +265,13 @@ def write_tiny_gguf(
     else:
         w.add_rope_freq_base(5000.0)
         w.add_layer_norm_rms_eps(1e-5)
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    if rope.get("rope_type") == "yarn":  # as llama.cpp's converter writes YaRN
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        w.add_rope_scaling_yarn_beta_fast(rope.get("beta_fast") or 32.0)
+        w.add_rope_scaling_yarn_beta_slow(rope.get("beta_slow") or 1.0)
     w.add_bos_token_id(0)
     w.add_eos_token_id(1)
     if arch == "phi3":

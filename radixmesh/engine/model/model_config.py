@@ -226,6 +226,8 @@ def _rope_scaling(
         return None
     if kind == "su" or (model_type == "phi3" and kind == "yarn"):
         kind = "longrope"
+    if kind == "yarn":
+        return yarn_scaling(rope, cfg.get("max_position_embeddings", 4096))
     if kind != "longrope":
         return rope
     context = cfg.get("max_position_embeddings", 4096)
@@ -235,6 +237,34 @@ def _rope_scaling(
         original = rope.get("original_max_position_embeddings") or context
     return longrope_scaling(rope["short_factor"], original, context,
                             rope.get("attention_factor"), rope.get("factor"))
+
+
+def yarn_scaling(rope: dict[str, Any], context: int) -> dict[str, Any]:
+    """YaRN's rope scaling as rope.py takes it, each value as transformers reads or derives
+    it: the factor (else `context` over the original context), the attention factor cos and
+    sin are scaled by (else from the factor, and DeepSeek's mscale / mscale_all_dim), the
+    ramp's ends `beta_fast`/`beta_slow` (32 and 1) and whether they are rounded (`truncate`,
+    true unless the file says not: gpt-oss)."""
+    original = rope.get("original_max_position_embeddings") or context
+    factor = rope.get("factor") or context / original
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = rope.get("attention_factor")
+    if attention_factor is None:
+        m, m_all = rope.get("mscale"), rope.get("mscale_all_dim")
+        attention_factor = (mscale(factor, m) / mscale(factor, m_all) if m and m_all
+                            else mscale(factor))
+    return {
+        "rope_type": "yarn",
+        "factor": float(factor),
+        "original_max_position_embeddings": int(original),
+        "attention_factor": float(attention_factor),
+        "beta_fast": float(rope.get("beta_fast") or 32),
+        "beta_slow": float(rope.get("beta_slow") or 1),
+        "truncate": bool(rope.get("truncate", True)),
+    }
 
 
 def longrope_scaling(

@@ -31,6 +31,8 @@ def inverse_frequencies(
     assert scaling is not None
     if kind == "linear":
         return inv_freq / scaling["factor"]
+    if kind == "yarn":  # see model_config.yarn_scaling
+        return yarn_frequencies(inv_freq, dim, theta, scaling)
     if kind == "llama3":
         factor = scaling["factor"]
         low = scaling.get("low_freq_factor", 1.0)
@@ -42,6 +44,28 @@ def inverse_frequencies(
         scaled = torch.where(wavelen > old_ctx / low, inv_freq / factor, scaled)
         return torch.where(wavelen < old_ctx / high, inv_freq, scaled)
     raise ValueError(f"unsupported rope scaling type {kind!r}")
+
+
+def yarn_frequencies(
+    inv_freq: torch.Tensor, dim: int, theta: float, scaling: dict[str, Any]
+) -> torch.Tensor:
+    """YaRN: frequencies that turn fewer than `beta_slow` times over the original context are
+    interpolated (divided by `factor`), those turning more than `beta_fast` times kept, and a
+    linear ramp between (over dims, its ends rounded outward with `truncate`)."""
+    factor, original = scaling["factor"], scaling["original_max_position_embeddings"]
+
+    def dim_of(rotations: float) -> float:  # the dim that turns `rotations` times
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_of(scaling["beta_fast"]), dim_of(scaling["beta_slow"])
+    if scaling["truncate"]:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # the share of each frequency kept as it is
+    return inv_freq / factor * (1 - keep) + inv_freq * keep
 
 
 class RotaryEmbedding:
@@ -69,7 +93,7 @@ class RotaryEmbedding:
         angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq.float())
         angles = torch.cat((angles, angles), dim=-1)
         cos, sin = angles.cos(), angles.sin()
-        # LongRoPE scales both (in float32, before the cast, as transformers does).
+        # LongRoPE and YaRN scale both (in float32, before the cast, as transformers does).
         attention_factor = scaling.get("attention_factor", 1.0)
         if attention_factor != 1.0:
             cos, sin = cos * attention_factor, sin * attention_factor

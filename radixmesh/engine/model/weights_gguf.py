@@ -23,6 +23,7 @@ from radixmesh.engine.model.model_config import (
     gemma_fields,
     longrope_scaling,
     windowed_every,
+    yarn_scaling,
 )
 from radixmesh.engine.model.moe import expert_weight_name
 from radixmesh.kernels.native_quant import QUANT_TYPES, QuantizedWeight
@@ -93,6 +94,13 @@ def config_from_gguf(gf: GGUFFile, name: str | None = None) -> ModelConfig:
             context,
             None if attention_factor is None else _f32(attention_factor),
         )
+    elif scaling_type == "yarn":
+        yarn = {"factor": key("rope.scaling.factor"),
+                "original_max_position_embeddings": key("rope.scaling.original_context_length"),
+                "attention_factor": key("rope.scaling.attn_factor"),
+                "beta_fast": key("rope.scaling.yarn_beta_fast"),
+                "beta_slow": key("rope.scaling.yarn_beta_slow")}
+        rope_scaling = yarn_scaling({k: v for k, v in yarn.items() if v is not None}, context)
     elif scaling_type and scaling_type != "none":
         rope_scaling = {"rope_type": scaling_type, "factor": _f32(key("rope.scaling.factor", 1.0))}
         orig = key("rope.scaling.original_context_length")
