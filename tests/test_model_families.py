@@ -62,7 +62,8 @@ FAMILIES: dict[str, tuple[str, dict[str, Any], int]] = {
         "rope_type": "yarn", "rope_theta": 5000.0, "factor": 8.0, "beta_fast": 16.0,
         "beta_slow": 2.0, "truncate": False, "original_max_position_embeddings": 32}}, 256),
 }
-GGUF_ARCH = {"mistral": "llama", "phi3": "phi3", "llama": "llama"}  # llama.cpp writes Mistral as "llama"
+# llama.cpp writes Mistral as "llama".
+GGUF_ARCH = {"mistral": "llama", "phi3": "phi3", "llama": "llama"}
 PROMPTS = [[(7 * i + 3 * p + 1) % VOCAB for i in range(n)] for p, n in enumerate((37, 5, 21, 1))]
 NEW_TOKENS = 8  # the longest prompt and its output fit every context above (45 <= 48)
 GREEDY = {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}

@@ -134,9 +134,12 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: KVPool
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: KVPool,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """q [T, Hq, D], k/v [T, Hkv, D] of the new tokens -> attention output [T, Hq, D]."""
+        """q [T, Hq, D], k/v [T, Hkv, D] of the new tokens -> attention output [T, Hq, D].
+        `sinks` [Hq] (float32): a logit per query head that joins each softmax's
+        denominator and weighs no value (gpt-oss); None: none."""
 
     def native_plan(self) -> NativePlan | None:
         """The prepared step as a NativePlan where this backend lets the model run whole

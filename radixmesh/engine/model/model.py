@@ -101,7 +101,8 @@ class DecoderLayer:
         mlp = f"{prefix}.mlp"
         self.mlp: GatedMLP | SparseMoE = (
             SparseMoE(w, mlp, cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob, tp,
-                      shared=cfg.shared_expert_intermediate_size > 0)
+                      shared=cfg.shared_expert_intermediate_size > 0,
+                      swiglu=(cfg.swiglu_alpha, cfg.swiglu_limit) if cfg.expert_bias else None)
             if sparse
             else GatedMLP(w[f"{mlp}.gate_proj.weight"], w[f"{mlp}.up_proj.weight"],
                           w[f"{mlp}.down_proj.weight"], tp, cfg.hidden_act)
@@ -123,10 +124,9 @@ class DecoderLayer:
                 biases[0], gate_bias = _query_and_gate(biases[0], cfg.num_heads, cfg.head_dim)
                 biases.append(gate_bias)
         self.qkv = Linear(parts, torch.cat(biases) if biases else None)
-        # The hybrids' attention_bias covers o_proj too (they run on one rank).
         self.o = (Linear(w[f"{attn}.o_proj.weight"], w.tensor(f"{attn}.o_proj.bias"))
-                  if cfg.attention_bias and cfg.attn_output_gate
-                  else row_parallel(w[f"{attn}.o_proj.weight"], tp))
+                  if cfg.o_proj_bias else row_parallel(w[f"{attn}.o_proj.weight"], tp))
+        self.sinks = w.tensor(f"{attn}.sinks").float() if cfg.attention_sinks else None
         self.q_norm = w.tensor(f"{attn}.q_norm.weight") if cfg.qk_norm else None
         self.k_norm = w.tensor(f"{attn}.k_norm.weight") if cfg.qk_norm else None
 
@@ -166,7 +166,7 @@ class DecoderLayer:
             )
         # q and k heads rotate together: one set of elementwise ops instead of two.
         q, k = rope(qk).split([cfg.num_heads, cfg.num_kv_heads], dim=1)
-        out = attn.forward(self.mixer_index, q, k, v, pool).reshape(-1, self.q_size)
+        out = attn.forward(self.mixer_index, q, k, v, pool, self.sinks).reshape(-1, self.q_size)
         if gate is not None:
             out = out * torch.sigmoid(gate)
         extra = None if lora is None else functools.partial(lora.add, layer, "o")
@@ -267,11 +267,12 @@ class CausalLM:
         """Every layer as one native call, where each of its parts runs natively here (bf16
         activations, weights in bf16 on an AVX512-BF16 CPU or quantized, RoPE over whole
         heads, one rank, SiLU MLPs with pre-norms only, experts all quantized and none
-        shared, no linear attention: Gemma's and the hybrids' layers run layer by layer in
-        Python) and the attention backend plans it."""
+        shared, no linear attention, attention sinks or o_proj bias: Gemma's, gpt-oss's and
+        the hybrids' layers run layer by layer in Python) and the attention backend plans
+        it."""
         cfg = self.cfg
         if (tp is not None or cfg.rope_dim != cfg.head_dim or cfg.is_hybrid
-                or cfg.shared_expert_intermediate_size
+                or cfg.shared_expert_intermediate_size or cfg.attention_sinks or cfg.o_proj_bias
                 or cfg.sandwich_norms or cfg.hidden_act != "silu" or cfg.embed_scale != 1.0
                 or self.dtype != torch.bfloat16):
             return None

@@ -14,7 +14,7 @@ log = logging.getLogger("radixmesh.worker")
 
 # Hugging Face model types served; the Qwen3 family norms q and k per head.
 _MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "phi3", "gemma2",
-                "gemma3_text", *HYBRID_FAMILIES)
+                "gemma3_text", "gpt_oss", *HYBRID_FAMILIES)
 _QK_NORM = ("qwen3", "qwen3_moe", "gemma3_text", *HYBRID_FAMILIES)
 # Multimodal files whose text model is served (under `text_config`), by the type it takes.
 _TEXT_MODELS = {"gemma3": "gemma3_text", "qwen3_5": "qwen3_5_text",
@@ -119,6 +119,16 @@ class ModelConfig:
     linear: LinearAttentionShape | None = None
     attn_output_gate: bool = False
     shared_expert_intermediate_size: int = 0
+    # o_proj's bias, where attention_bias gives one (every family but Qwen2).
+    o_proj_bias: bool = False
+    # gpt-oss: a learned logit per query head that joins each softmax's denominator
+    # (attention sinks); routers and experts with biases; experts whose gate and up are
+    # clamped to swiglu_limit and combined as (up + 1) * gate * sigmoid(swiglu_alpha * gate)
+    # (0: a plain gated MLP).
+    attention_sinks: bool = False
+    expert_bias: bool = False
+    swiglu_alpha: float = 0.0
+    swiglu_limit: float = 0.0
 
     @property
     def is_moe(self) -> bool:
@@ -202,6 +212,7 @@ class ModelConfig:
             ),
             tie_word_embeddings=cfg.get("tie_word_embeddings", model_type in GEMMA),
             attention_bias=cfg.get("attention_bias", model_type == "qwen2"),
+            o_proj_bias=cfg.get("attention_bias", False) and model_type != "qwen2",
             qk_norm=model_type in _QK_NORM,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
@@ -212,6 +223,7 @@ class ModelConfig:
             local_rope_theta=local_theta,
             **_gemma_fields(cfg, model_type),
             **_hybrid_fields(cfg, model_type),
+            **_gpt_oss_fields(cfg, model_type),
         )
 
 
@@ -307,12 +319,14 @@ def _moe_shape(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
     except `mlp_only_layers` (dense MLPs of `intermediate_size` there) with experts of
     `moe_intermediate_size`; Qwen3.5-MoE makes every layer sparse and always renormalizes.
     Qwen3-Next's and Qwen3.5-MoE's sparse layers add a shared expert."""
-    if model_type not in ("qwen3_moe", "mixtral", "qwen3_next", *_ALL_SPARSE):
+    if model_type not in ("qwen3_moe", "mixtral", "qwen3_next", "gpt_oss", *_ALL_SPARSE):
         return {}
     layers = cfg["num_hidden_layers"]
     # transformers 5 writes num_local_experts for both; Qwen's own files say num_experts.
     experts = cfg.get("num_local_experts") or cfg.get("num_experts") or 0
-    if model_type == "mixtral":
+    if model_type in ("mixtral", "gpt_oss"):
+        # gpt-oss takes the softmax of the chosen experts' logits: the renormalized top-k of
+        # the softmax over all of them.
         sparse = tuple(range(layers)) if experts else ()
         width, renormalize = cfg["intermediate_size"], True
     elif model_type in _ALL_SPARSE:
@@ -334,6 +348,16 @@ def _moe_shape(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
         "sparse_layers": sparse,
         "shared_expert_intermediate_size": cfg.get("shared_expert_intermediate_size") or 0,
     }
+
+
+def _gpt_oss_fields(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
+    """The ModelConfig fields only gpt-oss sets (none for the other families), with
+    transformers' GptOssConfig defaults."""
+    if model_type != "gpt_oss":
+        return {}
+    return {"attention_sinks": True, "expert_bias": True,
+            "swiglu_alpha": float(cfg.get("swiglu_alpha", 1.702)),
+            "swiglu_limit": float(cfg.get("swiglu_limit", 7.0))}
 
 
 def _hybrid_fields(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
@@ -376,16 +400,19 @@ def _layer_windows(cfg: dict[str, Any], model_type: str) -> tuple[int, ...]:
     window = cfg.get("sliding_window")
     if model_type == "mistral" and "sliding_window" not in cfg:
         window = _MISTRAL_DEFAULT_WINDOW
-    if model_type not in _WINDOWED + GEMMA:
+    if model_type not in (*_WINDOWED, *GEMMA, "gpt_oss"):
         window = None
     if model_type == "qwen3_moe" and not cfg.get("use_sliding_window", False):
         window = None  # Qwen3-MoE uses its window only when use_sliding_window is set
     if not window or window >= cfg.get("max_position_embeddings", 4096):
         return ()
     layers = cfg["num_hidden_layers"]
-    if model_type not in GEMMA:
-        return (int(window),) * layers
     types = cfg.get("layer_types")
+    if model_type == "gpt_oss":  # every other layer, from the first, unless layer_types says
+        types = types or ["sliding_attention" if i % 2 == 0 else "full_attention"
+                          for i in range(layers)]
+    elif model_type not in GEMMA:
+        return (int(window),) * layers
     windowed = (
         [t == "sliding_attention" for t in types] if types
         else windowed_every(cfg.get("sliding_window_pattern") or GEMMA_WINDOW_PERIOD[model_type],

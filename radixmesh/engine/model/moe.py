@@ -12,6 +12,9 @@ as Hugging Face's per-expert checkpoints spell them:
 `{prefix}.experts.{e}.{gate,up,down}_proj.weight`, router `{prefix}.gate.weight`; the
 loaders bring every other layout to these names.
 
+gpt-oss's router has a bias (`{prefix}.gate.bias`) and its experts are biased, clamped
+SwiGLUs (mlp.clamped_swiglu; biases named as the weights, `.bias`), run one by one.
+
 Qwen3-Next and Qwen3.5-MoE add a shared expert every token goes through, a gated MLP
 `{prefix}.shared_expert.{gate,up,down}_proj.weight` whose output is scaled by
 sigmoid(x . `{prefix}.shared_expert_gate.weight`) and added to the routed experts'."""
@@ -102,6 +105,7 @@ class SparseMoE:
         tp: TensorParallel | None = None,
         fused: bool | None = None,
         shared: bool = False,
+        swiglu: tuple[float, float] | None = None,
     ) -> None:
         router = w[f"{prefix}.gate.weight"]
         # The router runs as transformers runs it (F.linear on the float weight, in the
@@ -111,12 +115,24 @@ class SparseMoE:
             raise ValueError(f"{prefix}.gate.weight must be a float [{num_experts}, hidden] "
                              f"router, got {type(router).__name__} {list(router.shape)}")
         self.router = router
+        self.router_bias = self._bias(w, f"{prefix}.gate.bias") if swiglu else None
         # Fetched one expert at a time (the model's weight mapping may move each to the GPU).
         experts = (
             tuple(w[expert_weight_name(prefix, e, p)] for p in EXPERT_PROJECTIONS)
             for e in range(num_experts)
         )
         first = next(experts)
+        if swiglu is not None:
+            # gpt-oss's experts (biased, clamped SwiGLU): one GatedMLP each, on any device.
+            self.experts = [
+                GatedMLP(*weights, swiglu=swiglu, biases=tuple(  # type: ignore[arg-type]
+                    self._bias(w, expert_weight_name(prefix, e, p).replace(".weight", ".bias"))
+                    for p in EXPERT_PROJECTIONS))
+                for e, weights in enumerate(chain([first], experts))
+            ]
+            self.fused, self.native, self.shared = False, None, None
+            self.top_k, self.renormalize, self.tp = top_k, renormalize, tp
+            return
         if fused is None:
             fused = all(isinstance(t, torch.Tensor) and t.is_cuda for t in first)
         self.fused = fused
@@ -140,6 +156,13 @@ class SparseMoE:
                 raise ValueError(f"{prefix}.shared_expert_gate.weight must be a float tensor")
             self.shared_gate = gate
 
+    @staticmethod
+    def _bias(w: Mapping[str, Weight], name: str) -> torch.Tensor:
+        bias = w[name]
+        if not isinstance(bias, torch.Tensor):
+            raise ValueError(f"{name} must be a float tensor")
+        return bias
+
     def __call__(self, x: torch.Tensor, residual: torch.Tensor, lora: object = None,
                  layer: int = 0) -> torch.Tensor:
         """x [T, hidden] (post-attention-normed), residual [T, hidden] -> the layer's output.
@@ -149,7 +172,8 @@ class SparseMoE:
             experts, weights = moe_route(x, self.router, self.top_k, self.renormalize)
             mixed = moe_experts(x, experts, weights, self.native)
         else:
-            routing = route(F.linear(x, self.router), self.top_k, self.renormalize)
+            routing = route(F.linear(x, self.router, self.router_bias), self.top_k,
+                            self.renormalize)
             mixed = (self._fused(x, routing) if self.fused
                      else self._expert_by_expert(x, routing))
         if self.shared is not None:

@@ -30,7 +30,8 @@ class TorchAttention(AttentionBackend):
     `windows` gives each layer's sliding window (a token sees its last `window` keys, itself
     included; 0 or none given: all), `softcap` caps scores to softcap * tanh(s / softcap)
     (0: not at all). A decode under a window reads only the window's keys (natively too);
-    soft-capped scores and windowed prompts take the torch paths."""
+    soft-capped scores, windowed prompts and a layer's attention sinks take the torch
+    paths."""
 
     def __init__(
         self,
@@ -103,7 +104,8 @@ class TorchAttention(AttentionBackend):
         return NativePlan(self._meta.out_slots, tuple(runs), self.scale)
 
     def forward(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: KVPool
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: KVPool,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         assert self._meta is not None, "prepare() must run before forward()"
         pool.store(layer, self._meta.out_slots, k, v)
@@ -112,24 +114,27 @@ class TorchAttention(AttentionBackend):
         window = window if window in self._binding else 0  # one no request outgrows: none
         if self._in_order and self._decode_rows.numel():
             # Decode only: every row is a decode, in order; no scatter into a second buffer.
-            return self._decode(q, k_pool, v_pool, window)
+            return self._decode(q, k_pool, v_pool, window, sinks)
         out = torch.empty_like(q)
         if self._decode_rows.numel():
-            out[self._decode_rows] = self._decode(q[self._decode_rows], k_pool, v_pool, window)
+            out[self._decode_rows] = self._decode(q[self._decode_rows], k_pool, v_pool, window,
+                                                  sinks)
         for start, n, slots in self._extends:
             out[start : start + n] = self._extend(
-                q[start : start + n], k_pool, v_pool, slots, window
+                q[start : start + n], k_pool, v_pool, slots, window, sinks
             )
         return out
 
     def _decode(
-        self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, window: int
+        self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, window: int,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         # Grouped matmuls over contiguous per-head K/V beat CPU SDPA by ~10x for one query
         # token per request, and index_select on a 2-D view gathers ~10x faster than
         # advanced indexing (both measured).
         index, lens = self._decode_keys[window]
-        if self.native and not self.softcap and native.decode_supported(q, k_pool):
+        if (self.native and not self.softcap and sinks is None
+                and native.decode_supported(q, k_pool)):
             return native.decode_attention(q, k_pool, v_pool, index, lens, self.scale)
         b, hq, d = q.shape
         keys, values = _gather(k_pool, index), _gather(v_pool, index)
@@ -145,7 +150,8 @@ class TorchAttention(AttentionBackend):
         bias = self._padding_bias(window)
         if bias is not None:
             scores = scores + bias
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
+        sink = None if sinks is None else sinks.view(keys.shape[1], -1, 1)  # [Hkv, group, 1]
+        probs = _softmax(scores, sink).to(values.dtype)
         return torch.matmul(probs, values).view(b, hq, d).to(out_dtype)
 
     def _padding_bias(self, window: int) -> torch.Tensor | None:
@@ -168,14 +174,15 @@ class TorchAttention(AttentionBackend):
         v_pool: torch.Tensor,
         slots: torch.Tensor,
         window: int,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """New tokens q [n, Hq, D], the last n of the request's keys at pool rows `slots`: all
         of the prefix (or its last `window` keys), causally among themselves. bf16 runs the
         native kernel token by token, reading K/V in place (faster than torch's flash
         attention up to 2048 new tokens at head dim 64, measured); otherwise flash attention
         over gathered rows; a window or soft-capped scores, a masked softmax."""
-        if window or self.softcap:
-            return self._masked(q, k_pool[slots], v_pool[slots], window)
+        if window or self.softcap or sinks is not None:
+            return self._masked(q, k_pool[slots], v_pool[slots], window, sinks)
         if self.native and q.dtype == torch.bfloat16 and native.decode_supported(q, k_pool):
             return native.extend_attention(q, k_pool, v_pool, slots, self.scale)
         return self._flash(q, k_pool[slots], v_pool[slots])
@@ -209,10 +216,12 @@ class TorchAttention(AttentionBackend):
         return torch.tanh(scores / self.softcap).mul_(self.softcap) if self.softcap else scores
 
     def _masked(
-        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, window: int
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, window: int,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """New tokens q [n, Hq, D], the last n of keys/values [L, Hkv, D], in float32: the
-        scores soft-capped, then causal and within `window` (0: all)."""
+        scores soft-capped, then causal and within `window` (0: all), with the heads'
+        `sinks` in the softmax."""
         n, hq, d = q.shape
         total, hkv = keys.shape[0], keys.shape[1]
         if window:  # keys before the first token's window are never seen
@@ -227,9 +236,20 @@ class TorchAttention(AttentionBackend):
         hidden = key > at
         if window:
             hidden |= key <= at - window
-        probs = torch.softmax(scores.masked_fill_(hidden, float("-inf")), dim=-1)
+        sink = None if sinks is None else sinks.view(hkv, -1, 1, 1)  # [Hkv, group, 1, 1]
+        probs = _softmax(scores.masked_fill_(hidden, float("-inf")), sink)
         out = torch.matmul(probs, values.float().permute(1, 0, 2).unsqueeze(1))
         return out.permute(2, 0, 1, 3).reshape(n, hq, d).to(q.dtype)
+
+
+def _softmax(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Float32 softmax over the last dim of scores; with `sinks` (each query head's sink
+    logit, shaped to broadcast against one column of the scores) the sink joins the
+    denominator, its column dropped after."""
+    if sinks is None:
+        return torch.softmax(scores, dim=-1, dtype=torch.float32)
+    both = torch.cat((scores.float(), sinks.expand(*scores.shape[:-1], 1)), dim=-1)
+    return torch.softmax(both, dim=-1)[..., :-1]
 
 
 def _gather(pool: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

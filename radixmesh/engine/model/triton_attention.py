@@ -123,9 +123,12 @@ class TritonAttention(AttentionBackend):
         tables.page_table[:n, : pages.shape[1]].copy_(pages)
 
     def forward(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: KVPool
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: KVPool,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         assert self._decode is not None or self._extend is not None, "prepare() must run first"
+        if sinks is not None:  # make_attention refuses such a model first
+            raise NotImplementedError("the triton kernels have no attention sinks yet")
         k_pool, v_pool = pool.k[layer], pool.v[layer]
         store_kv(k, v, k_pool, v_pool, self._out_slots)
         window, softcap = self.windows[layer] if self.windows else 0, self.softcap

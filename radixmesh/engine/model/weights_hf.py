@@ -130,6 +130,9 @@ def checkpoint_tensors(
     if config.linear is not None and ".linear_attn.in_proj_" in key:
         yield from linear_tensors(key, tensor, config.linear)
         return
+    if config.expert_bias and ".mlp." in key:
+        yield from gpt_oss_tensors(key, tensor)
+        return
     head, _, last = key.rpartition(".")
     if head.endswith(".self_attn.qkv_proj"):
         prefix = head.removesuffix("qkv_proj")
@@ -146,6 +149,60 @@ def checkpoint_tensors(
                          f"{' + '.join(f'{n} {r}' for n, r in parts.items())}")
     for name, part in zip(parts, tensor.split(list(parts.values())), strict=True):
         yield f"{prefix}{name}.{last}", part
+
+
+# MXFP4 (OCP microscaling FP4, as gpt-oss's checkpoints store their experts): 4-bit E2M1
+# values, two a byte (low nibble first), in blocks of 32 that share a power-of-two scale
+# (an E8M0 byte, exponent + 127).
+_MXFP4_PARTS = ("_blocks", "_scales")
+_FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+               -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def mxfp4_dequantize(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """An MXFP4 tensor in float32: blocks [E, out, groups, 16] uint8 and scales [E, out,
+    groups] uint8 -> [E, groups * 32, out], the layout the checkpoint's dense form has
+    (gpt-oss multiplies x @ W)."""
+    import torch
+
+    if blocks.shape[:-1] != scales.shape or blocks.shape[-1] != 16:
+        raise ValueError(f"MXFP4 blocks {list(blocks.shape)} and scales {list(scales.shape)} "
+                         "do not match ([..., groups, 16] and [..., groups])")
+    table = torch.tensor(_FP4_VALUES, dtype=torch.float32)
+    codes = blocks.to(torch.long)
+    values = torch.stack((table[codes & 0x0F], table[codes >> 4]), dim=-1).flatten(-2)
+    values = torch.ldexp(values, scales.to(torch.int32).unsqueeze(-1) - 127)
+    return values.flatten(-2).transpose(1, 2).contiguous()
+
+
+def gpt_oss_tensors(key: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+    """A gpt-oss MLP tensor under the names the model takes: the router as `gate`, and its
+    experts' fused tensors one expert at a time. gpt-oss multiplies x @ W with gate_up_proj
+    [E, hidden, 2I], gate and up columns interleaved (gate first), and down_proj [E, I,
+    hidden]; each expert's weights come out as [out, in] rows like every other Linear's,
+    their biases (gate_up_proj_bias [E, 2I], down_proj_bias [E, hidden]) beside them."""
+    head, _, last = key.rpartition(".")
+    if head.endswith(".mlp.router"):
+        yield f"{head.removesuffix('router')}gate.{last}", tensor
+        return
+    mlp, _, name = key.rpartition(".experts.")
+    if not mlp:
+        yield key, tensor
+        return
+    bias = name.endswith("_bias")
+    for e, part in enumerate(tensor.unbind(0)):
+        def named(projection: str, e: int = e) -> str:
+            weight = expert_weight_name(mlp, e, projection)
+            return weight.removesuffix("weight") + "bias" if bias else weight
+
+        if name.startswith("gate_up_proj"):
+            gate, up = part[..., 0::2], part[..., 1::2]
+            yield named("gate_proj"), gate if bias else gate.t().contiguous()
+            yield named("up_proj"), up if bias else up.t().contiguous()
+        elif name.startswith("down_proj"):
+            yield named("down_proj"), part if bias else part.t().contiguous()
+        else:
+            raise ValueError(f"{key}: not a gpt-oss expert tensor")
 
 
 def linear_tensors(
@@ -196,6 +253,7 @@ def load_hf_dir(
     config = config_from_hf_dir(model_dir)
     files = safetensors_files(model_dir)
     weights: dict[str, Weight] = {}
+    packed: dict[str, dict[str, torch.Tensor]] = {}  # MXFP4 tensors waiting for their other part
     bar = tqdm(desc=f"loading {model_dir.name}", unit="tensor", disable=not progress)
     with bar:
         for file in files:
@@ -206,11 +264,24 @@ def load_hf_dir(
                 for key in keys:
                     if key.endswith(_DROPPED_SUFFIXES):
                         continue
-                    t = fh.get_tensor(key).to(torch.float32)
+                    if key.endswith(_MXFP4_PARTS):  # dequantized once both parts are read
+                        base, _, part_name = key.rpartition("_")
+                        parts = packed.setdefault(base, {})
+                        parts[part_name] = fh.get_tensor(key)
+                        if len(parts) < 2:
+                            bar.update()
+                            continue
+                        key, t = base, mxfp4_dequantize(parts["blocks"], parts["scales"])
+                        del packed[base]
+                    else:
+                        t = fh.get_tensor(key).to(torch.float32)
                     for name, part in checkpoint_tensors(key, t, config):
                         part = part.contiguous()
                         weights[name] = part if convert is None else convert(name, part)
                     bar.update()
+    if packed:
+        raise ValueError(f"{model_dir}: MXFP4 tensors without their other part: "
+                         f"{', '.join(sorted(packed))}")
     if "lm_head.weight" not in weights and (model_dir / "modules.json").is_file():
         # A sentence-transformers checkpoint of the base model alone: it embeds, and its
         # logits (unused) come from the embeddings.
