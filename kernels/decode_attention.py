@@ -118,12 +118,14 @@ def _merge_kernel(
     mid_o_ptr,
     mid_lse_ptr,
     out_ptr,
+    sinks_ptr,
     num_splits,
     stride_ob,
     stride_oh,
     HEAD_DIM: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     b = tl.program_id(0)
     head = tl.program_id(1)
@@ -134,10 +136,15 @@ def _merge_kernel(
     mid = (b * tl.num_programs(1) + head) * num_splits + splits
     lse = tl.load(mid_lse_ptr + mid, mask=split_ok, other=float("-inf"))
     top = tl.max(lse, 0)
+    if HAS_SINKS:  # the head's sink: one more part of the softmax, with no value
+        sink = tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634
+        top = tl.maximum(top, sink)
     # A row with nothing to attend to (a padding row) has every lse at -inf: it gets zeros.
     top = tl.where(top == float("-inf"), 0.0, top)
     w = tl.exp2(lse - top)
     total = tl.sum(w, 0)
+    if HAS_SINKS:
+        total += tl.exp2(sink - top)
     parts = tl.load(
         mid_o_ptr + mid[:, None] * HEAD_DIM + dims[None, :],
         mask=split_ok[:, None] & dim_ok[None, :],
@@ -177,13 +184,15 @@ def decode_attention(
     block_n: int = 64,
     window: int = 0,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [B, Hq, D] over the first seq_lens[b] tokens of row b of page_table -> [B, Hq, D].
 
     page_table [B, W] int32 holds slots when page_size is 1, else page indices (slot =
     page * page_size + offset). A row with seq_len 0 yields zeros. window > 0: the query
     (the last token) sees only the last `window` tokens. softcap > 0: scaled scores become
-    softcap * tanh(scores / softcap) before the softmax."""
+    softcap * tanh(scores / softcap) before the softmax. sinks [Hq]: each head's logit that
+    joins the softmax's denominator (gpt-oss)."""
     batch, q_heads, head_dim = q.shape
     kv_heads = k_pool.shape[1]
     assert q_heads % kv_heads == 0, "query heads must be a multiple of KV heads"
@@ -233,12 +242,14 @@ def decode_attention(
         mid_o,
         mid_lse,
         out,
+        mid_lse if sinks is None else sinks,
         num_splits,
         out.stride(0),
         out.stride(1),
         HEAD_DIM=head_dim,
         BLOCK_S=triton.next_power_of_2(num_splits),
         BLOCK_D=block_d,
+        HAS_SINKS=sinks is not None,
         num_warps=4,
     )
     return out
@@ -256,6 +267,7 @@ def decode_attention_reference(
     block_n: int = 64,
     window: int = 0,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Plain torch, one request at a time, softmax in float32 (split arguments are ignored)."""
     out = torch.zeros_like(q)
@@ -271,5 +283,14 @@ def decode_attention_reference(
         scores = torch.einsum("hd,nhd->hn", q[b].float(), keys) * scale
         if softcap > 0:
             scores = softcap * torch.tanh(scores / softcap)
-        out[b] = torch.einsum("hn,nhd->hd", scores.softmax(-1), values).to(q.dtype)
+        out[b] = torch.einsum("hn,nhd->hd", sink_softmax(scores, sinks), values).to(q.dtype)
     return out
+
+
+def sink_softmax(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Softmax over the last dim of scores [H, ..., N]; with sinks [H] each head's sink joins
+    the denominator (the references' form of it)."""
+    if sinks is None:
+        return scores.softmax(-1)
+    sink = sinks.float().view(-1, *[1] * (scores.dim() - 1)).expand(*scores.shape[:-1], 1)
+    return torch.cat((scores, sink), dim=-1).softmax(-1)[..., :-1]

@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from radixmesh.kernels.common import load_slots, mma, upcast_dots
-from radixmesh.kernels.decode_attention import soft_cap
+from radixmesh.kernels.decode_attention import sink_softmax, soft_cap
 from radixmesh.kernels.paging import table_slots
 
 _LOG2E = 1.4426950408889634
@@ -40,6 +40,7 @@ def _extend_kernel(
     q_starts_ptr,
     q_lens_ptr,
     prefix_lens_ptr,
+    sinks_ptr,
     qk_scale,
     stride_qt,
     stride_qh,
@@ -63,6 +64,7 @@ def _extend_kernel(
     UPCAST: tl.constexpr,
     WINDOW: tl.constexpr,
     SOFTCAP: tl.constexpr,  # in base-2 logits, as the scores are (see soft_cap)
+    HAS_SINKS: tl.constexpr,
 ):
     b = tl.program_id(0)
     head = tl.program_id(1)
@@ -86,6 +88,10 @@ def _extend_kernel(
     )
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     denom = tl.zeros([BLOCK_M], tl.float32)
+    if HAS_SINKS:  # the head's sink starts the softmax: a logit with no value
+        sink = tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634
+        m = tl.full([BLOCK_M], 1.0, tl.float32) * sink
+        denom = tl.full([BLOCK_M], 1.0, tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     # New token r sits at key position prefix + r. With a window it sees key positions after
     # prefix + r - WINDOW, so the block's first row bounds where reading starts.
@@ -175,6 +181,7 @@ def extend_attention(
     block_n: int = 64,
     window: int = 0,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of new tokens q [T, Hq, D] (k/v [T, Hkv, D]) for B ragged requests.
 
@@ -183,7 +190,8 @@ def extend_attention(
     other causally. Only those rows of `out` ([T, Hq, D], made when None) are written.
     window > 0: new token i, at key position prefix_lens[b] + i, sees only the `window`
     positions up to its own. softcap > 0: scaled scores become softcap * tanh(scores /
-    softcap) before the softmax."""
+    softcap) before the softmax. sinks [Hq]: each head's logit that joins the softmax's
+    denominator (gpt-oss)."""
     q_heads, head_dim = q.shape[1], q.shape[2]
     kv_heads = k.shape[1]
     assert q_heads % kv_heads == 0, "query heads must be a multiple of KV heads"
@@ -205,6 +213,7 @@ def extend_attention(
         q_starts,
         q_lens,
         prefix_lens,
+        q_lens if sinks is None else sinks,
         scale * _LOG2E,
         q.stride(0),
         q.stride(1),
@@ -228,6 +237,7 @@ def extend_attention(
         UPCAST=upcast_dots(q.dtype),
         WINDOW=window,
         SOFTCAP=softcap * _LOG2E,
+        HAS_SINKS=sinks is not None,
         num_warps=4,
         num_stages=2,
     )
@@ -252,6 +262,7 @@ def extend_attention_reference(
     block_n: int = 64,
     window: int = 0,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Plain torch, one request at a time, softmax in float32 (block sizes are ignored)."""
     out = torch.zeros_like(q) if out is None else out
@@ -271,6 +282,6 @@ def extend_attention_reference(
         if window > 0:
             hidden |= torch.ones_like(hidden).tril(prefix - window)
         scores = scores.masked_fill(hidden, float("-inf"))
-        attended = torch.einsum("hqk,khd->qhd", scores.softmax(-1), values)
+        attended = torch.einsum("hqk,khd->qhd", sink_softmax(scores, sinks), values)
         out[start : start + n] = attended.to(q.dtype)
     return out

@@ -2,12 +2,16 @@
 Engine: attention sinks, a sliding window on every other layer that the prompts outgrow,
 YaRN, biased attention and experts, the clamped SwiGLU; batched, alone, in small prefill
 chunks, with pages of 2 and from a cached prefix. Its checkpoint's fused experts load one by
-one, dense or MXFP4 (as gpt-oss ships them); what the model cannot run yet is refused by
-name."""
+one, dense or MXFP4 (as gpt-oss ships them); the Triton kernels (under the interpreter)
+give the same tokens; tensor parallelism is refused by name."""
 
 from __future__ import annotations
 
 import copy
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module is imported: @triton.jit reads it
+
 from pathlib import Path
 
 import pytest
@@ -16,7 +20,6 @@ from process_helpers import mesh_generates
 from tiny_model import hf_greedy, save_with_word_tokenizer, spread_weights
 
 from radixmesh.api import Engine
-from radixmesh.engine.model.attention_choice import make_attention
 from radixmesh.engine.model.model_source import load_model
 from radixmesh.engine.model.parallel import check_divisible
 
@@ -69,6 +72,17 @@ def test_engine_greedy_matches_transformers(saved, chunk, page):
         assert again["output_ids"] == refs[0]
 
 
+def test_the_triton_backend_serves_gpt_oss(saved):
+    """The Triton kernels' sinks and windows (on the CPU under the interpreter, as on a
+    GPU): the same tokens."""
+    model, path = saved
+    with Engine(str(path), dtype="float32", max_total_tokens=256, attention_backend="triton",
+                chunked_prefill_size=16, show_progress=False) as engine:
+        outs = engine.generate(input_ids=PROMPTS[:3], sampling_params=GREEDY)
+        assert [o["output_ids"] for o in outs] == [hf_greedy(model, ids, NEW_TOKENS)
+                                                   for ids in PROMPTS[:3]]
+
+
 def test_the_mesh_serves_gpt_oss(saved, tmp_path):
     """Through `radixmesh up --model-path`'s processes: the same tokens."""
     model, path = saved
@@ -96,8 +110,6 @@ def test_config_and_weights(saved):
     assert torch.equal(w["model.layers.1.mlp.gate.bias"], model.model.layers[1].mlp.router.bias)
     with pytest.raises(ValueError, match="not split over tensor-parallel ranks"):
         check_divisible(cfg, 2)
-    with pytest.raises(ValueError, match="torch attention backend"):
-        make_attention("triton", 1.0, torch.device("cpu"), sinks=True)
 
 
 

@@ -164,3 +164,36 @@ def test_references_build_everything_on_the_inputs_device(window: int) -> None:
     out = decode_attention_reference(q[:2], k_pool, v_pool, table, torch.tensor([3, 5]), 0.25,
                                      window=window)
     assert out.device == meta
+
+
+@pytest.mark.parametrize("window", [0, 5])
+def test_sinks_match_reference(window: int) -> None:
+    """gpt-oss's attention sinks (a logit per query head in each softmax's denominator) in
+    both kernels, alone and under a window, against the references; the sinks weigh enough
+    that a kernel without them is far off."""
+    torch.manual_seed(5)
+    q_heads, kv_heads, dim = 4, 2, 64
+    sinks = torch.tensor([-1.0, 0.5, 2.0, 4.0])
+    k_pool, v_pool = pools(512, kv_heads, dim, F32)
+    lengths = [1, 0, 2 * BLOCK + 1, 40]
+    table = page_table(paged_slots(lengths, 1, 512, 4), 1)
+    seq_lens = torch.tensor(lengths, dtype=torch.int32)
+    q = torch.randn(len(lengths), q_heads, dim)
+    expected = decode_attention_reference(q, k_pool, v_pool, table, seq_lens, 0.125,
+                                          window=window, sinks=sinks)
+    plain = decode_attention_reference(q, k_pool, v_pool, table, seq_lens, 0.125, window=window)
+    assert (expected - plain).abs().max() > 0.1
+    for splits in (1, 3):
+        out = decode_attention(q, k_pool, v_pool, table, seq_lens, 0.125, 1, splits,
+                               block_n=BLOCK, window=window, sinks=sinks)
+        close(out, expected, F32)
+
+    q_lens, prefixes = [5, 1, BLOCK + 3], [0, 20, 9]
+    table = page_table(paged_slots(prefixes, 1, 512, 6), 1)
+    starts = torch.tensor([0, 5, 6], dtype=torch.int32)
+    qkv = torch.randn(sum(q_lens), q_heads + 2 * kv_heads, dim)
+    q, k, v = qkv.split([q_heads, kv_heads, kv_heads], dim=1)
+    args = (q, k, v, k_pool, v_pool, table, starts, torch.tensor(q_lens, dtype=torch.int32),
+            torch.tensor(prefixes, dtype=torch.int32), max(q_lens), 0.125, 1)
+    out = extend_attention(*args, block_m=BLOCK, block_n=BLOCK, window=window, sinks=sinks)
+    close(out, extend_attention_reference(*args, window=window, sinks=sinks), F32)

@@ -18,18 +18,13 @@ def make_attention(
     page_size: int = 1,
     windows: Sequence[int] = (),
     softcap: float = 0.0,
-    sinks: bool = False,
 ) -> AttentionBackend:
     """The backend called `name` ("auto": triton on CUDA, torch elsewhere) for `device`,
-    with each layer's sliding window (`windows`, 0: none) and the scores' soft cap; `sinks`:
-    the model's attention has sinks (the torch backend's alone, so far)."""
+    with each layer's sliding window (`windows`, 0: none) and the scores' soft cap."""
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"attention backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
-    if sinks and name != "torch":
-        raise ValueError("attention sinks (gpt-oss) run on the torch attention backend (the "
-                         "CPU) only: the triton kernels have none yet")
     if name == "torch":
         return TorchAttention(scale, windows=windows, softcap=softcap)
     # Imported here: triton is an optional dependency that a CPU-only install may lack.

@@ -127,18 +127,16 @@ class TritonAttention(AttentionBackend):
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         assert self._decode is not None or self._extend is not None, "prepare() must run first"
-        if sinks is not None:  # make_attention refuses such a model first
-            raise NotImplementedError("the triton kernels have no attention sinks yet")
         k_pool, v_pool = pool.k[layer], pool.v[layer]
         store_kv(k, v, k_pool, v_pool, self._out_slots)
         window, softcap = self.windows[layer] if self.windows else 0, self.softcap
         d = self._decode
         if d is not None and self._decode_rows is None:
-            return self._decode_attention(q, k_pool, v_pool, d, window)
+            return self._decode_attention(q, k_pool, v_pool, d, window, sinks)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if d is not None and self._decode_rows is not None:
             rows = self._decode_rows
-            out[rows] = self._decode_attention(q[rows], k_pool, v_pool, d, window)
+            out[rows] = self._decode_attention(q[rows], k_pool, v_pool, d, window, sinks)
         e = self._extend
         if e is not None:
             extend_attention(
@@ -157,15 +155,17 @@ class TritonAttention(AttentionBackend):
                 out=out,
                 window=window,
                 softcap=softcap,
+                sinks=sinks,
             )
         return out
 
     def _decode_attention(
         self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, d: _DecodePart,
-        window: int,
+        window: int, sinks: torch.Tensor | None,
     ) -> torch.Tensor:
         return decode_attention(q, k_pool, v_pool, d.page_table, d.seq_lens, self.scale,
-                                self.page_size, window=window, softcap=self.softcap)
+                                self.page_size, window=window, softcap=self.softcap,
+                                sinks=sinks)
 
     def _pages(self, index: torch.Tensor, seqs: torch.Tensor | None) -> torch.Tensor:
         """The page-table rows of `seqs` (None: all) from their slot rows: the slots
