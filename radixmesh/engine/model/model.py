@@ -17,7 +17,7 @@ from radixmesh.engine.model.linear import Linear, Weight
 from radixmesh.engine.model.linear_attention import GatedDeltaNet
 from radixmesh.engine.model.mlp import GatedMLP
 from radixmesh.engine.model.model_config import ModelConfig
-from radixmesh.engine.model.moe import SparseMoE
+from radixmesh.engine.model.moe import GroupedRouting, SparseMoE
 from radixmesh.engine.model.parallel import TensorParallel, row_parallel
 from radixmesh.engine.model.rope import RotaryEmbedding, RotaryStep
 from radixmesh.engine.model.state_pool import StateStep
@@ -102,7 +102,10 @@ class DecoderLayer:
         self.mlp: GatedMLP | SparseMoE = (
             SparseMoE(w, mlp, cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob, tp,
                       shared=cfg.shared_expert_intermediate_size > 0,
-                      swiglu=(cfg.swiglu_alpha, cfg.swiglu_limit) if cfg.expert_bias else None)
+                      swiglu=(cfg.swiglu_alpha, cfg.swiglu_limit) if cfg.expert_bias else None,
+                      grouped=GroupedRouting(cfg.moe_groups, cfg.moe_topk_groups,
+                                             cfg.routed_scaling_factor)
+                      if cfg.moe_groups else None)
             if sparse
             else GatedMLP(w[f"{mlp}.gate_proj.weight"], w[f"{mlp}.up_proj.weight"],
                           w[f"{mlp}.down_proj.weight"], tp, cfg.hidden_act)
@@ -273,6 +276,7 @@ class CausalLM:
         cfg = self.cfg
         if (tp is not None or cfg.rope_dim != cfg.head_dim or cfg.is_hybrid
                 or cfg.shared_expert_intermediate_size or cfg.attention_sinks or cfg.o_proj_bias
+                or cfg.moe_groups
                 or cfg.sandwich_norms or cfg.hidden_act != "silu" or cfg.embed_scale != 1.0
                 or self.dtype != torch.bfloat16):
             return None

@@ -14,11 +14,13 @@ log = logging.getLogger("radixmesh.worker")
 
 # Hugging Face model types served; the Qwen3 family norms q and k per head.
 _MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "phi3", "gemma2",
-                "gemma3_text", "gpt_oss", *HYBRID_FAMILIES)
+                "gemma3_text", "gpt_oss", "glm4_moe", *HYBRID_FAMILIES)
 _QK_NORM = ("qwen3", "qwen3_moe", "gemma3_text", *HYBRID_FAMILIES)
 # Multimodal files whose text model is served (under `text_config`), by the type it takes.
 _TEXT_MODELS = {"gemma3": "gemma3_text", "qwen3_5": "qwen3_5_text",
                 "qwen3_5_moe": "qwen3_5_moe_text"}
+# Families whose attention_bias leaves o_proj without one.
+_NO_O_BIAS = ("qwen2", "glm4_moe")
 # Families whose every layer's MLP is the experts (no decoder_sparse_step, always renormalized).
 _ALL_SPARSE = ("qwen3_5_moe_text",)
 # What the hybrid configs take for a file that leaves them out (transformers' defaults): the
@@ -119,7 +121,14 @@ class ModelConfig:
     linear: LinearAttentionShape | None = None
     attn_output_gate: bool = False
     shared_expert_intermediate_size: int = 0
-    # o_proj's bias, where attention_bias gives one (every family but Qwen2).
+    # DeepSeek-V3's and GLM-4.5's router (moe.grouped_route): sigmoid scores, experts chosen
+    # by score plus a correction bias within the best `moe_topk_groups` of `moe_groups`
+    # groups, weights scaled by routed_scaling_factor; their shared experts are ungated
+    # (moe_groups 0: the softmax router).
+    moe_groups: int = 0
+    moe_topk_groups: int = 0
+    routed_scaling_factor: float = 1.0
+    # o_proj's bias, where attention_bias gives one (every family but Qwen2 and GLM-4.5).
     o_proj_bias: bool = False
     # gpt-oss: a learned logit per query head that joins each softmax's denominator
     # (attention sinks); routers and experts with biases; experts whose gate and up are
@@ -212,8 +221,8 @@ class ModelConfig:
             ),
             tie_word_embeddings=cfg.get("tie_word_embeddings", model_type in GEMMA),
             attention_bias=cfg.get("attention_bias", model_type == "qwen2"),
-            o_proj_bias=cfg.get("attention_bias", False) and model_type != "qwen2",
-            qk_norm=model_type in _QK_NORM,
+            o_proj_bias=cfg.get("attention_bias", False) and model_type not in _NO_O_BIAS,
+            qk_norm=model_type in _QK_NORM or bool(cfg.get("use_qk_norm")),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             name=name,
@@ -319,11 +328,27 @@ def _moe_shape(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
     except `mlp_only_layers` (dense MLPs of `intermediate_size` there) with experts of
     `moe_intermediate_size`; Qwen3.5-MoE makes every layer sparse and always renormalizes.
     Qwen3-Next's and Qwen3.5-MoE's sparse layers add a shared expert."""
-    if model_type not in ("qwen3_moe", "mixtral", "qwen3_next", "gpt_oss", *_ALL_SPARSE):
+    if model_type not in ("qwen3_moe", "mixtral", "qwen3_next", "gpt_oss", "glm4_moe",
+                          *_ALL_SPARSE):
         return {}
     layers = cfg["num_hidden_layers"]
     # transformers 5 writes num_local_experts for both; Qwen's own files say num_experts.
-    experts = cfg.get("num_local_experts") or cfg.get("num_experts") or 0
+    experts = (cfg.get("num_local_experts") or cfg.get("num_experts")
+               or cfg.get("n_routed_experts") or 0)
+    if model_type == "glm4_moe":  # the first first_k_dense_replace layers dense
+        dense = cfg.get("first_k_dense_replace", 0)
+        return {
+            "num_experts": experts,
+            "num_experts_per_tok": cfg["num_experts_per_tok"],
+            "moe_intermediate_size": cfg["moe_intermediate_size"],
+            "norm_topk_prob": cfg.get("norm_topk_prob", True),
+            "sparse_layers": tuple(range(dense, layers)) if experts else (),
+            "shared_expert_intermediate_size":
+                cfg.get("n_shared_experts", 0) * cfg["moe_intermediate_size"],
+            "moe_groups": cfg.get("n_group", 1),
+            "moe_topk_groups": cfg.get("topk_group", 1),
+            "routed_scaling_factor": float(cfg.get("routed_scaling_factor", 1.0)),
+        }
     if model_type in ("mixtral", "gpt_oss"):
         # gpt-oss takes the softmax of the chosen experts' logits: the renormalized top-k of
         # the softmax over all of them.

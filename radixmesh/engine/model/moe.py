@@ -12,6 +12,10 @@ as Hugging Face's per-expert checkpoints spell them:
 `{prefix}.experts.{e}.{gate,up,down}_proj.weight`, router `{prefix}.gate.weight`; the
 loaders bring every other layout to these names.
 
+DeepSeek-V3 and GLM-4.5 route by sigmoid scores within groups (grouped_route; the
+correction bias `{prefix}.gate.e_score_correction_bias`) and add shared experts
+`{prefix}.shared_experts.*` ungated.
+
 gpt-oss's router has a bias (`{prefix}.gate.bias`) and its experts are biased, clamped
 SwiGLUs (mlp.clamped_swiglu; biases named as the weights, `.bias`), run one by one.
 
@@ -22,6 +26,7 @@ sigmoid(x . `{prefix}.shared_expert_gate.weight`) and added to the routed expert
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from itertools import chain
 from typing import NamedTuple
 
@@ -59,6 +64,38 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> Routing:
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return Routing(experts, weights)
+
+
+@dataclass(frozen=True)
+class GroupedRouting:
+    """DeepSeek-V3's and GLM-4.5's router settings (see grouped_route)."""
+
+    groups: int
+    topk_groups: int
+    scale: float
+
+
+def grouped_route(logits: torch.Tensor, correction: torch.Tensor, top_k: int,
+                  spec: GroupedRouting, renormalize: bool) -> Routing:
+    """Router logits [T, E] (float32) -> each token's experts and weights as DeepSeek-V3
+    routes: sigmoid scores; for choosing, the scores plus a per-expert correction bias; each
+    of `groups` groups of experts scored by its two best, only the best `topk_groups` groups
+    open; the top-k experts there; their weights the plain scores (renormalized to sum to 1
+    if asked) times `scale`."""
+    scores = torch.sigmoid(logits.float())
+    choice = scores + correction
+    tokens, experts = choice.shape
+    grouped = choice.view(tokens, spec.groups, experts // spec.groups)
+    group_scores = grouped.topk(2, dim=-1).values.sum(-1)
+    best = group_scores.topk(spec.topk_groups, dim=-1, sorted=False).indices
+    open_groups = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+    choice = choice.masked_fill(~open_groups.repeat_interleave(experts // spec.groups, 1),
+                                float("-inf"))
+    chosen = choice.topk(top_k, dim=-1, sorted=False).indices
+    weights = scores.gather(1, chosen)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return Routing(chosen, weights * spec.scale)
 
 
 def stack_experts(
@@ -106,6 +143,7 @@ class SparseMoE:
         fused: bool | None = None,
         shared: bool = False,
         swiglu: tuple[float, float] | None = None,
+        grouped: GroupedRouting | None = None,
     ) -> None:
         router = w[f"{prefix}.gate.weight"]
         # The router runs as transformers runs it (F.linear on the float weight, in the
@@ -116,6 +154,9 @@ class SparseMoE:
                              f"router, got {type(router).__name__} {list(router.shape)}")
         self.router = router
         self.router_bias = self._bias(w, f"{prefix}.gate.bias") if swiglu else None
+        self.grouped = grouped
+        self.correction = (self._bias(w, f"{prefix}.gate.e_score_correction_bias").float()
+                           if grouped else None)
         # Fetched one expert at a time (the model's weight mapping may move each to the GPU).
         experts = (
             tuple(w[expert_weight_name(prefix, e, p)] for p in EXPERT_PROJECTIONS)
@@ -148,13 +189,14 @@ class SparseMoE:
             self.native = ExpertWeights.of(weights)
         self.top_k, self.renormalize, self.tp = top_k, renormalize, tp
         self.shared: GatedMLP | None = None
-        if shared:
+        self.shared_gate: torch.Tensor | None = None
+        if shared and grouped is not None:  # DeepSeek's and GLM's: added as it is
+            self.shared = GatedMLP(*(w[f"{prefix}.shared_experts.{p}.weight"]
+                                     for p in EXPERT_PROJECTIONS))
+        elif shared:
             self.shared = GatedMLP(*(w[f"{prefix}.shared_expert.{p}.weight"]
                                      for p in EXPERT_PROJECTIONS))
-            gate = w[f"{prefix}.shared_expert_gate.weight"]
-            if not isinstance(gate, torch.Tensor):
-                raise ValueError(f"{prefix}.shared_expert_gate.weight must be a float tensor")
-            self.shared_gate = gate
+            self.shared_gate = self._bias(w, f"{prefix}.shared_expert_gate.weight")
 
     @staticmethod
     def _bias(w: Mapping[str, Weight], name: str) -> torch.Tensor:
@@ -167,7 +209,16 @@ class SparseMoE:
                  layer: int = 0) -> torch.Tensor:
         """x [T, hidden] (post-attention-normed), residual [T, hidden] -> the layer's output.
         The experts take no LoRA adapter (one that targets them is refused at load)."""
-        if self.native is not None and x.dtype == torch.bfloat16:
+        if self.grouped is not None:
+            assert self.correction is not None
+            # In float32, as transformers routes (the router weight kept in float32 too).
+            routing = grouped_route(F.linear(x.float(), self.router.float()), self.correction,
+                                    self.top_k, self.grouped, self.renormalize)
+            mixed = (moe_experts(x, *routing, self.native)
+                     if self.native is not None and x.dtype == torch.bfloat16
+                     else self._fused(x, routing) if self.fused
+                     else self._expert_by_expert(x, routing))
+        elif self.native is not None and x.dtype == torch.bfloat16:
             # Routed and run natively, as the native whole layers (cpu/layer.cpp) do.
             experts, weights = moe_route(x, self.router, self.top_k, self.renormalize)
             mixed = moe_experts(x, experts, weights, self.native)
@@ -177,8 +228,10 @@ class SparseMoE:
             mixed = (self._fused(x, routing) if self.fused
                      else self._expert_by_expert(x, routing))
         if self.shared is not None:
-            gate = torch.sigmoid(F.linear(x, self.shared_gate))
-            mixed = mixed + (gate * self.shared(x)).to(mixed.dtype)
+            shared = self.shared(x)
+            if self.shared_gate is not None:
+                shared = torch.sigmoid(F.linear(x, self.shared_gate)) * shared
+            mixed = mixed + shared.to(mixed.dtype)
         if self.tp is not None:
             mixed = self.tp.all_reduce(mixed)
         return residual + mixed.to(residual.dtype)

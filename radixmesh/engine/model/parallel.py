@@ -103,14 +103,16 @@ def destroy_tensor_parallel() -> None:
 
 def check_divisible(config: ModelConfig, size: int) -> None:
     """Raise ValueError unless heads, KV heads and the MLP widths (the experts' too) split
-    evenly over `size`, and the model has no linear-attention layer, o_proj or expert biases
-    or attention sinks (none split yet)."""
+    evenly over `size`, and the model has no linear-attention layer, o_proj or expert biases,
+    attention sinks or shared experts (none split yet)."""
     if config.is_hybrid:
         raise ValueError(f"{config.architecture}: a hybrid linear-attention model is not split "
                          "over tensor-parallel ranks")
-    if config.o_proj_bias or config.attention_sinks or config.expert_bias:
+    if (config.o_proj_bias or config.attention_sinks or config.expert_bias
+            or config.shared_expert_intermediate_size):
         raise ValueError(f"{config.architecture}: a model with biases on o_proj or its experts, "
-                         "or with attention sinks, is not split over tensor-parallel ranks")
+                         "attention sinks or shared experts is not split over tensor-parallel "
+                         "ranks")
     names = ("num_heads", "num_kv_heads", "intermediate_size") + (
         ("moe_intermediate_size",) if config.is_moe else ()
     )
