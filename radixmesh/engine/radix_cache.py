@@ -15,13 +15,15 @@ from radixmesh.engine.eviction import DEFAULT_PROTECTED_RATIO, eviction_policy
 from radixmesh.engine.kv_allocator import KVAllocator
 from radixmesh.engine.radix_invariants import Books, check_tree
 from radixmesh.engine.tree_node import ChildKey, MatchResult, TreeNode, child_key
+from radixmesh.engine.tree_payload import NodePayload
 
 
 class RadixCache:
     """Prefix cache of KV slots, one radix tree per namespace, with locking and eviction.
 
     `host` is the host tier's slot allocator while the tier is attached (attach_host);
-    `protected_ratio`: the share of the pool the slru policy's protected segment may hold."""
+    `protected_ratio`: the share of the pool the slru policy's protected segment may hold;
+    `payload`: what nodes hold beside their KV, plugged in (tree_payload.py; none default)."""
 
     def __init__(
         self,
@@ -30,6 +32,7 @@ class RadixCache:
         policy: str = "lru",
         clock: Callable[[], float] = time.monotonic,
         protected_ratio: float = DEFAULT_PROTECTED_RATIO,
+        payload: NodePayload | None = None,
     ) -> None:
         if page_size != allocator.page_size:
             # Evicting frees whole allocator pages, so tree pages and pool pages must coincide.
@@ -40,6 +43,7 @@ class RadixCache:
         self.host: KVAllocator | None = None
         self.page_size = page_size
         self.policy = policy
+        self.payload = NodePayload() if payload is None else payload
         self._eviction = eviction_policy(policy, allocator.num_slots, protected_ratio)
         self._clock = clock
         self._roots: dict[str | None, TreeNode] = {}
@@ -56,10 +60,12 @@ class RadixCache:
     # ---- matching and inserting ----------------------------------------------------------
 
     def match_prefix(
-        self, key: Sequence[int], namespace: str | None = None, count_hit: bool = True
+        self, key: Sequence[int], namespace: str | None = None, count_hit: bool = True,
+        whole: bool = False,
     ) -> MatchResult:
         """Longest page-aligned cached prefix of key; splits the edge the match ends inside.
-        `count_hit`: an admission that uses the match (not a look, e.g. for ordering)."""
+        `count_hit`: an admission that uses the match (not a look, e.g. for ordering). Cut
+        back where the payload says, unless `whole` (a request's own progress, to lock)."""
         tokens = list(key)
         end = len(tokens) - len(tokens) % self.page_size
         device = self._root(namespace)
@@ -78,7 +84,8 @@ class RadixCache:
                 host_nodes.append(child)
             path.append(child)
         self._eviction.accessed(path, count_hit)
-        return MatchResult(slots, device, host_nodes)
+        match = MatchResult(slots, device, host_nodes)
+        return match if whole else self.payload.cut(match)
 
     def insert(
         self,
@@ -327,7 +334,7 @@ class RadixCache:
         backups = [node for nodes in self._backups.values() for node in nodes]
         self._eviction.check(check_tree(Books(
             self._roots, self.page_size, self._evictable, self._protected, self._host_size,
-            self._evictable_leaves, self._host_nodes, backups,
+            self._evictable_leaves, self._host_nodes, backups, self.payload,
         )))
 
     # ---- internals -----------------------------------------------------------------------
@@ -371,14 +378,9 @@ class RadixCache:
         Node keeps its identity so references that callers hold (and locked) stay valid."""
         parent = node.parent
         assert parent is not None
-        upper = TreeNode(
-            node.key[:at],
-            None if node.slots is None else node.slots[:at],
-            parent,
-            node.created,
-            node.last_access,
-            node.priority,
-        )
+        # The lower part keeps node's end, and with it what node holds there (its payload).
+        upper = TreeNode(node.key[:at], None if node.slots is None else node.slots[:at], parent,
+                         node.created, node.last_access, node.priority)
         upper.lock_ref = node.lock_ref
         upper.hit_count = node.hit_count
         if node.host_slots is not None:
@@ -423,6 +425,7 @@ class RadixCache:
             self.allocator.free(node.slots)
             self._evictable -= len(node.key)
             self._eviction.dropped(node)
+            self.payload.dropped(node)
         else:
             assert node.slots is None
             self._evictable += len(node.key)
@@ -459,6 +462,7 @@ class RadixCache:
                 assert n.lock_ref == 0, f"{n} is locked"
                 self._evictable -= len(n.key)
                 self._eviction.dropped(n)
+                self.payload.dropped(n)
             if n.host_slots is not None:
                 self._host_size -= len(n.host_slots)
                 del self._host_nodes[n]

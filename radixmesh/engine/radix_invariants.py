@@ -8,6 +8,7 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 from radixmesh.engine.tree_node import ChildKey, TreeNode, child_key
+from radixmesh.engine.tree_payload import NodePayload
 
 
 @dataclass(frozen=True)
@@ -22,6 +23,7 @@ class Books:
     evictable_leaves: Collection[TreeNode]
     host_nodes: Collection[TreeNode]  # nodes with host slots
     backups: Collection[TreeNode]  # nodes a running device-to-host copy writes
+    payload: NodePayload  # what nodes hold beside their KV, which checks its own books
 
 
 def check_tree(books: Books) -> list[TreeNode]:
@@ -78,6 +80,7 @@ def check_tree(books: Books) -> list[TreeNode]:
         set(books.backups) == {n for n in host_nodes if n.backup},
         "the running backups do not match the nodes that wait for one",
     )
+    books.payload.check(nodes)
     return nodes
 
 
