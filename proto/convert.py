@@ -19,6 +19,7 @@ from radixmesh.core.step import (
     KVSend,
     NewRequest,
     SendOutcome,
+    StateSave,
     StepBatch,
     StepEntry,
     StepResult,
@@ -152,6 +153,7 @@ def batch_to_proto(batch: StepBatch) -> wpb.StepBatch:
                 lora=n.lora,
                 pooling=n.pooling,
                 score_ids=n.score_ids,
+                snapshot=None if n.snapshot < 0 else n.snapshot,
             )
             for n in batch.new_requests
         ],
@@ -181,6 +183,7 @@ def batch_to_proto(batch: StepBatch) -> wpb.StepBatch:
         expects=[wpb.KVExpect(rid=x.rid, slots=x.slots, key=x.key) for x in batch.expects],
         decode_rows=batch.decode_rows.tobytes(),
         decode_slots=batch.decode_slots.tobytes(),
+        saves=[wpb.StateSave(row=s.row, after=s.after, slot=s.slot) for s in batch.saves],
     )
 
 
@@ -201,6 +204,7 @@ def batch_from_proto(msg: wpb.StepBatch) -> StepBatch:
                 n.lora,
                 n.pooling,
                 list(n.score_ids),
+                n.snapshot if n.HasField("snapshot") else -1,
             )
             for n in msg.new_requests
         ],
@@ -226,6 +230,7 @@ def batch_from_proto(msg: wpb.StepBatch) -> StepBatch:
         [KVExpect(x.rid, list(x.slots), x.key) for x in msg.expects],
         ints(msg.decode_rows),
         ints(msg.decode_slots),
+        [StateSave(s.row, s.after, s.slot) for s in msg.saves],
     )
 
 

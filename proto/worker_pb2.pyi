@@ -19,7 +19,7 @@ class WorkerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("num_slots", "vocab_size", "max_position_embeddings", "eos_token_ids", "model_path", "dtype", "tp_rank", "tp_size", "num_layers", "num_kv_heads", "head_dim", "quantization", "architecture", "num_experts", "num_experts_per_tok", "host_id", "lora_names", "max_loras_per_batch", "hidden_size", "pinned_loras")
+    __slots__ = ("num_slots", "vocab_size", "max_position_embeddings", "eos_token_ids", "model_path", "dtype", "tp_rank", "tp_size", "num_layers", "num_kv_heads", "head_dim", "quantization", "architecture", "num_experts", "num_experts_per_tok", "host_id", "lora_names", "max_loras_per_batch", "hidden_size", "pinned_loras", "state_snapshots")
     NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_POSITION_EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
@@ -40,6 +40,7 @@ class WorkerInfo(_message.Message):
     MAX_LORAS_PER_BATCH_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
     PINNED_LORAS_FIELD_NUMBER: _ClassVar[int]
+    STATE_SNAPSHOTS_FIELD_NUMBER: _ClassVar[int]
     num_slots: int
     vocab_size: int
     max_position_embeddings: int
@@ -60,7 +61,8 @@ class WorkerInfo(_message.Message):
     max_loras_per_batch: int
     hidden_size: int
     pinned_loras: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, num_slots: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_position_embeddings: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., model_path: _Optional[str] = ..., dtype: _Optional[str] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., quantization: _Optional[str] = ..., architecture: _Optional[str] = ..., num_experts: _Optional[int] = ..., num_experts_per_tok: _Optional[int] = ..., host_id: _Optional[str] = ..., lora_names: _Optional[_Iterable[str]] = ..., max_loras_per_batch: _Optional[int] = ..., hidden_size: _Optional[int] = ..., pinned_loras: _Optional[_Iterable[str]] = ...) -> None: ...
+    state_snapshots: int
+    def __init__(self, num_slots: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_position_embeddings: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., model_path: _Optional[str] = ..., dtype: _Optional[str] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., quantization: _Optional[str] = ..., architecture: _Optional[str] = ..., num_experts: _Optional[int] = ..., num_experts_per_tok: _Optional[int] = ..., host_id: _Optional[str] = ..., lora_names: _Optional[_Iterable[str]] = ..., max_loras_per_batch: _Optional[int] = ..., hidden_size: _Optional[int] = ..., pinned_loras: _Optional[_Iterable[str]] = ..., state_snapshots: _Optional[int] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens", "stop_token_ids", "seed", "ignore_eos", "json_schema", "regex", "ebnf", "structural_tag", "logit_bias", "max_new_tokens")
@@ -108,7 +110,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., min_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., json_schema: _Optional[str] = ..., regex: _Optional[str] = ..., ebnf: _Optional[str] = ..., structural_tag: _Optional[str] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., max_new_tokens: _Optional[int] = ...) -> None: ...
 
 class NewRequest(_message.Message):
-    __slots__ = ("rid", "row", "prefix_ids", "prefix_slots", "prompt_len", "sampling", "top_logprobs_num", "return_logprob", "logprob_start_len", "lora", "pooling", "score_ids")
+    __slots__ = ("rid", "row", "prefix_ids", "prefix_slots", "prompt_len", "sampling", "top_logprobs_num", "return_logprob", "logprob_start_len", "lora", "pooling", "score_ids", "snapshot")
     RID_FIELD_NUMBER: _ClassVar[int]
     ROW_FIELD_NUMBER: _ClassVar[int]
     PREFIX_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -121,6 +123,7 @@ class NewRequest(_message.Message):
     LORA_FIELD_NUMBER: _ClassVar[int]
     POOLING_FIELD_NUMBER: _ClassVar[int]
     SCORE_IDS_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     rid: str
     row: int
     prefix_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -133,7 +136,18 @@ class NewRequest(_message.Message):
     lora: str
     pooling: str
     score_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, rid: _Optional[str] = ..., row: _Optional[int] = ..., prefix_ids: _Optional[_Iterable[int]] = ..., prefix_slots: _Optional[_Iterable[int]] = ..., prompt_len: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., top_logprobs_num: _Optional[int] = ..., return_logprob: _Optional[bool] = ..., logprob_start_len: _Optional[int] = ..., lora: _Optional[str] = ..., pooling: _Optional[str] = ..., score_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    snapshot: int
+    def __init__(self, rid: _Optional[str] = ..., row: _Optional[int] = ..., prefix_ids: _Optional[_Iterable[int]] = ..., prefix_slots: _Optional[_Iterable[int]] = ..., prompt_len: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., top_logprobs_num: _Optional[int] = ..., return_logprob: _Optional[bool] = ..., logprob_start_len: _Optional[int] = ..., lora: _Optional[str] = ..., pooling: _Optional[str] = ..., score_ids: _Optional[_Iterable[int]] = ..., snapshot: _Optional[int] = ...) -> None: ...
+
+class StateSave(_message.Message):
+    __slots__ = ("row", "after", "slot")
+    ROW_FIELD_NUMBER: _ClassVar[int]
+    AFTER_FIELD_NUMBER: _ClassVar[int]
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    row: int
+    after: int
+    slot: int
+    def __init__(self, row: _Optional[int] = ..., after: _Optional[int] = ..., slot: _Optional[int] = ...) -> None: ...
 
 class StepEntry(_message.Message):
     __slots__ = ("rid", "input_ids", "slots", "sample", "draft", "draft_parents")
@@ -186,7 +200,7 @@ class HostPool(_message.Message):
     def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., num_slots: _Optional[int] = ..., layout: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., page_size: _Optional[int] = ...) -> None: ...
 
 class StepBatch(_message.Message):
-    __slots__ = ("step", "new_requests", "entries", "release", "copies", "host_pool", "grammars", "sends", "expects", "decode_rows", "decode_slots", "traceparent")
+    __slots__ = ("step", "new_requests", "entries", "release", "copies", "host_pool", "grammars", "sends", "expects", "decode_rows", "decode_slots", "traceparent", "saves")
     STEP_FIELD_NUMBER: _ClassVar[int]
     NEW_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
@@ -199,6 +213,7 @@ class StepBatch(_message.Message):
     DECODE_ROWS_FIELD_NUMBER: _ClassVar[int]
     DECODE_SLOTS_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    SAVES_FIELD_NUMBER: _ClassVar[int]
     step: int
     new_requests: _containers.RepeatedCompositeFieldContainer[NewRequest]
     entries: _containers.RepeatedCompositeFieldContainer[StepEntry]
@@ -211,7 +226,8 @@ class StepBatch(_message.Message):
     decode_rows: bytes
     decode_slots: bytes
     traceparent: str
-    def __init__(self, step: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., entries: _Optional[_Iterable[_Union[StepEntry, _Mapping]]] = ..., release: _Optional[_Iterable[str]] = ..., copies: _Optional[_Iterable[_Union[KVCopy, _Mapping]]] = ..., host_pool: _Optional[_Union[HostPool, _Mapping]] = ..., grammars: _Optional[_Iterable[_Union[Constraint, _Mapping]]] = ..., sends: _Optional[_Iterable[_Union[KVSend, _Mapping]]] = ..., expects: _Optional[_Iterable[_Union[KVExpect, _Mapping]]] = ..., decode_rows: _Optional[bytes] = ..., decode_slots: _Optional[bytes] = ..., traceparent: _Optional[str] = ...) -> None: ...
+    saves: _containers.RepeatedCompositeFieldContainer[StateSave]
+    def __init__(self, step: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., entries: _Optional[_Iterable[_Union[StepEntry, _Mapping]]] = ..., release: _Optional[_Iterable[str]] = ..., copies: _Optional[_Iterable[_Union[KVCopy, _Mapping]]] = ..., host_pool: _Optional[_Union[HostPool, _Mapping]] = ..., grammars: _Optional[_Iterable[_Union[Constraint, _Mapping]]] = ..., sends: _Optional[_Iterable[_Union[KVSend, _Mapping]]] = ..., expects: _Optional[_Iterable[_Union[KVExpect, _Mapping]]] = ..., decode_rows: _Optional[bytes] = ..., decode_slots: _Optional[bytes] = ..., traceparent: _Optional[str] = ..., saves: _Optional[_Iterable[_Union[StateSave, _Mapping]]] = ...) -> None: ...
 
 class KVSend(_message.Message):
     __slots__ = ("rid", "slots", "dest_slots", "dest_workers", "key", "backend", "dest_rid")

@@ -115,6 +115,7 @@ class Engine:
                 [*loaded.eos_token_ids, *self.tokenizer.eos_token_ids],
                 model_fingerprint(path) if a.enable_hierarchical_cache else "",
                 loaded.architecture,
+                state_snapshots=self.runner.states.num_snapshots,
             ),
             lora_names=frozenset(self.runner.lora.adapters) if self.runner.lora else frozenset(),
             max_loras_per_batch=a.max_loras_per_batch,

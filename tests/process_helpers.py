@@ -34,19 +34,29 @@ def mesh_generates(
 ) -> tuple[dict[str, Any], list[list[int]]]:
     """A float32 mesh on `model_path`: its /get_model_info, and each prompt's output ids
     through /generate (each asserted to succeed)."""
+    info, answers = mesh_answers(model_path, log_dir, prompts, sampling_params)
+    return info, [answer["output_ids"] for answer in answers]
+
+
+def mesh_answers(
+    model_path: str | Path, log_dir: str | Path, prompts: list[list[int]],
+    sampling_params: dict[str, Any],
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """A float32 mesh on `model_path`: its /get_model_info, and each prompt's /generate
+    answer (each asserted to succeed), one after the other."""
     import httpx
 
     with running_mesh(log_dir, model_path=str(model_path), dtype="float32",
                       max_total_tokens=512) as mesh, httpx.Client(base_url=mesh.url,
                                                                    timeout=120) as client:
         info = client.get("/get_model_info").json()
-        outputs = []
+        answers = []
         for ids in prompts:
             out = client.post("/generate", json={"input_ids": ids,
                                                  "sampling_params": sampling_params})
             assert out.status_code == 200, out.text
-            outputs.append(out.json()["output_ids"])
-    return info, outputs
+            answers.append(out.json())
+    return info, answers
 
 
 @contextmanager

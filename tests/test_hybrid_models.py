@@ -1,11 +1,14 @@
 """The hybrid linear-attention families (Qwen3-Next, Qwen3.5 dense and MoE): tiny random
 checkpoints greedy-identical to transformers in float32 through the Engine, batched and
 alone, in small prefill chunks and whole, at page sizes 1, 2 and 4, with overlap on and off;
-a Qwen3.5 checkpoint with a vision tower served as its text model; the gated delta rule's
-blocks against its token-by-token recurrence (and transformers'); Qwen3-Next's projections
-brought to Qwen3.5's layout; the state pool's accounting and its slots coming back after
-requests finish or are aborted; no request ever starting from another's cached prefix; and
-what a hybrid model refuses to run with."""
+cached prefixes resumed from snapshots of the linear layers' state (a repeated prompt, a
+prompt branching off another, the second turn of a chat after an answer cut by its length
+or by a stop token), as many tokens cached as the snapshots cover and the same tokens as a
+cold run; snapshots evicted leaf first from a tiny pool; a Qwen3.5 checkpoint with a vision
+tower served as its text model; the gated delta rule's blocks against its token-by-token
+recurrence (and transformers'); Qwen3-Next's projections brought to Qwen3.5's layout; the
+state pool's accounting and its slots and snapshots coming back after requests finish or
+are aborted and the cache is flushed; and what a hybrid model refuses to run with."""
 
 from __future__ import annotations
 
@@ -18,12 +21,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 from engine_helpers import in_thread
-from process_helpers import mesh_generates
+from process_helpers import mesh_answers
 from test_model_vs_hf import greedy
 from tiny_model import hf_greedy, save_with_word_tokenizer, spread_weights
 
 from radixmesh.api import Engine
+from radixmesh.core.sampling_params import SamplingParams
 from radixmesh.core.settings import EngineArgs
+from radixmesh.core.step import NewRequest, StateSave, StepBatch, StepEntry
 from radixmesh.engine.model.linear_attention import chunk_rule, l2_normalize, recurrent_step
 from radixmesh.engine.model.lora import LoraError
 from radixmesh.engine.model.memory import Memory
@@ -125,12 +130,27 @@ def wait_for(condition: Callable[[], bool], timeout: float = 10.0) -> bool:
 
 
 def all_returned(engine: Engine) -> bool:
-    """Every state slot free, every KV slot free, nothing cached (the tree holds nothing of
-    a hybrid model's)."""
+    """Once the cache is flushed: every state slot, snapshot slot and KV slot free."""
+    if not engine.flush_cache():
+        return False
     info = engine.server_info()
     states = engine.runner.states
     return (states.free_slots == states.num_slots and info["free_slots"] == info["num_slots"]
-            and info["cached_tokens"] == 0)
+            and info["cached_tokens"] == 0 and info["cached_snapshots"] == 0
+            and info["free_snapshots"] == info["num_snapshots"] == states.num_snapshots > 0)
+
+
+def aligned(tokens: int, mode: str) -> int:
+    """`tokens` cut back to a whole number of the mode's pages."""
+    page = MODES[mode]["page_size"]
+    return tokens - tokens % page
+
+
+def generate(engine: Engine, ids: list[int], **params: Any) -> tuple[list[int], int]:
+    """One prompt's greedy output ids and its cached tokens."""
+    out = engine.generate(input_ids=ids, sampling_params={**GREEDY, **params})
+    assert isinstance(out, dict)
+    return out["output_ids"], out["meta_info"]["cached_tokens"]
 
 
 # ---- through the Engine, against transformers ---------------------------------------------
@@ -138,36 +158,101 @@ def all_returned(engine: Engine) -> bool:
 
 @pytest.mark.parametrize("mode", list(MODES))
 def test_engine_greedy_matches_transformers(saved: Saved, mode: str) -> None:
-    """The four prompts at once and each alone, token-identical to transformers; the third
-    again and a prompt sharing its first 40 tokens, each computed from the start (no cached
-    prefix); every slot back once they are done."""
+    """The four prompts at once, token-identical to transformers; then, the cache flushed,
+    each alone twice: computed from the start, then from the snapshot of the state at the
+    last page boundary before its last token (the tokens before it cached), the same tokens
+    both times; then a prompt sharing the third's first 40 tokens, from the deepest
+    snapshot the third's prefill took on them (at its chunks' page boundaries); every slot
+    and snapshot back once the cache is flushed."""
     family, _, path, refs, branch_ref = saved
+    chunk = MODES[mode]["chunked_prefill_size"]
     with Engine(str(path), dtype="float32", max_total_tokens=512, show_progress=False,
                 **MODES[mode]) as engine:
         assert engine.model_config.architecture == family
         outs = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)
         assert isinstance(outs, list)
         assert [o["output_ids"] for o in outs] == refs
+        assert engine.flush_cache()
         for ids, ref in zip(PROMPTS, refs, strict=True):
-            alone = engine.generate(input_ids=ids, sampling_params=GREEDY)
-            assert isinstance(alone, dict)
-            assert alone["output_ids"] == ref
-            assert alone["meta_info"]["cached_tokens"] == 0
-        branch = engine.generate(input_ids=BRANCH, sampling_params=GREEDY)
-        assert isinstance(branch, dict)
-        assert branch["output_ids"] == branch_ref
-        assert branch["meta_info"]["cached_tokens"] == 0
+            assert generate(engine, ids) == (ref, 0)
+            assert generate(engine, ids) == (ref, aligned(len(ids) - 1, mode))
+        third = len(PROMPTS[2])
+        taken = [aligned(end, mode) for end in range(chunk, third, chunk)]
+        taken.append(aligned(third - 1, mode))
+        assert generate(engine, BRANCH) == (branch_ref, max(t for t in [0, *taken] if t <= 40))
+        assert wait_for(lambda: all_returned(engine))
+
+
+# The new message of a chat's second turn, after the first turn's prompt and answer.
+MESSAGE = [(13 * i + 5) % VOCAB for i in range(6)]
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_a_second_chat_turn_resumes_after_the_first(saved: Saved, mode: str) -> None:
+    """A chat's second turn (the first turn's prompt and answer, then a new message) starts
+    from the snapshot the first turn left at the end of what it fed the model: its answer
+    cut by the length limit (its last token never fed), or by a stop token, whose decode an
+    overlapped scheduler has already run when it learns of the stop (then fed too). Cached
+    tokens are exactly that, page-aligned; the tokens are transformers' and a cold run's."""
+    page = MODES[mode]["page_size"]
+    overlap = not MODES[mode].get("disable_overlap_schedule", False)
+    answer = saved.refs[2]
+    stop = next(k for k in range(3, NEW_TOKENS) if answer[k] not in answer[:k])
+    with Engine(str(saved.path), dtype="float32", max_total_tokens=512, show_progress=False,
+                **MODES[mode]) as engine:
+        first, _ = generate(engine, PROMPTS[0])
+        stopped, _ = generate(engine, PROMPTS[2], stop_token_ids=[answer[stop]])
+        assert (first, stopped) == (saved.refs[0], answer[: stop + 1])
+        turns = [(PROMPTS[0] + first + MESSAGE, len(PROMPTS[0]) + NEW_TOKENS - 1),
+                 (PROMPTS[2] + stopped + MESSAGE, len(PROMPTS[2]) + stop + overlap)]
+        expected = [hf_greedy(saved.model, ids, NEW_TOKENS) for ids, _ in turns]
+        for (ids, fed), ref in zip(turns, expected, strict=True):
+            assert generate(engine, ids) == (ref, fed - fed % page)
+        assert engine.flush_cache()
+        for (ids, _), ref in zip(turns, expected, strict=True):
+            assert generate(engine, ids) == (ref, 0)
+        assert wait_for(lambda: all_returned(engine))
+
+
+def test_snapshots_are_evicted_leaf_first_from_a_tiny_pool(tmp_path) -> None:
+    """One running request, so two snapshot slots. A prompt's run keeps the snapshot before
+    its prompt's last token and the one at the end of its answer, below it; a request that
+    needs a slot takes the deeper one first (leaf first, its KV with it), and one holding
+    both on its own path gets none. Every answer is transformers'."""
+    saved = build("qwen3_5_text", tmp_path)
+    a, b, c = PROMPTS[0], PROMPTS[2], PROMPTS[3]
+    a_ref, b_ref, c_ref = saved.refs[0], saved.refs[2], saved.refs[3]
+    with Engine(str(saved.path), dtype="float32", max_total_tokens=512, show_progress=False,
+                max_running_requests=1, chunked_prefill_size=512) as engine:
+        assert (engine.server_info()["num_snapshots"], engine.runner.states.num_snapshots) == (
+            2, 2)
+        assert generate(engine, a) == (a_ref, 0)
+        assert engine.server_info()["cached_snapshots"] == 2
+        # Both snapshots are on its own path, locked: its answer's end gets none.
+        follow = a + a_ref
+        fed = len(a) + NEW_TOKENS - 1
+        assert generate(engine, follow) == (hf_greedy(saved.model, follow, NEW_TOKENS), fed)
+        # c's answer takes the slot of a's deeper snapshot; a's prompt keeps its own.
+        assert generate(engine, c) == (c_ref, 0)
+        assert generate(engine, a) == (a_ref, len(a) - 1)
+        # b takes both of a's, the deeper first.
+        assert generate(engine, b) == (b_ref, 0)
+        assert generate(engine, b) == (b_ref, len(b) - 1)
+        assert generate(engine, a) == (a_ref, 0)
+        assert engine.server_info()["cached_snapshots"] == 2
         assert wait_for(lambda: all_returned(engine))
 
 
 def test_the_mesh_serves_qwen3_next(tmp_path) -> None:
-    """Through the mesh's processes (the scheduler learns the family from its worker): the
-    same tokens, the third prompt twice."""
+    """Through the mesh's processes (the scheduler learns the family and its snapshot slots
+    from its worker): the same tokens, the third prompt twice, the second time from the
+    snapshot of its state before its last token."""
     saved = build("qwen3_next", tmp_path)
     prompts = [*PROMPTS[:3], PROMPTS[2]]
-    info, outputs = mesh_generates(saved.path, tmp_path / "logs", prompts, GREEDY)
+    info, answers = mesh_answers(saved.path, tmp_path / "logs", prompts, GREEDY)
     assert info["architecture"] == "qwen3_next"
-    assert outputs == [*saved.refs[:3], saved.refs[2]]
+    assert [a["output_ids"] for a in answers] == [*saved.refs[:3], saved.refs[2]]
+    assert [a["meta_info"]["cached_tokens"] for a in answers] == [0, 0, 0, len(PROMPTS[2]) - 1]
 
 
 def test_logprob_requests_decode_beside_packed_ones(saved: Saved) -> None:
@@ -189,18 +274,29 @@ def test_logprob_requests_decode_beside_packed_ones(saved: Saved) -> None:
         torch.testing.assert_close(torch.tensor(ours), expected[:, 0], rtol=1e-4, atol=1e-4)
 
 
-def test_retracted_requests_start_over(tmp_path) -> None:
-    """A pool too small for four requests at once: those retracted for room start over from
-    a zero state (prompt and output so far) and still answer transformers' tokens."""
+def test_retracted_requests_resume_from_their_snapshots(tmp_path) -> None:
+    """A pool too small for four requests at once: those retracted for room come back from
+    the snapshot of their state taken as they left (their prompt and output so far cached)
+    and still answer transformers' tokens."""
     saved = build("qwen3_5_text", tmp_path)
     steps = 40
     refs = [hf_greedy(saved.model, ids, steps) for ids in PROMPTS]
     with Engine(str(saved.path), dtype="float32", max_total_tokens=192, chunked_prefill_size=16,
                 show_progress=False) as engine:
+        states = engine.runner.states
+        admitted: list[tuple[int, int]] = []  # (cached prefix, snapshot) of each admission
+        admit = states.admit
+
+        def spy(row: int, prefix: int = 0, snapshot: int = -1) -> None:
+            admitted.append((prefix, snapshot))
+            admit(row, prefix, snapshot)
+
+        states.admit = spy  # type: ignore[method-assign]
         outs = engine.generate(input_ids=PROMPTS,
                                sampling_params={**GREEDY, "max_new_tokens": steps})
         assert engine.server_info()["num_retractions"] > 0
         assert [o["output_ids"] for o in outs] == refs
+        assert any(prefix > 0 and snapshot >= 0 for prefix, snapshot in admitted)
         assert wait_for(lambda: all_returned(engine))
 
 
@@ -251,6 +347,53 @@ def test_a_checkpoint_with_a_vision_tower_serves_its_text_model(tmp_path, tied: 
         out = engine.generate(input_ids=ids, sampling_params=GREEDY)
         assert isinstance(out, dict)
         assert out["output_ids"] == hf_greedy(model, ids, NEW_TOKENS)
+
+
+def test_the_worker_saves_and_restores_states_inside_a_step(tmp_path) -> None:
+    """Through the runner's StepBatch: a 50-token prompt fed in one entry saves its state
+    after 23 tokens (the delta rule split there) and after all 50; a decode saves the state
+    after its token. Each snapshot is the state that feeding those tokens alone leaves, and a
+    request admitted from the first one with the first 23 tokens cached continues to the
+    same state and the same greedy tokens."""
+    torch.manual_seed(0)
+    model = spread(transformers.AutoModelForCausalLM.from_config(hf_text_config("qwen3_next")))
+    model.save_pretrained(tmp_path)
+    loaded = load_model(str(tmp_path), progress=False)
+    runner = ModelRunner(loaded.config, loaded.weights, torch.float32, num_slots=256)
+    states, prompt = runner.states, PROMPTS[2][:50]
+    greedy_params = SamplingParams(temperature=0)
+
+    def new(rid: str, row: int, prefix: int = 0, snapshot: int = -1) -> NewRequest:
+        return NewRequest(rid, row, prompt[:prefix], list(range(prefix)), len(prompt),
+                          greedy_params, 0, snapshot=snapshot)
+
+    def state(row: int, slot: int = -1) -> list[torch.Tensor]:
+        if slot >= 0:
+            return [t[slot] for t in (*states.saved_conv, *states.saved_recurrent)]
+        return [t[row].clone() for t in (*states.conv, *states.recurrent)]
+
+    def close(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
+        for x, y in zip(a, b, strict=True):
+            torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
+
+    entry = StepEntry("a", prompt, list(range(50)), True)
+    whole = runner.forward(StepBatch(1, [new("a", 0)], [entry],
+                                     saves=[StateSave(0, 23, 0), StateSave(0, 50, 1)]))
+    after_50 = state(0)
+    close(state(0, 1), after_50)
+    runner.forward(StepBatch(2, [new("b", 1)],
+                             [StepEntry("b", prompt[:23], list(range(50, 73)), False)]))
+    close(state(0, 0), state(1))
+    decode = StepBatch(3, release=["b"], saves=[StateSave(0, 1, 2)])
+    decode.decode_rows.append(0)
+    decode.decode_slots.append(73)
+    token = runner.forward(decode).decode_tokens[0]
+    close(state(0, 2), state(0))
+    resumed = runner.forward(StepBatch(4, [new("c", 1, 23, 0)],
+                                       [StepEntry("c", prompt[23:], list(range(80, 107)), True)]))
+    close(state(1), after_50)
+    assert resumed.results[0].token_id == whole.results[0].token_id
+    assert [whole.results[0].token_id, token] == hf_greedy(model, prompt, 2)
 
 
 def test_gated_attention_with_biases(tmp_path) -> None:
@@ -389,7 +532,9 @@ def test_hybrid_config_fields() -> None:
 def test_the_kv_pool_holds_attention_alone_and_the_state_pool_is_budgeted(caplog) -> None:
     """Bytes a token takes in the KV pool (its two attention layers only) and a request in
     the state pool (conv columns in the model's dtype, the recurrent state in float32); the
-    memory rule takes the state pool out first; the start line reports both."""
+    state pool keeps two snapshot slots a running request; the memory rule takes the state
+    pool out first; the start line reports both. A snapshot restores a row's state, and a
+    request with a cached prefix needs one."""
     config = ModelConfig.from_hf_dict(hybrid_dict("qwen3_5_text",
                                                   layer_types=[L, L, A, L, L, A]))
     token = 2 * 2 * KV_HEADS * 32 * 2  # K and V, 2 layers, bfloat16
@@ -398,23 +543,35 @@ def test_the_kv_pool_holds_attention_alone_and_the_state_pool_is_budgeted(caplog
     with caplog.at_level("INFO", logger="radixmesh.worker"):
         size = size_pool(EngineArgs(max_total_tokens=1024, max_running_requests=8), config,
                          torch.bfloat16, torch.device("cpu"))
-    assert (size.tokens, size.token_bytes, size.state_slots, size.state_bytes) == (
-        1024, token, 8, state)
-    assert f"state pool: 8 requests x {state:,} bytes" in caplog.text
+    assert (size.tokens, size.token_bytes, size.state_slots, size.snapshot_slots,
+            size.state_bytes) == (1024, token, 8, 16, state)
+    assert f"state pool: 8 requests + 16 snapshots x {state:,} bytes" in caplog.text
     assert f"1,024 tokens x {token:,} bytes" in caplog.text
     args = EngineArgs(max_running_requests=8)
     memory = Memory(100_000_000, 50_000_000)
     budget = 50_000_000 - int((1 - 0.85) * 100_000_000)
     assert auto_pool_size(args, 256, token, memory, False).tokens == budget // token
     hybrid = auto_pool_size(args, 256, token, memory, False, state_bytes=state)
-    assert hybrid.tokens == (budget - 8 * state) // token
+    assert hybrid.tokens == (budget - 3 * 8 * state) // token
     assert "once the state pool's" in hybrid.reason and hybrid.state_slots == 8
-    pool = StatePool(config, 2, torch.bfloat16)
+    pool = StatePool(config, 2, torch.bfloat16, snapshots=3)
     pool.admit(5)  # past its slots: grown
-    assert (pool.num_slots, pool.free_slots) == (6, 5)
+    assert (pool.num_slots, pool.free_slots, pool.num_snapshots) == (6, 5, 3)
     assert pool.recurrent[0].shape == (6, 4, 8, 16) and pool.conv[3].shape == (6, 96, 3)
+    assert pool.saved_recurrent[0].shape == (3, 4, 8, 16) and pool.saved_conv[3].shape == (
+        3, 96, 3)
     with pytest.raises(ValueError, match="cached prefix"):
         pool.admit(0, prefix=4)
+    for layer in range(4):
+        pool.conv[layer][5].normal_()
+        pool.recurrent[layer][5].normal_()
+    pool.save(5, 2)
+    pool.admit(1, prefix=4, snapshot=2)
+    for layer in range(4):
+        assert torch.equal(pool.conv[layer][1], pool.conv[layer][5])
+        assert torch.equal(pool.recurrent[layer][1], pool.recurrent[layer][5])
+    with pytest.raises(ValueError, match="snapshot slot 3"):
+        pool.save(5, 3)
 
 
 # ---- what a hybrid model refuses ---------------------------------------------------------
@@ -427,8 +584,8 @@ def test_what_a_hybrid_model_refuses() -> None:
         return SchedulerConfig.from_settings(EngineArgs(**settings), 1, 64, 256, [], "",
                                              architecture, mode)
 
-    assert not scheduler("qwen3_next").share_prefixes
-    assert scheduler("qwen3", "prefill", speculative_algorithm="NGRAM").share_prefixes
+    assert scheduler("qwen3_next").hybrid
+    assert not scheduler("qwen3", "prefill", speculative_algorithm="NGRAM").hybrid
     for mode, settings, named in (
         ("null", {"speculative_algorithm": "NGRAM"}, "speculative_algorithm NGRAM"),
         ("prefill", {}, "disaggregation_mode prefill"),

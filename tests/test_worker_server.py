@@ -187,7 +187,8 @@ def test_worker_info_carries_the_experts_of_a_mixture_of_experts() -> None:
         num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, sparse_layers=(0, 1),
     )
     runner = SimpleNamespace(config=moe, pool=SimpleNamespace(num_slots=96), quantization="bf16",
-                             model_path=Path("/models/moe"), lora=None)
+                             model_path=Path("/models/moe"), lora=None,
+                             states=SimpleNamespace(num_snapshots=0))
     info = worker_info(runner, WorkerConfig(dtype="float32"))
     assert (info.architecture, info.num_experts, info.num_experts_per_tok) == ("qwen3_moe", 8, 2)
     assert info.model_path == "/models/moe" and info.num_slots == 96 and info.num_layers == 2

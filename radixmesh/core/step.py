@@ -44,6 +44,21 @@ class NewRequest:
     # returned instead of a sampled token; empty: generation.
     pooling: str = ""
     score_ids: list[int] = field(default_factory=list)  # pooling "score": these logits
+    # A hybrid linear-attention model: the snapshot slot its linear layers' state after
+    # prefix_ids starts from (StateSave put it there); -1: a zero state (no prefix).
+    snapshot: int = -1
+
+
+@dataclass(slots=True)
+class StateSave:
+    """A hybrid linear-attention model: copy the linear layers' state of request-table row
+    `row` into snapshot slot `slot` once the row has fed `after` of this step's tokens
+    (after 0: the state the row has when the step starts, before the step releases
+    anyone, as a request that finished or was retracted leaves it)."""
+
+    row: int
+    after: int
+    slot: int
 
 
 @dataclass(slots=True)
@@ -151,6 +166,7 @@ class StepBatch:
     expects: list[KVExpect] = field(default_factory=list)
     decode_rows: array[int] = field(default_factory=int_array)  # request-table rows
     decode_slots: array[int] = field(default_factory=int_array)  # one new KV slot each
+    saves: list[StateSave] = field(default_factory=list)  # state snapshots to take
 
     @property
     def num_requests(self) -> int:

@@ -56,6 +56,7 @@ class Decodes:
         finally:
             if spare:  # taken for requests that did not decode (retracted, finishing)
                 self.kv.allocator.free(spare)
+        self.kv.decoded(batch)
 
     def _decode_each(self, batch: ScheduledBatch, spare: deque[int]) -> None:
         running = self.queues.running

@@ -1,16 +1,23 @@
 """What requests hold in the device KV pool: their own slots, the cached prefix each keeps
 locked in the radix tree, and how slots come back (to the tree, or free). The scheduler,
-its decodes and its KV transfers take and give back slots only through here."""
+its decodes and its KV transfers take and give back slots only through here. A hybrid
+linear-attention model's holdings add snapshots of its state (state_snapshots.py): here
+their hooks do nothing."""
 
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable
+from typing import TYPE_CHECKING
 
+from radixmesh.core.step import StateSave
 from radixmesh.engine.kv_allocator import KVAllocator
 from radixmesh.engine.radix_cache import RadixCache
 from radixmesh.engine.request import Req
 from radixmesh.engine.tiering import NoTiers
 from radixmesh.engine.tree_node import TreeNode
+
+if TYPE_CHECKING:
+    from radixmesh.engine.scheduler import ScheduledBatch
 
 
 class KVHoldings:
@@ -70,8 +77,9 @@ class KVHoldings:
         if locked is not None:
             self.cache.unlock(locked)
 
-    def cache_progress(self, req: Req) -> None:
-        """Publish a request's page-aligned progress in the tree so others can share it.
+    def cache_progress(self, req: Req, fed: int) -> None:
+        """Publish a request's page-aligned progress in the tree so others can share it,
+        once the step being built feeds `fed` more of its tokens (a prompt chunk).
 
         The worker runs batches in order and writes every new K/V of a step before any
         attention reads the pool, so slots scheduled now are safe to match from now on."""
@@ -83,7 +91,7 @@ class KVHoldings:
         # Another request cached part of this continuation first: the tree keeps its copy
         # and ours stays private to this request until it finishes.
         req.orphans.extend(req.slots[req.cached_len : cached])
-        match = self.cache.match_prefix(tokens, req.namespace, count_hit=False)
+        match = self.cache.match_prefix(tokens, req.namespace, count_hit=False, whole=True)
         self.tiers.cached(match.node)
         self.cache.lock(match.node)
         self.unlock(req.rid)
@@ -101,6 +109,22 @@ class KVHoldings:
             self.tiers.cached_prefix(tokens, req.namespace)
         self.unlock(req.rid)
         req.slots, req.cached_len, req.orphans = [], 0, []
+
+    def decoded(self, batch: ScheduledBatch) -> None:
+        """The step being built has its decodes (and nothing else yet)."""
+
+    def snapshot_of(self, node: TreeNode) -> int:
+        """The snapshot slot of the state at node's end a request admitted there starts
+        from; -1: none (a zero state, or a model without linear layers)."""
+        return -1
+
+    def take_saves(self) -> list[StateSave]:
+        """The state snapshots the step just built takes."""
+        return []
+
+    def snapshot_stats(self) -> dict[str, int]:
+        """The snapshot slots' part of /server_info."""
+        return {}
 
     def trim(self, req: Req, keep: int) -> None:
         """Give back a request's slots past its first `keep` (a rejected draft's): the
@@ -132,27 +156,3 @@ class KVHoldings:
         assert free + cached + held == num_slots, (
             f"slot leak: free {free} + cached {cached} + held {held} != pool {num_slots}"
         )
-
-
-class PrivateHoldings(KVHoldings):
-    """Holdings whose slots never enter the radix tree, for a model whose cached prefix
-    another request cannot take (a hybrid linear-attention model: its linear layers' state
-    after a prefix is not kept): every match is empty, and a request's slots all free with
-    it."""
-
-    def cache_progress(self, req: Req) -> None:
-        """Nothing is published: no other request could use it."""
-
-    def release(self, req: Req) -> None:
-        """Free all of a request's slots."""
-        self.allocator.free(req.slots + req.orphans)
-        self.unlock(req.rid)
-        req.slots, req.cached_len, req.orphans = [], 0, []
-
-
-def make_holdings(allocator: KVAllocator, cache: RadixCache, page: int,
-                  share_prefixes: bool = True) -> KVHoldings:
-    """The holdings of a scheduler whose requests share cached prefixes, or keep their slots
-    to themselves (PrivateHoldings)."""
-    holdings = KVHoldings if share_prefixes else PrivateHoldings
-    return holdings(allocator, cache, page)

@@ -98,9 +98,9 @@ class Req:
         """Tokens it may still generate, counting steps already in flight."""
         return self.params.max_new_tokens - len(self.output_ids) - self.pending
 
-    def new_request(self, prefix: int) -> NewRequest:
+    def new_request(self, prefix: int, snapshot: int = -1) -> NewRequest:
         """What the model runner learns of it on (re)admission, its first `prefix` tokens
-        cached."""
+        cached (and a hybrid model's state after them in snapshot slot `snapshot`)."""
         logprobs = self.logprobs
         if self.admitted:  # readmitted: it already has its prompt logprobs
             logprobs = dataclasses.replace(logprobs, logprob_start_len=-1)
@@ -116,6 +116,7 @@ class Req:
             self.lora,
             self.pooling,
             self.score_ids,
+            snapshot,
         )
 
     @cached_property

@@ -12,7 +12,6 @@ from radixmesh.engine.constraints import Constraints
 from radixmesh.engine.decode_steps import Decodes
 from radixmesh.engine.disaggregation import Disaggregation, Transfers
 from radixmesh.engine.kv_allocator import KVAllocator
-from radixmesh.engine.kv_holdings import make_holdings
 from radixmesh.engine.lora_adapters import LoraAdapters
 from radixmesh.engine.priority import Capacity, KVRoom, make_priority
 from radixmesh.engine.radix_cache import RadixCache
@@ -20,6 +19,7 @@ from radixmesh.engine.request import Req
 from radixmesh.engine.schedule_policy import SchedulePolicy, match_key
 from radixmesh.engine.scheduler_config import SchedulerConfig
 from radixmesh.engine.speculation import make_speculation, tree_depth
+from radixmesh.engine.state_snapshots import make_holdings
 from radixmesh.engine.tiering import NoTiers, attached_tiers
 
 
@@ -73,10 +73,8 @@ class Scheduler:
         tier (attach it again), no compiled constraint, steps counted from 1 again."""
         config = self.config
         self.allocator = KVAllocator(config.num_slots, config.page_size)
-        self.cache = RadixCache(self.allocator, config.page_size, config.eviction_policy,
-                                protected_ratio=config.slru_protected_ratio)
-        self.kv = make_holdings(self.allocator, self.cache, config.page_size,
-                                config.share_prefixes)
+        self.kv = make_holdings(self.allocator, config)
+        self.cache: RadixCache = self.kv.cache
         self.policy = SchedulePolicy(config.schedule_policy, self.cache)
         self.waiting: list[Req] = []
         self.running: list[Req] = []  # decoding, oldest first
@@ -177,6 +175,7 @@ class Scheduler:
             "forced_tokens": self.constraints.forced_tokens,
             **self.speculation.stats.report(),
             **self.tiers.stats(self.cache),
+            **self.kv.snapshot_stats(),
         }
 
     # ---- the host tier ---------------------------------------------------------------
@@ -215,6 +214,7 @@ class Scheduler:
         # Taken last: a request retracted by this very step may be readmitted by it too,
         # and the runner forgets before it admits.
         step.release, self._release = self._release, []
+        step.saves = self.kv.take_saves()
         step.copies = self.tiers.take_copies()
         step.host_pool, self._host_pool = self._host_pool, None
         step.grammars = self.constraints.take()
@@ -306,7 +306,7 @@ class Scheduler:
         cached = len(prefix)
         self.kv.hold(req, prefix, cached, node)
         req.row = self._free_rows.pop() if self._free_rows else self._next_row()
-        new_request = req.new_request(cached)
+        new_request = req.new_request(cached, self.kv.snapshot_of(node))
         used = self._extend(batch, req, budget)
         if not used:
             self.kv.unhold(req)
@@ -336,7 +336,7 @@ class Scheduler:
             StepEntry(req.rid, req.tokens[start : start + chunk], slots, done)
         )
         batch.reqs.append(req)
-        self.kv.cache_progress(req)
+        self.kv.cache_progress(req, chunk)
         if done:
             self.chunked = None
             req.pending += 1

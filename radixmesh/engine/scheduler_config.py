@@ -46,9 +46,11 @@ class SchedulerConfig:
     lora_names: frozenset[str] = frozenset()
     max_loras_per_batch: int = 8
     lora_pinned: frozenset[str] = frozenset()
-    # Whether a request may start from another's cached prefix: not on a hybrid
-    # linear-attention model, whose linear layers' state after a prefix is not cached.
-    share_prefixes: bool = True
+    # A hybrid linear-attention model: a request starts from a cached prefix only where the
+    # radix tree keeps a snapshot of the linear layers' state at its end, in one of the
+    # worker's `state_snapshots` slots (state_snapshots.py).
+    hybrid: bool = False
+    state_snapshots: int = 0
 
     @classmethod
     def from_settings(
@@ -61,10 +63,11 @@ class SchedulerConfig:
         model_fingerprint: str = "",
         architecture: str = "",
         disaggregation_mode: str = "null",
+        state_snapshots: int = 0,
     ) -> SchedulerConfig:
         """An engine's scheduler: its settings on the model (of family `architecture`) and
-        KV pool it got, in its disaggregation role; raises ValueError for a combination it
-        cannot serve (check_hybrid)."""
+        KV pool (and a hybrid model's `state_snapshots` slots) it got, in its disaggregation
+        role; raises ValueError for a combination it cannot serve (check_hybrid)."""
         hybrid = architecture in HYBRID_FAMILIES
         if hybrid:
             check_hybrid(architecture, settings, disaggregation_mode)
@@ -89,14 +92,15 @@ class SchedulerConfig:
             enable_priority_scheduling=settings.enable_priority_scheduling,
             low_priority_values_first=settings.schedule_low_priority_values_first,
             preemption_threshold=settings.priority_scheduling_preemption_threshold,
-            share_prefixes=not hybrid,
+            hybrid=hybrid,
+            state_snapshots=state_snapshots,
         )
 
 
 def check_hybrid(architecture: str, settings: ReplicaSettings, disaggregation_mode: str) -> None:
     """Refuse what a hybrid linear-attention model cannot run with yet: each needs the linear
-    layers' state, which lives in the worker's state pool alone (no snapshot of it is kept),
-    to be rolled back (speculative decoding's rejected drafts) or to travel with the KV
+    layers' state, which lives in the worker's state pool and its snapshot slots alone, to
+    be rolled back (speculative decoding's rejected drafts) or to travel with the KV
     (prefill/decode disaggregation, the hierarchical cache's tiers)."""
     refused = [name for name, on in (
         (f"speculative_algorithm {settings.speculative_algorithm}",

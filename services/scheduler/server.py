@@ -79,6 +79,7 @@ class SchedulerService:
                 model_fingerprint(model_path) if self.config.enable_hierarchical_cache else "",
                 info.architecture,
                 self.config.disaggregation_mode,
+                info.state_snapshots,
             ),
             transfer_timeout=self.config.disaggregation_timeout,
             lora_names=frozenset(info.lora_names),

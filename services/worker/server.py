@@ -89,6 +89,7 @@ def worker_info(runner: ModelRunner, config: WorkerConfig) -> wpb.WorkerInfo:
         lora_names=sorted(runner.lora.adapters) if runner.lora else [],
         max_loras_per_batch=runner.lora.slots if runner.lora else 0,
         pinned_loras=sorted(runner.lora.pinned) if runner.lora else [],
+        state_snapshots=runner.states.num_snapshots,
         **model_shape(model),
     )
 

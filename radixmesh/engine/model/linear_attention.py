@@ -11,8 +11,10 @@ shared by num_v_heads / num_k_heads v heads) updates it as
 
 with the decay g_t = -exp(A_log) softplus(a_t + dt_bias) <= 0 and the write strength
 beta_t = sigmoid(b_t). A decoding token takes one step of it; a prompt chunk takes it in
-blocks of CHUNK tokens (`chunk_rule`), each solved in a few matrix products. The state math
-runs in float32 whatever the activations' dtype."""
+blocks of CHUNK tokens (`chunk_rule`), each solved in a few matrix products, and split where
+the step saves a snapshot of the state inside the chunk (state_pool.Run's saves), so that
+the snapshot is the state exactly there. The state math runs in float32 whatever the
+activations' dtype."""
 
 from __future__ import annotations
 
@@ -145,10 +147,14 @@ class GatedDeltaNet:
             window = torch.cat([conv.index_select(0, rows), qkv[at].unsqueeze(-1)], dim=-1)
             out[at] = causal_conv(window, self.conv).squeeze(-1)
             conv.index_copy_(0, rows, window[:, :, 1:])
-        for start, length, row in states.runs:
+            _keep(states, conv, states.pool.saved_conv, index)
+        kept = conv.shape[2]
+        for start, length, row, saves in states.runs:
             window = torch.cat([conv[row], qkv[start : start + length].t()], dim=-1)
             out[start : start + length] = causal_conv(window.unsqueeze(0), self.conv)[0].t()
-            conv[row] = window[:, window.shape[1] - conv.shape[2] :]
+            for after, slot in saves:  # the columns kept after `after` tokens
+                states.pool.saved_conv[index][slot] = window[:, after : after + kept]
+            conv[row] = window[:, window.shape[1] - kept :]
         return out
 
     def _delta_rule(
@@ -164,18 +170,35 @@ class GatedDeltaNet:
                                     recurrent.index_select(0, rows))
             out[at] = o
             recurrent.index_copy_(0, rows, new)
-        for start, length, row in states.runs:
-            span = slice(start, start + length)
-            o, recurrent[row] = chunk_rule(
-                q[span].transpose(0, 1), k[span].transpose(0, 1), v[span].transpose(0, 1),
-                g[span].t(), beta[span].t(), recurrent[row])
-            out[span] = o.transpose(0, 1)
+            _keep(states, recurrent, states.pool.saved_recurrent, index)
+        for start, length, row, saves in states.runs:
+            # Split where a snapshot is taken: the state after each piece is exact.
+            state, begin = recurrent[row], 0
+            for end, slot in (*saves, (length, -1)):
+                if end > begin:
+                    span = slice(start + begin, start + end)
+                    o, state = chunk_rule(
+                        q[span].transpose(0, 1), k[span].transpose(0, 1),
+                        v[span].transpose(0, 1), g[span].t(), beta[span].t(), state)
+                    out[span] = o.transpose(0, 1)
+                if slot >= 0:
+                    states.pool.saved_recurrent[index][slot] = state
+                begin = end
+            recurrent[row] = state
         return out
 
     def _gated_norm(self, out: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """RMSNorm of each head's output times silu of its gate z, in z's dtype."""
         normed = out * torch.rsqrt(out.square().mean(-1, keepdim=True) + self.eps)
         return ((self.norm * normed.to(z.dtype)) * F.silu(z.float())).to(z.dtype)
+
+
+def _keep(states: StateStep, pool: torch.Tensor, saved: list[torch.Tensor], index: int) -> None:
+    """Copy the layer's states of the singles StateStep.kept names into their snapshot
+    slots."""
+    if states.kept is not None:
+        rows, slots = states.kept
+        saved[index].index_copy_(0, slots, pool.index_select(0, rows))
 
 
 def _tensor(w: Mapping[str, Weight], name: str) -> torch.Tensor:

@@ -5,8 +5,9 @@ device; the scheduler takes the pool's size from the runner (in process) or from
 worker's info (in the mesh), so the two never disagree.
 
 A hybrid linear-attention model's KV pool holds its attention layers alone; its linear
-layers' state pool (state_pool.py), one slot per running request, comes out of the same
-memory first."""
+layers' state pool (state_pool.py), a slot per running request and SNAPSHOTS_PER_REQUEST
+snapshot slots per running request for the radix cache, comes out of the same memory
+first."""
 
 from __future__ import annotations
 
@@ -26,13 +27,16 @@ log = logging.getLogger("radixmesh.worker")
 # A hybrid model's state slots when the pool is sized in tokens alone (more are added as
 # rows past them come).
 DEFAULT_STATE_SLOTS = 16
+# A hybrid model's snapshot slots per state slot: the radix cache's snapshots of prefixes'
+# states (with page_size > 1, a decoding request keeps one of its own too).
+SNAPSHOTS_PER_REQUEST = 2
 
 
 @dataclass(frozen=True)
 class PoolSize:
     """The pool's size in tokens, what one token's K and V take in all its attention
-    layers, and why; a hybrid model's state pool beside it: its slots (running requests)
-    and what one request's state takes in all its linear layers."""
+    layers, and why; a hybrid model's state pool beside it: its slots (running requests),
+    its snapshot slots, and what one request's state takes in all its linear layers."""
 
     tokens: int
     token_bytes: int
@@ -45,16 +49,20 @@ class PoolSize:
         return self.tokens * self.token_bytes
 
     @property
+    def snapshot_slots(self) -> int:
+        return SNAPSHOTS_PER_REQUEST * self.state_slots
+
+    @property
     def state_nbytes(self) -> int:
-        return self.state_slots * self.state_bytes
+        return (self.state_slots + self.snapshot_slots) * self.state_bytes
 
     def __str__(self) -> str:
         kv = (f"KV pool: {self.tokens:,} tokens x {self.token_bytes:,} bytes = "
               f"{self.nbytes / 2**30:.2f} GiB, {self.reason}")
         if not self.state_bytes:
             return kv
-        return (f"{kv}; state pool: {self.state_slots:,} requests x {self.state_bytes:,} "
-                f"bytes = {self.state_nbytes / 2**30:.2f} GiB")
+        return (f"{kv}; state pool: {self.state_slots:,} requests + {self.snapshot_slots:,} "
+                f"snapshots x {self.state_bytes:,} bytes = {self.state_nbytes / 2**30:.2f} GiB")
 
 
 def _gib(nbytes: float) -> str:
@@ -68,14 +76,14 @@ def auto_pool_size(settings: KVSettings, model_context: int, token_bytes: int, m
     Memory bounds it: with mem_fraction_static f, the weights and the pools may take f of
     the device's memory, so the pool gets what is free now (the weights loaded) less the
     (1 - f) share of the total that stays for activations and everything else, less the
-    state pool (`state_bytes` a request, max_running_requests of them). `ranks`
-    tensor-parallel ranks share that memory (a CPU host's). On a GPU the pool takes all of
-    it; on the CPU no more than max_running_requests requests of TYPICAL_REQUEST_TOKENS
-    (or the context, when shorter) need, since its memory is the host's. Never less than
-    one request of the whole context and a page."""
+    state pool (`state_bytes` a slot, max_running_requests of them and their snapshot
+    slots). `ranks` tensor-parallel ranks share that memory (a CPU host's). On a GPU the
+    pool takes all of it; on the CPU no more than max_running_requests requests of
+    TYPICAL_REQUEST_TOKENS (or the context, when shorter) need, since its memory is the
+    host's. Never less than one request of the whole context and a page."""
     page = settings.page_size
     context = settings.context_limit(model_context)
-    states = settings.max_running_requests * state_bytes * ranks
+    states = (1 + SNAPSHOTS_PER_REQUEST) * settings.max_running_requests * state_bytes * ranks
     budget = max(memory.available - int((1 - settings.mem_fraction_static) * memory.total)
                  - states, 0)
     by_memory = budget // (token_bytes * ranks) // page * page

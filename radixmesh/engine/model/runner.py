@@ -24,10 +24,7 @@ from radixmesh.engine.model.attention import (
 )
 from radixmesh.engine.model.attention_choice import check_runs_on, make_attention
 from radixmesh.engine.model.device import current, resolve_device, upload
-from radixmesh.engine.model.draft_tree import (
-    draft_rows,
-    grammar_allows,
-)
+from radixmesh.engine.model.draft_tree import draft_rows, grammar_allows
 from radixmesh.engine.model.grammar_mask import Grammars, Vocabulary
 from radixmesh.engine.model.host_copies import HostCopier
 from radixmesh.engine.model.kv_pool import KVPool
@@ -55,7 +52,7 @@ from radixmesh.engine.model.parallel import (
 from radixmesh.engine.model.pool_size import size_pool
 from radixmesh.engine.model.req_table import ReqTable
 from radixmesh.engine.model.row_sampling import is_plain
-from radixmesh.engine.model.state_pool import StatePool, StateStep
+from radixmesh.engine.model.state_pool import StatePool
 from radixmesh.engine.model.step_sampler import RequestState, StepLayout, StepSampler, TokenRead
 from radixmesh.engine.model.torch_attention import TorchAttention
 
@@ -114,7 +111,7 @@ class ModelRunner:
             size = size_pool(num_slots, shard, dtype, self.device, tp)
             self.pool = KVPool(shard.num_kv_layers, size.tokens, shard.num_kv_heads,
                                shard.head_dim, dtype, self.device)
-            self.states = StatePool(shard, size.state_slots, dtype, self.device)
+            self.states = StatePool(shard, size.state_slots, dtype, device, size.snapshot_slots)
             self.graphs = self._decode_graphs(cuda_graph_max_bs, eager_graphs, size.tokens)
             rank = 0 if tp is None else tp.rank
             self.host_copies = HostCopier(self.pool, config.num_kv_heads, rank)
@@ -177,6 +174,7 @@ class ModelRunner:
             self.states.reset()
             if self.lora is not None:
                 self.lora.reset()
+        self.states.save_before(batch.saves)
         for rid in batch.release:
             gone = self.requests.pop(rid, None)
             if gone is not None and self._by_row.get(gone.row) is gone:
@@ -189,7 +187,7 @@ class ModelRunner:
             with current(self.device):
                 self.table.admit(spec.row, spec.prefix_ids, spec.prefix_slots,
                                  self._lora_slot(spec.lora))
-                self.states.admit(spec.row, len(spec.prefix_slots))
+                self.states.admit(spec.row, len(spec.prefix_slots), spec.snapshot)
             self.sampler.row_sampling.set(spec.row, spec.params, spec.seed, state.plain)
             self.requests[spec.rid] = self._by_row[spec.row] = state
         result = StepResult(batch.step)
@@ -289,7 +287,7 @@ class ModelRunner:
             self.attention.prepare(meta)
             lora = None if lora_slots is None or self.lora is None else LoraBatch(self.lora,
                                                                                   lora_slots)
-            states = StateStep.of_layout(self.states, step) if self.config.is_hybrid else None
+            states = self.states.step(step, batch.saves)
             hidden = self.model.forward(input_ids, input_positions, self.attention, self.pool,
                                         lora, states)
         outs = result.results = [EntryResult(e.rid) for e in batch.entries]
