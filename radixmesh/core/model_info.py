@@ -13,6 +13,8 @@ if TYPE_CHECKING:
 # layers keep a recurrent state per request instead of KV, which a cached prefix's KV cannot
 # rebuild.
 HYBRID_FAMILIES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
+# Latent-attention families: the KV pool holds one latent per token and layer.
+LATENT_FAMILIES = ("deepseek_v3",)
 
 # The model's shape as users see it: attributes named alike on the worker's ModelConfig, its
 # WorkerInfo, the engine's EngineStatus heartbeat and the tokenizer's record of it.

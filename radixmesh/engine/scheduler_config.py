@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from radixmesh.core.model_info import HYBRID_FAMILIES
+from radixmesh.core.model_info import HYBRID_FAMILIES, LATENT_FAMILIES
 from radixmesh.core.settings import ReplicaSettings, SpeculativeSettings
 
 
@@ -71,6 +71,8 @@ class SchedulerConfig:
         hybrid = architecture in HYBRID_FAMILIES
         if hybrid:
             check_hybrid(architecture, settings, disaggregation_mode)
+        if architecture in LATENT_FAMILIES:
+            check_latent(architecture, settings, disaggregation_mode)
         return cls(
             num_slots=num_slots,
             page_size=page_size,
@@ -111,3 +113,16 @@ def check_hybrid(architecture: str, settings: ReplicaSettings, disaggregation_mo
     if refused:
         raise ValueError(f"{architecture} is a hybrid linear-attention model: it cannot run "
                          f"with {' or '.join(refused)}")
+
+
+def check_latent(architecture: str, settings: ReplicaSettings, disaggregation_mode: str) -> None:
+    """Refuse what a latent-attention model cannot run with yet: the host and storage tiers
+    and the KV sent between prefill and decode engines are laid out as K and V per head,
+    where its pool holds one latent per token."""
+    refused = [name for name, on in (
+        (f"disaggregation_mode {disaggregation_mode}", disaggregation_mode != "null"),
+        ("enable_hierarchical_cache", settings.enable_hierarchical_cache),
+    ) if on]
+    if refused:
+        raise ValueError(f"{architecture} caches latents (multi-head latent attention): it "
+                         f"cannot run with {' or '.join(refused)} yet")

@@ -18,15 +18,21 @@ def make_attention(
     page_size: int = 1,
     windows: Sequence[int] = (),
     softcap: float = 0.0,
+    latent: int = 0,
 ) -> AttentionBackend:
     """The backend called `name` ("auto": triton on CUDA, torch elsewhere) for `device`,
-    with each layer's sliding window (`windows`, 0: none) and the scores' soft cap."""
+    with each layer's sliding window (`windows`, 0: none) and the scores' soft cap;
+    `latent` > 0: latent attention's values are the keys' first `latent` dims (the torch
+    backend's alone, so far)."""
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"attention backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
+    if latent and name != "torch":
+        raise ValueError("latent attention (deepseek_v3) runs on the torch attention backend "
+                         "(the CPU) only: the triton kernels do not read a latent cache yet")
     if name == "torch":
-        return TorchAttention(scale, windows=windows, softcap=softcap)
+        return TorchAttention(scale, windows=windows, softcap=softcap, latent=latent)
     # Imported here: triton is an optional dependency that a CPU-only install may lack.
     from radixmesh.engine.model.triton_attention import TritonAttention
 

@@ -57,11 +57,12 @@ class HostCopier:
         self.heads = (rank * heads, (rank + 1) * heads)
         head_bytes = self.head_dim * first.element_size()
         self._word = next(w for w in _WORDS if head_bytes % w.itemsize == 0)
-        # Each layer's K then V: the order of a slot's rows in the host pool.
+        # Each layer's K then V: the order of a slot's rows in the host pool (a latent
+        # attention pool keeps no V: its K alone).
         self._device_rows = [
             t.view(self.num_slots, -1).view(self._word)
             for kv in zip(pool.k, pool.v, strict=True)
-            for t in kv
+            for t in kv if t.shape[-1]
         ]
         self._cuda = self.device.type == "cuda"
         self._stream = torch.cuda.Stream(self.device) if self._cuda else None

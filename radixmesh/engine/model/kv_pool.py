@@ -22,16 +22,21 @@ class KVPool:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
+        value_dim: int | None = None,
     ) -> None:
-        shape = (num_slots, num_kv_heads, head_dim)
         self.num_slots = num_slots
-        self.k = [lazy_zeros(shape, dtype, device) for _ in range(num_layers)]
-        self.v = [lazy_zeros(shape, dtype, device) for _ in range(num_layers)]
+        self.k = [lazy_zeros((num_slots, num_kv_heads, head_dim), dtype, device)
+                  for _ in range(num_layers)]
+        # value_dim 0: no values kept (latent attention reads them from the keys).
+        values = (num_slots, num_kv_heads, head_dim if value_dim is None else value_dim)
+        self.v = [lazy_zeros(values, dtype, device) for _ in range(num_layers)]
 
-    def store(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write new tokens' K/V [T, Hkv, D] into their slots [T]."""
+    def store(self, layer: int, slots: torch.Tensor, k: torch.Tensor,
+              v: torch.Tensor | None) -> None:
+        """Write new tokens' K/V [T, Hkv, D] into their slots [T] (v None: keys only)."""
         self.k[layer].index_copy_(0, slots, k)
-        self.v[layer].index_copy_(0, slots, v)
+        if v is not None:
+            self.v[layer].index_copy_(0, slots, v)
 
     def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy the K/V of slots `src` to slots `dst` in every layer (accepted draft tokens

@@ -63,9 +63,9 @@ def lazy_zeros(shape: Sequence[int], dtype: torch.dtype,
     On the CPU torch.zeros writes (and so commits) every page at once; torch.empty is not
     zeroed, and not lazy for sure either: glibc serves blocks under its mmap threshold, which
     keep_freed_memory raises to 32 MiB, from heap memory that may have been written."""
-    if torch.device(device).type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * dtype.itemsize
+    if torch.device(device).type != "cpu" or not nbytes:
+        return torch.zeros(shape, dtype=dtype, device=device)
     # fileno -1: anonymous memory.
     buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)
     return torch.frombuffer(buffer, dtype=torch.uint8).view(dtype).view(*shape)

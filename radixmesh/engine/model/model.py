@@ -15,6 +15,7 @@ from radixmesh.engine.model.attention import AttentionBackend
 from radixmesh.engine.model.kv_pool import KVPool
 from radixmesh.engine.model.linear import Linear, Weight
 from radixmesh.engine.model.linear_attention import GatedDeltaNet
+from radixmesh.engine.model.mla import LatentAttention
 from radixmesh.engine.model.mlp import GatedMLP
 from radixmesh.engine.model.model_config import ModelConfig
 from radixmesh.engine.model.moe import GroupedRouting, SparseMoE
@@ -113,6 +114,10 @@ class DecoderLayer:
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.linear_attn: GatedDeltaNet | None = None
+        self.latent_attn: LatentAttention | None = None
+        if cfg.mla is not None:
+            self.latent_attn = LatentAttention(cfg, w, attn)
+            return
         if layer in cfg.linear_layers:
             assert cfg.linear is not None
             self.linear_attn = GatedDeltaNet(cfg.linear, w, f"{prefix}.linear_attn",
@@ -150,6 +155,9 @@ class DecoderLayer:
             if states is None:
                 raise ValueError("a linear-attention layer needs the step's states")
             hidden = self.linear_attn(x, states, self.mixer_index, hidden)
+            return self.mlp(rms_norm(hidden, self.post_norm, eps), hidden, lora, layer)
+        if self.latent_attn is not None:
+            hidden = self.latent_attn(self.mixer_index, x, rope, attn, pool, hidden)
             return self.mlp(rms_norm(hidden, self.post_norm, eps), hidden, lora, layer)
         qkv = self.qkv(x, extra=None if lora is None else functools.partial(lora.add, layer, "qkv"))
         gate = None
@@ -276,7 +284,7 @@ class CausalLM:
         cfg = self.cfg
         if (tp is not None or cfg.rope_dim != cfg.head_dim or cfg.is_hybrid
                 or cfg.shared_expert_intermediate_size or cfg.attention_sinks or cfg.o_proj_bias
-                or cfg.moe_groups
+                or cfg.moe_groups or cfg.mla is not None
                 or cfg.sandwich_norms or cfg.hidden_act != "silu" or cfg.embed_scale != 1.0
                 or self.dtype != torch.bfloat16):
             return None

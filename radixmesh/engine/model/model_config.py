@@ -14,11 +14,13 @@ log = logging.getLogger("radixmesh.worker")
 
 # Hugging Face model types served; the Qwen3 family norms q and k per head.
 _MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "phi3", "gemma2",
-                "gemma3_text", "gpt_oss", "glm4_moe", *HYBRID_FAMILIES)
+                "gemma3_text", "gpt_oss", "glm4_moe", "deepseek_v3", *HYBRID_FAMILIES)
 _QK_NORM = ("qwen3", "qwen3_moe", "gemma3_text", *HYBRID_FAMILIES)
 # Multimodal files whose text model is served (under `text_config`), by the type it takes.
 _TEXT_MODELS = {"gemma3": "gemma3_text", "qwen3_5": "qwen3_5_text",
                 "qwen3_5_moe": "qwen3_5_moe_text"}
+# Families that route as DeepSeek-V3 does (moe.grouped_route).
+_GROUPED_ROUTER = ("glm4_moe", "deepseek_v3")
 # Families whose attention_bias leaves o_proj without one.
 _NO_O_BIAS = ("qwen2", "glm4_moe")
 # Families whose every layer's MLP is the experts (no decoder_sparse_step, always renormalized).
@@ -67,6 +69,27 @@ class LinearAttentionShape:
     def conv_dim(self) -> int:
         """The channels the convolution runs over: q, k and v side by side."""
         return 2 * self.key_dim + self.value_dim
+
+
+@dataclass(frozen=True)
+class LatentAttentionShape:
+    """Multi-head latent attention's shape (DeepSeek-V3, mla.py): queries through a low-rank
+    q_lora_rank (0: a plain q_proj), keys and values from one kv_lora_rank latent per token
+    plus one rotary key of qk_rope_head_dim shared by the heads; each head's query and key
+    are qk_nope_head_dim + qk_rope_head_dim wide, its value v_head_dim. rope_interleave: the
+    rotary dims come as interleaved pairs (DeepSeek's checkpoints)."""
+
+    q_lora_rank: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool = True
+
+    @property
+    def cache_dim(self) -> int:
+        """What the pool holds per token and layer: the latent and the rotary key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
 
 
 @dataclass(frozen=True)
@@ -125,6 +148,8 @@ class ModelConfig:
     # by score plus a correction bias within the best `moe_topk_groups` of `moe_groups`
     # groups, weights scaled by routed_scaling_factor; their shared experts are ungated
     # (moe_groups 0: the softmax router).
+    mla: LatentAttentionShape | None = None  # latent attention's shape, or None
+    softmax_scale: float = 0.0  # q . k's factor where the family sets it apart (0: derived)
     moe_groups: int = 0
     moe_topk_groups: int = 0
     routed_scaling_factor: float = 1.0
@@ -163,7 +188,17 @@ class ModelConfig:
     @property
     def attention_scale(self) -> float:
         """What q . k is multiplied by before the softmax."""
+        if self.softmax_scale:
+            return self.softmax_scale
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    @property
+    def kv_cache_dims(self) -> tuple[int, int]:
+        """A token's cached key and value widths per KV head and layer: latent attention
+        caches one latent-and-rotary key and reads its values from the key's latent part."""
+        if self.mla is not None:
+            return self.mla.cache_dim, 0
+        return self.head_dim, self.head_dim
 
     @property
     def rope_dim(self) -> int:
@@ -200,6 +235,7 @@ class ModelConfig:
         for key in ("mrope_section", "mrope_interleaved"):
             rope.pop(key, None)
         scaling = _rope_scaling(rope, cfg, model_type)
+        latent = _latent_fields(cfg, model_type, scaling, rope.get("mscale_all_dim") or 0.0)
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         return cls(
@@ -211,8 +247,8 @@ class ModelConfig:
                                else cfg["intermediate_size"]),
             num_layers=cfg["num_hidden_layers"],
             num_heads=heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=head_dim,
+            num_kv_heads=latent.get("num_kv_heads", cfg.get("num_key_value_heads") or heads),
+            head_dim=latent.get("head_dim", head_dim),
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=theta,
             rope_scaling=scaling,
@@ -227,12 +263,15 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             name=name,
             **_moe_shape(cfg, model_type),
-            rotary_dim=int(head_dim * partial),  # rounded down, as transformers does
+            # rounded down, as transformers does
+            rotary_dim=latent.get("rotary_dim", int(head_dim * partial)),
             layer_windows=_layer_windows(cfg, model_type),
             local_rope_theta=local_theta,
             **_gemma_fields(cfg, model_type),
             **_hybrid_fields(cfg, model_type),
             **_gpt_oss_fields(cfg, model_type),
+            mla=latent.get("mla"),
+            softmax_scale=latent.get("softmax_scale", 0.0),
         )
 
 
@@ -328,14 +367,14 @@ def _moe_shape(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
     except `mlp_only_layers` (dense MLPs of `intermediate_size` there) with experts of
     `moe_intermediate_size`; Qwen3.5-MoE makes every layer sparse and always renormalizes.
     Qwen3-Next's and Qwen3.5-MoE's sparse layers add a shared expert."""
-    if model_type not in ("qwen3_moe", "mixtral", "qwen3_next", "gpt_oss", "glm4_moe",
+    if model_type not in ("qwen3_moe", "mixtral", "qwen3_next", "gpt_oss", *_GROUPED_ROUTER,
                           *_ALL_SPARSE):
         return {}
     layers = cfg["num_hidden_layers"]
     # transformers 5 writes num_local_experts for both; Qwen's own files say num_experts.
     experts = (cfg.get("num_local_experts") or cfg.get("num_experts")
                or cfg.get("n_routed_experts") or 0)
-    if model_type == "glm4_moe":  # the first first_k_dense_replace layers dense
+    if model_type in _GROUPED_ROUTER:  # the first first_k_dense_replace layers dense
         dense = cfg.get("first_k_dense_replace", 0)
         return {
             "num_experts": experts,
@@ -373,6 +412,32 @@ def _moe_shape(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
         "sparse_layers": sparse,
         "shared_expert_intermediate_size": cfg.get("shared_expert_intermediate_size") or 0,
     }
+
+
+def _latent_fields(cfg: dict[str, Any], model_type: str, scaling: dict[str, Any] | None,
+                   mscale_all_dim: float) -> dict[str, Any]:
+    """The ModelConfig fields of a latent-attention family (none for the others): its
+    shape, one KV head (the latent) and heads as wide as the rotary key for RoPE, and the
+    softmax scale over the whole query width, times YaRN's mscale_all_dim factor squared."""
+    if model_type != "deepseek_v3":
+        return {}
+    if cfg.get("attention_bias"):
+        raise ValueError("deepseek_v3 with attention_bias is not served")
+    shape = LatentAttentionShape(
+        q_lora_rank=cfg.get("q_lora_rank") or 0,
+        kv_lora_rank=cfg["kv_lora_rank"],
+        qk_nope_head_dim=cfg["qk_nope_head_dim"],
+        qk_rope_head_dim=cfg["qk_rope_head_dim"],
+        v_head_dim=cfg["v_head_dim"],
+        rope_interleave=cfg.get("rope_interleave", True),
+    )
+    scale = (shape.qk_nope_head_dim + shape.qk_rope_head_dim) ** -0.5
+    if scaling is not None and scaling.get("rope_type") == "yarn" and mscale_all_dim:
+        factor = scaling["factor"]
+        m = 0.1 * mscale_all_dim * math.log(factor) + 1.0 if factor > 1 else 1.0
+        scale *= m * m
+    return {"mla": shape, "num_kv_heads": 1, "head_dim": shape.qk_rope_head_dim,
+            "rotary_dim": shape.qk_rope_head_dim, "softmax_scale": scale}
 
 
 def _gpt_oss_fields(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:

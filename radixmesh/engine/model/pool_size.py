@@ -114,7 +114,7 @@ def size_pool(sizing: int | KVSettings, shard: ModelConfig, dtype: torch.dtype,
     the settings say, and a hybrid model's state pool of max_running_requests slots
     (DEFAULT_STATE_SLOTS with `sizing` tokens); logged. The ranks of a group agree on the
     smallest of their sizes."""
-    token_bytes = (2 * shard.num_kv_layers * shard.num_kv_heads * shard.head_dim
+    token_bytes = (shard.num_kv_layers * shard.num_kv_heads * sum(shard.kv_cache_dims)
                    * dtype.itemsize)
     state_bytes = request_state_bytes(shard, dtype)
     if isinstance(sizing, int):

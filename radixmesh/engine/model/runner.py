@@ -103,14 +103,16 @@ class ModelRunner:
             attention
             if isinstance(attention, AttentionBackend)
             else make_attention(attention, config.attention_scale, self.device, page_size,
-                                config.layer_windows, config.attn_logit_softcap)
+                                config.layer_windows, config.attn_logit_softcap,
+                                config.mla.kv_lora_rank if config.mla else 0)
         )
         check_runs_on(self.attention, self.device)
         with current(self.device):
             self.model = CausalLM(shard, weights, dtype, tp, self.device)
             size = size_pool(num_slots, shard, dtype, self.device, tp)
+            key_dim, value_dim = shard.kv_cache_dims
             self.pool = KVPool(shard.num_kv_layers, size.tokens, shard.num_kv_heads,
-                               shard.head_dim, dtype, self.device)
+                               key_dim, dtype, self.device, value_dim)
             self.states = StatePool(shard, size.state_slots, dtype, device, size.snapshot_slots)
             self.graphs = self._decode_graphs(cuda_graph_max_bs, eager_graphs, size.tokens)
             rank = 0 if tp is None else tp.rank

@@ -39,8 +39,12 @@ class TorchAttention(AttentionBackend):
         native: bool = True,
         windows: Sequence[int] = (),
         softcap: float = 0.0,
+        latent: int = 0,
     ) -> None:
         self.scale = scale
+        # Latent attention (mla.py): the values are the keys' first `latent` dims, none kept
+        # apart (0: separate values).
+        self.latent = latent
         self.native = native
         self.windows = tuple(windows)
         self.softcap = softcap
@@ -115,7 +119,7 @@ class TorchAttention(AttentionBackend):
         if self._in_order and self._decode_rows.numel():
             # Decode only: every row is a decode, in order; no scatter into a second buffer.
             return self._decode(q, k_pool, v_pool, window, sinks)
-        out = torch.empty_like(q)
+        out = q.new_empty(*q.shape[:2], self.latent or v_pool.shape[-1])
         if self._decode_rows.numel():
             out[self._decode_rows] = self._decode(q[self._decode_rows], k_pool, v_pool, window,
                                                   sinks)
@@ -133,11 +137,12 @@ class TorchAttention(AttentionBackend):
         # token per request, and index_select on a 2-D view gathers ~10x faster than
         # advanced indexing (both measured).
         index, lens = self._decode_keys[window]
-        if (self.native and not self.softcap and sinks is None
+        if (self.native and not self.softcap and sinks is None and not self.latent
                 and native.decode_supported(q, k_pool)):
             return native.decode_attention(q, k_pool, v_pool, index, lens, self.scale)
         b, hq, d = q.shape
-        keys, values = _gather(k_pool, index), _gather(v_pool, index)
+        keys = _gather(k_pool, index)
+        values = keys[..., : self.latent] if self.latent else _gather(v_pool, index)
         if keys.dtype != torch.float32 and keys.numel() <= _SMALL_DECODE:
             # Tiny bf16 batched matmuls are dominated by oneDNN's fixed cost; float32 ones
             # are ~3x cheaper at this size (measured), and the upcast is cheap.
@@ -152,7 +157,7 @@ class TorchAttention(AttentionBackend):
             scores = scores + bias
         sink = None if sinks is None else sinks.view(keys.shape[1], -1, 1)  # [Hkv, group, 1]
         probs = _softmax(scores, sink).to(values.dtype)
-        return torch.matmul(probs, values).view(b, hq, d).to(out_dtype)
+        return torch.matmul(probs, values).view(b, hq, values.shape[-1]).to(out_dtype)
 
     def _padding_bias(self, window: int) -> torch.Tensor | None:
         """-inf past each request's length in the padded decode index of `window`'s keys
@@ -181,6 +186,9 @@ class TorchAttention(AttentionBackend):
         native kernel token by token, reading K/V in place (faster than torch's flash
         attention up to 2048 new tokens at head dim 64, measured); otherwise flash attention
         over gathered rows; a window or soft-capped scores, a masked softmax."""
+        if self.latent:
+            keys = k_pool[slots]
+            return self._masked(q, keys, keys[..., : self.latent], window, sinks)
         if window or self.softcap or sinks is not None:
             return self._masked(q, k_pool[slots], v_pool[slots], window, sinks)
         if self.native and q.dtype == torch.bfloat16 and native.decode_supported(q, k_pool):
@@ -239,7 +247,7 @@ class TorchAttention(AttentionBackend):
         sink = None if sinks is None else sinks.view(hkv, -1, 1, 1)  # [Hkv, group, 1, 1]
         probs = _softmax(scores.masked_fill_(hidden, float("-inf")), sink)
         out = torch.matmul(probs, values.float().permute(1, 0, 2).unsqueeze(1))
-        return out.permute(2, 0, 1, 3).reshape(n, hq, d).to(q.dtype)
+        return out.permute(2, 0, 1, 3).reshape(n, hq, values.shape[-1]).to(q.dtype)
 
 
 def _softmax(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
