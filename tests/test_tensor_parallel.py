@@ -214,7 +214,7 @@ def _lora_script() -> list:
 
 def _lora_runner(model_dir: str, adapter_dir: str, tp: TensorParallel | None) -> ModelRunner:
     from radixmesh.core.settings import LoraSettings
-    from radixmesh.engine.model.runner import lora_pool
+    from radixmesh.engine.model.lora import lora_pool
 
     loaded = load_model(model_dir, progress=False)
     if tp is not None:

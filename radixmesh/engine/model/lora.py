@@ -23,13 +23,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from radixmesh.core.lora_paths import parse_lora_paths
 from radixmesh.core.model_files import resolve_adapter_path
 from radixmesh.engine.model.memory import lazy_zeros
 from radixmesh.engine.model.model_config import ModelConfig
-from radixmesh.engine.model.parallel import COLUMN_SPLIT
+from radixmesh.engine.model.parallel import COLUMN_SPLIT, TensorParallel, local_config
 from radixmesh.kernels.native_layer import LoraArgs, LoraProjection
 
 if TYPE_CHECKING:
+    from radixmesh.core.settings import LoraSettings
     from radixmesh.kernels.fused_moe import AlignedPicks
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -380,3 +382,32 @@ class LoraBatch:
         for slot, rows in self.groups:
             delta = (x.index_select(0, rows) @ a[slot].T.float()) @ bt[slot].float()
             out.index_add_(0, rows, delta.to(out.dtype))
+
+
+def lora_pool(settings: LoraSettings, config: ModelConfig, dtype: torch.dtype,
+              device: torch.device, tp: TensorParallel | None = None) -> LoraPool:
+    """The adapters of `settings` loaded and checked against the model, in their pool (this
+    tensor-parallel rank's share of each, with `tp`)."""
+    if config.is_hybrid:
+        raise LoraError(f"{config.architecture}: LoRA adapters on a hybrid linear-attention "
+                        "model are not supported")
+    refs = parse_lora_paths(settings.lora_paths)
+    adapters = {ref.name: rank_share(load_adapter(ref.name, ref.path, config), tp)
+                for ref in refs}
+    allowed = settings.lora_target_modules
+    targets = None
+    if allowed:
+        targets = set(TARGETS) if allowed == "all" else {
+            t.strip() for t in allowed.split(",") if t.strip()}
+        if targets - set(TARGETS):
+            raise LoraError(f"lora_target_modules: unknown {sorted(targets - set(TARGETS))}; "
+                            f"choose among {', '.join(TARGETS)} or all")
+    shape = config if tp is None else local_config(config, tp.size)
+    return LoraPool(adapters, shape, settings.max_loras_per_batch, settings.max_lora_rank,
+                    dtype, device, targets, settings.max_loaded_loras,
+                    [ref.name for ref in refs if ref.pinned])
+
+
+def rank_share(adapter: LoraAdapter, tp: TensorParallel | None) -> LoraAdapter:
+    """The adapter as this tensor-parallel rank holds it (all of it without `tp`)."""
+    return adapter if tp is None else shard_adapter(adapter, tp.rank, tp.size)

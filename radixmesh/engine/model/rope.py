@@ -18,7 +18,7 @@ def inverse_frequencies(
     # float32 throughout, as the checkpoints' reference implementation computes it.
     exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
     kind = (scaling or {}).get("rope_type") or (scaling or {}).get("type") or "default"
-    if kind == "longrope":  # see model_config.longrope_scaling
+    if kind == "longrope":  # see rope_scaling.longrope_scaling
         assert scaling is not None
         factors = torch.tensor(scaling["short_factor"], dtype=torch.float32)
         if factors.shape != exponents.shape:
@@ -31,7 +31,7 @@ def inverse_frequencies(
     assert scaling is not None
     if kind == "linear":
         return inv_freq / scaling["factor"]
-    if kind == "yarn":  # see model_config.yarn_scaling
+    if kind == "yarn":  # see rope_scaling.yarn_scaling
         return yarn_frequencies(inv_freq, dim, theta, scaling)
     if kind == "llama3":
         factor = scaling["factor"]
@@ -88,7 +88,7 @@ class RotaryEmbedding:
                 and max_positions > scaling["original_max_position_embeddings"]):
             raise ValueError("longrope past the original context "
                              f"({scaling['original_max_position_embeddings']}) is not "
-                             "implemented: cap the context to it (model_config does)")
+                             "implemented: cap the context to it (capped_context does)")
         inv_freq = inverse_frequencies(self.dim, theta, scaling)
         angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq.float())
         angles = torch.cat((angles, angles), dim=-1)

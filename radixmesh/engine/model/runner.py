@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from radixmesh.core.lora_paths import parse_lora_paths
 from radixmesh.core.model_files import resolve_model_path
 from radixmesh.core.settings import KVSettings, LoraSettings, RunnerSettings
 from radixmesh.core.step import EntryResult, StepBatch, StepResult
@@ -30,13 +29,12 @@ from radixmesh.engine.model.host_copies import HostCopier
 from radixmesh.engine.model.kv_pool import KVPool
 from radixmesh.engine.model.launch import PendingStep
 from radixmesh.engine.model.lora import (
-    TARGETS,
-    LoraAdapter,
     LoraBatch,
     LoraError,
     LoraPool,
     load_adapter,
-    shard_adapter,
+    lora_pool,
+    rank_share,
 )
 from radixmesh.engine.model.memory import keep_freed_memory, release_free_memory
 from radixmesh.engine.model.model import CausalLM
@@ -472,35 +470,6 @@ def _pool(state: RequestState, rows: torch.Tensor, last_chunk: bool, out: EntryR
         assert kind == "last" or state.pooled is not None
         vector = rows[-1] if kind == "last" else state.pooled
         out.embedding = (vector / state.spec.prompt_len if kind == "mean" else vector).tolist()
-
-
-def lora_pool(settings: LoraSettings, config: ModelConfig, dtype: torch.dtype,
-              device: torch.device, tp: TensorParallel | None = None) -> LoraPool:
-    """The adapters of `settings` loaded and checked against the model, in their pool (this
-    tensor-parallel rank's share of each, with `tp`)."""
-    if config.is_hybrid:
-        raise LoraError(f"{config.architecture}: LoRA adapters on a hybrid linear-attention "
-                        "model are not supported")
-    refs = parse_lora_paths(settings.lora_paths)
-    adapters = {ref.name: rank_share(load_adapter(ref.name, ref.path, config), tp)
-                for ref in refs}
-    allowed = settings.lora_target_modules
-    targets = None
-    if allowed:
-        targets = set(TARGETS) if allowed == "all" else {
-            t.strip() for t in allowed.split(",") if t.strip()}
-        if targets - set(TARGETS):
-            raise LoraError(f"lora_target_modules: unknown {sorted(targets - set(TARGETS))}; "
-                            f"choose among {', '.join(TARGETS)} or all")
-    shape = config if tp is None else local_config(config, tp.size)
-    return LoraPool(adapters, shape, settings.max_loras_per_batch, settings.max_lora_rank,
-                    dtype, device, targets, settings.max_loaded_loras,
-                    [ref.name for ref in refs if ref.pinned])
-
-
-def rank_share(adapter: LoraAdapter, tp: TensorParallel | None) -> LoraAdapter:
-    """The adapter as this tensor-parallel rank holds it (all of it without `tp`)."""
-    return adapter if tp is None else shard_adapter(adapter, tp.rank, tp.size)
 
 
 def _vocabulary(model_path: str | None, vocab_size: int, stop_ids: Sequence[int]) -> Vocabulary:

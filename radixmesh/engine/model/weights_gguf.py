@@ -19,13 +19,11 @@ from radixmesh.engine.model.model_config import (
     GEMMA3_THETA,
     GEMMA_WINDOW_PERIOD,
     ModelConfig,
-    capped_context,
     gemma_fields,
-    longrope_scaling,
     windowed_every,
-    yarn_scaling,
 )
 from radixmesh.engine.model.moe import expert_weight_name
+from radixmesh.engine.model.rope_scaling import capped_context, longrope_scaling, yarn_scaling
 from radixmesh.kernels.native_quant import QUANT_TYPES, QuantizedWeight
 
 if TYPE_CHECKING:
