@@ -114,7 +114,8 @@ FLAGS_NOT_TAKEN: dict[str, tuple[str, ...]] = {
     "not built: the KV cache is held in --dtype": ("--kv-cache-dtype", "--quantization-param-path"),
     "not built: one KV pool for every layer": (
         "--hybrid-kvcache-ratio", "--swa-full-tokens-ratio", "--disable-hybrid-swa-memory"),
-    "not built: no state-space or linear-attention models yet": (
+    "not built: the hybrid models keep their linear layers' state in float32, with two "
+    "snapshot slots per running request": (
         "--max-mamba-cache-size", "--mamba-ssm-dtype", "--mamba-full-memory-ratio"),
     "not built: no weight offloading or memory release": (
         "--cpu-offload-gb", "--offload-group-size", "--offload-num-in-group",
