@@ -24,6 +24,7 @@ import random
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -62,22 +63,33 @@ def save_models(root: Path) -> dict[str, Path]:
 
 
 def decode_rate(path: Path, streams: int, context: int, seed: int) -> tuple[float, int]:
-    """(decode tok/s over `streams` prompts of `context` tokens, KV bytes per token)."""
+    """(decode tok/s over `streams` prompts of `context` tokens, KV bytes per token): every
+    stream's tokens after the last first token, over the time from it to the last token."""
     from radixmesh import Engine
 
     rng = random.Random(seed)
-    greedy = {"temperature": 0, "ignore_eos": True}
+    params = {"temperature": 0, "ignore_eos": True, "max_new_tokens": NEW_TOKENS + 1}
+    prompts = [[rng.randrange(2, VOCAB) for _ in range(context)] for _ in range(streams)]
     with Engine(str(path), max_total_tokens=streams * (context + NEW_TOKENS + 1) + 64,
                 chunked_prefill_size=1024, show_progress=False) as engine:
         pool = engine.runner.pool
         per_token = sum(t[0].numel() * t.element_size() for t in (*pool.k, *pool.v))
-        times = []
-        for new in (1, NEW_TOKENS + 1):
-            prompts = [[rng.randrange(2, VOCAB) for _ in range(context)] for _ in range(streams)]
-            start = time.perf_counter()
-            engine.generate(input_ids=prompts, sampling_params={**greedy, "max_new_tokens": new})
-            times.append(time.perf_counter() - start)
-    return streams * NEW_TOKENS / (times[1] - times[0]), per_token
+        arrivals: list[list[tuple[float, int]]] = [[] for _ in prompts]
+
+        def read(i: int) -> None:
+            for chunk in engine.generate(input_ids=prompts[i], sampling_params=params,
+                                         stream=True):
+                arrivals[i].append((time.perf_counter(), len(chunk["output_ids"])))
+
+        threads = [threading.Thread(target=read, args=(i,)) for i in range(streams)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    first = max(times[0][0] for times in arrivals)  # every stream is decoding from here
+    last = max(times[-1][0] for times in arrivals)
+    after = sum(n for times in arrivals for at, n in times if at > first)
+    return after / (last - first), per_token
 
 
 def harmony_transcript(turns: int) -> str:
