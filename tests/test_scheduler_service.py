@@ -208,3 +208,44 @@ def test_abort_and_refusal(nats_url):
             service.scheduler.check_invariants()
 
     asyncio.run(run())
+
+
+def test_steps_after_a_lost_worker_go_out_in_order_on_one_new_stream(monkeypatch) -> None:
+    """The overlap loop sends step 2 before step 1 is back. When the first of them finds the
+    stream failed (the worker restarted), both must go out on one new stream, 1 then 2: a
+    worker that saw step 2 first would decode a request it has not been given."""
+    from radixmesh.core.step import StepBatch
+    from radixmesh.services.scheduler import worker_link
+
+    sent: list[tuple[int, int]] = []  # (stream, step), in the order written
+
+    class Stream:
+        opened = 0
+
+        def __init__(self, stub: object) -> None:
+            Stream.opened += 1
+            self.id, self.failed = Stream.opened, None
+
+        async def step(self, msg: wpb.StepBatch) -> wpb.StepResult:
+            sent.append((self.id, msg.step))
+            await asyncio.sleep(0)
+            return wpb.StepResult(step=msg.step)
+
+        async def close(self) -> None:
+            await asyncio.sleep(0.01)  # a failed call takes a moment to wind down
+
+    monkeypatch.setattr(worker_link, "StepStream", Stream)
+
+    async def run() -> None:
+        client = worker_link.WorkerClient(["127.0.0.1:1"])
+        lost = Stream(None)
+        lost.failed = grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(),
+                                           grpc.aio.Metadata(), "worker gone")
+        client._streams = [lost]  # type: ignore[list-item]
+        first = asyncio.ensure_future(client.forward(StepBatch(1)))
+        second = asyncio.ensure_future(client.forward(StepBatch(2)))
+        assert [r.step for r in await asyncio.gather(first, second)] == [1, 2]
+        await client.close()
+
+    asyncio.run(run())
+    assert sent == [(2, 1), (2, 2)]

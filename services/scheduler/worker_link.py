@@ -111,6 +111,7 @@ class WorkerClient:
         self._channels = [grpc.aio.insecure_channel(a, options=_OPTIONS) for a in addrs]
         self._stubs = [wgrpc.WorkerStub(c) for c in self._channels]
         self._streams: list[StepStream] = []
+        self._closing: set[asyncio.Future[None]] = set()  # failed streams closing
         self.addrs = addrs
         self._backups = BackupTally(len(addrs))
 
@@ -157,12 +158,10 @@ class WorkerClient:
         is done once every rank has reported it. `traceparent`: the step's trace context."""
         msg = batch_to_proto(batch)
         msg.traceparent = traceparent
-        if not self._streams or any(s.failed is not None for s in self._streams):
-            await self._close_streams()  # a scheduler that starts over opens new ones
-            self._streams = [StepStream(stub) for stub in self._stubs]
-        if len(self._streams) == 1:
-            return result_from_proto(await self._streams[0].step(msg))
-        results = await asyncio.gather(*(s.step(msg) for s in self._streams))
+        streams = self._current_streams()
+        if len(streams) == 1:
+            return result_from_proto(await streams[0].step(msg))
+        results = await asyncio.gather(*(s.step(msg) for s in streams))
         result = result_from_proto(results[0])
         result.copies_done = self._backups.add([list(r.copies_done) for r in results])
         return result
@@ -180,9 +179,22 @@ class WorkerClient:
             raise ValueError(exc.details()) from None
         return infos[0]
 
+    def _current_streams(self) -> list[StepStream]:
+        """The streams a step goes out on: new ones once one has failed (a scheduler that
+        starts over), opened with no await between the check and the swap, so that the
+        steps behind this one (the overlap loop sends step N + 1 before N is back) queue on
+        the same streams in order; the failed ones close in the background."""
+        if not self._streams or any(s.failed is not None for s in self._streams):
+            stale, self._streams = self._streams, [StepStream(stub) for stub in self._stubs]
+            for stream in stale:
+                closing = asyncio.ensure_future(stream.close())
+                self._closing.add(closing)
+                closing.add_done_callback(self._closing.discard)
+        return self._streams
+
     async def _close_streams(self) -> None:
         streams, self._streams = self._streams, []
-        await asyncio.gather(*(s.close() for s in streams))
+        await asyncio.gather(*(s.close() for s in streams), *self._closing)
 
     async def close(self) -> None:
         await self._close_streams()
