@@ -67,12 +67,9 @@ class SchedulerConfig:
     ) -> SchedulerConfig:
         """An engine's scheduler: its settings on the model (of family `architecture`) and
         KV pool (and a hybrid model's `state_snapshots` slots) it got, in its disaggregation
-        role; raises ValueError for a combination it cannot serve (check_hybrid)."""
+        role; raises ValueError for a combination it cannot serve (check_family)."""
+        check_family(architecture, settings, disaggregation_mode)
         hybrid = architecture in HYBRID_FAMILIES
-        if hybrid:
-            check_hybrid(architecture, settings, disaggregation_mode)
-        if architecture in LATENT_FAMILIES:
-            check_latent(architecture, settings, disaggregation_mode)
         return cls(
             num_slots=num_slots,
             page_size=page_size,
@@ -99,30 +96,27 @@ class SchedulerConfig:
         )
 
 
-def check_hybrid(architecture: str, settings: ReplicaSettings, disaggregation_mode: str) -> None:
-    """Refuse what a hybrid linear-attention model cannot run with yet: each needs the linear
-    layers' state, which lives in the worker's state pool and its snapshot slots alone, to
-    be rolled back (speculative decoding's rejected drafts) or to travel with the KV
-    (prefill/decode disaggregation, the hierarchical cache's tiers)."""
+def check_family(architecture: str, settings: ReplicaSettings,
+                 disaggregation_mode: str) -> None:
+    """Refuse what a family cannot run with yet. A hybrid linear-attention model's linear
+    layers keep a state, in the worker's state pool and its snapshot slots alone, that would
+    have to be rolled back (speculative decoding's rejected drafts) or travel with the KV
+    (prefill/decode disaggregation, the hierarchical cache's tiers). A latent-attention
+    model's pool holds one latent per token, where those tiers and the KV sent between
+    prefill and decode engines are laid out as K and V per head."""
+    hybrid = architecture in HYBRID_FAMILIES
+    if not hybrid and architecture not in LATENT_FAMILIES:
+        return
     refused = [name for name, on in (
         (f"speculative_algorithm {settings.speculative_algorithm}",
-         settings.speculative_algorithm is not None),
+         hybrid and settings.speculative_algorithm is not None),
         (f"disaggregation_mode {disaggregation_mode}", disaggregation_mode != "null"),
         ("enable_hierarchical_cache", settings.enable_hierarchical_cache),
     ) if on]
     if refused:
-        raise ValueError(f"{architecture} is a hybrid linear-attention model: it cannot run "
-                         f"with {' or '.join(refused)}")
-
-
-def check_latent(architecture: str, settings: ReplicaSettings, disaggregation_mode: str) -> None:
-    """Refuse what a latent-attention model cannot run with yet: the host and storage tiers
-    and the KV sent between prefill and decode engines are laid out as K and V per head,
-    where its pool holds one latent per token."""
-    refused = [name for name, on in (
-        (f"disaggregation_mode {disaggregation_mode}", disaggregation_mode != "null"),
-        ("enable_hierarchical_cache", settings.enable_hierarchical_cache),
-    ) if on]
-    if refused:
-        raise ValueError(f"{architecture} caches latents (multi-head latent attention): it "
-                         f"cannot run with {' or '.join(refused)} yet")
+        combination = " or ".join(refused)
+        raise ValueError(
+            f"{architecture} is a hybrid linear-attention model: it cannot run with "
+            f"{combination}" if hybrid else
+            f"{architecture} caches latents (multi-head latent attention): it cannot run "
+            f"with {combination} yet")

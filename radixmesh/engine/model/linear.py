@@ -10,7 +10,7 @@ torch's linear runs."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +19,15 @@ from radixmesh.kernels import native, native_quant
 from radixmesh.kernels.native_quant import QuantizedWeight
 
 Weight = torch.Tensor | QuantizedWeight
+
+
+def float_weight(weights: Mapping[str, Weight], name: str) -> torch.Tensor:
+    """A weight that is never quantized (norms, biases, routers, gates); ValueError naming
+    it where the checkpoint gives anything else."""
+    weight = weights[name]
+    if not isinstance(weight, torch.Tensor):
+        raise ValueError(f"{name} must be a float tensor, got {type(weight).__name__}")
+    return weight
 
 
 class Linear:

@@ -19,16 +19,9 @@ import torch.nn.functional as F
 
 from radixmesh.engine.model.attention import AttentionBackend
 from radixmesh.engine.model.kv_pool import KVPool
-from radixmesh.engine.model.linear import Linear, Weight
+from radixmesh.engine.model.linear import Linear, Weight, float_weight
 from radixmesh.engine.model.model_config import ModelConfig
 from radixmesh.engine.model.rope import RotaryStep
-
-
-def _tensor(w: Mapping[str, Weight], name: str) -> torch.Tensor:
-    weight = w[name]
-    if not isinstance(weight, torch.Tensor):
-        raise ValueError(f"{name} must be a float tensor (latent attention is not quantized)")
-    return weight
 
 
 class LatentAttention:
@@ -41,14 +34,14 @@ class LatentAttention:
         self.shape, self.heads, self.eps = shape, cfg.num_heads, cfg.rms_norm_eps
         if shape.q_lora_rank:
             self.q_a = Linear(w[f"{prefix}.q_a_proj.weight"])
-            self.q_a_norm: torch.Tensor | None = _tensor(w, f"{prefix}.q_a_layernorm.weight")
+            self.q_a_norm: torch.Tensor | None = float_weight(w, f"{prefix}.q_a_layernorm.weight")
             self.q = Linear(w[f"{prefix}.q_b_proj.weight"])
         else:
             self.q_a_norm = None
             self.q = Linear(w[f"{prefix}.q_proj.weight"])
         self.kv_a = Linear(w[f"{prefix}.kv_a_proj_with_mqa.weight"])
-        self.kv_a_norm = _tensor(w, f"{prefix}.kv_a_layernorm.weight")
-        kv_b = _tensor(w, f"{prefix}.kv_b_proj.weight").view(
+        self.kv_a_norm = float_weight(w, f"{prefix}.kv_a_layernorm.weight")
+        kv_b = float_weight(w, f"{prefix}.kv_b_proj.weight").view(
             self.heads, shape.qk_nope_head_dim + shape.v_head_dim, shape.kv_lora_rank)
         self.w_uk = kv_b[:, : shape.qk_nope_head_dim].contiguous()  # [H, nope, rank]
         self.w_uv = kv_b[:, shape.qk_nope_head_dim :].contiguous()  # [H, v, rank]

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from radixmesh.engine.model.attention import AttentionBackend
 from radixmesh.engine.model.kv_pool import KVPool
-from radixmesh.engine.model.linear import Linear, Weight
+from radixmesh.engine.model.linear import Linear, Weight, float_weight
 from radixmesh.engine.model.linear_attention import GatedDeltaNet
 from radixmesh.engine.model.mla import LatentAttention
 from radixmesh.engine.model.mlp import GatedMLP
@@ -58,9 +58,7 @@ class _Cast(Mapping[str, Weight]):
 
     def tensor(self, name: str) -> torch.Tensor:
         """A weight that is never quantized (norms, biases)."""
-        weight = self[name]
-        assert isinstance(weight, torch.Tensor), name
-        return weight
+        return float_weight(self, name)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.weights)

@@ -4,12 +4,11 @@ of where its weights come from."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from radixmesh.core.model_info import HYBRID_FAMILIES
-from radixmesh.engine.model.rope_scaling import capped_context, rope_scaling
+from radixmesh.engine.model.rope_scaling import capped_context, rope_scaling, yarn_mscale
 
 # Hugging Face model types served; the Qwen3 family norms q and k per head.
 _MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "phi3", "gemma2",
@@ -344,9 +343,7 @@ def _latent_fields(cfg: dict[str, Any], model_type: str, scaling: dict[str, Any]
     )
     scale = (shape.qk_nope_head_dim + shape.qk_rope_head_dim) ** -0.5
     if scaling is not None and scaling.get("rope_type") == "yarn" and mscale_all_dim:
-        factor = scaling["factor"]
-        m = 0.1 * mscale_all_dim * math.log(factor) + 1.0 if factor > 1 else 1.0
-        scale *= m * m
+        scale *= yarn_mscale(scaling["factor"], mscale_all_dim) ** 2
     return {"mla": shape, "num_kv_heads": 1, "head_dim": shape.qk_rope_head_dim,
             "rotary_dim": shape.qk_rope_head_dim, "softmax_scale": scale}
 

@@ -33,7 +33,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from radixmesh.engine.model.linear import Weight
+from radixmesh.engine.model.linear import Weight, float_weight
 from radixmesh.engine.model.mlp import GatedMLP
 from radixmesh.engine.model.parallel import TensorParallel
 from radixmesh.kernels.native_quant import ExpertWeights, moe_experts, moe_route
@@ -153,9 +153,9 @@ class SparseMoE:
             raise ValueError(f"{prefix}.gate.weight must be a float [{num_experts}, hidden] "
                              f"router, got {type(router).__name__} {list(router.shape)}")
         self.router = router
-        self.router_bias = self._bias(w, f"{prefix}.gate.bias") if swiglu else None
+        self.router_bias = float_weight(w, f"{prefix}.gate.bias") if swiglu else None
         self.grouped = grouped
-        self.correction = (self._bias(w, f"{prefix}.gate.e_score_correction_bias").float()
+        self.correction = (float_weight(w, f"{prefix}.gate.e_score_correction_bias").float()
                            if grouped else None)
         # Fetched one expert at a time (the model's weight mapping may move each to the GPU).
         experts = (
@@ -167,7 +167,7 @@ class SparseMoE:
             # gpt-oss's experts (biased, clamped SwiGLU): one GatedMLP each, on any device.
             self.experts = [
                 GatedMLP(*weights, swiglu=swiglu, biases=tuple(  # type: ignore[arg-type]
-                    self._bias(w, expert_weight_name(prefix, e, p).replace(".weight", ".bias"))
+                    float_weight(w, expert_weight_name(prefix, e, p).replace(".weight", ".bias"))
                     for p in EXPERT_PROJECTIONS))
                 for e, weights in enumerate(chain([first], experts))
             ]
@@ -196,14 +196,7 @@ class SparseMoE:
         elif shared:
             self.shared = GatedMLP(*(w[f"{prefix}.shared_expert.{p}.weight"]
                                      for p in EXPERT_PROJECTIONS))
-            self.shared_gate = self._bias(w, f"{prefix}.shared_expert_gate.weight")
-
-    @staticmethod
-    def _bias(w: Mapping[str, Weight], name: str) -> torch.Tensor:
-        bias = w[name]
-        if not isinstance(bias, torch.Tensor):
-            raise ValueError(f"{name} must be a float tensor")
-        return bias
+            self.shared_gate = float_weight(w, f"{prefix}.shared_expert_gate.weight")
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor, lora: object = None,
                  layer: int = 0) -> torch.Tensor:

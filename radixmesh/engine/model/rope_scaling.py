@@ -38,6 +38,12 @@ def rope_scaling(
                             rope.get("attention_factor"), rope.get("factor"))
 
 
+def yarn_mscale(factor: float, m: float = 1.0) -> float:
+    """YaRN's magnitude factor for a context stretched by `factor` (DeepSeek scales it by
+    its mscale / mscale_all_dim `m`)."""
+    return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+
 def yarn_scaling(rope: dict[str, Any], context: int) -> dict[str, Any]:
     """YaRN's rope scaling as rope.py takes it, each value as transformers reads or derives
     it: the factor (else `context` over the original context), the attention factor cos and
@@ -46,15 +52,11 @@ def yarn_scaling(rope: dict[str, Any], context: int) -> dict[str, Any]:
     true unless the file says not: gpt-oss)."""
     original = rope.get("original_max_position_embeddings") or context
     factor = rope.get("factor") or context / original
-
-    def mscale(scale: float, m: float = 1.0) -> float:
-        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
     attention_factor = rope.get("attention_factor")
     if attention_factor is None:
         m, m_all = rope.get("mscale"), rope.get("mscale_all_dim")
-        attention_factor = (mscale(factor, m) / mscale(factor, m_all) if m and m_all
-                            else mscale(factor))
+        attention_factor = (yarn_mscale(factor, m) / yarn_mscale(factor, m_all) if m and m_all
+                            else yarn_mscale(factor))
     return {
         "rope_type": "yarn",
         "factor": float(factor),
