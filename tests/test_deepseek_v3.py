@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 from process_helpers import mesh_generates
-from tiny_model import hf_greedy, save_with_word_tokenizer, spread_weights
+from tiny_model import hf_greedy, random_hf_model, save_with_word_tokenizer, spread_weights
 
 from radixmesh.api import Engine
 from radixmesh.core.settings import ReplicaSettings
@@ -48,9 +48,7 @@ def tiny_config(**fields: Any):
 
 @pytest.fixture(scope="module", params=list(VARIANTS))
 def saved(request, tmp_path_factory) -> tuple[object, Path]:
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(
-        tiny_config(**VARIANTS[request.param])).eval()
+    model = random_hf_model(tiny_config(**VARIANTS[request.param]))
     spread_weights(model, router_scale=4.0)
     return model, save_with_word_tokenizer(model, tmp_path_factory.mktemp(request.param) / "m")
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from process_helpers import mesh_generates
-from tiny_model import hf_greedy, save_with_word_tokenizer, spread_weights
+from tiny_model import hf_greedy, random_hf_model, save_with_word_tokenizer, spread_weights
 
 from radixmesh.api import Engine
 from radixmesh.engine.model.model_source import load_model
@@ -62,8 +62,7 @@ def test_grouped_route_is_transformers(renormalize: bool) -> None:
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory) -> tuple[object, Path]:
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(tiny_config()).eval()
+    model = random_hf_model(tiny_config())
     spread_weights(model, router_scale=4.0)
     with torch.no_grad():  # a correction that changes choices
         for layer in model.model.layers[1:]:

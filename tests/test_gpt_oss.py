@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from process_helpers import mesh_generates
-from tiny_model import hf_greedy, save_with_word_tokenizer, spread_weights
+from tiny_model import hf_greedy, random_hf_model, save_with_word_tokenizer, spread_weights
 
 from radixmesh.api import Engine
 from radixmesh.engine.model.model_source import load_model
@@ -44,8 +44,7 @@ def tiny_config(**fields: object):
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory) -> tuple[object, Path]:
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(tiny_config()).eval()
+    model = random_hf_model(tiny_config())
     spread_weights(model, router_scale=4.0)
     with torch.no_grad():  # sinks that matter: some heads give most of their weight away
         for layer in model.model.layers:
